@@ -1,0 +1,3 @@
+from shopsimrl.cli import main
+
+main()

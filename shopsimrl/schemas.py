@@ -1,0 +1,251 @@
+"""Persisted shapes of shopsimrl: jobs, model outputs, skills, traces, manifests, summaries.
+
+Every persisted record carries its schema version as its first key. Readers accept the
+versions listed here and reject anything newer with a clear error.
+
+Canonical JSON (sorted keys, compact separators, UTF-8, no NaN) and its sha256
+``fingerprint`` are the identity functions of the whole project: the plan fingerprint,
+the prompt hash, the skill-bank hash and split digests are all computed with them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "EPISODE_STATUS",
+    "MANIFEST_SCHEMA_VERSION",
+    "MANIFEST_SCHEMA_VERSIONS",
+    "PIPELINE_VERSION",
+    "FINGERPRINT_VERSION",
+    "SUMMARY_SCHEMA_VERSION",
+    "TRACE_SCHEMA_VERSION",
+    "EpisodeJob",
+    "ModelOutput",
+    "Skill",
+    "ToolCall",
+    "TraceFormatError",
+    "canonical_json",
+    "episode_id_for",
+    "fingerprint",
+    "is_completed",
+    "json_safe",
+    "sha256_hex",
+    "trace_index_row",
+]
+
+TRACE_SCHEMA_VERSION = "shopsimrl-episode-v4"
+"""Every trace line written by this package carries this version (reference-compatible)."""
+
+MANIFEST_SCHEMA_VERSION = "shopsimrl-run-manifest-v2"
+"""v2 adds ``fingerprint_version`` and a separate, non-fingerprinted ``execution`` block."""
+
+MANIFEST_SCHEMA_VERSIONS = ("shopsimrl-run-manifest-v1", MANIFEST_SCHEMA_VERSION)
+
+SUMMARY_SCHEMA_VERSION = "shopsimrl-eval-summary-v3"
+"""v3 = the reference's v2 keys plus intervals, latency percentiles and retry statistics."""
+
+PIPELINE_VERSION = "shopsimrl-v0.5"
+FINGERPRINT_VERSION = "semantic-plan-v2"
+
+EPISODE_STATUS = ("completed", "failed")
+
+
+class TraceFormatError(ValueError):
+    """A persisted record cannot be understood (unknown or newer schema, wrong shape)."""
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, compact separators, non-ASCII kept, NaN/Infinity rejected."""
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def sha256_hex(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    return hashlib.sha256(data).hexdigest()
+
+
+def fingerprint(value: Any) -> str:
+    """sha256 of the canonical JSON of ``value``; a string is hashed JSON-encoded (with quotes)."""
+    return sha256_hex(canonical_json(value))
+
+
+def json_safe(value: Any) -> Any:
+    """A copy of ``value`` that canonical JSON accepts: NaN/inf become None, unknown objects str().
+
+    Used at the persistence boundary so that one odd payload never aborts a run.
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return repr(value)
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def episode_id_for(task_id: int, sample_id: int) -> str:
+    return f"task-{task_id:06d}__sample-{sample_id:03d}"
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeJob:
+    """One frozen unit of work: a task, the index of its independent sample, and its seed."""
+
+    task_id: int
+    sample_id: int
+    seed: int
+    split: str
+
+    @property
+    def episode_id(self) -> str:
+        return episode_id_for(self.task_id, self.sample_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "sample_id": self.sample_id, "seed": self.seed, "split": self.split}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EpisodeJob:
+        try:
+            job = cls(
+                task_id=data["task_id"], sample_id=data["sample_id"], seed=data["seed"], split=data["split"]
+            )
+        except (KeyError, TypeError) as exc:
+            raise TraceFormatError(f"job record needs task_id, sample_id, seed, split: {data!r}") from exc
+        for name in ("task_id", "sample_id", "seed"):
+            value = getattr(job, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TraceFormatError(f"job field {name!r} must be a non-negative integer, got {value!r}")
+        if not isinstance(job.split, str) or not job.split:
+            raise TraceFormatError(f"job field 'split' must be a non-empty string, got {job.split!r}")
+        return job
+
+
+# --------------------------------------------------------------------------- model output
+
+
+@dataclass(slots=True)
+class ToolCall:
+    call_id: str
+    name: str
+    arguments: dict[str, Any] | None
+    """Parsed JSON object, or None when the raw argument string was not a JSON object."""
+    raw_arguments: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": self.arguments,
+            "raw_arguments": self.raw_arguments,
+        }
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What one model call returned, after the adapter's protocol checks.
+
+    ``protocol_error`` / ``policy_failure`` are ``{"code", "message"}`` objects or None.
+    ``raw_response`` is kept only for rejected outputs. ``latency_ms`` is the latency of the
+    successful attempt; ``attempts`` lists every attempt (latency, status or error).
+    """
+
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    response_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    latency_ms: float | None = None
+    protocol_error: dict[str, str] | None = None
+    policy_failure: dict[str, str] | None = None
+    raw_response: Any = None
+    attempt_count: int = 1
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "content": self.content,
+            "reasoning": self.reasoning,
+            "tool_calls": [call.to_dict() for call in self.tool_calls],
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "response_id": self.response_id,
+            "metadata": dict(self.metadata),
+            "latency_ms": self.latency_ms,
+            "protocol_error": self.protocol_error,
+            "policy_failure": self.policy_failure,
+            "raw_response": self.raw_response,
+            "attempt_count": self.attempt_count,
+            "attempts": list(self.attempts),
+        }
+
+
+# --------------------------------------------------------------------------- skills
+
+
+@dataclass(frozen=True, slots=True)
+class Skill:
+    skill_id: str
+    content: str
+    version: str = "1"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def content_sha256(self) -> str:
+        return fingerprint(self.content)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["metadata"] = dict(self.metadata)
+        data["content_sha256"] = self.content_sha256
+        return data
+
+
+# --------------------------------------------------------------------------- trace helpers
+
+TraceStatus = Literal["completed", "failed"]
+
+
+def is_completed(record: dict[str, Any]) -> bool:
+    """The one completion predicate: v4 schema, status completed, a final with done true."""
+    final = record.get("final")
+    return (
+        record.get("schema_version") == TRACE_SCHEMA_VERSION
+        and record.get("status") == "completed"
+        and isinstance(final, dict)
+        and final.get("done") is True
+    )
+
+
+def trace_index_row(record: dict[str, Any]) -> dict[str, Any]:
+    """The light projection of a trace used for resume and listings (never the heavy steps)."""
+    final = record.get("final") if isinstance(record.get("final"), dict) else {}
+    error = record.get("error") if isinstance(record.get("error"), dict) else None
+    reward = final.get("reward")
+    detail = final.get("reward_detail") if isinstance(final.get("reward_detail"), dict) else {}
+    return {
+        "episode_id": record.get("episode_id"),
+        "status": record.get("status"),
+        "completed": is_completed(record),
+        "reward": reward if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None,
+        "r_success": detail.get("r_success"),
+        "termination_reason": final.get("termination_reason"),
+        "steps": len(record.get("steps") or []),
+        "error_type": (error or {}).get("type"),
+        "failure_class": record.get("failure_class"),
+    }
