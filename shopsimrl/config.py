@@ -1,0 +1,267 @@
+"""Experiment configuration (YAML) and worker settings (environment variables).
+
+The YAML key tree is the earlier implementation's (``experiment``, ``tasks``, ``environment``,
+``runtime``, ``prompt``, ``skills``, ``model``), so existing configs load unchanged, with two
+deliberate differences: unknown keys are rejected with their path (a typo such as
+``max_token`` no longer passes silently), and ``model.trust_env`` defaults to false so proxy
+variables never reroute traffic to a local model server.
+
+Relative paths are resolved against the YAML file's directory. Deployment-specific values come
+from the environment through :class:`WorkerSettings` (``SHOPSIMRL_*``), so a pod needs no edits
+of the YAML: in-cluster Service URLs, concurrency, flush cadence, the shard index.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = [
+    "ConfigError",
+    "EnvironmentSection",
+    "ExperimentConfig",
+    "ExperimentSection",
+    "ModelSection",
+    "PromptSection",
+    "RuntimeSection",
+    "SkillsSection",
+    "TasksSection",
+    "WorkerSettings",
+    "load_experiment_config",
+    "safe_name",
+]
+
+
+class ConfigError(ValueError):
+    """The experiment config is unreadable or invalid; the message names the file and key path."""
+
+
+def safe_name(value: str) -> str:
+    """Runs of characters outside ``[A-Za-z0-9._-]`` become ``-``; ``-`` and ``.`` stripped at the ends."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", value).strip("-.")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ExperimentSection(_Strict):
+    name: str | None = None
+    """Run name; default: the YAML file's stem. Sanitised to ``[A-Za-z0-9._-]``."""
+    output_dir: str = "../runs"
+    """Local run root; the run directory is ``output_dir/name``."""
+    dotenv: str | None = None
+    """Optional ``KEY=VALUE`` file; never overrides variables already set in the process."""
+    seed: int = 20260828
+    concurrency: int = Field(default=1, ge=1)
+    """Episodes in flight per process (execution only, not fingerprinted)."""
+    resume: bool = True
+    """true: skip completed episodes. false: refuse to reuse an existing run directory."""
+
+
+class TasksSection(_Strict):
+    split_file: str
+    split: str
+    sample_size: int | None = Field(default=None, ge=1)
+    repeats: int = Field(default=1, ge=1)
+
+
+class EnvironmentSection(_Strict):
+    base_url: str = "http://127.0.0.1:5700"
+    timeout: float = Field(default=30.0, gt=0)
+    persona: bool | None = None
+    interaction_mode: Literal["single_turn", "multi_turn"] = "single_turn"
+    reset_timeout: float | None = Field(default=900.0, gt=0)
+    """Cap on the wait for a free environment slot (the server queues resets)."""
+    max_retries: int = Field(default=3, ge=1)
+    expected_environment_version: str | None = None
+    expected_observation_version: str | None = None
+    max_concurrent_leases: int | None = Field(default=None, ge=1)
+    """Leases one process holds at once; default: the episode concurrency."""
+
+
+class RuntimeSection(_Strict):
+    max_steps: int = Field(default=30, ge=1)
+    max_episode_retries: int = Field(default=2, ge=0)
+    """Extra attempts per episode for infrastructure failures, counted per invocation."""
+
+
+class PromptSection(_Strict):
+    system_prompt: str | None = None
+    system_prompt_file: str | None = None
+
+
+class SkillsSection(_Strict):
+    path: str | None = None
+    max_skills: int | None = Field(default=None, ge=1)
+
+
+class ModelSection(_Strict):
+    id: str | None = None
+    name: str
+    base_url: str
+    checkpoint_id: str | None = None
+    api_key_env: str | None = "OPENAI_API_KEY"
+    temperature: float = Field(default=0.0, ge=0)
+    max_tokens: int = Field(default=512, ge=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    timeout: float = Field(default=180.0, gt=0)
+    max_retries: int = Field(default=5, ge=1)
+    """Total attempts per model call (the earlier implementation's meaning of the key)."""
+    retry_backoff_seconds: float = Field(default=1.0, ge=0)
+    trust_env: bool = False
+    stream: bool = False
+    send_seed: bool = True
+    tool_choice: str | dict[str, Any] = "auto"
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    assistant_content_empty_string: bool = False
+    """Send assistant turns without text as ``content: ""`` (llama.cpp rejects ``null``)."""
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+    """Model calls one process has in flight; default: the episode concurrency."""
+
+    @field_validator("name", "base_url")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be blank")
+        return value
+
+    @field_validator("checkpoint_id", "api_key_env")
+    @classmethod
+    def _blank_is_error(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be a non-blank string or null")
+        return value
+
+
+class ExperimentConfig(_Strict):
+    experiment: ExperimentSection = Field(default_factory=ExperimentSection)
+    tasks: TasksSection
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    prompt: PromptSection = Field(default_factory=PromptSection)
+    skills: SkillsSection = Field(default_factory=SkillsSection)
+    model: ModelSection
+    source_path: Path | None = Field(default=None, exclude=True)
+    """The YAML file this config came from (never persisted)."""
+
+    @property
+    def base_dir(self) -> Path:
+        return self.source_path.parent if self.source_path else Path.cwd()
+
+    def resolve(self, value: str) -> Path:
+        path = Path(os.path.expanduser(value))
+        return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    @property
+    def name(self) -> str:
+        raw = self.experiment.name or (self.source_path.stem if self.source_path else "experiment")
+        name = safe_name(raw)
+        if not name:
+            raise ConfigError(f"experiment.name {raw!r} has no usable characters")
+        return name
+
+    @property
+    def model_id(self) -> str:
+        return safe_name(self.model.id or self.model.name) or "model"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.resolve(self.experiment.output_dir) / self.name
+
+    def with_overrides(self, settings: WorkerSettings) -> ExperimentConfig:
+        """Apply deployment overrides from the environment (URLs, concurrency)."""
+        update: dict[str, Any] = {}
+        if settings.model_base_url:
+            update["model"] = self.model.model_copy(update={"base_url": settings.model_base_url})
+        if settings.env_base_url:
+            update["environment"] = self.environment.model_copy(update={"base_url": settings.env_base_url})
+        if settings.concurrency:
+            update["experiment"] = self.experiment.model_copy(update={"concurrency": settings.concurrency})
+        return self.model_copy(update=update) if update else self
+
+
+class WorkerSettings(BaseSettings):
+    """Execution settings from flags or ``SHOPSIMRL_*`` environment variables (never fingerprinted)."""
+
+    model_config = SettingsConfigDict(env_prefix="SHOPSIMRL_", extra="ignore", populate_by_name=True)
+
+    run: str | None = None
+    config: str | None = None
+    shards: int | None = Field(default=None, ge=1)
+    shard_index: int | None = Field(
+        default=None, ge=0, validation_alias=AliasChoices("SHOPSIMRL_SHARD_INDEX", "JOB_COMPLETION_INDEX", "shard_index")
+    )
+    log_format: Literal["console", "json"] = "console"
+    model_base_url: str | None = None
+    env_base_url: str | None = None
+    concurrency: int | None = Field(default=None, ge=1)
+    flush_episodes: int = Field(default=10, ge=1)
+    flush_seconds: float = Field(default=10.0, gt=0)
+
+
+def _format_validation_error(path: Path, exc: ValidationError) -> str:
+    lines = [f"invalid config {path}:"]
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "<root>"
+        if error["type"] == "extra_forbidden":
+            lines.append(f"  {where}: unknown key")
+        elif error["type"] == "missing":
+            lines.append(f"  {where}: required key is missing")
+        else:
+            lines.append(f"  {where}: {error['msg']} (got {error.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _load_dotenv(path: Path) -> None:
+    """Minimal ``KEY=VALUE`` reader: optional ``export``, matching quotes stripped, never overrides."""
+    if not path.is_file():
+        raise ConfigError(f"experiment.dotenv file {path} does not exist")
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export ") :].lstrip()
+        key, sep, value = line.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()):
+            raise ConfigError(f"{path}:{number}: expected KEY=VALUE")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        os.environ.setdefault(key.strip(), value)
+
+
+def load_experiment_config(path: str | Path, *, load_dotenv: bool = True) -> ExperimentConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a YAML mapping at the top level")
+    if "models" in data:
+        raise ConfigError(f"config {path}: 'models' is not supported; use one model mapping under 'model' per run")
+    try:
+        config = ExperimentConfig.model_validate({**data, "source_path": path.resolve()})
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(path, exc)) from None
+    if config.prompt.system_prompt is not None and config.prompt.system_prompt_file is not None:
+        raise ConfigError(f"config {path}: prompt.system_prompt and prompt.system_prompt_file are mutually exclusive")
+    if load_dotenv and config.experiment.dotenv:
+        _load_dotenv(config.resolve(config.experiment.dotenv))
+    return config

@@ -1,0 +1,180 @@
+"""Async scheduler for a list of episodes (a whole local run, or one shard).
+
+It only schedules: bounded concurrency, separate limits for model calls, retries of
+infrastructure failures, persistence of every attempt as it ends. It never takes an agent
+decision and never reruns a completed episode.
+
+Retry semantics (documented in docs/runtime_eval.md):
+- within one invocation, an episode whose attempt failed with ``failure_class == "infrastructure"``
+  is requeued after a short backoff, up to ``1 + max_episode_retries`` attempts; other failures
+  are recorded once;
+- a later invocation gives every episode that is not completed a fresh budget of attempts
+  (``retry_failed=True``, the default); with ``retry_failed=False`` episodes that already have a
+  failed attempt are left as they are and only never-attempted episodes run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from shopsimrl.model import ChatModel
+from shopsimrl.runtime import AgentRuntime, failed_trace
+from shopsimrl.schemas import EpisodeJob, ModelOutput
+
+__all__ = ["ConcurrencyLimitedModel", "EvaluationOutcome", "Evaluator", "TraceSink"]
+
+log = structlog.get_logger("shopsimrl.evaluation")
+
+
+class TraceSink(Protocol):
+    def save_trace(self, record: dict[str, Any]) -> None: ...
+
+
+class ConcurrencyLimitedModel:
+    """A ChatModel that lets at most ``limit`` calls be in flight (the model server's budget)."""
+
+    def __init__(self, model: ChatModel, limit: int) -> None:
+        self._model = model
+        self._semaphore = asyncio.Semaphore(limit)
+
+    def identity(self) -> dict[str, Any]:
+        return self._model.identity()
+
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], seed: int | None = None) -> ModelOutput:
+        async with self._semaphore:
+            return await self._model.generate(messages, tools, seed=seed)
+
+    async def aclose(self) -> None:
+        await self._model.aclose()
+
+
+@dataclass
+class EvaluationOutcome:
+    scheduled: int = 0
+    attempts: int = 0
+    completed: int = 0
+    failed: int = 0
+    retried: int = 0
+    skipped_completed: int = 0
+    skipped_failed: int = 0
+
+
+class Evaluator:
+    def __init__(
+        self,
+        runtime: AgentRuntime,
+        sink: TraceSink,
+        *,
+        concurrency: int = 1,
+        max_episode_retries: int = 2,
+        retry_failed: bool = True,
+        retry_backoff_seconds: float = 1.0,
+        on_trace: Callable[[dict[str, Any], bool], None] | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        self.runtime = runtime
+        self.sink = sink
+        self.concurrency = concurrency
+        self.max_attempts = 1 + max_episode_retries
+        self.retry_failed = retry_failed
+        self.retry_backoff_seconds = retry_backoff_seconds
+        self.on_trace = on_trace
+        self._save_lock = asyncio.Lock()
+
+    def pending(
+        self, jobs: Sequence[EpisodeJob], completed: set[str], prior_attempts: Mapping[str, int], outcome: EvaluationOutcome
+    ) -> list[EpisodeJob]:
+        pending = []
+        for job in jobs:
+            if job.episode_id in completed:
+                outcome.skipped_completed += 1
+            elif not self.retry_failed and prior_attempts.get(job.episode_id, 0) > 0:
+                outcome.skipped_failed += 1
+            else:
+                pending.append(job)
+        return pending
+
+    async def run(
+        self,
+        jobs: Sequence[EpisodeJob],
+        *,
+        completed: set[str] | None = None,
+        prior_attempts: Mapping[str, int] | None = None,
+    ) -> EvaluationOutcome:
+        outcome = EvaluationOutcome()
+        prior_attempts = prior_attempts or {}
+        pending = self.pending(jobs, completed or set(), prior_attempts, outcome)
+        outcome.scheduled = len(pending)
+        if not pending:
+            return outcome
+
+        queue: asyncio.Queue[tuple[EpisodeJob, int]] = asyncio.Queue()
+        for job in pending:
+            queue.put_nowait((job, 1))
+        remaining = len(pending)
+        all_done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        fatal: list[BaseException] = []
+
+        async def worker() -> None:
+            nonlocal remaining
+            while True:
+                job, attempt = await queue.get()
+                try:
+                    trace = await self._attempt(job)
+                    trace["attempt"] = prior_attempts.get(job.episode_id, 0) + attempt
+                    async with self._save_lock:
+                        # fsync off the event loop, one writer at a time
+                        await asyncio.to_thread(self.sink.save_trace, trace)
+                except Exception as exc:  # the store failed: nothing more can be persisted
+                    fatal.append(exc)
+                    all_done.set()
+                    return
+                outcome.attempts += 1
+                will_retry = (
+                    trace["status"] != "completed"
+                    and trace.get("failure_class") == "infrastructure"
+                    and attempt < self.max_attempts
+                )
+                if self.on_trace is not None:
+                    self.on_trace(trace, will_retry)
+                if trace["status"] == "completed":
+                    outcome.completed += 1
+                elif will_retry:
+                    outcome.retried += 1
+                    delay = self.retry_backoff_seconds * (2 ** (attempt - 1)) * (1 + random.random() * 0.5)
+                    log.info("episode_requeued", episode_id=job.episode_id, attempt=attempt, delay_s=round(delay, 2))
+                    loop.call_later(delay, queue.put_nowait, (job, attempt + 1))
+                    continue
+                else:
+                    outcome.failed += 1
+                remaining -= 1
+                if remaining == 0:
+                    all_done.set()
+
+        workers = [asyncio.create_task(worker(), name=f"episode-worker-{i}") for i in range(min(self.concurrency, len(pending)))]
+        try:
+            await all_done.wait()
+        finally:
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        if fatal:
+            raise fatal[0]
+        return outcome
+
+    async def _attempt(self, job: EpisodeJob) -> dict[str, Any]:
+        try:
+            return await self.runtime.run(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a runtime bug must cost one episode, never the run
+            log.error("runtime_raised", episode_id=job.episode_id, error=type(exc).__name__, message=str(exc)[:300])
+            return failed_trace(job, exc)

@@ -1,0 +1,253 @@
+"""From a loaded config to the parts of a run: split, jobs, semantic plan, model, environment, runtime.
+
+``prepare`` does no network I/O, so ``shopsimrl plan`` is instant and offline; ``check_services``
+probes the model's ``/models`` and the environment's ``/healthz`` for ``plan --check`` and
+``wait-ready``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shopsimrl.config import ConfigError, ExperimentConfig
+from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
+from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
+from shopsimrl.planning import EvaluationPlan, build_jobs
+from shopsimrl.prompts import PromptBuilder
+from shopsimrl.runtime import ACTION_PROTOCOL, AgentRuntime
+from shopsimrl.schemas import FINGERPRINT_VERSION, PIPELINE_VERSION, EpisodeJob
+from shopsimrl.skills import JsonSkillBank, NoSkills, SkillProvider
+from shopsimrl.tasks import TaskSplit, load_task_split
+
+__all__ = ["PreparedExperiment", "ServiceCheck", "check_services", "prepare"]
+
+
+def _model_settings(config: ExperimentConfig) -> OpenAICompatibleSettings:
+    m = config.model
+    return OpenAICompatibleSettings(
+        model=m.name,
+        base_url=m.base_url,
+        api_key_env=m.api_key_env,
+        checkpoint_id=m.checkpoint_id,
+        temperature=m.temperature,
+        max_tokens=m.max_tokens,
+        top_p=m.top_p,
+        timeout=m.timeout,
+        max_retries=m.max_retries,
+        retry_backoff_seconds=m.retry_backoff_seconds,
+        stream=m.stream,
+        send_seed=m.send_seed,
+        tool_choice=m.tool_choice,
+        extra_body=dict(m.extra_body),
+        trust_env=m.trust_env,
+        assistant_content_empty_string=m.assistant_content_empty_string,
+    )
+
+
+def _environment_settings(config: ExperimentConfig, persona: bool) -> ShopSimulatorSettings:
+    e = config.environment
+    return ShopSimulatorSettings(
+        base_url=e.base_url,
+        persona=persona,
+        interaction_mode=e.interaction_mode,
+        timeout=e.timeout,
+        reset_timeout=e.reset_timeout,
+        max_retries=e.max_retries,
+        expected_environment_version=e.expected_environment_version,
+        expected_observation_version=e.expected_observation_version,
+    )
+
+
+@dataclass
+class PreparedExperiment:
+    config: ExperimentConfig
+    split: TaskSplit
+    persona: bool
+    jobs: list[EpisodeJob]
+    prompts: PromptBuilder
+    skills: SkillProvider
+    model_settings: OpenAICompatibleSettings
+    environment_settings: ShopSimulatorSettings
+    final_test: bool = False
+    _plan: dict[str, Any] | None = field(default=None, repr=False)
+
+    def model(self) -> OpenAICompatibleChatModel:
+        return OpenAICompatibleChatModel(self.model_settings)
+
+    def environment(self) -> ShopSimulatorEnvironment:
+        return ShopSimulatorEnvironment(self.environment_settings)
+
+    def runtime(self, model: Any, environment: Any) -> AgentRuntime:
+        return AgentRuntime(
+            model=model,
+            environment=environment,
+            prompts=self.prompts,
+            skills=self.skills,
+            max_steps=self.config.runtime.max_steps,
+        )
+
+    def plan(self) -> dict[str, Any]:
+        """The semantic plan: only what changes outputs (see docs/runtime_eval.md)."""
+        if self._plan is None:
+            model = OpenAICompatibleChatModel(self.model_settings)
+            try:
+                model_identity = model.semantic_identity()
+            finally:
+                _close_quietly(model)
+            environment = ShopSimulatorEnvironment(self.environment_settings)
+            try:
+                environment_identity = environment.semantic_identity()
+            finally:
+                _close_quietly(environment)
+            self._plan = {
+                "pipeline_version": PIPELINE_VERSION,
+                "fingerprint_version": FINGERPRINT_VERSION,
+                "experiment": self.config.name,
+                "model_id": self.config.model_id,
+                "model": model_identity,
+                "task_split": self.split.identity(),
+                "sampling": {
+                    "seed": self.config.experiment.seed,
+                    "sample_size": self.config.tasks.sample_size,
+                    "repeats": self.config.tasks.repeats,
+                },
+                "jobs": [job.to_dict() for job in self.jobs],
+                "environment": environment_identity,
+                "runtime": {"max_steps": self.config.runtime.max_steps, "action_protocol": ACTION_PROTOCOL},
+                "prompt": self.prompts.identity(),
+                "skills": self.skills.identity(),
+                "test_guard": {"held_out_split": self.split.is_test, "final_test": self.final_test},
+            }
+        return self._plan
+
+    def execution(self) -> dict[str, Any]:
+        """Settings recorded for the audit trail but never fingerprinted."""
+        return {
+            "concurrency": self.config.experiment.concurrency,
+            "model_base_url": self.model_settings.base_url,
+            "environment_base_url": self.environment_settings.base_url,
+            "model_timeout_s": self.model_settings.timeout,
+            "model_max_attempts": self.model_settings.max_retries,
+            "environment_timeout_s": self.environment_settings.timeout,
+            "max_episode_retries": self.config.runtime.max_episode_retries,
+        }
+
+
+def _close_quietly(component: Any) -> None:
+    """Identity-only instances never opened a connection; closing them is best effort."""
+    close = getattr(component, "aclose", None)
+    if close is None:
+        return
+    try:
+        asyncio.run(close())
+    except RuntimeError:
+        pass  # inside a running loop: the client was never used, garbage collection is enough
+
+
+def prepare(config: ExperimentConfig, *, final_test: bool = False) -> PreparedExperiment:
+    split = load_task_split(config.resolve(config.tasks.split_file), config.tasks.split)
+
+    if split.is_test and not final_test:
+        raise ConfigError(
+            f"split {split.name!r} is the held-out test split; running it needs the explicit --final-test flag"
+        )
+    if final_test and not split.is_test:
+        raise ConfigError(f"--final-test is only for the held-out test split; {split.name!r} has role {split.role!r}")
+    if final_test and config.skills.path is not None:
+        raise ConfigError("a --final-test run must use skills.path: null (skills are selected on val, never on test)")
+
+    persona = config.environment.persona
+    if persona is None:
+        if split.persona is None:
+            raise ConfigError(
+                f"environment.persona is null and split {split.name!r} does not say whether it is a persona split; set environment.persona"
+            )
+        persona = split.persona
+    elif split.persona is not None and split.persona != persona:
+        raise ConfigError(f"environment.persona is {persona} but split {split.name!r} is persona={split.persona}")
+
+    jobs = build_jobs(
+        EvaluationPlan(
+            split=split.name,
+            task_ids=split.task_ids,
+            seed=config.experiment.seed,
+            sample_size=config.tasks.sample_size,
+            repeats=config.tasks.repeats,
+        )
+    )
+    prompts = PromptBuilder.from_config(
+        system_prompt=config.prompt.system_prompt,
+        system_prompt_file=config.resolve(config.prompt.system_prompt_file) if config.prompt.system_prompt_file else None,
+    )
+    skills: SkillProvider = (
+        JsonSkillBank(config.resolve(config.skills.path), max_skills=config.skills.max_skills)
+        if config.skills.path
+        else NoSkills()
+    )
+    return PreparedExperiment(
+        config=config,
+        split=split,
+        persona=persona,
+        jobs=jobs,
+        prompts=prompts,
+        skills=skills,
+        model_settings=_model_settings(config),
+        environment_settings=_environment_settings(config, persona),
+        final_test=final_test,
+    )
+
+
+@dataclass
+class ServiceCheck:
+    ready: bool
+    reason: str | None
+    """``model_unreachable``, ``model_not_listed``, ``environment_unreachable``, ``environment_not_ready``."""
+    detail: str
+    model_ids: list[str] = field(default_factory=list)
+    healthz: dict[str, Any] | None = None
+
+
+async def _check_once(prepared: PreparedExperiment) -> ServiceCheck:
+    model = prepared.model()
+    environment = prepared.environment()
+    try:
+        try:
+            ids = await model.list_models()
+        except Exception as exc:
+            return ServiceCheck(False, "model_unreachable", f"{prepared.model_settings.base_url}/models: {exc}")
+        if prepared.model_settings.model not in ids:
+            return ServiceCheck(
+                False, "model_not_listed", f"{prepared.model_settings.model!r} is not among the served models {ids}", ids
+            )
+        try:
+            health = await environment.healthz()
+        except Exception as exc:
+            return ServiceCheck(False, "environment_unreachable", f"{prepared.environment_settings.base_url}/healthz: {exc}", ids)
+        if health.get("ready") is not True:
+            return ServiceCheck(False, "environment_not_ready", f"/healthz says {health}", ids, health)
+        return ServiceCheck(True, None, "model and environment are ready", ids, health)
+    finally:
+        await model.aclose()
+        await environment.aclose()
+
+
+async def check_services(prepared: PreparedExperiment, *, timeout: float = 0.0, interval: float = 5.0) -> ServiceCheck:
+    """Probe once, or keep probing until ready or ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        check = await _check_once(prepared)
+        if check.ready or time.monotonic() + interval > deadline:
+            return check
+        await asyncio.sleep(interval)
+
+
+def api_key_present(prepared: PreparedExperiment) -> str | None:
+    """The name of a configured but missing API key variable, or None."""
+    name = prepared.model_settings.api_key_env
+    if name and not os.environ.get(name, "").strip():
+        return name
+    return None

@@ -1,0 +1,100 @@
+"""The run manifest: the frozen semantic plan, its fingerprint, and the field-level diff on mismatch.
+
+``plan_fingerprint = fingerprint(plan)``. The plan holds only what changes outputs: pipeline and
+fingerprint versions, experiment name, model semantic identity (model, checkpoint_id, sampling,
+extra_body), split identity (name, version, role, ids digest — never a path), the job list,
+environment mode, runtime limits, prompt identity and skill-bank identity. Execution settings
+(concurrency, timeouts, retries, URLs, output location, shard count) live in ``execution`` and
+may change between invocations without blocking resume.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from shopsimrl.schemas import (
+    FINGERPRINT_VERSION,
+    MANIFEST_SCHEMA_VERSION,
+    MANIFEST_SCHEMA_VERSIONS,
+    TraceFormatError,
+    fingerprint,
+)
+
+__all__ = ["FingerprintMismatchError", "ManifestError", "build_manifest", "plan_diff", "validate_manifest"]
+
+
+class ManifestError(TraceFormatError):
+    """manifest.json is unreadable, of an unknown version, or inconsistent with itself."""
+
+
+class FingerprintMismatchError(RuntimeError):
+    """The run location already holds a run with another semantic plan."""
+
+    def __init__(self, location: str, existing: str, new: str, differences: list[str]) -> None:
+        self.location = location
+        self.differences = differences
+        shown = "\n".join(f"  {line}" for line in differences[:40])
+        more = f"\n  … and {len(differences) - 40} more" if len(differences) > 40 else ""
+        super().__init__(
+            f"{location} holds a run with plan fingerprint {existing[:12]}…, this config plans {new[:12]}…; "
+            f"differing keys:\n{shown}{more}\nUse another experiment name or output location to start a new run."
+        )
+
+
+def build_manifest(plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "plan_fingerprint": fingerprint(plan),
+        "plan": plan,
+        "execution": execution or {},
+    }
+
+
+def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{where}: the manifest must be a JSON object")
+    version = manifest.get("schema_version")
+    if version not in MANIFEST_SCHEMA_VERSIONS:
+        raise ManifestError(
+            f"{where}: unsupported manifest schema_version {version!r}; this shopsimrl reads {', '.join(MANIFEST_SCHEMA_VERSIONS)}"
+        )
+    plan = manifest.get("plan")
+    if not isinstance(plan, dict) or not isinstance(manifest.get("plan_fingerprint"), str):
+        raise ManifestError(f"{where}: the manifest needs a 'plan' object and a 'plan_fingerprint' string")
+    if not isinstance(plan.get("jobs"), list):
+        raise ManifestError(f"{where}: plan.jobs must be a list")
+    if fingerprint(plan) != manifest["plan_fingerprint"]:
+        raise ManifestError(f"{where}: plan_fingerprint does not match the plan it stores; the manifest was edited")
+    return manifest
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+    else:
+        out[prefix] = value
+
+
+def plan_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two plans; job lists are compared by count and digest."""
+    old_jobs, new_jobs = old.get("jobs"), new.get("jobs")
+    flat_old: dict[str, Any] = {}
+    flat_new: dict[str, Any] = {}
+    _flatten({k: v for k, v in old.items() if k != "jobs"}, "", flat_old)
+    _flatten({k: v for k, v in new.items() if k != "jobs"}, "", flat_new)
+    lines = [
+        f"{key}: {flat_old.get(key, '<absent>')!r} -> {flat_new.get(key, '<absent>')!r}"
+        for key in sorted(set(flat_old) | set(flat_new))
+        if flat_old.get(key, "<absent>") != flat_new.get(key, "<absent>")
+    ]
+    if old_jobs != new_jobs:
+        old_count = len(old_jobs) if isinstance(old_jobs, list) else 0
+        new_count = len(new_jobs) if isinstance(new_jobs, list) else 0
+        lines.append(
+            f"jobs: {old_count} jobs (digest {fingerprint(old_jobs)[:12]}) -> {new_count} jobs (digest {fingerprint(new_jobs)[:12]})"
+        )
+    return lines

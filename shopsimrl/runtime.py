@@ -1,0 +1,325 @@
+"""One episode: the tool-calling loop between a ChatModel and a ShopSimulator lease → a v4 trace.
+
+The runtime takes no scheduling decisions and touches no storage. ``AgentRuntime.run`` never
+raises for an episode-level problem: every outcome, including a crash in the middle, becomes a
+trace record whose ``status`` says whether it counts.
+
+Outcomes per model call (``steps[i]``):
+- normal step: one valid tool call, turned into ``search[…]`` / ``click[…]`` and sent to the
+  environment (an out-of-enum click is sent too: the environment judges it);
+- protocol error: the reply was unusable; a repair turn is appended (tool messages when the reply
+  had tool calls, else a user message) and the model answers again on the same page; the step
+  counts against ``max_steps``;
+- ``generation_length`` policy failure: the reply was cut off by the token limit without exactly
+  one valid call; the episode is terminated with zero reward and still counts as scored.
+
+The loop ends on ``done``; after ``max_steps`` calls without ``done`` the runtime terminates with
+``action_limit``. The lease is always released; a failed release makes the episode ``failed``.
+
+Additive trace keys (beyond ``shopsimrl-episode-v4``): ``failure_class`` (``null`` for a
+completed episode; ``infrastructure`` — retryable; ``environment_error``, ``model_error``,
+``runtime_error`` — not retried) and ``attempt`` (set by the scheduler).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from datetime import datetime, timezone
+from typing import Any
+
+import structlog
+
+from shopsimrl.environment import (
+    EnvironmentUnavailableError,
+    LeaseError,
+    ShopEnvironment,
+    ShopEnvironmentError,
+)
+from shopsimrl.model import ChatModel, ModelConfigError, ModelRequestError
+from shopsimrl.prompts import (
+    InvalidToolArguments,
+    PromptBuilder,
+    action_tools,
+    canonical_action,
+    protocol_feedback,
+)
+from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, ModelOutput
+from shopsimrl.skills import SkillProvider
+
+__all__ = ["ACTION_PROTOCOL", "AgentRuntime", "classify_failure", "failed_trace"]
+
+ACTION_PROTOCOL = "openai-function-tools-repair-v3"
+
+LEASE_KEYS = ("env_idx", "lease_id")
+PRIVATE_RESET_KEYS = ("private_task_instruction", "goal_options", "reason_key")
+MAX_TRACEBACK_CHARS = 4000
+
+log = structlog.get_logger("shopsimrl.runtime")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _without(payload: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {key: value for key, value in payload.items() if key not in keys}
+
+
+def public_reset(result: dict[str, Any]) -> dict[str, Any]:
+    """The reset payload minus the lease and anything private to the goal."""
+    public = _without(result, LEASE_KEYS + PRIVATE_RESET_KEYS)
+    persona = public.get("user_persona")
+    if isinstance(persona, dict) and "__reasoning__" in persona:
+        public["user_persona"] = {k: v for k, v in persona.items() if k != "__reasoning__"}
+    return public
+
+
+def classify_failure(exc: BaseException) -> str:
+    """Which failures the scheduler may retry: only ``infrastructure`` ones."""
+    if isinstance(exc, (EnvironmentUnavailableError, LeaseError)):
+        return "infrastructure"
+    if isinstance(exc, ShopEnvironmentError):
+        return "environment_error"
+    if isinstance(exc, ModelConfigError):
+        return "model_error"
+    if isinstance(exc, ModelRequestError):
+        status = getattr(exc, "status_code", None)
+        return "model_error" if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 429) else "infrastructure"
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return "infrastructure"
+    return "runtime_error"
+
+
+def _error(stage: str, exc: BaseException) -> dict[str, Any]:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return {"stage": stage, "type": type(exc).__name__, "message": str(exc), "traceback": text[-MAX_TRACEBACK_CHARS:]}
+
+
+def failed_trace(job: EpisodeJob, exc: BaseException, *, stage: str = "evaluator_boundary") -> dict[str, Any]:
+    """The trace written when the runtime object itself raised (reference fallback shape)."""
+    return {
+        "schema_version": TRACE_SCHEMA_VERSION,
+        "episode_id": job.episode_id,
+        "status": "failed",
+        "job": job.to_dict(),
+        "provenance": {},
+        "started_at": None,
+        "ended_at": _now(),
+        "duration_ms": None,
+        "reset": None,
+        "selected_skills": [],
+        "conversation": [],
+        "steps": [],
+        "final": None,
+        "error": {"stage": stage, "type": type(exc).__name__, "message": str(exc)},
+        "failure_class": classify_failure(exc),
+    }
+
+
+class _ProtocolViolation(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _check_single_call(output: ModelOutput) -> tuple[str, str, str]:
+    """Re-check what a custom ChatModel may not have: one call, no visible text, valid arguments."""
+    if output.protocol_error:
+        raise _ProtocolViolation(output.protocol_error["code"], output.protocol_error.get("message", ""))
+    if len(output.tool_calls) != 1:
+        raise _ProtocolViolation("tool_call_count", f"expected exactly one tool call, got {len(output.tool_calls)}")
+    if output.content and output.content.strip():
+        raise _ProtocolViolation("mixed_content", "a tool call must come without visible text")
+    call = output.tool_calls[0]
+    try:
+        action = canonical_action(call.name, call.arguments if isinstance(call.arguments, dict) else {})
+    except InvalidToolArguments as exc:
+        raise _ProtocolViolation("invalid_tool_arguments", str(exc)) from None
+    return call.call_id, call.name, action
+
+
+def _assistant_tool_message(output: ModelOutput) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": output.content,
+        "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.raw_arguments}}
+            for call in output.tool_calls
+        ],
+    }
+
+
+class AgentRuntime:
+    """Runs one episode at a time per call; safe to share across concurrent episodes."""
+
+    def __init__(
+        self,
+        *,
+        model: ChatModel,
+        environment: ShopEnvironment,
+        prompts: PromptBuilder,
+        skills: SkillProvider,
+        max_steps: int = 30,
+    ) -> None:
+        if max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        self.model = model
+        self.environment = environment
+        self.prompts = prompts
+        self.skills = skills
+        self.max_steps = max_steps
+
+    def runtime_identity(self) -> dict[str, Any]:
+        return {"max_steps": self.max_steps, "action_protocol": ACTION_PROTOCOL}
+
+    async def run(self, job: EpisodeJob) -> dict[str, Any]:
+        started_at, started = _now(), time.perf_counter()
+        episode = self.environment.open_episode()
+        elog = log.bind(episode_id=job.episode_id)
+        trace: dict[str, Any] = {
+            "schema_version": TRACE_SCHEMA_VERSION,
+            "episode_id": job.episode_id,
+            "status": "failed",
+            "job": job.to_dict(),
+            "provenance": {},
+            "started_at": started_at,
+            "ended_at": None,
+            "duration_ms": None,
+            "reset": None,
+            "selected_skills": [],
+            "conversation": [],
+            "steps": [],
+            "final": None,
+            "error": None,
+            "failure_class": None,
+        }
+        progress = {"stage": "reset"}
+        try:
+            await self._play(job, episode, trace, progress)
+            if not isinstance(trace["final"], dict) or trace["final"].get("done") is not True:
+                raise RuntimeError("the episode ended without a terminal environment state (done is not true)")
+            trace["status"] = "completed"
+        except Exception as exc:  # every episode-level failure becomes a failed trace
+            trace["status"] = "failed"
+            trace["error"] = _error(progress["stage"], exc)
+            trace["failure_class"] = classify_failure(exc)
+            elog.warning("episode_failed", stage=trace["error"]["stage"], error=type(exc).__name__, message=str(exc)[:300])
+        finally:
+            cleanup_error: BaseException | None = None
+            try:
+                await episode.close()
+            except Exception as exc:  # a leaked lease must be visible, never silently "completed"
+                cleanup_error = exc
+            trace["provenance"] = self._provenance(episode)
+            if cleanup_error is not None:
+                message = f"{type(cleanup_error).__name__}: {cleanup_error}"
+                if trace["error"] is None:
+                    trace["error"] = {"stage": "cleanup", "type": "CleanupError", "message": message}
+                else:
+                    trace["error"]["cleanup_errors"] = [message]
+                trace["status"] = "failed"
+                trace["failure_class"] = trace["failure_class"] or "infrastructure"
+                elog.warning("lease_release_failed", message=message[:300])
+            trace["ended_at"] = _now()
+            trace["duration_ms"] = (time.perf_counter() - started) * 1000.0
+        return trace
+
+    def _provenance(self, episode: Any) -> dict[str, Any]:
+        environment = dict(self.environment.identity())
+        environment["environment_version"] = getattr(episode, "environment_version", None)
+        environment["observation_version"] = getattr(episode, "observation_version", None)
+        return {
+            "model": self.model.identity(),
+            "environment": environment,
+            "prompt": self.prompts.identity(),
+            "skills": self.skills.identity(),
+            "runtime": self.runtime_identity(),
+        }
+
+    async def _play(self, job: EpisodeJob, episode: Any, trace: dict[str, Any], progress: dict[str, str]) -> None:
+        """Play the episode into ``trace``; ``progress["stage"]`` names where a failure happened."""
+        reset = await episode.reset(job.task_id)
+        public = public_reset(reset)
+        trace["reset"] = public
+
+        progress["stage"] = "skill_selection"
+        context = {
+            "task_id": job.task_id,
+            "sample_id": job.sample_id,
+            "split": job.split,
+            "task_instruction": public.get("task_instruction"),
+            "user_persona": public.get("user_persona") or {},
+            "observation_state": public.get("observation_state"),
+            "task_mode": public.get("task_mode"),
+        }
+        skills = self.skills.select(context)
+        trace["selected_skills"] = [skill.to_dict() for skill in skills]
+
+        conversation: list[dict[str, Any]] = trace["conversation"]
+        conversation.append(self.prompts.system_message(public, skills))
+        first_user = self.prompts.initial_user_message(public)
+        conversation.append(first_user)
+        observation_text: str = first_user["content"]
+        state: dict[str, Any] = public.get("observation_state") or {}
+
+        for step_index in range(1, self.max_steps + 1):
+            progress["stage"] = f"tools_step_{step_index}"
+            tools = action_tools(state)
+            tool_names = [tool["function"]["name"] for tool in tools]
+
+            progress["stage"] = f"model_step_{step_index}"
+            output = await self.model.generate(list(conversation), tools, seed=job.seed + step_index - 1)
+            step: dict[str, Any] = {
+                "step_index": step_index,
+                "observation": observation_text,
+                "tools": tools,
+                "model": output.to_dict(),
+                "action": None,
+                "environment": None,
+            }
+            trace["steps"].append(step)
+
+            if output.policy_failure:
+                progress["stage"] = f"policy_termination_step_{step_index}"
+                step["policy_failure"] = dict(output.policy_failure)
+                if output.policy_failure.get("code") != "generation_length":
+                    raise RuntimeError(f"unsupported policy failure {output.policy_failure.get('code')!r}")
+                final = await episode.terminate("generation_length")
+                trace["final"] = _without(final, LEASE_KEYS)
+                return
+
+            try:
+                call_id, _name, action = _check_single_call(output)
+            except _ProtocolViolation as violation:
+                error = {"code": violation.code, "message": violation.message}
+                feedback = protocol_feedback(violation.code, violation.message, tool_names)
+                step["protocol_error"] = error
+                step["protocol_feedback"] = feedback
+                step["model"]["protocol_error"] = error
+                if output.tool_calls:
+                    conversation.append(_assistant_tool_message(output))
+                    for call in output.tool_calls:
+                        conversation.append({"role": "tool", "tool_call_id": call.call_id, "content": feedback})
+                else:
+                    if output.content and output.content.strip():
+                        conversation.append({"role": "assistant", "content": output.content})
+                    conversation.append({"role": "user", "content": feedback})
+                continue
+
+            progress["stage"] = f"environment_step_{step_index}"
+            step["action"] = action
+            result = await episode.step(action)
+            step["environment"] = _without(result, LEASE_KEYS)
+            conversation.append(_assistant_tool_message(output))
+            observation_text = result.get("observation", "")
+            conversation.append({"role": "tool", "tool_call_id": call_id, "content": observation_text})
+            state = result.get("observation_state") or {}
+            if result.get("done") is True:
+                trace["final"] = _without(result, LEASE_KEYS)
+                return
+
+        progress["stage"] = "action_limit_termination"
+        final = await episode.terminate("action_limit")
+        trace["final"] = _without(final, LEASE_KEYS)

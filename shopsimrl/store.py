@@ -1,0 +1,239 @@
+"""Local run directory: manifest, append-only ``traces.jsonl``, summary, inter-process lock.
+
+Layout: ``<output_dir>/<name>/{manifest.json, traces.jsonl, summary.json, .lock}``.
+
+Durability rules:
+- each trace is one line, appended with flush + fsync as soon as its episode ends; a torn tail
+  left by a crash is sealed with a newline before the next append, so it stays a separate,
+  skipped line;
+- the file is read as bytes and decoded line by line: a bad line (torn, not UTF-8, not JSON, not
+  a trace) is skipped and counted, never fatal;
+- the latest record of an episode wins; every earlier one is an attempt;
+- ``manifest.json`` and ``summary.json`` are written to a temp file, fsynced, renamed, and the
+  directory fsynced;
+- one process at a time holds the run (``flock`` on ``.lock``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
+from shopsimrl.schemas import canonical_json, fingerprint, is_completed, json_safe
+
+__all__ = [
+    "EpisodeState",
+    "LocalRunStore",
+    "ResumeIndex",
+    "RunLockedError",
+    "atomic_write_json",
+    "encode_trace_line",
+    "iter_jsonl_records",
+]
+
+
+class RunLockedError(RuntimeError):
+    """Another process holds the run directory."""
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse directory fsync; the rename still happened
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_json(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def encode_trace_line(record: dict[str, Any]) -> bytes:
+    """One JSONL line; a payload canonical JSON refuses (NaN, odd objects) is made safe, never fatal."""
+    episode_id = record.get("episode_id")
+    if not isinstance(episode_id, str) or not episode_id:
+        raise ValueError("a trace needs a string episode_id")
+    try:
+        text = json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        safe = json_safe(record)
+        safe.setdefault("serialization_repaired", True)
+        text = json.dumps(safe, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode("utf-8") + b"\n"
+
+
+@dataclass
+class EpisodeState:
+    """What resume needs to know about one episode, without its heavy trace."""
+
+    completed: bool
+    attempts: int
+    offset: int
+    """Byte offset of the latest record (for a second, streaming pass)."""
+    failure_class: str | None = None
+
+
+@dataclass
+class ResumeIndex:
+    episodes: dict[str, EpisodeState] = field(default_factory=dict)
+    bad_lines: int = 0
+    lines: int = 0
+
+    def is_complete(self, episode_id: str) -> bool:
+        state = self.episodes.get(episode_id)
+        return bool(state and state.completed)
+
+    def attempts(self, episode_id: str) -> int:
+        state = self.episodes.get(episode_id)
+        return state.attempts if state else 0
+
+
+def iter_jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """Yield ``(byte offset, record or None for a bad line)`` for every non-blank line."""
+    if not path.exists():
+        return
+    with path.open("rb") as handle:
+        offset = 0
+        for raw in handle:
+            start, offset = offset, offset + len(raw)
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                yield start, None
+                continue
+            yield start, record if isinstance(record, dict) and isinstance(record.get("episode_id"), str) else None
+
+
+class LocalRunStore:
+    """The single-process run directory of ``shopsimrl run`` (no shards)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.manifest_path = self.run_dir / "manifest.json"
+        self.traces_path = self.run_dir / "traces.jsonl"
+        self.summary_path = self.run_dir / "summary.json"
+        self._lock_handle: Any = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        handle = (self.run_dir / ".lock").open("a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise RunLockedError(f"{self.run_dir} is being written by another shopsimrl process") from None
+        self._lock_handle = handle
+
+    def release(self) -> None:
+        if self._lock_handle is not None:
+            fcntl.flock(self._lock_handle.fileno(), fcntl.LOCK_UN)
+            self._lock_handle.close()
+            self._lock_handle = None
+
+    def __enter__(self) -> LocalRunStore:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    # -- manifest ---------------------------------------------------------------------------
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        if not self.manifest_path.exists():
+            return None
+        try:
+            manifest = json.loads(self.manifest_path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"{self.manifest_path} is not valid JSON: {exc}") from exc
+        return validate_manifest(manifest, str(self.manifest_path))
+
+    def initialize(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Create the manifest, or verify that the existing one freezes the same plan."""
+        existing = self.read_manifest()
+        new_fingerprint = fingerprint(plan)
+        if existing is not None:
+            if existing["plan_fingerprint"] != new_fingerprint:
+                raise FingerprintMismatchError(
+                    str(self.run_dir), existing["plan_fingerprint"], new_fingerprint, plan_diff(existing["plan"], plan)
+                )
+            return existing
+        manifest = build_manifest(plan, execution)
+        atomic_write_json(self.manifest_path, manifest)
+        return manifest
+
+    # -- traces -----------------------------------------------------------------------------
+
+    def save_trace(self, record: dict[str, Any]) -> None:
+        line = encode_trace_line(record)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self.traces_path.open("a+b") as handle:
+            handle.seek(0, os.SEEK_END)
+            if handle.tell() > 0:
+                handle.seek(-1, os.SEEK_END)
+                if handle.read(1) != b"\n":  # a crash tore the last line: seal it off
+                    handle.seek(0, os.SEEK_END)
+                    handle.write(b"\n")
+            handle.seek(0, os.SEEK_END)
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def load_index(self) -> ResumeIndex:
+        index = ResumeIndex()
+        for offset, record in iter_jsonl_records(self.traces_path):
+            index.lines += 1
+            if record is None:
+                index.bad_lines += 1
+                continue
+            episode_id = record["episode_id"]
+            previous = index.episodes.get(episode_id)
+            index.episodes[episode_id] = EpisodeState(
+                completed=is_completed(record),
+                attempts=(previous.attempts if previous else 0) + 1,
+                offset=offset,
+                failure_class=record.get("failure_class"),
+            )
+        return index
+
+    def iter_records(self, index: ResumeIndex | None = None) -> Iterator[tuple[bool, dict[str, Any]]]:
+        """Stream ``(is_latest, record)`` over every valid line; the latest per episode is flagged."""
+        index = index or self.load_index()
+        for offset, record in iter_jsonl_records(self.traces_path):
+            if record is None:
+                continue
+            state = index.episodes.get(record["episode_id"])
+            yield (state is not None and state.offset == offset), record
+
+    # -- summary ----------------------------------------------------------------------------
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        canonical_json(summary)  # refuse NaN before touching the file
+        atomic_write_json(self.summary_path, summary)
