@@ -1,0 +1,109 @@
+"""The scheduler: resume, per-invocation retries of infrastructure failures, bad episodes (E3–E5)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from shopsimrl.evaluation import Evaluator
+from shopsimrl.schemas import EpisodeJob
+from shopsimrl.store import LocalRunStore
+
+JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in (1, 2, 3)]
+
+
+def trace(job: EpisodeJob, status: str, failure_class: str | None = None, reward: float = 1.0) -> dict:
+    return {"schema_version": "shopsimrl-episode-v4", "episode_id": job.episode_id, "status": status,
+            "job": job.to_dict(), "final": {"done": True, "reward": reward} if status == "completed" else None,
+            "steps": [], "error": None if status == "completed" else {"type": "X"}, "failure_class": failure_class}
+
+
+class ScriptedRuntime:
+    """Returns scripted outcomes per episode; records every call."""
+
+    def __init__(self, script: dict[int, list[str | Exception]]) -> None:
+        self.script = script
+        self.calls: list[int] = []
+
+    async def run(self, job: EpisodeJob) -> dict:
+        self.calls.append(job.task_id)
+        outcomes = self.script.get(job.task_id, ["ok"])
+        outcome = outcomes[min(self.calls.count(job.task_id) - 1, len(outcomes) - 1)]
+        if isinstance(outcome, Exception):
+            raise outcome
+        if outcome == "ok":
+            return trace(job, "completed")
+        if outcome == "nan":
+            return trace(job, "completed", reward=math.nan)
+        return trace(job, "failed", outcome)
+
+
+async def run(store: LocalRunStore, runtime: ScriptedRuntime, **kwargs) -> object:
+    index = store.load_index()
+    evaluator = Evaluator(runtime, store, concurrency=2, retry_backoff_seconds=0.0, **kwargs)
+    return await evaluator.run(
+        JOBS,
+        completed={e for e, s in index.episodes.items() if s.completed},
+        prior_attempts={e: s.attempts for e, s in index.episodes.items()},
+    )
+
+
+async def test_e3_resume_never_reruns_completed(tmp_path: Path) -> None:
+    store = LocalRunStore(tmp_path)
+    runtime = ScriptedRuntime({})
+    await run(store, runtime)
+    await run(store, runtime)
+    assert sorted(runtime.calls) == [1, 2, 3]
+    assert store.traces_path.read_text().count("\n") == 3
+
+
+async def test_e4_infrastructure_failures_are_retried_within_the_invocation(tmp_path: Path) -> None:
+    store = LocalRunStore(tmp_path)
+    runtime = ScriptedRuntime({2: ["infrastructure", "infrastructure", "ok"]})
+    outcome = await run(store, runtime)
+    assert runtime.calls.count(2) == 3 and outcome.completed == 3 and outcome.failed == 0 and outcome.retried == 2
+    index = store.load_index()
+    assert index.is_complete(JOBS[1].episode_id) and index.attempts(JOBS[1].episode_id) == 3
+    attempts = [r["attempt"] for _, r in store.iter_records(index) if r["episode_id"] == JOBS[1].episode_id]
+    assert attempts == [1, 2, 3]
+
+
+async def test_e5_attempt_cap_is_per_invocation(tmp_path: Path) -> None:
+    store = LocalRunStore(tmp_path)
+    runtime = ScriptedRuntime({3: ["infrastructure"]})
+    outcome = await run(store, runtime)
+    assert runtime.calls.count(3) == 3 and outcome.failed == 1
+    # A later invocation gives the episode a fresh budget (the earlier cap was cumulative forever).
+    outcome = await run(store, runtime)
+    assert runtime.calls.count(3) == 6 and outcome.scheduled == 1
+    # ...unless asked to leave earlier failures alone.
+    outcome = await run(store, runtime, retry_failed=False)
+    assert runtime.calls.count(3) == 6 and outcome.skipped_failed == 1
+
+
+async def test_non_infrastructure_failures_are_not_retried(tmp_path: Path) -> None:
+    runtime = ScriptedRuntime({1: ["environment_error"]})
+    outcome = await run(LocalRunStore(tmp_path), runtime)
+    assert runtime.calls.count(1) == 1 and outcome.failed == 1
+
+
+async def test_one_bad_episode_never_aborts_the_run(tmp_path: Path) -> None:
+    store = LocalRunStore(tmp_path)
+    runtime = ScriptedRuntime({1: [RuntimeError("bug in a custom runtime")], 2: ["nan"]})
+    outcome = await run(store, runtime)
+    assert outcome.attempts == 3
+    records = {r["episode_id"]: r for _, r in store.iter_records()}
+    assert records[JOBS[0].episode_id]["error"]["stage"] == "evaluator_boundary"
+    assert records[JOBS[1].episode_id]["final"]["reward"] is None  # NaN made safe, not fatal
+    assert records[JOBS[2].episode_id]["status"] == "completed"
+
+
+async def test_a_failing_store_stops_the_run(tmp_path: Path) -> None:
+    class FullDisk:
+        def save_trace(self, record: dict) -> None:
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        await Evaluator(ScriptedRuntime({}), FullDisk(), concurrency=2).run(JOBS)
