@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo reduce status clean
+.PHONY: install test demo smoke reduce status clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,12 @@ install: $(STAMP)  ## create .venv and install the project with its test extras
 
 test: $(STAMP)  ## run the whole test suite (the README's test command)
 	$(BIN)/pytest -q
+
+demo: $(STAMP)  ## the heuristic policy on 120 val episodes against the local testbed
+	BIN=$(BIN) scripts/testbed-run.sh configs/testbed_demo.yaml
+
+smoke: $(STAMP)  ## 3 episodes against the local testbed
+	BIN=$(BIN) scripts/testbed-run.sh configs/smoke.yaml
 
 reduce: $(STAMP)  ## merge the shards of RUN=<uri> into summary.json
 	@test -n "$(RUN)" || { echo "usage: make reduce RUN=<run uri>"; exit 2; }

@@ -1,0 +1,381 @@
+"""The heuristic policy served over the OpenAI chat-completions API, shaped like vLLM.
+
+No GPU serves a model in the testbed, so demos, CI smoke runs and fault tests talk to this
+server instead: the runtime cannot tell it from vLLM. The decisions come from the rule-based
+:func:`shopsimrl.testbed.heuristics.decide`; this module adds the HTTP surface, token
+accounting, latency and fault injection.
+
+Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``stream: true``),
+``GET /v1/models``, ``GET /health``.
+
+Faults. Each request draws its faults from its own ``random.Random``, seeded with
+``fault_seed``, the sha256 of the canonical request body and how many times that exact body
+has been seen before. So a given conversation meets the same faults in every run, whatever the
+concurrency, while a retry of a failed request (same body, next occurrence) gets a fresh draw.
+The draws are made in a fixed order (429, 500, timeout, non-JSON, no tool call, length); the
+first one that fires is the fault of that request. Latency jitter comes from the same generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from shopsimrl.schemas import canonical_json, json_safe, sha256_hex
+from shopsimrl.testbed.heuristics import Decision, decide
+from shopsimrl.testbed.serving import serve_forever
+
+__all__ = ["FAULT_KINDS", "PolicySettings", "create_app", "serve"]
+
+FAULT_KINDS = ("429", "500", "timeout", "non_json", "no_tool_call", "length")
+_REMEMBERED_BODIES = 65536  # bound on the per-body occurrence table
+_TEXT_ONLY_REPLY = "我先分析一下当前页面，再决定下一步操作。"
+_NO_TOOLS_REPLY = "当前没有可调用的工具。"
+_NON_JSON_BODY = "<html><body>upstream connect error or disconnect/reset before headers</body></html>"
+
+
+class PolicySettings(BaseSettings):
+    """Knobs of the heuristic policy server; every field also reads ``SHOPSIM_POLICY_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="SHOPSIM_POLICY_", extra="forbid", frozen=True)
+
+    model_id: str = Field("shopsim-heuristic", min_length=1)
+    """The one model id served; listed by ``/v1/models``."""
+    strict_model: bool = True
+    """Answer 404 to a request naming another model, as vLLM does."""
+    max_model_len: int = Field(131072, ge=1)
+    """Context length reported by ``/v1/models`` and enforced on the prompt estimate."""
+    latency_ms: float = Field(0.0, ge=0)
+    """Fixed delay before each answer."""
+    latency_jitter_ms: float = Field(0.0, ge=0)
+    """Extra delay drawn uniformly from [0, jitter] per request (seeded, see module doc)."""
+    fault_seed: int = 0
+    rate_429: float = Field(0.0, ge=0, le=1)
+    retry_after_s: int = Field(1, ge=0)
+    """``Retry-After`` header value (seconds) sent with injected 429s."""
+    rate_500: float = Field(0.0, ge=0, le=1)
+    rate_timeout: float = Field(0.0, ge=0, le=1)
+    """Sleep ``timeout_sleep_s`` before answering normally, so that client timeouts fire."""
+    timeout_sleep_s: float = Field(30.0, ge=0)
+    rate_non_json: float = Field(0.0, ge=0, le=1)
+    """200 with a body that is not JSON (in a stream: one ``data:`` line that is not JSON)."""
+    rate_no_tool_call: float = Field(0.0, ge=0, le=1)
+    """Plain text content, no tool call, ``finish_reason: stop``."""
+    rate_length: float = Field(0.0, ge=0, le=1)
+    """``finish_reason: length`` with the tool-call arguments JSON cut in half."""
+    reasoning: bool = False
+    """Send a short Chinese explanation of each decision as ``reasoning_content``."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None, **headers: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+def _tokens(chars: int) -> int:
+    """Deterministic token estimate: two characters per token."""
+    return (chars + 1) // 2
+
+
+class _BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _validate(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise _BadRequest("request body must be a JSON object", None)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _BadRequest("'messages' must be a non-empty list", "messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _BadRequest(f"messages[{index}] must be an object with a string 'role'", f"messages[{index}]")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise _BadRequest("'tools' must be a list of objects", "tools")
+    if not isinstance(body.get("stream", False), bool):
+        raise _BadRequest("'stream' must be a boolean", "stream")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise _BadRequest(f"'{name}' must be a positive integer", name)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _BadRequest("'seed' must be an integer", "seed")
+    temperature = body.get("temperature", 0.0)
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
+        raise _BadRequest("'temperature' must be a number", "temperature")
+    return body
+
+
+def _restrict_tools(tools: list[dict[str, Any]], tool_choice: Any) -> list[dict[str, Any]]:
+    """Apply ``tool_choice``: "none" offers nothing, a named function offers only that one."""
+    if tool_choice == "none":
+        return []
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        return [t for t in tools if (t.get("function") or {}).get("name") == name]
+    return tools
+
+
+class _Completion:
+    """One answer before rendering: either a tool call or plain text, plus token accounting."""
+
+    def __init__(
+        self, decision: Decision | None, reasoning: bool, prompt_tokens: int, max_tokens: int | None
+    ) -> None:
+        self.name = decision.tool if decision else None
+        self.arguments = json.dumps(decision.arguments, ensure_ascii=False) if decision else None
+        self.reasoning = decision.reasoning if (decision and reasoning) else None
+        self.content: str | None = None if decision else _NO_TOOLS_REPLY
+        self.finish_reason = "tool_calls" if decision else "stop"
+        self.prompt_tokens = prompt_tokens
+        if max_tokens is not None:
+            self._truncate(max_tokens)
+
+    def _truncate(self, max_tokens: int) -> None:
+        """Cut the output at ``max_tokens`` like a real server: reasoning first, then arguments."""
+        budget = max_tokens * 2
+        if self.completion_chars <= budget:
+            return
+        self.finish_reason = "length"
+        if self.reasoning is not None:
+            self.reasoning = self.reasoning[:budget]
+            budget -= len(self.reasoning)
+        if self.arguments is not None:
+            room = budget - len(self.name or "")
+            if room <= 0:
+                self.name = self.arguments = None
+                self.content = ""
+            else:
+                self.arguments = self.arguments[:room]
+
+    def cut_arguments(self) -> None:
+        """Injected length fault: half of the arguments JSON, so it no longer parses."""
+        self.finish_reason = "length"
+        if self.arguments is not None:
+            self.arguments = self.arguments[: max(1, len(self.arguments) // 2)]
+
+    def as_text(self, text: str) -> None:
+        self.name = self.arguments = None
+        self.content = text
+        self.finish_reason = "stop"
+
+    @property
+    def completion_chars(self) -> int:
+        return sum(len(part or "") for part in (self.reasoning, self.name, self.arguments, self.content))
+
+    def usage(self) -> dict[str, int]:
+        completion = max(1, _tokens(self.completion_chars))
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+
+# --------------------------------------------------------------------------- the app
+
+
+class _PolicyServer:
+    def __init__(self, settings: PolicySettings) -> None:
+        self.settings = settings
+        self.created = int(time.time())
+        self._seen: OrderedDict[str, int] = OrderedDict()
+
+    def _occurrence(self, digest: str) -> int:
+        count = self._seen.pop(digest, 0)
+        self._seen[digest] = count + 1
+        if len(self._seen) > _REMEMBERED_BODIES:
+            self._seen.popitem(last=False)
+        return count
+
+    def _draw_fault(self, rng: random.Random) -> str | None:
+        s = self.settings
+        rates = (s.rate_429, s.rate_500, s.rate_timeout, s.rate_non_json, s.rate_no_tool_call, s.rate_length)
+        # Draw for every kind up front, so changing one knob never shifts the draws of the others.
+        draws = [rng.random() for _ in FAULT_KINDS]
+        return next((kind for kind, rate, u in zip(FAULT_KINDS, rates, draws, strict=True) if u < rate), None)
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def models(self, request: Request) -> Response:
+        model = {
+            "id": self.settings.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "shopsimrl",
+            "root": self.settings.model_id,
+            "parent": None,
+            "max_model_len": self.settings.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = _validate(json.loads(raw))
+        except ValueError as exc:
+            param = exc.param if isinstance(exc, _BadRequest) else None
+            message = str(exc) if isinstance(exc, _BadRequest) else f"request body is not valid JSON: {exc}"
+            return _error(400, message, "BadRequestError", param)
+        s = self.settings
+        model = body.get("model")
+        # Like vLLM, an omitted model means the served one.
+        if s.strict_model and model is not None and model != s.model_id:
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+        digest = sha256_hex(canonical_json(json_safe(body)))
+        occurrence = self._occurrence(digest)
+        rng = random.Random(f"{s.fault_seed}:{digest}:{occurrence}")
+        fault = self._draw_fault(rng)
+        delay = s.latency_ms + rng.uniform(0.0, s.latency_jitter_ms)
+        if delay > 0:
+            await asyncio.sleep(delay / 1000)
+        if fault == "429":
+            return _error(429, "injected rate limit", "RateLimitError", None, **{"Retry-After": str(s.retry_after_s)})
+        if fault == "500":
+            return _error(500, "injected internal server error", "InternalServerError")
+        if fault == "timeout":
+            await asyncio.sleep(s.timeout_sleep_s)
+
+        tools = _restrict_tools(body.get("tools") or [], body.get("tool_choice"))
+        prompt_chars = len(canonical_json(json_safe(body["messages"]))) + len(canonical_json(json_safe(tools)))
+        prompt_tokens = _tokens(prompt_chars)
+        if prompt_tokens > s.max_model_len:
+            message = f"This model's maximum context length is {s.max_model_len} tokens; the prompt has {prompt_tokens}."
+            return _error(400, message, "BadRequestError", "messages")
+        temperature = float(body.get("temperature") or 0.0)
+        decision = decide(body["messages"], tools, seed=body.get("seed"), temperature=temperature)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        completion = _Completion(decision, s.reasoning, prompt_tokens, max_tokens)
+        if fault == "no_tool_call":
+            completion.as_text(_TEXT_ONLY_REPLY)
+        elif fault == "length":
+            completion.cut_arguments()
+
+        response_id = "chatcmpl-" + sha256_hex(f"{digest}:{occurrence}")[:32]
+        call_id = "chatcmpl-tool-" + sha256_hex(f"{response_id}:0")[:32]
+        model_name = model if isinstance(model, str) and model else s.model_id
+        if body.get("stream", False):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            chunks = _stream(completion, response_id, call_id, model_name, include_usage, fault == "non_json")
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        if fault == "non_json":
+            return PlainTextResponse(_NON_JSON_BODY, status_code=200)
+        return JSONResponse(_full_response(completion, response_id, call_id, model_name))
+
+
+def _message(completion: _Completion, call_id: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": completion.content, "tool_calls": []}
+    if completion.reasoning is not None:
+        message["reasoning_content"] = completion.reasoning
+    if completion.name is not None:
+        message["tool_calls"] = [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": completion.name, "arguments": completion.arguments},
+            }
+        ]
+    return message
+
+
+def _full_response(completion: _Completion, response_id: str, call_id: str, model: str) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": _message(completion, call_id),
+                "logprobs": None,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": None,
+            }
+        ],
+        "usage": completion.usage(),
+    }
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
+
+
+async def _stream(
+    completion: _Completion, response_id: str, call_id: str, model: str, include_usage: bool, broken: bool
+) -> AsyncIterator[bytes]:
+    """SSE chunks in vLLM's order: role, reasoning deltas, tool-call fragments, finish, usage."""
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        data = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+    yield chunk({"role": "assistant", "content": ""})
+    if broken:
+        yield b"data: {\"id\": \"" + response_id.encode() + b"\", \"choices\": [\n\n"
+        yield b"data: [DONE]\n\n"
+        return
+    for piece in _pieces(completion.reasoning or "", 8) if completion.reasoning else []:
+        yield chunk({"reasoning_content": piece})
+    if completion.content:
+        for piece in _pieces(completion.content, 8):
+            yield chunk({"content": piece})
+    if completion.name is not None:
+        head = {"index": 0, "id": call_id, "type": "function", "function": {"name": completion.name, "arguments": ""}}
+        yield chunk({"tool_calls": [head]})
+        for piece in _pieces(completion.arguments or "", 10):
+            yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+        await asyncio.sleep(0)  # let the server flush between the call and its finish
+    yield chunk({}, completion.finish_reason)
+    if include_usage:
+        usage = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        usage |= {"choices": [], "usage": completion.usage()}
+        yield f"data: {json.dumps(usage)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+def create_app(settings: PolicySettings | None = None) -> Starlette:
+    """The ASGI app; ``settings`` default to ``PolicySettings()`` (environment variables)."""
+    server = _PolicyServer(settings or PolicySettings())
+    routes = [
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.policy_settings = server.settings
+    return app
+
+
+def serve(host: str = "127.0.0.1", port: int = 8000, settings: PolicySettings | None = None) -> None:
+    """Serve the heuristic policy in the foreground until interrupted."""
+    serve_forever(create_app(settings), host, port)
+
