@@ -8,13 +8,12 @@ probes the model's ``/models`` and the environment's ``/healthz`` for ``plan --c
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from shopsimrl.config import ConfigError, ExperimentConfig
-from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
+from shopsimrl.environment import EnvironmentVersionError, ShopSimulatorEnvironment, ShopSimulatorSettings
 from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.planning import EvaluationPlan, build_jobs
 from shopsimrl.prompts import PromptBuilder
@@ -93,16 +92,9 @@ class PreparedExperiment:
     def plan(self) -> dict[str, Any]:
         """The semantic plan: only what changes outputs (see docs/runtime_eval.md)."""
         if self._plan is None:
-            model = OpenAICompatibleChatModel(self.model_settings)
-            try:
-                model_identity = model.semantic_identity()
-            finally:
-                _close_quietly(model)
-            environment = ShopSimulatorEnvironment(self.environment_settings)
-            try:
-                environment_identity = environment.semantic_identity()
-            finally:
-                _close_quietly(environment)
+            # Both adapters open connections lazily, so identity-only instances cost nothing.
+            model_identity = OpenAICompatibleChatModel(self.model_settings).semantic_identity()
+            environment_identity = ShopSimulatorEnvironment(self.environment_settings).semantic_identity()
             self._plan = {
                 "pipeline_version": PIPELINE_VERSION,
                 "fingerprint_version": FINGERPRINT_VERSION,
@@ -135,17 +127,6 @@ class PreparedExperiment:
             "environment_timeout_s": self.environment_settings.timeout,
             "max_episode_retries": self.config.runtime.max_episode_retries,
         }
-
-
-def _close_quietly(component: Any) -> None:
-    """Identity-only instances never opened a connection; closing them is best effort."""
-    close = getattr(component, "aclose", None)
-    if close is None:
-        return
-    try:
-        asyncio.run(close())
-    except RuntimeError:
-        pass  # inside a running loop: the client was never used, garbage collection is enough
 
 
 def prepare(config: ExperimentConfig, *, final_test: bool = False) -> PreparedExperiment:
@@ -225,6 +206,8 @@ async def _check_once(prepared: PreparedExperiment) -> ServiceCheck:
             )
         try:
             health = await environment.healthz()
+        except EnvironmentVersionError as exc:
+            return ServiceCheck(False, "environment_version_mismatch", str(exc), ids)
         except Exception as exc:
             return ServiceCheck(False, "environment_unreachable", f"{prepared.environment_settings.base_url}/healthz: {exc}", ids)
         if health.get("ready") is not True:
@@ -243,11 +226,3 @@ async def check_services(prepared: PreparedExperiment, *, timeout: float = 0.0, 
         if check.ready or time.monotonic() + interval > deadline:
             return check
         await asyncio.sleep(interval)
-
-
-def api_key_present(prepared: PreparedExperiment) -> str | None:
-    """The name of a configured but missing API key variable, or None."""
-    name = prepared.model_settings.api_key_env
-    if name and not os.environ.get(name, "").strip():
-        return name
-    return None

@@ -1,0 +1,210 @@
+"""Skill selection: which strategy hints go into an episode's system prompt.
+
+A :class:`SkillProvider` sees only the public context of an episode (what the agent itself
+sees at reset, plus the job coordinates); a context carrying the private goal is refused, so
+no provider can leak the answer into the prompt. Its ``identity()`` enters the plan
+fingerprint.
+
+Skill bank file (``JsonSkillBank``)::
+
+    {"schema_version": "shopsimrl-skillbank-v1", "bank_version": "1",
+     "skills": [{"skill_id": "global", "content": "…", "version": "1", "enabled": true,
+                 "task_ids": [4, 9], "metadata": {}}]}
+
+A skill without ``task_ids`` (absent or null) is global; one with ``task_ids`` applies to those
+tasks only. Selection keeps file order and stops at ``max_skills``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final, Protocol, runtime_checkable
+
+from shopsimrl.schemas import Skill, fingerprint
+
+__all__ = [
+    "PRIVATE_CONTEXT_KEYS",
+    "PUBLIC_CONTEXT_KEYS",
+    "SKILLBANK_SCHEMA_VERSION",
+    "JsonSkillBank",
+    "NoSkills",
+    "PrivateContextError",
+    "SkillBankError",
+    "SkillProvider",
+    "check_public_context",
+]
+
+SKILLBANK_SCHEMA_VERSION: Final = "shopsimrl-skillbank-v1"
+DEFAULT_BANK_VERSION: Final = "1"
+
+PUBLIC_CONTEXT_KEYS: Final = frozenset(
+    {"task_id", "sample_id", "split", "task_instruction", "user_persona", "observation_state", "task_mode"}
+)
+PRIVATE_CONTEXT_KEYS: Final = frozenset({"private_task_instruction", "goal_options", "reason_key", "goal"})
+
+_RECORD_KEYS: Final = frozenset({"skill_id", "content", "version", "enabled", "task_ids", "metadata"})
+
+
+class SkillBankError(ValueError):
+    """A skill bank file that cannot be used; the message names the file and the field."""
+
+
+class PrivateContextError(ValueError):
+    """A selection context that carries private goal information."""
+
+
+@runtime_checkable
+class SkillProvider(Protocol):
+    def select(self, context: Mapping[str, Any]) -> list[Skill]:
+        """Skills for one episode, in prompt order, from its public context."""
+        ...
+
+    def identity(self) -> dict[str, Any]: ...
+
+
+def check_public_context(context: Mapping[str, Any]) -> None:
+    leaked = sorted(PRIVATE_CONTEXT_KEYS.intersection(context))
+    if leaked:
+        raise PrivateContextError(f"skill selection context must not contain private goal fields: {leaked}")
+
+
+class NoSkills:
+    """The skill-free baseline."""
+
+    def select(self, context: Mapping[str, Any]) -> list[Skill]:
+        check_public_context(context)
+        return []
+
+    def identity(self) -> dict[str, Any]:
+        return {"provider": "none"}
+
+
+class JsonSkillBank:
+    """Global and task-scoped skills from one JSON file, loaded and validated once."""
+
+    def __init__(self, path: str | Path, max_skills: int | None = None) -> None:
+        if max_skills is not None and (
+            isinstance(max_skills, bool) or not isinstance(max_skills, int) or max_skills < 0
+        ):
+            raise SkillBankError(f"max_skills must be a non-negative integer or None, got {max_skills!r}")
+        self.path = Path(path)
+        self.max_skills = max_skills
+        bank = _read_json(self.path)
+        self.schema_version, self.bank_version, self._entries = _parse_bank(self.path, bank)
+        self._sha256 = fingerprint(bank)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def select(self, context: Mapping[str, Any]) -> list[Skill]:
+        check_public_context(context)
+        task_id = context.get("task_id")
+        if isinstance(task_id, bool) or not isinstance(task_id, int):
+            raise ValueError(f"skill selection context needs an integer 'task_id', got {task_id!r}")
+        selected: list[Skill] = []
+        for skill, task_ids in self._entries:
+            if self.max_skills is not None and len(selected) >= self.max_skills:
+                break
+            if task_ids is None or task_id in task_ids:
+                selected.append(skill)
+        return selected
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "provider": "json_skillbank",
+            "schema_version": self.schema_version,
+            "bank_version": self.bank_version,
+            "bank_sha256": self._sha256,
+            "max_skills": self.max_skills,
+        }
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise SkillBankError(f"cannot read skill bank {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise SkillBankError(f"skill bank {path} is not valid UTF-8 (byte offset {exc.start})") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SkillBankError(
+            f"skill bank {path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from exc
+
+
+def _parse_bank(path: Path, bank: Any) -> tuple[str, str, list[tuple[Skill, frozenset[int] | None]]]:
+    def fail(where: str, problem: str) -> SkillBankError:
+        return SkillBankError(f"skill bank {path}: {where} {problem}")
+
+    if not isinstance(bank, dict):
+        raise fail("top level", f"must be a JSON object, got {type(bank).__name__}")
+    schema_version = bank.get("schema_version", SKILLBANK_SCHEMA_VERSION)
+    if schema_version != SKILLBANK_SCHEMA_VERSION:
+        raise fail("'schema_version'", f"is {schema_version!r}; this reader understands {SKILLBANK_SCHEMA_VERSION!r}")
+    bank_version = bank.get("bank_version", DEFAULT_BANK_VERSION)
+    if not isinstance(bank_version, str) or not bank_version.strip():
+        raise fail("'bank_version'", f"must be a non-empty string, got {bank_version!r}")
+    records = bank.get("skills")
+    if not isinstance(records, list):
+        raise fail("'skills'", f"must be a list, got {type(records).__name__}")
+
+    entries: list[tuple[Skill, frozenset[int] | None]] = []
+    seen: set[str] = set()
+    for index, record in enumerate(records):
+        where = f"skills[{index}]"
+        if not isinstance(record, dict):
+            raise fail(where, f"must be an object, got {type(record).__name__}")
+        unknown = sorted(set(record) - _RECORD_KEYS)
+        if unknown:
+            raise fail(where, f"has unknown keys {unknown}; allowed: {sorted(_RECORD_KEYS)}")
+        skill_id = record.get("skill_id")
+        if not isinstance(skill_id, str) or not skill_id.strip():
+            raise fail(f"{where}.skill_id", f"must be a non-empty string, got {skill_id!r}")
+        where = f"skills[{index}] ({skill_id!r})"
+        if skill_id in seen:
+            raise fail(where, "duplicates an earlier skill_id")
+        seen.add(skill_id)
+        content = record.get("content")
+        if not isinstance(content, str) or not content.strip():
+            raise fail(f"{where}.content", "must be a non-blank string")
+        version = record.get("version", "1")
+        if isinstance(version, bool) or not isinstance(version, (str, int)) or not str(version).strip():
+            raise fail(f"{where}.version", f"must be a non-empty string, got {version!r}")
+        enabled = record.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise fail(f"{where}.enabled", f"must be true or false, got {enabled!r}")
+        metadata = record.get("metadata", {})
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise fail(f"{where}.metadata", f"must be an object, got {type(metadata).__name__}")
+        try:
+            task_ids = _task_ids(record.get("task_ids"))
+        except ValueError as exc:
+            raise fail(f"{where}.task_ids", str(exc)) from None
+        if not enabled:
+            continue
+        scope = "global" if task_ids is None else "task"
+        skill = Skill(
+            skill_id=skill_id, content=content, version=str(version), metadata={**metadata, "selection_scope": scope}
+        )
+        entries.append((skill, task_ids))
+    return schema_version, bank_version, entries
+
+
+def _task_ids(value: Any) -> frozenset[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"must be a non-empty list of task ids, or absent for a global skill; got {value!r}")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ValueError(f"must hold non-negative integers, got {item!r}")
+    return frozenset(value)

@@ -1,0 +1,444 @@
+"""The ShopSimulator HTTP adapter against a real loopback HTTP server (tests/shop_stub.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+from shopsimrl.environment import (
+    EnvironmentEpisode,
+    EnvironmentResponseError,
+    EnvironmentUnavailableError,
+    EnvironmentVersionError,
+    LeaseError,
+    ShopEnvironment,
+    ShopEnvironmentError,
+    ShopSimulatorEnvironment,
+    ShopSimulatorSettings,
+)
+from shopsimrl.testbed.serving import free_port, running_server
+from tests.shop_stub import DROP, ENVIRONMENT_VERSION, OBSERVATION_VERSION, Reply, ShopStub
+
+Factory = Callable[..., ShopSimulatorEnvironment]
+
+
+@pytest.fixture
+def stub() -> Iterator[ShopStub]:
+    shop = ShopStub()
+    with running_server(shop.app) as url:
+        shop.base_url = url  # type: ignore[attr-defined]
+        try:
+            yield shop
+        finally:
+            shop.open_gate()  # end delayed handlers so the server stops at once
+
+
+@pytest.fixture
+def sleeps() -> list[float]:
+    return []
+
+
+@pytest.fixture
+async def make_env(stub: ShopStub, sleeps: list[float]) -> AsyncIterator[Factory]:
+    made: list[ShopSimulatorEnvironment] = []
+
+    async def no_sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    def factory(**overrides: Any) -> ShopSimulatorEnvironment:
+        overrides.setdefault("base_url", stub.base_url)  # type: ignore[attr-defined]
+        env = ShopSimulatorEnvironment(ShopSimulatorSettings(**overrides), sleep=no_sleep)
+        made.append(env)
+        return env
+
+    yield factory
+    for env in made:
+        await env.aclose()
+
+
+# --------------------------------------------------------------------------- happy path and payloads
+
+
+async def test_episode_payloads_results_and_identity(stub: ShopStub, make_env: Factory) -> None:
+    env = make_env(persona=True)
+    assert isinstance(env, ShopEnvironment)
+    assert env.identity()["environment_version"] is None
+    episode = env.open_episode()
+    assert isinstance(episode, EnvironmentEpisode)
+
+    reset = await episode.reset(19)
+    assert reset["env_idx"] == 0 and len(reset["lease_id"]) == 32  # the full server result
+    assert reset["task_mode"] == "persona"
+    step = await episode.step("search[台灯 护眼]")
+    assert step["done"] is False and step["action_feedback"]["valid"] is True
+    final = await episode.terminate("generation_length")
+    assert final["done"] is True and final["termination_reason"] == "generation_length"
+    await episode.close()
+
+    lease = reset["lease_id"]
+    assert stub.requests == [
+        {
+            "action": "reset",
+            "idx": 19,
+            "if_persona": True,
+            "include_private_goal": False,
+            "interaction_mode": "single_turn",
+        },
+        {"action": "interact", "env_idx": 0, "lease_id": lease, "response": "search[台灯 护眼]"},
+        {"action": "terminate", "env_idx": 0, "lease_id": lease, "termination_reason": "generation_length"},
+        {"action": "release_one", "env_idx": 0, "lease_id": lease},
+    ]
+    assert stub.leases == {}
+    assert (episode.environment_version, episode.observation_version) == (ENVIRONMENT_VERSION, OBSERVATION_VERSION)
+    assert env.identity() == {
+        "adapter": "shopsimulator_http",
+        "base_url": stub.base_url,  # type: ignore[attr-defined]
+        "persona": True,
+        "interaction_mode": "single_turn",
+        "environment_version": ENVIRONMENT_VERSION,
+        "observation_version": OBSERVATION_VERSION,
+    }
+
+
+def test_semantic_identity_leaves_out_location_and_timeouts() -> None:
+    plain = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url="http://a:1", timeout=5))
+    moved = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url="http://b:2", timeout=50, max_retries=0))
+    assert (
+        plain.semantic_identity()
+        == moved.semantic_identity()
+        == {
+            "adapter": "shopsimulator_http",
+            "persona": False,
+            "interaction_mode": "single_turn",
+        }
+    )
+    pinned = ShopSimulatorEnvironment(ShopSimulatorSettings(expected_observation_version=OBSERVATION_VERSION))
+    assert pinned.semantic_identity()["expected_observation_version"] == OBSERVATION_VERSION
+    assert "expected_environment_version" not in pinned.semantic_identity()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("base_url", "shop:5700"),
+        ("interaction_mode", "chat"),
+        ("timeout", 0),
+        ("reset_timeout", -1.0),
+        ("max_retries", -1),
+    ],
+)
+def test_settings_reject_bad_values(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=field):
+        ShopSimulatorSettings(**{field: value})
+
+
+# --------------------------------------------------------------------------- timeouts (V1) and retries
+
+
+async def test_reset_waits_for_a_slot_longer_than_the_call_timeout(stub: ShopStub, make_env: Factory) -> None:
+    stub.script("reset", Reply(delay=0.6))  # a queued reset: the answer comes once a slot frees
+    episode = make_env(timeout=0.2, reset_timeout=30.0).open_episode()
+    reset = await episode.reset(3)
+    assert reset["lease_id"] in stub.leases.values()
+    await episode.close()
+
+
+async def test_reset_wait_is_capped_by_reset_timeout(stub: ShopStub, make_env: Factory, sleeps: list[float]) -> None:
+    stub.script("reset", Reply(delay=30.0))
+    episode = make_env(timeout=5.0, reset_timeout=0.3).open_episode()
+    with pytest.raises(EnvironmentUnavailableError, match="reset_timeout=0.3"):
+        await episode.reset(3)
+    assert stub.actions() == ["reset"] and sleeps == []  # a timed-out reset is never resent
+    await episode.close()  # nothing leased locally: no release is sent
+    assert stub.actions() == ["reset"]
+
+
+async def test_step_is_not_resent_after_a_read_timeout(stub: ShopStub, make_env: Factory, sleeps: list[float]) -> None:
+    episode = make_env(timeout=0.2).open_episode()
+    await episode.reset(1)
+    stub.script("interact", Reply(delay=5.0))
+    with pytest.raises(EnvironmentUnavailableError) as caught:
+        await episode.step("search[耳机]")
+    assert caught.value.request_sent is True and caught.value.attempts == 1
+    assert stub.actions().count("interact") == 1 and sleeps == []
+    await episode.close()
+    assert stub.actions()[-1] == "release_one"
+
+
+async def test_step_5xx_is_infrastructure_and_not_retried(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env().open_episode()
+    await episode.reset(1)
+    stub.script("interact", Reply(status=500, result={"error": "episode is already terminated; reset before stepping"}))
+    with pytest.raises(EnvironmentUnavailableError, match="already terminated") as caught:
+        await episode.step("click[buy now]")
+    assert caught.value.status == 500 and caught.value.action == "interact"
+    assert stub.actions().count("interact") == 1
+    await episode.close()
+    assert stub.leases == {}
+
+
+async def test_reset_retries_when_nothing_reached_the_server(sleeps: list[float]) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+    env = ShopSimulatorEnvironment(
+        ShopSimulatorSettings(base_url=dead, max_retries=2, retry_backoff_seconds=0.25),
+        sleep=lambda seconds: _record(sleeps, seconds),
+    )
+    try:
+        with pytest.raises(EnvironmentUnavailableError) as caught:
+            await env.open_episode().reset(1)
+        assert caught.value.request_sent is False and caught.value.attempts == 3
+        assert sleeps == [0.25, 0.5]
+        with pytest.raises(EnvironmentUnavailableError):
+            await env.healthz()
+    finally:
+        await env.aclose()
+
+
+async def _record(sleeps: list[float], seconds: float) -> None:
+    sleeps.append(seconds)
+
+
+async def test_step_is_retried_when_the_connection_is_refused() -> None:
+    stub, port = ShopStub(), free_port()
+    with ExitStack() as servers:
+        servers.enter_context(running_server(stub.app, port=port))
+
+        async def restart_server(seconds: float) -> None:
+            # The server comes back during the backoff, as after a pod restart.
+            servers.enter_context(running_server(stub.app, port=port))
+
+        env = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=f"http://127.0.0.1:{port}"), sleep=restart_server)
+        try:
+            episode = env.open_episode()
+            await episode.reset(1)
+            servers.close()  # the server goes away between two calls
+            step = await episode.step("search[耳机]")
+            assert step["done"] is False
+            assert stub.actions() == ["reset", "interact"]  # delivered exactly once
+            await episode.close()
+            assert stub.leases == {}
+        finally:
+            await env.aclose()
+
+
+async def test_reset_retries_503_but_not_500(stub: ShopStub, make_env: Factory, sleeps: list[float]) -> None:
+    env = make_env()
+    stub.script("reset", Reply(status=503, result={"error": "upstream unavailable"}))
+    episode = env.open_episode()
+    await episode.reset(2)
+    assert stub.actions() == ["reset", "reset"] and sleeps == [0.5]
+    await episode.close()
+
+    stub.script("reset", Reply(status=500, result={"error": "'unknown or inactive task_id 7'"}))
+    with pytest.raises(EnvironmentUnavailableError, match="unknown or inactive task_id 7"):
+        await env.open_episode().reset(7)
+    assert stub.actions().count("reset") == 3
+
+
+# --------------------------------------------------------------------------- failed answers
+
+
+async def test_result_error_with_http_200_is_a_failure(stub: ShopStub, make_env: Factory) -> None:
+    stub.script("reset", Reply(status=200, result={"error": "No JSON data provided"}))
+    episode = make_env().open_episode()
+    with pytest.raises(EnvironmentResponseError) as caught:
+        await episode.reset(4)
+    assert caught.value.status == 200 and caught.value.server_message == "No JSON data provided"
+    assert "reset" in str(caught.value) and "No JSON data provided" in str(caught.value)
+    assert not episode.holds_lease  # type: ignore[attr-defined]
+
+
+async def test_stale_lease_is_a_lease_error(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env().open_episode()
+    await episode.reset(4)
+    stub.leases.clear()  # as after release_all: the server forgot this lease
+    stub.free = [0, 1, 2, 3]
+    with pytest.raises(LeaseError, match="stale or invalid lease for environment 0") as caught:
+        await episode.step("search[x]")
+    assert caught.value.status == 409 and isinstance(caught.value, EnvironmentResponseError)
+    with pytest.raises(LeaseError):
+        await episode.close()  # the first release itself is rejected: reported, lease dropped
+    assert not episode.holds_lease  # type: ignore[attr-defined]
+
+
+async def test_4xx_and_malformed_bodies_are_response_errors(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env().open_episode()
+    await episode.reset(4)
+    stub.script("interact", Reply(status=400, result={"error": "interact requires a valid env_idx and lease_id"}))
+    with pytest.raises(EnvironmentResponseError, match="HTTP 400: interact requires a valid env_idx") as caught:
+        await episode.step("search[x]")
+    assert not isinstance(caught.value, EnvironmentUnavailableError)
+    stub.script("interact", Reply(raw="<html>oops</html>"))
+    with pytest.raises(EnvironmentResponseError, match="not a JSON object"):
+        await episode.step("search[x]")
+    stub.script("interact", Reply(raw='{"result": [1, 2]}'))
+    with pytest.raises(EnvironmentResponseError, match="not a JSON object"):
+        await episode.step("search[x]")
+    await episode.close()
+    assert stub.leases == {}
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"task_instruction": DROP}, "task_instruction"),
+        ({"observation": DROP}, "'observation'"),
+        ({"observation_state": "home"}, "'observation_state'"),
+        ({"observation_state": {"page_type": "search_home"}}, "observation_version"),
+        ({"instruction": "buy a lamp"}, "'instruction'"),
+        ({"environment_version": 8}, "environment_version"),
+    ],
+)
+async def test_reset_missing_fields_fail_and_the_lease_is_still_released(
+    stub: ShopStub, make_env: Factory, patch: dict[str, Any], message: str
+) -> None:
+    stub.script("reset", Reply(patch=patch))
+    episode = make_env().open_episode()
+    with pytest.raises(EnvironmentResponseError, match=message):
+        await episode.reset(5)
+    assert len(stub.leases) == 1  # the server did lease a slot
+    await episode.close()
+    assert stub.leases == {} and stub.actions() == ["reset", "release_one"]
+
+
+@pytest.mark.parametrize("patch", [{"env_idx": DROP}, {"env_idx": True}, {"lease_id": ""}])
+async def test_reset_without_a_usable_lease_is_an_error(
+    stub: ShopStub, make_env: Factory, patch: dict[str, Any]
+) -> None:
+    stub.script("reset", Reply(patch=patch))
+    with pytest.raises(EnvironmentResponseError, match="env_idx|lease_id"):
+        await make_env().open_episode().reset(5)
+
+
+async def test_step_needs_done_and_observation(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env().open_episode()
+    await episode.reset(5)
+    stub.script("interact", Reply(patch={"done": DROP}), Reply(patch={"observation": None}))
+    with pytest.raises(EnvironmentResponseError, match="'done'"):
+        await episode.step("search[x]")
+    with pytest.raises(EnvironmentResponseError, match="'observation'"):
+        await episode.step("search[x]")
+    await episode.close()
+
+
+async def test_terminate_must_echo_the_reason(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env().open_episode()
+    await episode.reset(5)
+    stub.script("terminate", Reply(patch={"termination_reason": "action_limit"}))
+    with pytest.raises(EnvironmentResponseError, match="server is outdated"):
+        await episode.terminate("generation_length")
+    with pytest.raises(ValueError, match="termination reason"):
+        await episode.terminate("finish")
+    assert stub.actions().count("terminate") == 1  # the bad reason was never sent
+    await episode.close()
+    assert stub.leases == {}
+
+
+# --------------------------------------------------------------------------- versions
+
+
+async def test_pinned_version_mismatch_fails_and_releases(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env(expected_environment_version="shopsimulator-paper-aligned-v9").open_episode()
+    with pytest.raises(EnvironmentVersionError, match="shopsimulator-paper-aligned-v9"):
+        await episode.reset(6)
+    await episode.close()
+    assert stub.leases == {}
+
+    pinned = make_env(
+        expected_environment_version=ENVIRONMENT_VERSION, expected_observation_version=OBSERVATION_VERSION
+    )
+    episode = pinned.open_episode()
+    await episode.reset(6)
+    await episode.close()
+
+
+async def test_observation_version_change_mid_episode(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env().open_episode()
+    await episode.reset(6)
+    newer = {
+        "observation_version": "shopping-observation-v8",
+        "page_type": "search_home",
+        "search_available": True,
+        "actions": [],
+    }
+    stub.script("interact", Reply(patch={"observation_state": newer}))
+    with pytest.raises(EnvironmentVersionError, match="changed during the episode"):
+        await episode.step("search[x]")
+    await episode.close()
+    assert stub.leases == {}
+
+
+# --------------------------------------------------------------------------- lease lifecycle
+
+
+async def test_close_is_idempotent_and_reset_needs_a_free_episode(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env().open_episode()
+    await episode.close()  # never reset: nothing to release
+    assert stub.requests == []
+    with pytest.raises(RuntimeError, match="reset"):
+        await episode.step("search[x]")
+    await episode.reset(8)
+    with pytest.raises(RuntimeError, match="holding lease"):
+        await episode.reset(9)
+    await episode.close()
+    await episode.close()
+    assert stub.actions() == ["reset", "release_one"]
+
+
+async def test_release_is_retried_on_5xx(stub: ShopStub, make_env: Factory, sleeps: list[float]) -> None:
+    episode = make_env().open_episode()
+    await episode.reset(8)
+    stub.script("release_one", Reply(status=500, result={"error": "boom"}))
+    await episode.close()
+    assert stub.actions() == ["reset", "release_one", "release_one"] and sleeps == [0.5]
+    assert stub.leases == {}
+
+
+async def test_release_whose_answer_was_lost_counts_as_released(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env().open_episode()
+    await episode.reset(8)
+    # The server releases the slot, but a proxy answers 502: the retry then meets a 409.
+    stub.script("release_one", Reply(status=502, raw="bad gateway", effect=True))
+    await episode.close()
+    assert stub.actions() == ["reset", "release_one", "release_one"]
+    assert stub.leases == {} and not episode.holds_lease  # type: ignore[attr-defined]
+
+
+async def test_release_failure_is_raised_but_the_local_lease_is_cleared(stub: ShopStub, make_env: Factory) -> None:
+    episode = make_env(max_retries=1).open_episode()
+    await episode.reset(8)
+    stub.script("release_one", *[Reply(status=500, result={"error": "down"})] * 2)
+    with pytest.raises(EnvironmentUnavailableError, match="down") as caught:
+        await episode.close()
+    assert caught.value.attempts == 2
+    assert not episode.holds_lease  # type: ignore[attr-defined]
+    await episode.close()  # nothing left to release
+    assert stub.actions().count("release_one") == 2
+
+
+# --------------------------------------------------------------------------- healthz
+
+
+async def test_healthz(stub: ShopStub, make_env: Factory, sleeps: list[float]) -> None:
+    env = make_env(expected_observation_version=OBSERVATION_VERSION)
+    stub.script("healthz", Reply(status=500, raw="starting"))
+    health = await env.healthz()
+    assert health["ready"] is True and health["free_slots"] == 4
+    assert stub.actions() == ["healthz", "healthz"] and sleeps == [0.5]
+
+    stub.script("healthz", Reply(patch={"observation_version": "shopping-observation-v6"}))
+    with pytest.raises(EnvironmentVersionError, match="shopping-observation-v6"):
+        await env.healthz()
+    stub.script("healthz", Reply(raw="not json"))
+    with pytest.raises(EnvironmentResponseError, match="not a JSON object"):
+        await env.healthz()
+
+
+def test_error_hierarchy() -> None:
+    assert issubclass(LeaseError, EnvironmentResponseError)
+    for cls in (EnvironmentUnavailableError, EnvironmentResponseError, EnvironmentVersionError):
+        assert issubclass(cls, ShopEnvironmentError)
+    assert not issubclass(EnvironmentUnavailableError, EnvironmentResponseError)
