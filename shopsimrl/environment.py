@@ -8,10 +8,13 @@ Errors::
 
     ShopEnvironmentError                  anything the environment adapter raises on purpose
     ├── EnvironmentUnavailableError       infrastructure: connect/read failures, timeouts,
-    │                                     HTTP 5xx (after the retries that are safe);
+    │                                     HTTP 502/503/504, a 500 without the server's
+    │                                     envelope (after the retries that are safe);
     │                                     the scheduler may retry the whole episode
     ├── EnvironmentResponseError          the server answered, and the answer is a failure:
-    │   │                                 HTTP 4xx, ``result.error`` (even with HTTP 200),
+    │   │                                 HTTP 4xx, a 500 carrying ``result.error`` (the
+    │   │                                 application refused: unknown task, episode already
+    │   │                                 terminated), ``result.error`` (even with HTTP 200),
     │   │                                 a body that is not ``{"result": {...}}``, a missing
     │   │                                 or mistyped field, a terminate reason not echoed
     │   └── LeaseError                    HTTP 409: the lease is stale or invalid
@@ -385,8 +388,15 @@ def _decode(action: str, response: httpx.Response, *, enveloped: bool) -> dict[s
     elif not isinstance(result, dict):
         server_message = response.text[:300] or None
     detail = f"HTTP {status}" + (f": {server_message}" if server_message else "")
-    if status >= 500:
+    # A 500 that carries the server's own {"result": {"error": …}} is a refusal by the application
+    # (unknown task, episode already terminated): deterministic, retrying cannot help. Gateway
+    # errors and 500s without the envelope mean the service itself is unavailable.
+    if status >= 500 and not (status == 500 and enveloped and server_message is not None and isinstance(result, dict)):
         raise EnvironmentUnavailableError(f"ShopSimulator {action} failed: {detail}", action=action, status=status)
+    if status >= 500:
+        raise EnvironmentResponseError(
+            f"ShopSimulator {action} refused: {detail}", action=action, status=status, server_message=server_message
+        )
     if status == 409:
         raise LeaseError(
             f"ShopSimulator {action} rejected a stale lease: {detail}",

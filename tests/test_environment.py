@@ -168,14 +168,20 @@ async def test_step_is_not_resent_after_a_read_timeout(stub: ShopStub, make_env:
     assert stub.actions()[-1] == "release_one"
 
 
-async def test_step_5xx_is_infrastructure_and_not_retried(stub: ShopStub, make_env: Factory) -> None:
+async def test_step_5xx_is_not_retried_and_classified(stub: ShopStub, make_env: Factory) -> None:
     episode = make_env().open_episode()
     await episode.reset(1)
+    # The application's own refusal (500 + result.error) is deterministic ...
     stub.script("interact", Reply(status=500, result={"error": "episode is already terminated; reset before stepping"}))
-    with pytest.raises(EnvironmentUnavailableError, match="already terminated") as caught:
+    with pytest.raises(EnvironmentResponseError, match="already terminated") as refused:
         await episode.step("click[buy now]")
-    assert caught.value.status == 500 and caught.value.action == "interact"
-    assert stub.actions().count("interact") == 1
+    assert refused.value.status == 500 and refused.value.action == "interact"
+    assert not isinstance(refused.value, EnvironmentUnavailableError)
+    # ... a gateway error means the service is unavailable (infrastructure).
+    stub.script("interact", Reply(status=503, raw="service unavailable"))
+    with pytest.raises(EnvironmentUnavailableError, match="503"):
+        await episode.step("click[buy now]")
+    assert stub.actions().count("interact") == 2
     await episode.close()
     assert stub.leases == {}
 
@@ -233,7 +239,7 @@ async def test_reset_retries_503_but_not_500(stub: ShopStub, make_env: Factory, 
     await episode.close()
 
     stub.script("reset", Reply(status=500, result={"error": "'unknown or inactive task_id 7'"}))
-    with pytest.raises(EnvironmentUnavailableError, match="unknown or inactive task_id 7"):
+    with pytest.raises(EnvironmentResponseError, match="unknown or inactive task_id 7"):
         await env.open_episode().reset(7)
     assert stub.actions().count("reset") == 3
 
@@ -391,7 +397,7 @@ async def test_close_is_idempotent_and_reset_needs_a_free_episode(stub: ShopStub
 async def test_release_is_retried_on_5xx(stub: ShopStub, make_env: Factory, sleeps: list[float]) -> None:
     episode = make_env().open_episode()
     await episode.reset(8)
-    stub.script("release_one", Reply(status=500, result={"error": "boom"}))
+    stub.script("release_one", Reply(status=503, raw="boom"))
     await episode.close()
     assert stub.actions() == ["reset", "release_one", "release_one"] and sleeps == [0.5]
     assert stub.leases == {}
@@ -410,7 +416,7 @@ async def test_release_whose_answer_was_lost_counts_as_released(stub: ShopStub, 
 async def test_release_failure_is_raised_but_the_local_lease_is_cleared(stub: ShopStub, make_env: Factory) -> None:
     episode = make_env(max_retries=1).open_episode()
     await episode.reset(8)
-    stub.script("release_one", *[Reply(status=500, result={"error": "down"})] * 2)
+    stub.script("release_one", *[Reply(status=503, raw="down")] * 2)
     with pytest.raises(EnvironmentUnavailableError, match="down") as caught:
         await episode.close()
     assert caught.value.attempts == 2
