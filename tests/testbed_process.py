@@ -1,0 +1,88 @@
+"""Start the testbed services (`shopsimrl testbed up`) as a real subprocess for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from shopsimrl.testbed.serving import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class LocalTestbed:
+    shop_url: str
+    model_url: str
+    process: subprocess.Popen[bytes]
+
+    def healthz(self) -> dict:
+        return httpx.get(f"{self.shop_url}/healthz", timeout=10).json()
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Environment for a `shopsimrl` subprocess pointed at this testbed."""
+        env = {**os.environ, "SHOPSIMRL_MODEL_BASE_URL": self.model_url, "SHOPSIMRL_ENV_BASE_URL": self.shop_url}
+        env.update(extra)
+        return env
+
+
+@contextmanager
+def start_testbed(**knobs: str) -> Iterator[LocalTestbed]:
+    """``knobs``: SHOPSIM_* / SHOPSIM_POLICY_* variables (latency, fault rates, slots)."""
+    shop_port, policy_port = free_port(), free_port()
+    log = open(os.devnull, "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shopsimrl", "testbed", "up", "--shop-port", str(shop_port), "--policy-port", str(policy_port)],
+        cwd=ROOT, env={**os.environ, **knobs}, stdout=log, stderr=log,
+    )
+    bed = LocalTestbed(f"http://127.0.0.1:{shop_port}", f"http://127.0.0.1:{policy_port}/v1", process)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if bed.healthz().get("ready") and httpx.get(f"{bed.model_url}/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"testbed did not start (exit {process.poll()})")
+            time.sleep(0.1)
+        yield bed
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def write_config(directory: Path, *, name: str, sample_size: int, concurrency: int = 4, extra_model: str = "", max_steps: int = 30) -> Path:
+    """A testbed config in ``directory`` with absolute paths (runs land in ``directory/runs``)."""
+    path = directory / f"{name}.yaml"
+    path.write_text(
+        f"""
+experiment: {{name: {name}, output_dir: {directory / 'runs'}, seed: 20260830, concurrency: {concurrency}}}
+tasks: {{split_file: {ROOT / 'configs/splits/persona_splits.v1.json'}, split: val, sample_size: {sample_size}}}
+environment: {{base_url: http://127.0.0.1:1}}
+runtime: {{max_steps: {max_steps}, max_episode_retries: 2}}
+model:
+  name: shopsim-heuristic
+  base_url: http://127.0.0.1:1/v1
+  api_key_env: null
+  max_retries: 6
+  retry_backoff_seconds: 0.05
+  timeout: 20
+{extra_model}
+""",
+        encoding="utf-8",
+    )
+    return path
