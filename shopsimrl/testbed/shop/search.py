@@ -1,0 +1,173 @@
+"""Multi-field BM25 product search (``shopsimulator-multifield-bm25-v3``) on SQLite FTS5.
+
+Every field is pre-tokenized (Chinese bigrams plus Latin/number tokens) before it is stored, so
+FTS5's ``unicode61`` tokenizer only splits on the spaces between those tokens and Chinese lookup
+does not depend on any machine-local segmenter. The index lives in memory and is built at start-up.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import threading
+import unicodedata
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shopsimrl.testbed.shop.catalog import Product
+
+__all__ = [
+    "FIELD_WEIGHTS",
+    "PAGE_SIZE",
+    "SEARCH_VERSION",
+    "TOP_K",
+    "SearchIndex",
+    "normalize_query",
+    "product_fields",
+    "search_tokens",
+]
+
+SEARCH_VERSION = "shopsimulator-multifield-bm25-v3"
+OPTION_DOCUMENT_VERSION = "public-axis-value-v1"
+TOP_K = 150
+PAGE_SIZE = 20
+FIELD_WEIGHTS: dict[str, float] = {
+    "title": 3.0,
+    "brand": 2.0,
+    "category": 2.0,
+    "model": 2.5,
+    "attributes": 1.5,
+    "options": 1.2,
+    "bullets": 0.8,
+}
+FIELDS = tuple(FIELD_WEIGHTS)
+
+_HAN_RUN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff]+")
+_LATIN_OR_NUMBER = re.compile(r"[a-z0-9]+(?:[._+\-/][a-z0-9]+)*")
+# A model number is one alphanumeric token that has both a letter and a digit (e.g. "x200").
+_MODEL = re.compile(
+    r"(?<![a-z0-9])(?=[a-z0-9._+\-/]*[a-z])(?=[a-z0-9._+\-/]*\d)"
+    r"[a-z0-9]+(?:[._+\-/][a-z0-9]+)*(?![a-z0-9])"
+)
+
+
+_CURRENCY_WORD = re.compile(r"(?<=\d)\s*(?:rmb|cny|yuan)\b")
+_PUNCTUATION = re.compile(r"[，,。；;：:！!？?、|]+")
+
+
+def normalize_query(value: object) -> str:
+    """NFKC + casefold, currency words to 元, basic punctuation to spaces, whitespace collapsed."""
+    text = unicodedata.normalize("NFKC", str(value or "")).casefold()
+    text = text.replace("人民币", "元").replace("块钱", "元")
+    text = _CURRENCY_WORD.sub("元", text)
+    # whitespace collapsing happens in the final split/join
+    return " ".join(_PUNCTUATION.sub(" ", text).split())
+
+
+def search_tokens(value: object) -> tuple[str, ...]:
+    """Chinese bigrams (a one-character run is kept whole), then Latin/number tokens; deduplicated."""
+    text = normalize_query(value)
+    tokens: list[str] = []
+    for run in _HAN_RUN.findall(text):
+        tokens.extend([run] if len(run) == 1 else [run[i : i + 2] for i in range(len(run) - 1)])
+    tokens.extend(_LATIN_OR_NUMBER.findall(text))
+    return tuple(dict.fromkeys(tokens))
+
+
+def _flatten(value: object) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        out: list[str] = []
+        for key in sorted(value, key=str):
+            out.append(str(key))
+            out.extend(_flatten(value[key]))
+        return out
+    if isinstance(value, (list, tuple, set)):
+        return [text for item in value for text in _flatten(item)]
+    return [str(value)]
+
+
+def _option_text(raw_options: object) -> str:
+    """Axis names and option values only: prices, images and variant ids must not be searchable."""
+    if not isinstance(raw_options, dict):
+        return ""
+    parts: list[str] = []
+    for axis in sorted(raw_options, key=str):
+        if str(axis).strip():
+            parts.append(str(axis).strip())
+        entries = raw_options[axis]
+        if not isinstance(entries, (list, tuple)):
+            entries = [entries]
+        for entry in entries:
+            value = entry.get("value") if isinstance(entry, dict) else entry
+            if value not in (None, "") and str(value).strip():
+                parts.append(str(value).strip())
+    return " ".join(parts)
+
+
+def product_fields(product: Product) -> dict[str, str]:
+    """The searchable document of a product (no task or reward fields)."""
+    source: dict[str, Any] = product.search_source
+    bullets = source.get("small_description") or source.get("sub_title") or []
+    return {
+        "title": product.title,
+        "brand": str(source.get("brand") or product.shop_name or ""),
+        "category": str(product.category or source.get("product_category") or ""),
+        "model": " ".join(dict.fromkeys(_MODEL.findall(normalize_query(product.title)))),
+        "attributes": " ".join(_flatten(product.attributes)),
+        "options": _option_text(source.get("customization_options")),
+        "bullets": " ".join(_flatten(bullets)),
+    }
+
+
+@lru_cache(maxsize=65536)
+def _indexed_text(value: str) -> str:
+    # Brands, categories and option documents repeat across products; tokenize each text once.
+    return " ".join(search_tokens(value)) if value else ""
+
+
+class SearchIndex:
+    """In-memory FTS5 index; ``search`` returns up to ``TOP_K`` ASINs, best first."""
+
+    def __init__(self, products: Iterable[Product]) -> None:
+        # One connection shared by the event loop; the lock covers use from other threads.
+        self._db = sqlite3.connect(":memory:", check_same_thread=False)
+        self._lock = threading.Lock()
+        self._db.execute(
+            "CREATE VIRTUAL TABLE products USING fts5("
+            "asin UNINDEXED, title, brand, category, model, attributes, options, bullets,"
+            " tokenize='unicode61 remove_diacritics 2')"
+        )
+        rows = []
+        seen: set[str] = set()
+        for product in products:
+            if product.asin in seen:
+                continue
+            seen.add(product.asin)
+            fields = product_fields(product)
+            rows.append((product.asin, *(_indexed_text(fields[f]) for f in FIELDS)))
+        self._db.executemany("INSERT INTO products VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        self._db.commit()
+        self.size = len(rows)
+        # bm25() weights are positional over all declared columns; the leading 0 is the ASIN.
+        weights = ", ".join(str(w) for w in (0.0, *FIELD_WEIGHTS.values()))
+        self._sql = (
+            f"SELECT asin FROM products WHERE products MATCH ? "
+            f"ORDER BY bm25(products, {weights}) ASC, asin ASC LIMIT ?"
+        )
+
+    def search(self, text: object, k: int = TOP_K) -> list[str]:
+        tokens = search_tokens(text)
+        if not tokens or k <= 0:
+            return []
+        # Tokens never contain a double quote, and quoting keeps FTS syntax out of user text.
+        query = " OR ".join(f'"{token}"' for token in tokens)
+        with self._lock:
+            return [row[0] for row in self._db.execute(self._sql, (query, int(k)))]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
