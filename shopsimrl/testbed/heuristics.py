@@ -1,44 +1,64 @@
 """Rule-based shopping decisions over the ShopSimulator text observation.
 
 The heuristic "model" of the testbed sees exactly what a served LLM sees: the chat messages the
-runtime builds (task instruction + rendered Chinese page text, then one observation per tool
-call) and the function tools offered for the current page. :func:`decide` turns that into one
-tool call. It is a pure function: the same messages, tools, seed and temperature always give the
-same decision, and no module-level random state is touched.
+runtime builds (system prompt with the user profile, task instruction + rendered Chinese page
+text, then one observation per tool call) and the function tools offered for the current page.
+:func:`decide` turns that into one tool call. It is a pure function: the same messages, tools,
+seed and temperature always give the same decision, and no module-level random state is touched.
 
-Strategy (a plain baseline, not a strong agent): search with the product kind and a few
-distinctive terms of the instruction; open the best-matching unvisited listing within budget;
-page or re-query with fewer words when nothing fits; select the option values the instruction
-names, then any missing axis; buy.
+Strategy (a plain rule baseline): collect what the user wants from the instruction and from the
+profile's preference block (wanted attributes, option choices, budget); search with the product
+kind and those terms; on a results page open the unvisited listing that shows every wanted
+attribute within budget, paging or re-querying when none does; on a product page go back when
+the product lacks a wanted attribute or option value, otherwise select the closest value per
+axis (the same fuzzy token-set similarity the reward uses), check the price against the budget,
+and buy. From ``URGENT_STEP`` on it stops exploring and buys the best it has.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import re
-import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from shopsimrl.schemas import fingerprint
+from shopsimrl.testbed.heuristics_pages import (
+    ASIN,
+    BACK,
+    BUTTONS,
+    BUY,
+    NEXT,
+    PREV,
+    History,
+    Observation,
+    Product,
+    contains_term,
+    extract_keywords,
+    fuzzy_ratio,
+    history,
+    norm,
+    offered,
+    parse_budget,
+    parse_observation,
+    parse_preferences,
+    price_low,
+    tokens,
+)
 
 __all__ = ["Decision", "Observation", "Product", "decide", "extract_keywords", "parse_budget", "parse_observation"]
-
-BACK = "back to search"
-PREV = "< prev"
-NEXT = "next >"
-BUY = "buy now"
-_BUTTONS = frozenset({BACK, PREV, NEXT, BUY})
-_ASIN = re.compile(r"^\d{8,12}$")
 
 # The runtime allows 30 turns by default; from URGENT_STEP on the policy stops exploring and commits.
 URGENT_STEP = 20
 MAX_SEARCHES = 4
 MAX_PAGES_PER_QUERY = 2
-MAX_PRODUCTS = 5
+MAX_PRODUCTS = 6
 MAX_PRICE_TRIES = 3
 GOOD_MATCH = 0.3
+# The reward counts a fuzzy token-set ratio above 85 as a match; the policy uses the same bar.
+FUZZY_MATCH = 85
+# "轴体为红轴" / "适用人数要五到八人" name an attribute key and value; listings print "键：值".
+_KEY_VALUE = re.compile(r"^(.{2,6}?)(?:要|为|是|选)(.{1,12})$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,380 +70,123 @@ class Decision:
     reasoning: str
 
 
-@dataclass(slots=True)
-class Product:
-    asin: str
-    title: str = ""
-    price: str = ""
-    brand: str = ""
-    category: str = ""
-    attributes: str = ""
-    rank: int = 0
+@dataclass(frozen=True, slots=True)
+class _Wants:
+    kind: str
+    terms: tuple[str, ...]  # distinctive instruction terms (soft: the text is informal)
+    attributes: tuple[str, ...]  # profile attributes: a product must show every one
+    options: tuple[tuple[str, str], ...]  # profile option choices (axis, value)
+    pairs: tuple[tuple[str, str], ...]  # "key is value" instruction terms: an attribute or an option
+    budget: float | None
+    instruction: str  # normalised instruction text
 
 
-@dataclass(slots=True)
-class Observation:
-    """The parts of one rendered page the policy uses; unknown pages keep ``page=""``."""
-
-    page: str = ""
-    products: list[Product] = field(default_factory=list)
-    product: Product | None = None
-    # axis -> (selected value or None, displayed values), in page order
-    axes: dict[str, tuple[str | None, list[str]]] = field(default_factory=dict)
-    clickable: list[str] = field(default_factory=list)
-    last_invalid: bool = False
-
-
-# --------------------------------------------------------------------------- text utilities
-
-
-def _norm(text: str) -> str:
-    return re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).casefold()).strip()
-
-
-def _tokens(text: str) -> set[str]:
-    """Chinese bigrams (a lone character stands for itself) plus Latin/digit words."""
-    text = _norm(text)
-    out: set[str] = set()
-    for run in re.findall(r"[\u4e00-\u9fff]+", text):
-        out.update([run] if len(run) == 1 else (run[i : i + 2] for i in range(len(run) - 1)))
-    out.update(re.findall(r"[a-z0-9]+(?:[._+\-/][a-z0-9]+)*", text))
-    return out
-
-
-def _contains_term(haystack: str, term: str) -> bool:
-    """Substring test; a Latin/digit term must not sit inside a longer word (``xl`` vs ``xxl``)."""
-    term = _norm(term)
-    if not term:
-        return False
-    if re.fullmatch(r"[a-z0-9 ._+\-]+", term):
-        return re.search(rf"(?<![a-z0-9]){re.escape(term)}(?![a-z0-9])", haystack) is not None
-    return term in haystack
-
-
-# --------------------------------------------------------------------------- budget
-
-
-_CN_DIGITS = {"零": 0, "一": 1, "二": 2, "两": 2, "三": 3, "四": 4, "五": 5, "六": 6, "七": 7, "八": 8, "九": 9}
-_CN_UNITS = {"十": 10, "百": 100, "千": 1000}
-_NUMBER = re.compile(
-    r"(?P<ar>\d+(?:\.\d+)?)(?:\s*(?P<mag>[万千kw])(?P<tail>\d(?!\d))?)?"
-    r"|(?P<cn>[零一二两三四五六七八九十百千万]+)"
-)
-_RANGE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:-|~|～|到|至)\s*(\d+(?:\.\d+)?)\s*元?")
-_MONEY_BEFORE = ("预算", "价格", "价位", "售价", "价钱", "不超过", "不高于", "低于", "少于", "控制在")
-_UPPER_AFTER = ("以内", "以下", "之内", "内", "左右", "上下", "来")
-_APPROX = ("左右", "上下", "来")
-
-
-def _cn_number(text: str) -> float | None:
-    total, section, num, last_unit = 0, 0, 0, 1
-    for ch in text:
-        if ch == "零":
-            num, last_unit = 0, 10  # "三百零五": the digit after 零 is a unit digit
-        elif ch in _CN_DIGITS:
-            num = _CN_DIGITS[ch]
-        elif ch in _CN_UNITS:
-            unit = _CN_UNITS[ch]
-            section += (num or 1) * unit
-            num, last_unit = 0, unit
-        elif ch == "万":
-            total += (section + num) * 10000
-            section, num, last_unit = 0, 0, 10000
-    # A trailing digit after a unit is shorthand for the next unit down: 一千八 = 1800.
-    value = total + section + (num * (last_unit // 10) if last_unit >= 10 else num)
-    return float(value) if value > 0 else None
-
-
-def _number_value(match: re.Match[str]) -> float | None:
-    if match.group("cn"):
-        return _cn_number(match.group("cn"))
-    value = float(match.group("ar"))
-    mag = match.group("mag")
-    if mag:
-        unit = 10000 if mag in "万w" else 1000
-        value *= unit
-        if match.group("tail"):
-            value += int(match.group("tail")) * unit / 10
-    return value
-
-
-def parse_budget(instruction: str) -> float | None:
-    """Upper price limit stated in the instruction (``预算1000元以内`` → 1000), or None.
-
-    Ranges give their upper end, approximate amounts (``左右``, ``来``) are widened by 10 %,
-    and lower bounds (``4k+``, ``超过20元``) are ignored.
-    """
-    text = _norm(instruction)
-    for word in ("人民币", "块钱", "块", "rmb", "cny", "yuan"):
-        text = text.replace(word, "元")
-    range_match = _RANGE.search(text)
-    if range_match and ("元" in text[range_match.end() - 1 : range_match.end() + 1] or "价" in text):
-        return float(range_match.group(2))
-    for match in _NUMBER.finditer(text):
-        value = _number_value(match)
-        if value is None:
-            continue
-        before = text[max(0, match.start() - 8) : match.start()]
-        after = text[match.end() : match.end() + 4]
-        if after.startswith("+") or "以上" in after or after.startswith("起"):
-            continue
-        if re.search(r"(?<!不)(?<!不要)(超过|高于|大于)$", before):
-            continue
-        # Money: a yuan unit right after the number, a price word right before it, or an
-        # upper-bound word right after it ("300以内"); "一款" or "15寸" are not amounts.
-        tight = before.rstrip("在就是为约大概只要 ")
-        if not (
-            after.startswith("元")
-            or tight.endswith(_MONEY_BEFORE)
-            or after.startswith(_UPPER_AFTER[:-1])
-            or (match.group("cn") is None and any(word in before for word in _MONEY_BEFORE))
-        ):
-            continue
-        if any(after.lstrip("元").startswith(word) or after.startswith(word) for word in _APPROX):
-            value = round(value * 1.1, 2)
-        return value
-    return None
-
-
-def _price_low(price: str) -> float | None:
-    """Lowest number of a displayed price (``"12.5"`` or ``"10.0 to 20.0"``)."""
-    numbers = re.findall(r"\d+(?:\.\d+)?", price or "")
-    return min(float(n) for n in numbers) if numbers else None
-
-
-# --------------------------------------------------------------------------- keywords
-
-_SPLIT = re.compile(r"[，,。；;！!？?、\n：:（）()“”\"'「」《》【】]+")
-_LEADING_FILLERS = tuple(
-    sorted(
-        "我想买 我想要 我要买 我需要 我想找 帮我找 帮我买 请帮我 给我找 给我买 想买 想要 想找 需要 购买 寻找 推荐 "
-        "要求是 要求 希望是 希望 最好是 最好 而且 并且 同时 另外 还要 还有 能够 可以 支持 具有 带有 适合 用于 "
-        "是 有 我 请 帮 找 买 要 个 款 还 能 并".split(),
-        key=len,
-        reverse=True,  # longest first, so 我想买 is stripped whole rather than as 我
+def _wants(hist: History) -> _Wants:
+    prefs = parse_preferences(hist.system)
+    kind, terms = extract_keywords(hist.instruction)
+    budget = parse_budget(hist.instruction)
+    return _Wants(
+        kind=kind,
+        terms=tuple(terms),
+        attributes=prefs.attributes,
+        options=prefs.options,
+        pairs=tuple((m.group(1), m.group(2)) for m in map(_KEY_VALUE.match, terms) if m),
+        budget=budget if budget is not None else prefs.budget,
+        instruction=norm(hist.instruction),
     )
-)
-_MEASURE = re.compile(r"^[一两几][款个台件双套把条只些瓶盏部张副份支块本盒袋包辆对]")
-_BUDGET_WORDS = re.compile(r"预算|价格|价位|售价|价钱|\d\s*元|块钱|以内|以下|之内|不超过|左右|便宜|实惠|性价比")
-_GENERIC = frozenset({"东西", "商品", "产品", "质量好", "好用", "不错", "的", "一下", "用", "使用"})
 
 
-def _strip_fillers(segment: str) -> str:
-    changed = True
-    while changed and segment:
-        changed = False
-        measure = _MEASURE.match(segment)
-        if measure:
-            segment, changed = segment[measure.end() :], True
-            continue
-        for filler in _LEADING_FILLERS:
-            if segment.startswith(filler) and len(segment) > len(filler):
-                segment, changed = segment[len(filler) :], True
-                break
-    return segment.strip()
+# --------------------------------------------------------------------------- matching
 
 
-def extract_keywords(instruction: str) -> tuple[str, list[str]]:
-    """``(product kind, distinctive terms)`` of a Chinese shopping instruction.
-
-    Without a word segmenter this leans on Chinese being head-final: in ``适合跑步的蓝牙耳机``
-    the last ``的``-segment of the purchase clause names the kind; other short segments
-    (``黑色``, ``主动降噪``) are the distinctive terms. Price phrases are dropped: the search
-    engine cannot use them and the budget is enforced separately.
-    """
-    clauses = [c.strip() for c in _SPLIT.split(unicodedata.normalize("NFKC", instruction)) if c.strip()]
-    kind = ""
-    terms: list[str] = []
-    for clause in clauses:
-        segments = [_strip_fillers(s) for s in re.split(r"的|得", clause)]
-        segments = [s for s in segments if s and s not in _GENERIC and not _BUDGET_WORDS.search(s)]
-        if not segments:
-            continue
-        if not kind:
-            kind = segments[-1]
-            terms.extend(segments[:-1])
-        else:
-            terms.extend(segments)
-    # Short terms first: colours, sizes and features are the most specific words.
-    unique = sorted(dict.fromkeys(t for t in terms if t != kind), key=len)
-    if len(kind) > 12:
-        kind = kind[-8:]
-    return kind, [t for t in unique if len(t) <= 10]
+def _attribute_list(product: Product) -> list[str]:
+    return [a.strip() for a in re.split(r"[；;]", product.attributes) if a.strip()]
 
 
-def query_variants(instruction: str) -> list[str]:
-    """Search queries from specific to broad; the n-th search of an episode uses the n-th one."""
-    kind, terms = extract_keywords(instruction)
-    variants: list[str] = []
-    if kind:
-        variants += [" ".join([kind, *terms[:3]]), " ".join([kind, *terms[:1]]), kind]
-        if len(kind) > 4:
-            variants.append(kind[-3:])  # Chinese is head-final: 男士运动鞋 -> 运动鞋
-    fallback = re.sub(r"\s+", " ", _SPLIT.sub(" ", instruction)).strip()[:20]
-    variants.append(fallback or "商品")
-    out: list[str] = []
-    for variant in variants:
-        if variant.strip() and variant not in out:
-            out.append(variant.strip())
-    return out
+def _has_attribute(product: Product, wanted: str) -> bool:
+    """The reward's attribute test on what the page shows: a fuzzy match with a listed attribute,
+    or a substring of the visible text (title and key attributes stand in for the description)."""
+    if any(fuzzy_ratio(wanted, attribute) > FUZZY_MATCH for attribute in _attribute_list(product)):
+        return True
+    return norm(wanted) in norm(f"{product.title} {product.attributes}")
 
 
-# --------------------------------------------------------------------------- observation parsing
+def _term_forms(term: str) -> list[str]:
+    found = _KEY_VALUE.match(term)
+    return [term, f"{found.group(1)}：{found.group(2)}", found.group(2)] if found else [term]
 
 
-def parse_observation(text: str) -> Observation:
-    """Parse the page text rendered by ShopSimulator (``render_observation_state`` layout)."""
-    obs = Observation()
-    lines = text.splitlines()
-    if lines and lines[0].startswith("页面："):
-        obs.page = lines[0][len("页面：") :].strip()
-    section = ""
-    current: Product | None = None
-    axis: str | None = None
-    for raw in lines[1:]:
-        line = raw.rstrip()
-        stripped = line.strip()
-        if not stripped:
-            continue
-        if not line.startswith((" ", "-")) and stripped.endswith("：") and not re.match(r"^\d+\. ", line):
-            section = stripped[:-1]
-            continue
-        if section == "商品列表":
-            head = re.match(r"^(\d+)\. (.*)$", line)
-            if head:
-                current = Product(asin="", title=head.group(2).strip(), rank=int(head.group(1)))
-                obs.products.append(current)
-            elif current is not None:
-                _fill_field(current, stripped)
-        elif section == "商品":
-            obs.product = obs.product or Product(asin="")
-            _fill_field(obs.product, stripped.removeprefix("- "))
-        elif section == "规格选择":
-            head = re.match(r"^- (.+?)：(?:已选择 (.*)|尚未选择)$", line)
-            if head:
-                axis = head.group(1)
-                obs.axes[axis] = (head.group(2).strip() if head.group(2) is not None else None, [])
-            elif stripped.startswith("可选值：") and axis is not None:
-                values = [v.strip() for v in stripped[len("可选值：") :].split(" / ") if v.strip()]
-                obs.axes[axis] = (obs.axes[axis][0], values)
-        elif section == "上次交互结果":
-            if stripped == "- 结果：无效":
-                obs.last_invalid = True
-        elif section == "可点击元素" and line.startswith("- "):
-            obs.clickable.append(line[2:].strip())
-    obs.products = [p for p in obs.products if p.asin]
-    return obs
+def _term_score(product: Product, term: str) -> float:
+    """1.0 when an informal instruction term is clearly shown, else its share of shared bigrams."""
+    forms = _term_forms(term)
+    if any(_has_attribute(product, form) for form in forms):
+        return 1.0
+    wanted = tokens(forms[-1])
+    shown = tokens(f"{product.title} {product.attributes}")
+    return 0.7 * len(wanted & shown) / len(wanted) if wanted else 0.0
 
 
-_FIELDS = {"ASIN": "asin", "标题": "title", "价格": "price", "品牌": "brand", "类别": "category", "关键属性": "attributes"}
+def _kind_score(product: Product, kind: str) -> float:
+    wanted = tokens(kind)
+    if not wanted:
+        return 1.0
+    return len(wanted & tokens(f"{product.title} {product.category}")) / len(wanted)
 
 
-def _fill_field(product: Product, line: str) -> None:
-    label, sep, value = line.partition("：")
-    if sep and label in _FIELDS:
-        setattr(product, _FIELDS[label], value.strip())
+def _relevance(wants: _Wants, product: Product) -> float:
+    """Bag-of-bigrams overlap with the instruction, the product kind weighing most."""
+    wanted: dict[str, float] = {}
+    for token in tokens(" ".join(wants.terms)) | tokens(wants.instruction):
+        wanted[token] = 1.0
+    for token in tokens(wants.kind):
+        wanted[token] = 3.0
+    if not wanted:
+        return 0.0
+    title = tokens(product.title)
+    rest = tokens(" ".join((product.category, product.attributes, product.brand)))
+    score = sum(w * (1.0 if t in title else 0.6 if t in rest else 0.0) for t, w in wanted.items())
+    return score / sum(wanted.values())
 
 
-# --------------------------------------------------------------------------- conversation
+def _contradicted(wants: _Wants, product: Product) -> list[str]:
+    """Instruction pairs whose key the product lists with a different value (``适用年龄：幼童``)."""
+    shown = [a.partition("：") for a in _attribute_list(product)]
+    keys = {norm(k) for k, sep, _ in shown if sep}
+    return [
+        f"{k}：{v}"
+        for k, v in wants.pairs
+        if norm(k) in keys and not _has_attribute(product, f"{k}：{v}")
+    ]
 
 
-@dataclass(slots=True)
-class _History:
-    instruction: str = ""
-    observation: str = ""
-    calls: list[tuple[str, str]] = field(default_factory=list)  # (tool, argument) in order
-    turns: int = 0  # assistant turns, protocol errors included: they use up runtime steps too
-
-    @property
-    def searches(self) -> int:
-        return sum(1 for tool, _ in self.calls if tool == "search")
-
-    def since_last_search(self) -> list[tuple[str, str]]:
-        for index in range(len(self.calls) - 1, -1, -1):
-            if self.calls[index][0] == "search":
-                return self.calls[index + 1 :]
-        return list(self.calls)
-
-    def visited(self) -> list[str]:
-        return [arg for tool, arg in self.calls if tool == "click" and _ASIN.match(arg)]
-
-    def since_opening(self, asin: str) -> list[str]:
-        clicks: list[str] = []
-        for tool, arg in reversed(self.calls):
-            if tool == "click" and arg == asin:
-                break
-            clicks.append(arg)
-        return clicks[::-1]
+def _missing_attributes(wants: _Wants, product: Product) -> list[str]:
+    return [a for a in wants.attributes if not _has_attribute(product, a)] + _contradicted(wants, product)
 
 
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return ""
+def _in_budget(wants: _Wants, price: str) -> bool:
+    low = price_low(price)
+    return wants.budget is None or low is None or low <= wants.budget
 
 
-def _is_protocol_feedback(text: str) -> bool:
-    if not text.lstrip().startswith("{"):
-        return False
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return False
-    return isinstance(data, dict) and data.get("type") == "tool_protocol_error"
-
-
-def _history(messages: list[dict[str, Any]]) -> _History:
-    hist = _History()
-    seen_task = False
-    for message in messages:
-        if not isinstance(message, dict):
-            continue
-        role = message.get("role")
-        text = _text_of(message.get("content"))
-        if role == "user" and not seen_task:
-            seen_task = True
-            body = text.removeprefix("购物任务：").lstrip("\n")
-            instruction, sep, page = body.partition("\n\n页面：")
-            hist.instruction = instruction.strip()
-            hist.observation = "页面：" + page if sep else ""
-        elif role in ("user", "tool") and text.lstrip().startswith("页面：") and not _is_protocol_feedback(text):
-            hist.observation = text
-        elif role == "assistant":
-            hist.turns += 1
-            calls = message.get("tool_calls")
-            for call in calls if isinstance(calls, list) else []:
-                function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict):
-                    continue
-                arguments = function.get("arguments")
-                try:
-                    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-                except ValueError:
-                    continue
-                if isinstance(arguments, dict):
-                    arg = arguments.get("query", arguments.get("value", ""))
-                    hist.calls.append((str(function.get("name", "")), str(arg).strip()))
-    return hist
-
-
-def _offered(tools: list[dict[str, Any]] | None) -> dict[str, list[str] | None]:
-    """Tool name -> the ``enum`` of its single string parameter (None when unrestricted)."""
-    out: dict[str, list[str] | None] = {}
-    for tool in tools or []:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            continue
-        params = function.get("parameters")
-        props = params.get("properties") if isinstance(params, dict) else None
-        enum: list[str] | None = None
-        for spec in props.values() if isinstance(props, dict) else []:
-            if isinstance(spec, dict) and isinstance(spec.get("enum"), list):
-                enum = [v for v in spec["enum"] if isinstance(v, str)]
-        out[function["name"]] = enum
-    return out
+def _assess(ctx: _Context, product: Product) -> tuple[float, bool]:
+    """(score, acceptable) of a listing: acceptable means worth opening without looking further."""
+    wants = ctx.wants
+    kind = _kind_score(product, wants.kind)
+    in_budget = _in_budget(wants, product.price)
+    missing = _missing_attributes(wants, product)  # profile attributes not shown + contradicted pairs
+    if wants.attributes:
+        terms = [_term_score(product, t) for t in wants.terms]
+        soft = sum(terms) / len(terms) if terms else 0.0
+        score = max(0.0, 1.0 - len(missing) / len(wants.attributes)) + 0.5 * kind + 0.2 * soft
+        acceptable = not missing and kind >= 0.5
+    else:
+        score = _relevance(wants, product) + 0.1 * (len(wants.pairs) - len(missing))
+        acceptable = score >= GOOD_MATCH and not missing
+    if not in_budget:
+        score, acceptable = score * 0.3, False
+    if ctx.rng is not None:
+        score += ctx.rng.uniform(0.0, 0.05)
+    return score, acceptable
 
 
 # --------------------------------------------------------------------------- decisions
@@ -431,17 +194,21 @@ def _offered(tools: list[dict[str, Any]] | None) -> dict[str, list[str] | None]:
 
 @dataclass(slots=True)
 class _Context:
-    hist: _History
+    hist: History
     obs: Observation
     clicks: list[str]
     can_search: bool
-    budget: float | None
-    instruction: str
+    wants: _Wants
     rng: random.Random | None
 
     @property
     def urgent(self) -> bool:
         return self.hist.turns + 1 >= URGENT_STEP
+
+    @property
+    def can_leave(self) -> bool:
+        """Whether rejecting the open product still leaves time to find a better one."""
+        return PREV in self.clicks and not self.urgent and len(set(self.hist.visited())) < MAX_PRODUCTS
 
 
 def decide(
@@ -457,11 +224,11 @@ def decide(
     values offered. ``temperature > 0`` adds seeded noise to tie-breaks so that samples with
     different seeds can differ; at 0 the choice depends on the conversation only.
     """
-    offered = _offered(tools)
-    if not offered:
+    tools_offered = offered(tools)
+    if not tools_offered:
         return None
-    hist = _history(messages)
-    clicks = list(offered.get("click") or [])
+    hist = history(messages)
+    clicks = list(tools_offered.get("click") or [])
     rng = None
     if temperature > 0:
         rng = random.Random(fingerprint([seed, hist.instruction, len(hist.calls)]))
@@ -469,15 +236,14 @@ def decide(
         hist=hist,
         obs=parse_observation(hist.observation),
         clicks=clicks,
-        can_search="search" in offered,
-        budget=parse_budget(hist.instruction),
-        instruction=_norm(hist.instruction),
+        can_search="search" in tools_offered,
+        wants=_wants(hist),
         rng=rng,
     )
     if ctx.can_search:
         return _search(ctx)
     if not clicks:
-        return Decision(next(iter(offered)), {}, "没有可点击的元素。")  # unknown tool shape
+        return Decision(next(iter(tools_offered)), {}, "没有可点击的元素。")  # unknown tool shape
     decision = _results(ctx) if ctx.obs.page == "搜索结果" else None
     if decision is None and ctx.obs.page in ("商品详情", "商品属性页"):
         decision = _product(ctx)
@@ -491,63 +257,62 @@ def _click(value: str, why: str) -> Decision:
     return Decision("click", {"value": value}, why)
 
 
+def _attribute_value(attribute: str) -> str:
+    """The searchable part of ``键：值`` (the key is shared by the whole category)."""
+    return re.split(r"[：:]", attribute)[-1].strip() or attribute
+
+
+def query_variants(wants: _Wants, instruction: str) -> list[str]:
+    """Search queries from specific to broad; the n-th search of an episode uses the n-th one."""
+    kind, terms = wants.kind, list(wants.terms)
+    short_terms = [_term_forms(t)[-1] for t in terms]
+    profile = [_attribute_value(a) for a in wants.attributes]
+    options = [value for _, value in wants.options]
+    variants: list[str] = []
+    if kind:
+        if profile:
+            variants += [" ".join(dict.fromkeys([kind, *short_terms, *profile, *options])), " ".join([kind, *profile])]
+        variants += [" ".join([kind, *terms[:3]]), " ".join([kind, *terms[:1]]), kind]
+        if len(kind) > 4:
+            variants.append(kind[-3:])  # Chinese is head-final: 男士运动鞋 -> 运动鞋
+    fallback = re.sub(r"[\s，,。；;！!？?、：:]+", " ", instruction).strip()[:20]
+    variants.append(fallback or "商品")
+    return [v for v in dict.fromkeys(v.strip() for v in variants) if v]
+
+
 def _search(ctx: _Context) -> Decision:
-    variants = query_variants(ctx.hist.instruction)
+    variants = query_variants(ctx.wants, ctx.hist.instruction)
     query = variants[min(ctx.hist.searches, len(variants) - 1)]
-    why = f"当前在搜索首页，根据任务提取关键词「{query}」进行搜索。"
+    why = f"当前在搜索首页，根据任务和用户偏好提取关键词「{query}」进行搜索。"
     if ctx.hist.searches:
-        why = f"之前的搜索结果不理想，换用更宽泛的关键词「{query}」重新搜索。"
+        why = f"之前的搜索结果不理想，换用关键词「{query}」重新搜索。"
     return Decision("search", {"query": query}, why)
-
-
-def _relevance(ctx: _Context, product: Product) -> float:
-    kind, terms = extract_keywords(ctx.hist.instruction)
-    wanted: dict[str, float] = {}
-    for token in _tokens(" ".join(terms)) | _tokens(ctx.hist.instruction):
-        wanted[token] = 1.0
-    for token in _tokens(kind):
-        wanted[token] = 3.0  # the product kind matters most
-    if not wanted:
-        return 0.0
-    title = _tokens(product.title)
-    rest = _tokens(" ".join((product.category, product.attributes, product.brand)))
-    score = sum(w * (1.0 if t in title else 0.6 if t in rest else 0.0) for t, w in wanted.items())
-    score /= sum(wanted.values())
-    low = _price_low(product.price)
-    if ctx.budget is not None and low is not None and low > ctx.budget:
-        score *= 0.3
-    if ctx.rng is not None:
-        score += ctx.rng.uniform(0.0, 0.05)
-    return score
 
 
 def _results(ctx: _Context) -> Decision | None:
     visited = set(ctx.hist.visited())
     listed = [p for p in ctx.obs.products if p.asin in ctx.clicks]
-    scored = sorted(((_relevance(ctx, p), -p.rank, p) for p in listed if p.asin not in visited), key=lambda x: x[:2])
-    best = scored[-1] if scored else None
+    assessed = [(*_assess(ctx, p), -p.rank, p) for p in listed]
+    fresh = [a for a in assessed if a[3].asin not in visited]
+    good = [a for a in fresh if a[1]]
+    if good:
+        best = max(good, key=lambda a: (a[0], a[2]))[3]
+        return _click(best.asin, f"「{best.title[:30]}」具备所需属性且价格在预算内，打开查看。")
+    best_fresh = max(fresh, key=lambda a: (a[0], a[2]))[3] if fresh else None
     paging = [arg for tool, arg in ctx.hist.since_last_search() if tool == "click" and arg in (NEXT, PREV)]
     tired = len(visited) >= MAX_PRODUCTS or ctx.urgent
-    if best is not None and (best[0] >= GOOD_MATCH or tired):
-        return _click(best[2].asin, f"搜索结果中「{best[2].title[:30]}」与任务最匹配（得分 {best[0]:.2f}），打开查看。")
-    if NEXT in ctx.clicks and len(paging) < MAX_PAGES_PER_QUERY and not ctx.urgent:
-        return _click(NEXT, "本页没有足够匹配的商品，翻到下一页。")
-    if BACK in ctx.clicks and ctx.hist.searches < MAX_SEARCHES and not ctx.urgent:
+    if best_fresh is not None and tired:
+        return _click(best_fresh.asin, f"时间有限，打开最接近要求的「{best_fresh.title[:30]}」。")
+    if NEXT in ctx.clicks and len(paging) < MAX_PAGES_PER_QUERY:
+        return _click(NEXT, "本页没有完全符合要求的商品，翻到下一页。")
+    if BACK in ctx.clicks and ctx.hist.searches < MAX_SEARCHES:
         return _click(BACK, "当前搜索结果不匹配，返回搜索页换关键词。")
-    if best is not None:
-        return _click(best[2].asin, f"没有更好的选择，打开最接近的商品「{best[2].title[:30]}」。")
-    if listed:
-        again = max(listed, key=lambda p: (_relevance(ctx, p), -p.rank))
+    if best_fresh is not None:
+        return _click(best_fresh.asin, f"没有更好的选择，打开最接近的商品「{best_fresh.title[:30]}」。")
+    if assessed:
+        again = max(assessed, key=lambda a: (a[0], a[2]))[3]
         return _click(again.asin, "所有商品都看过了，重新打开最匹配的一个。")
     return None
-
-
-def _value_match(ctx: _Context, value: str) -> float:
-    """How clearly the instruction names an option value: share of its ``|`` parts it contains."""
-    parts = [p.strip() for p in value.split("|") if p.strip()]
-    if not parts:
-        return 0.0
-    return sum(1 for p in parts if _contains_term(ctx.instruction, p)) / len(parts)
 
 
 def _option_clicks(ctx: _Context) -> dict[str, list[str]]:
@@ -555,56 +320,116 @@ def _option_clicks(ctx: _Context) -> dict[str, list[str]]:
     axes = sorted(ctx.obs.axes, key=len, reverse=True)
     grouped: dict[str, list[str]] = {axis: [] for axis in ctx.obs.axes}
     for entry in ctx.clicks:
-        if entry in _BUTTONS or _ASIN.match(entry) or "=" not in entry:
+        if entry in BUTTONS or ASIN.match(entry) or "=" not in entry:
             continue
         axis = next((a for a in axes if entry.startswith(a + "=")), entry.partition("=")[0])
         grouped.setdefault(axis, []).append(entry)
     return grouped
 
 
+def _axis_values(ctx: _Context, axis: str, grouped: dict[str, list[str]]) -> list[str]:
+    selected, shown = ctx.obs.axes.get(axis, (None, []))
+    values = list(shown) or [e[len(axis) + 1 :] for e in grouped.get(axis, [])]
+    return values + ([selected] if selected and selected not in values else [])
+
+
+def _named_share(wants: _Wants, value: str) -> float:
+    """How clearly the instruction names an option value: share of its ``|`` parts it contains."""
+    parts = [p.strip() for p in value.split("|") if p.strip()]
+    return sum(1 for p in parts if contains_term(wants.instruction, p)) / len(parts) if parts else 0.0
+
+
+def _same_axis(page_axis: str, wanted_axis: str) -> bool:
+    a, b = norm(page_axis), norm(wanted_axis)
+    return bool(a and b) and (a == b or a in b or b in a or fuzzy_ratio(a, b) > FUZZY_MATCH)
+
+
+def _desired_options(ctx: _Context, grouped: dict[str, list[str]]) -> tuple[dict[str, str], list[str]]:
+    """(axis -> value to select, wanted values this product does not offer)."""
+    desired: dict[str, str] = {}
+    lacking: list[str] = []
+    axes = list(ctx.obs.axes) or list(grouped)
+    for wanted_axis, wanted in ctx.wants.options:
+        # The value decides the reward; the axis name only says where to look first.
+        ranked = sorted(axes, key=lambda a: not _same_axis(a, wanted_axis))
+        best: tuple[int, str, str] | None = None
+        for axis in ranked:
+            if axis in desired:
+                continue
+            for value in _axis_values(ctx, axis, grouped):
+                score = fuzzy_ratio(wanted, value)
+                if best is None or score > best[0]:
+                    best = (score, axis, value)
+        if best is not None and best[0] > FUZZY_MATCH:
+            desired[best[1]] = best[2]
+        else:
+            lacking.append(wanted)
+    for key, wanted in ctx.wants.pairs:
+        # A pair names an option only when its key is one of the product's axes.
+        axis = next((a for a in axes if a not in desired and _same_axis(a, key)), None)
+        if axis is None:
+            continue
+        score, value = max(((fuzzy_ratio(wanted, v), v) for v in _axis_values(ctx, axis, grouped)), default=(0, ""))
+        if score > FUZZY_MATCH:
+            desired[axis] = value
+        else:
+            lacking.append(f"{key}：{wanted}")
+    for axis in axes:
+        if axis in desired:
+            continue
+        scored = [(_named_share(ctx.wants, v), v) for v in _axis_values(ctx, axis, grouped)]
+        share, value = max(scored, key=lambda s: s[0], default=(0.0, ""))
+        if share >= 0.5:
+            desired[axis] = value
+    return desired, lacking
+
+
 def _product(ctx: _Context) -> Decision | None:
     grouped = _option_clicks(ctx)
-    asin = ctx.obs.product.asin if ctx.obs.product else ""
+    product = ctx.obs.product
+    asin = product.asin if product else ""
     tried = ctx.hist.since_opening(asin) if asin else []
     last = ctx.hist.calls[-1][1] if ctx.hist.calls else None
-    named_axes: set[str] = set()
-    for axis, entries in grouped.items():
+    missing = _missing_attributes(ctx.wants, product) if product else []
+    if missing and ctx.can_leave:
+        return _click(PREV, f"这个商品缺少用户关注的属性「{'、'.join(missing[:3])}」，返回结果列表。")
+    desired, lacking = _desired_options(ctx, grouped)
+    if lacking and ctx.can_leave:
+        return _click(PREV, f"这个商品没有用户想要的规格「{'、'.join(lacking[:3])}」，返回结果列表。")
+    order = {axis: i for i, axis in enumerate(ctx.obs.axes)}
+    for axis in sorted(desired, key=lambda a: order.get(a, len(order))):  # top to bottom, as on the page
+        value = desired[axis]
         selected = ctx.obs.axes.get(axis, (None, []))[0]
-        best_score = _value_match(ctx, selected) if selected else 0.0
-        choice = None
-        for entry in entries:
-            score = _value_match(ctx, entry[len(axis) + 1 :])
-            if score >= 0.5 and score > best_score and not (ctx.obs.last_invalid and entry == last):
-                best_score, choice = score, entry
-        if best_score >= 0.5:
-            named_axes.add(axis)
-        if choice is not None:
-            return _click(choice, f"任务中提到了「{choice[len(axis) + 1:]}」，选择规格 {axis}。")
+        entry = f"{axis}={value}"
+        if (selected is None or norm(selected) != norm(value)) and entry in ctx.clicks:
+            if not (ctx.obs.last_invalid and entry == last):
+                return _click(entry, f"用户想要「{value}」，选择规格 {axis}。")
     for axis, (selected, _values) in ctx.obs.axes.items():
         entries = [e for e in grouped.get(axis, []) if e not in tried]
         if selected is None and entries:
             pick = entries[0] if ctx.rng is None else ctx.rng.choice(entries)
             return _click(pick, f"规格「{axis}」尚未选择，任务没有指定，选择「{pick[len(axis) + 1:]}」。")
     if BUY not in ctx.clicks:
-        missing = [axis for axis, (selected, _) in ctx.obs.axes.items() if selected is None]
-        if missing and any(grouped.get(a) for a in missing):
-            pick = grouped[next(a for a in missing if grouped.get(a))][0]
+        unselected = [axis for axis, (selected, _) in ctx.obs.axes.items() if selected is None]
+        if unselected and any(grouped.get(a) for a in unselected):
+            pick = grouped[next(a for a in unselected if grouped.get(a))][0]
             return _click(pick, "还有规格未选择，先完成选择。")
         return _click(PREV, "这个商品无法购买，返回搜索结果。") if PREV in ctx.clicks else None
-    price = _price_low(ctx.obs.product.price) if ctx.obs.product else None
-    if ctx.budget is not None and price is not None and price > ctx.budget and not ctx.urgent:
+    price = price_low(product.price) if product else None
+    budget = ctx.wants.budget
+    if budget is not None and price is not None and price > budget and not ctx.urgent:
         option_tries = [c for c in tried if "=" in c]
-        free = [e for axis, entries in grouped.items() if axis not in named_axes for e in entries if e not in tried]
+        free = [e for axis, entries in grouped.items() if axis not in desired for e in entries if e not in tried]
         if free and len(option_tries) < MAX_PRICE_TRIES:
-            return _click(free[0], f"当前价格 {price:g} 超出预算 {ctx.budget:g}，尝试其他规格。")
-        if PREV in ctx.clicks and len(set(ctx.hist.visited())) < MAX_PRODUCTS:
-            return _click(PREV, f"价格 {price:g} 超出预算 {ctx.budget:g}，返回结果列表看其他商品。")
+            return _click(free[0], f"当前价格 {price:g} 超出预算 {budget:g}，尝试其他规格。")
+        if ctx.can_leave:
+            return _click(PREV, f"价格 {price:g} 超出预算 {budget:g}，返回结果列表看其他商品。")
     return _click(BUY, "规格已选好，商品符合任务要求，购买。")
 
 
 def _fallback(ctx: _Context) -> Decision:
     """Any reasonable offered click, in order of usefulness; never invents a value."""
-    for value in (BUY, *[c for c in ctx.clicks if _ASIN.match(c)], NEXT, BACK, PREV):
+    for value in (BUY, *[c for c in ctx.clicks if ASIN.match(c)], NEXT, BACK, PREV):
         if value in ctx.clicks:
             return _click(value, "页面无法完全解析，选择一个可用的操作。")
     return _click(ctx.clicks[0], "选择第一个可用的操作。")

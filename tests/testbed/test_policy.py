@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from shopsimrl.testbed.heuristics import decide, extract_keywords, parse_budget, parse_observation
+from shopsimrl.testbed.heuristics_pages import fuzzy_ratio, parse_preferences
 from shopsimrl.testbed.policy import PolicySettings, create_app
 from shopsimrl.testbed.serving import running_server
 
@@ -36,6 +37,50 @@ CATALOG: dict[str, dict[str, Any]] = {
         "category": "数码›影音›耳机", "attrs": ["主动降噪", "蓝牙"],
         "options": {"颜色分类": ["白色", "黑色"], "尺码": ["s", "m", "l"]},
     },
+    # Dash cams for the persona tests: only 0203 has every wanted attribute and the wanted card.
+    "200000000201": {
+        "title": "鲸落行车记录仪 高清夜视 前后双录", "price": "109.0 to 249.0", "brand": "鲸落企业店",
+        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：后视镜式", "高清夜视"],
+        "options": {"存储卡": ["无卡", "三十二g"]},
+    },
+    "200000000202": {
+        "title": "云麓行车记录仪 四K 碰撞锁存", "price": "529.0 to 709.0", "brand": "云麓优选店",
+        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存"],
+        "options": {"存储卡": ["六十四g", "一百二十八g"]},
+    },
+    "200000000203": {
+        "title": "曦禾M28行车记录仪 循环录像 四K", "price": "619.0 to 1299.0", "brand": "曦禾旗舰店",
+        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存", "广角"],
+        "options": {"存储卡": ["无卡", "三十二g", "六十四g"]},
+    },
+    "200000000204": {
+        "title": "半夏行车记录仪 四K 免走线 碰撞锁存 广角", "price": "979.0 to 1199.0", "brand": "半夏专营店",
+        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存", "广角"],
+        "options": {"存储卡": ["三十二g"]},
+    },
+    "200000000205": {  # not listed: opened directly to test a missing option value
+        "title": "松间行车记录仪 四K 广角", "price": "439.0 to 729.0", "brand": "松间旗舰店",
+        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存", "广角"],
+        "options": {"存储卡": ["六十四g", "一百二十八g"]},
+    },
+}
+CATALOG.update({
+    "300000000301": {
+        "title": "清屿儿童运动鞋 轻便 系带", "price": "209.0", "brand": "清屿旗舰店", "category": "鞋靴›童鞋›儿童运动鞋",
+        "attrs": ["适用年龄：幼童", "鞋底：防滑大底", "闭合方式：系带"], "options": {"尺码": ["27", "33"]},
+    },
+    "300000000302": {
+        "title": "苇岸儿童运动鞋 防撞 防滑大底", "price": "219.0", "brand": "苇岸优选店", "category": "鞋靴›童鞋›儿童运动鞋",
+        "attrs": ["适用年龄：中大童", "鞋底：防滑大底", "闭合方式：系带"], "options": {"尺码": ["27", "30", "31"]},
+    },
+})
+DASHCAMS = ["200000000201", "200000000202", "200000000204", "200000000203"]  # listing order: the match is last
+DASHCAM_TASK = "帮忙挑一台行车记录仪，高清夜视，预算900元以内"
+DASHCAM_PROFILE: dict[str, Any] = {
+    "用户ID": "U1", "性别": "女", "交易特征": {"客单价区间": "100-300元"},
+    "偏好": {"关注属性": ["高清夜视", "碰撞锁存", "安装方式：免走线", "广角", "清晰度：四K"],
+             "规格偏好": {"存储卡": "三十二G"}, "购买动机": "囤货", "风格倾向": "颜值优先"},
+    "行为特征": {"常逛类目": ["汽车用品", "家居"]},
 }
 
 
@@ -89,9 +134,10 @@ def tools_for(search: bool, actions: list[str]) -> list[dict[str, Any]]:
 class Conversation:
     """Builds the messages exactly as the runtime does: system, task+page, then call/observation pairs."""
 
-    def __init__(self, instruction: str = INSTRUCTION, observation: str = HOME) -> None:
+    def __init__(self, instruction: str = INSTRUCTION, observation: str = HOME, profile: dict[str, Any] | None = None) -> None:
+        document = json.dumps(profile if profile is not None else {"用户ID": "u1"}, ensure_ascii=False)
         self.messages: list[dict[str, Any]] = [
-            {"role": "system", "content": "你在一个在线购物模拟环境中。\n\n用户个人文档：\n{\"用户ID\": \"u1\"}"},
+            {"role": "system", "content": f"你在一个在线购物模拟环境中。\n\n用户个人文档：\n{document}"},
             {"role": "user", "content": f"购物任务：\n{instruction}\n\n{observation}"},
         ]
         self.calls = 0
@@ -248,6 +294,102 @@ def test_keywords_drop_fillers_and_price_phrases() -> None:
     assert extract_keywords("找一盏价格在200元以内的台灯") == ("台灯", [])
     kind, terms = extract_keywords("我需要一双男士运动鞋，尺码42，白色")
     assert kind == "男士运动鞋" and terms == ["白色", "尺码42"]
+
+
+# --------------------------------------------------------------------------- persona profile and reward-like matching
+
+
+def test_preferences_come_from_the_profile_json_in_the_system_message() -> None:
+    system = "购物助手规则……\n\n用户个人文档：\n" + json.dumps(
+        {**DASHCAM_PROFILE, "偏好": {**DASHCAM_PROFILE["偏好"], "预算": "三百左右"}}, ensure_ascii=False)
+    prefs = parse_preferences(system)
+    assert prefs.attributes == ("高清夜视", "碰撞锁存", "安装方式：免走线", "广角", "清晰度：四K")
+    assert prefs.options == (("存储卡", "三十二G"),) and prefs.budget == 330
+    # Traits that are no product property (motive, style, habits outside 偏好) are not wanted terms.
+    assert "囤货" not in prefs.attributes and "汽车用品" not in prefs.attributes
+    assert parse_preferences("用户个人文档：\n{not json").attributes == ()
+    assert parse_preferences("用户个人文档：[1, 2]") == parse_preferences("没有文档")
+
+
+def test_fuzzy_ratio_is_the_rewards_token_set_similarity() -> None:
+    assert fuzzy_ratio("三十二G", "三十二g") == 100  # casefolded
+    assert fuzzy_ratio("衣长：长款", "衣长：中长款") == 57  # a different value is no match (needs > 85)
+    assert fuzzy_ratio("安装方式：免走线", "安装方式：后视镜式") == 67
+    assert fuzzy_ratio("pbt 键帽", "键帽 PBT") == 100  # token order does not matter
+
+
+def test_persona_search_adds_the_profile_attributes_and_options() -> None:
+    decision = decide(Conversation(DASHCAM_TASK, profile=DASHCAM_PROFILE).messages, tools_for(True, []))
+    assert decision is not None and decision.tool == "search"
+    query = decision.arguments["query"]
+    assert query.startswith("行车记录仪 ") and "忙" not in query  # 帮忙挑一台 is not part of the kind
+    for term in ("高清夜视", "碰撞锁存", "免走线", "广角", "四K", "三十二G"):
+        assert term in query
+    assert "安装方式" not in query and "900" not in query  # keys are shared by the category; budget is not searched
+
+
+def test_persona_results_page_opens_the_listing_showing_every_wanted_attribute() -> None:
+    conv = Conversation(DASHCAM_TASK, profile=DASHCAM_PROFILE)
+    text, actions = results_page(DASHCAMS, query="行车记录仪")
+    conv.step("search", "行车记录仪", text)
+    decision = decide(conv.messages, tools_for(False, actions))
+    # 0201 ranks first but lacks three attributes; 0204 has them all but starts above the budget.
+    assert decision is not None and decision.arguments == {"value": "200000000203"}
+
+
+def test_persona_product_page_rejects_missing_attributes_or_option_values() -> None:
+    conv = Conversation(DASHCAM_TASK, profile=DASHCAM_PROFILE)
+    text, _ = results_page(DASHCAMS, query="行车记录仪")
+    conv.step("search", "行车记录仪", text)
+    page, actions = product_page("200000000201", {})
+    conv.step("click", "200000000201", page)
+    lacks_attributes = decide(conv.messages, tools_for(False, actions))
+    assert lacks_attributes is not None and lacks_attributes.arguments == {"value": "< prev"}
+    assert "碰撞锁存" in lacks_attributes.reasoning
+    conv.step("click", "< prev", text)
+    page, actions = product_page("200000000205", {})
+    conv.step("click", "200000000205", page)
+    lacks_card = decide(conv.messages, tools_for(False, actions))
+    assert lacks_card is not None and lacks_card.arguments == {"value": "< prev"} and "三十二G" in lacks_card.reasoning
+    conv.step("click", "< prev", text)
+    # Back on the results, the next unvisited listing with every attribute within budget is opened.
+    assert decide(conv.messages, tools_for(False, results_page(DASHCAMS)[1])).arguments == {"value": "200000000203"}  # type: ignore[union-attr]
+
+
+def test_persona_option_is_chosen_by_value_similarity_whatever_the_axis_name() -> None:
+    profile = {**DASHCAM_PROFILE, "偏好": {**DASHCAM_PROFILE["偏好"], "规格偏好": {"内存卡容量": "三十二G"}}}
+    conv = Conversation(DASHCAM_TASK, profile=profile)
+    page, actions = product_page("200000000203", {"存储卡": "无卡"})
+    conv.step("click", "200000000203", page)
+    decision = decide(conv.messages, tools_for(False, actions))
+    assert decision is not None and decision.arguments == {"value": "存储卡=三十二g"}  # replaces a wrong preselection
+    page, actions = product_page("200000000203", {"存储卡": "三十二g"}, price="759.0")
+    conv.step("click", "存储卡=三十二g", page)
+    assert decide(conv.messages, tools_for(False, actions)).arguments == {"value": "buy now"}  # type: ignore[union-attr]
+
+
+def test_late_in_the_episode_the_policy_buys_instead_of_going_back() -> None:
+    conv = Conversation(DASHCAM_TASK, profile=DASHCAM_PROFILE)
+    text, _ = results_page(DASHCAMS, query="行车记录仪")
+    for _ in range(10):  # twenty turns of wandering between the listing and the results
+        conv.step("search", "行车记录仪", text)
+        conv.step("click", "next >", text)
+    page, actions = product_page("200000000201", {"存储卡": "三十二g"})
+    conv.step("click", "200000000201", page)
+    decision = decide(conv.messages, tools_for(False, actions))
+    assert decision is not None and decision.arguments == {"value": "buy now"}  # partial beats no purchase
+
+
+def test_instruction_key_value_terms_filter_listings_and_options_without_a_profile() -> None:
+    conv = Conversation("打算买一双儿童运动鞋，适用年龄要中大童、尺码选33")
+    text, actions = results_page(["300000000301", "300000000302"], query="儿童运动鞋")
+    conv.step("search", "儿童运动鞋", text)
+    # 0301 lists 适用年龄：幼童, which contradicts 适用年龄要中大童 although it ranks first.
+    assert decide(conv.messages, tools_for(False, actions)).arguments == {"value": "300000000302"}  # type: ignore[union-attr]
+    page, actions = product_page("300000000302", {})
+    conv.step("click", "300000000302", page)
+    decision = decide(conv.messages, tools_for(False, actions))
+    assert decision is not None and decision.arguments == {"value": "< prev"} and "33" in decision.reasoning
 
 
 # --------------------------------------------------------------------------- over HTTP
@@ -417,21 +559,21 @@ def test_settings_reject_bad_rates_and_read_the_environment(monkeypatch: pytest.
     assert loaded.model_id == "heuristic-x" and loaded.rate_length == 0.25
 
 
-def test_a_whole_episode_over_http_buys_the_matching_option(served: httpx.Client) -> None:
-    """Play the tiny shop against the served policy until it buys."""
-    conv = Conversation()
+def play(served: httpx.Client, conv: Conversation, listing_asins: list[str], prices: dict[tuple[str, str], str] | None = None,
+         ) -> tuple[str | None, dict[str, str], int]:
+    """Play the tiny shop against the served policy until it buys: (asin, options, steps)."""
     page, actions, search, chosen, current = HOME, [], True, {}, None
-    bought, listing = None, (HOME, [])
-    for step in range(15):
+    listing: tuple[str, list[str]] = (HOME, [])
+    for step in range(30):
         body = body_for(conv, tools_for(search, actions), seed=100 + step)
         call = served.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["tool_calls"][0]
         name, argument = call["function"]["name"], next(iter(json.loads(call["function"]["arguments"]).values()))
+        assert name == "search" or argument in actions, (name, argument, actions)
         if name == "search":
-            page, actions = results_page(["100000000001", "100000000002", "100000000003"], query=argument)
+            page, actions = results_page(listing_asins, query=argument)
             search, listing = False, (page, actions)
         elif argument == "buy now":
-            bought = (current, dict(chosen))
-            break
+            return current, dict(chosen), step + 1
         elif argument in CATALOG:
             current, chosen = argument, {}
             page, actions = product_page(current, chosen)
@@ -442,6 +584,23 @@ def test_a_whole_episode_over_http_buys_the_matching_option(served: httpx.Client
         else:
             axis, _, value = argument.partition("=")
             chosen[axis] = value
-            page, actions = product_page(current, chosen, price="219.0" if len(chosen) == 2 else None)  # type: ignore[arg-type]
+            price = (prices or {}).get((current or "", value))
+            if price is None and current == "100000000003" and len(chosen) == 2:
+                price = "219.0"
+            page, actions = product_page(current or "", chosen, price=price)
         conv.step(name, argument, page)
-    assert bought == ("100000000003", {"颜色分类": "黑色", "尺码": "m"})
+    return None, chosen, 30
+
+
+def test_a_whole_episode_over_http_buys_the_matching_option(served: httpx.Client) -> None:
+    bought = play(served, Conversation(), ["100000000001", "100000000002", "100000000003"])
+    assert bought[:2] == ("100000000003", {"颜色分类": "黑色", "尺码": "m"})
+
+
+def test_a_persona_episode_over_http_uses_the_profile(served: httpx.Client) -> None:
+    """The short task names one attribute; the profile names the rest and the memory card."""
+    prices = {("200000000203", "三十二g"): "759.0", ("200000000204", "三十二g"): "979.0"}
+    asin, options, steps = play(served, Conversation(DASHCAM_TASK, profile=DASHCAM_PROFILE), DASHCAMS, prices)
+    # 0201/0202 lack wanted attributes; 0204 has everything but starts at 979, over the 900 budget.
+    assert (asin, options) == ("200000000203", {"存储卡": "三十二g"})
+    assert steps <= 5  # search, open, select, buy: no detour needed when the listing shows everything
