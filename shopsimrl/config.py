@@ -82,8 +82,6 @@ class EnvironmentSection(_Strict):
     max_retries: int = Field(default=3, ge=1)
     expected_environment_version: str | None = None
     expected_observation_version: str | None = None
-    max_concurrent_leases: int | None = Field(default=None, ge=1)
-    """Leases one process holds at once; default: the episode concurrency."""
 
 
 class RuntimeSection(_Strict):
