@@ -3,7 +3,9 @@
 One product per task, in the record format of the cleaned ShopSimulator catalog. Every task id
 of the project's persona split file is a persona task; the remaining ids in ``0..TOTAL_TASKS-1``
 are standard tasks. Products of one leaf category are near-duplicates of each other, and each
-task's goal attributes are picked so that few siblings satisfy all of them.
+task's goal attributes are picked so that few siblings satisfy all of them. The full instruction
+names every goal; a persona task's short instruction names one or two, and its profile states some
+of the others verbatim, hints at some indirectly and leaves the rest out.
 
 Everything is derived from string-seeded ``random.Random`` instances and ordered lists, and
 the gzip header carries ``mtime=0`` and a fixed name, so a re-run reproduces the committed
@@ -28,7 +30,8 @@ from difflib import SequenceMatcher
 from pathlib import Path
 from typing import Any
 
-from .catalog_vocab import BRANDS, LEAVES, PERSONA, SHOP_SUFFIXES, Axis, Leaf
+from .catalog_vocab import (BRANDS, HABITS, INTERESTS, LEAVES, PAST_ITEMS, PERSONA, SHOP_SUFFIXES, VALUE_HINTS, Axis, Leaf,
+                            size_hint)
 
 __all__ = [
     "CATALOG_VERSION", "DEFAULT_OUT", "TOTAL_TASKS", "build_catalog", "catalog_bytes",
@@ -140,6 +143,16 @@ def _validate_leaf(leaf: Leaf) -> None:
         raise ValueError(f"leaf {leaf.path}: tags equal slot values: {clash}")
     if not all(a.values and len(set(a.values)) == len(a.values) for a in leaf.axes):
         raise ValueError(f"leaf {leaf.path}: empty or repeated option values")
+
+
+def _validate_hints() -> None:
+    # A hint that contains its value would make the indirect route a plain string match.
+    for leaf in LEAVES:
+        values = [v for _, vs in leaf.slots for v in vs] + list(leaf.tags) + [v for a in leaf.axes for v in a.values]
+        for value in values:
+            for hint in (VALUE_HINTS.get(value), size_hint(leaf.noun, value)):
+                if hint and value.casefold() in hint.casefold():
+                    raise ValueError(f"leaf {leaf.path}: hint {hint!r} contains its value {value!r}")
 
 
 def _title_words(leaf: Leaf) -> list[str]:
@@ -279,29 +292,135 @@ def _budget(gold: float, rng: random.Random, persona: bool) -> tuple[str, str, f
     return full, f"{top}元以内", float(top)
 
 
-def _persona_profile(d: _Draft, goal_attrs: list[str], goal_opts: dict[str, str], budget: str | None,
-                     rng: random.Random, motive: str) -> dict[str, Any]:
+# Disclosure shares of persona goals (tuned so that literal string matching recovers only part
+# of a goal, as with the real, LLM-written profiles): a goal left out of the short instruction
+# is stated verbatim in a structured preference, hinted at indirectly, or not inferable at all.
+_P_LITERAL_ATTR = 0.25
+_P_LITERAL_OPTION = 0.45
+_P_HINT = 0.9
+_P_ASPECT = 0.5  # a key-only mention ("在意续航时长"): says what matters, not which value
+_P_BUDGET_IN_SIMPLE = 0.6
+_P_BUDGET_LITERAL = 0.7
+
+
+def _mention(goal: str, rng: random.Random) -> str:
+    """A goal as the short instruction words it: the catalog phrase or a looser paraphrase."""
+    key, _, value = goal.partition("：")
+    if not value:
+        return rng.choice(("带{v}的", "要{v}的", "最好{v}", "主打{v}")).format(v=key)
+    if rng.random() < 0.4:
+        return _attr_phrase(goal, rng)
+    return rng.choice(("要{v}的", "{v}的", "最好是{v}", "{k}{v}")).format(k=key, v=value)
+
+
+def _price_rank_habit(d: _Draft, goal_opts: dict[str, str], upper: float | None) -> str | None:
+    """A buying habit that singles out the gold variant of a price axis, when one is true."""
+    if not d.price_axis:
+        return None
+    priced = [(p or 0.0, v) for v, p in d.options[d.price_axis]]
+    gold = [v for _, v in priced].index(goal_opts[d.price_axis])
+    if gold == 0:
+        return "同款有多个规格时一般只买最基础的那档"
+    affordable = [i for i, (p, _) in enumerate(priced) if upper is None or p <= upper]
+    if gold == affordable[-1]:
+        return "习惯在预算内挑配置最高的一档" if upper is not None else "喜欢一步到位买顶配"
+    return None
+
+
+def _persona(d: _Draft, goal_attrs: list[str], goal_opts: dict[str, str], short_budget: str, upper: float | None,
+             rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """(instruction_simple, user_persona): the short text names the kind and one or two goals; the
+    profile describes the person, from which only some of the remaining goals can be inferred."""
+    noun = d.leaf.noun
+    simple = rng.choice(_SIMPLE_OPENERS).format(u=d.leaf.unit, n=noun)
+    named = [rng.choice(goal_attrs)]
+    simple += "，" + _mention(named[0], rng)
+    budget_in_simple = bool(short_budget) and rng.random() < _P_BUDGET_IN_SIMPLE
+    extra = [a for a in goal_attrs if a not in named] + [f"{a}：{v}" for a, v in goal_opts.items()]
+    if budget_in_simple:
+        simple += "，预算" + short_budget
+    elif extra and rng.random() < 0.5:
+        second = rng.choice(extra)
+        named.append(second)
+        axis, _, value = second.partition("：")
+        simple += "，" + (rng.choice(("要{v}的", "{a}选{v}")).format(a=axis, v=value) if axis in goal_opts
+                         else _mention(second, rng))
+    if len(simple) < 20:
+        simple += "，" + rng.choice(_SIMPLE_TAILS)
+
     pick = {key: rng.choice(values) for key, values in PERSONA.items()}
+    for word, gender in (("女装", "女"), ("女鞋", "女"), ("彩妆", "女"), ("男装", "男"), ("男鞋", "男")):
+        if word in d.leaf.path:  # whoever wears it: the body and taste hints describe that person
+            pick["性别"] = gender
+    pick["年龄段"] = {"学生": "18-24岁", "退休人员": "50岁以上"}.get(pick["职业"], pick["年龄段"])
+    life: list[str] = []  # free-text facts about the person (needs, body, home)
+    taste: list[str] = []  # free-text aesthetic taste
+    literal_attrs: list[str] = []
+    aspects: list[str] = []
+    literal_opts: dict[str, str] = {}
+    for goal in goal_attrs:
+        if goal in named:
+            continue
+        key, _, value = goal.partition("：")
+        value = value or key
+        roll = rng.random()
+        if roll < _P_LITERAL_ATTR:
+            literal_attrs.append(value)
+        elif value in VALUE_HINTS and rng.random() < _P_HINT:
+            life.append(VALUE_HINTS[value])
+        elif goal != value and rng.random() < _P_ASPECT:
+            aspects.append(key)
+    habit = None
+    for axis, value in goal_opts.items():
+        if f"{axis}：{value}" in named:
+            continue
+        hint = size_hint(noun, value) or VALUE_HINTS.get(value)
+        rank_habit = _price_rank_habit(d, goal_opts, upper) if axis == d.price_axis else None
+        if rng.random() < _P_LITERAL_OPTION:
+            literal_opts[axis] = value
+        elif rank_habit and rng.random() < _P_HINT:
+            habit = rank_habit
+        elif hint and rng.random() < _P_HINT:
+            (life if size_hint(noun, value) else taste).append(hint)
+
     domain = d.leaf.path.split("›")[0]
     others = sorted({leaf.path.split("›")[0] for leaf in LEAVES} - {domain})
-    prefs: dict[str, Any] = {"关注属性": goal_attrs, "风格倾向": pick["风格倾向"], "购买动机": motive}
-    if goal_opts:
-        prefs["规格偏好"] = goal_opts
-    if budget:
-        prefs["预算"] = budget
     spend_lo = _budget_step(d.base_price) * rng.randint(1, 4)
-    return {
+    trade: dict[str, Any] = {
+        "近一年订单数": rng.randint(2, 120), "客单价区间": f"{spend_lo}-{spend_lo * 3}元", "价格敏感度": pick["价格敏感度"],
+        "常用支付方式": pick["支付方式"], "优惠偏好": pick["优惠偏好"], "近期购买": rng.sample(PAST_ITEMS, rng.randint(2, 4)),
+    }
+    prefs: dict[str, Any] = {"风格倾向": pick["风格倾向"], "购买动机": pick["购买动机"]}
+    if taste:
+        prefs["审美偏好"] = "；".join(taste)
+    if aspects:
+        prefs["关注方面"] = aspects
+    if literal_attrs:
+        prefs["常买卖点"] = literal_attrs
+    if literal_opts:
+        prefs["规格偏好"] = literal_opts
+    if short_budget and not budget_in_simple:
+        if rng.random() < _P_BUDGET_LITERAL:
+            prefs["预算"] = short_budget
+        else:
+            habit = "；".join(filter(None, (habit, f"这类东西一般花{short_budget}")))
+    if habit:
+        trade["消费习惯"] = habit
+    profile: dict[str, Any] = {
         "用户ID": "U" + _digest("user", d.task_id)[:10].upper(),
         "性别": pick["性别"], "年龄段": pick["年龄段"], "城市等级": pick["城市等级"], "职业": pick["职业"],
-        "行为特征": {"活跃时段": pick["活跃时段"], "浏览习惯": pick["浏览习惯"],
-                 "近30天访问次数": rng.randint(3, 80), "常逛类目": [domain, *rng.sample(others, 2)]},
-        "交易特征": {"近一年订单数": rng.randint(2, 120), "客单价区间": f"{spend_lo}-{spend_lo * 3}元",
-                 "价格敏感度": pick["价格敏感度"], "常用支付方式": pick["支付方式"], "优惠偏好": pick["优惠偏好"]},
-        "偏好": prefs,
-        "__reasoning__": (f"该用户近期多次浏览{d.leaf.noun}，购买动机为{motive}；"
-                          f"重视{'、'.join(goal_attrs)}" + (f"；规格倾向{'、'.join(goal_opts.values())}" if goal_opts else "")
-                          + (f"；心理价位{budget}" if budget else "") + "。"),
+        "会员等级": pick["会员等级"], "兴趣标签": rng.sample(INTERESTS, 3),
     }
+    if life:
+        profile["生活情况"] = "；".join(life)
+    profile["行为特征"] = {"活跃时段": pick["活跃时段"], "浏览习惯": pick["浏览习惯"], "近30天访问次数": rng.randint(3, 80),
+                       "常逛类目": [domain, *rng.sample(others, 2)], "购物习惯": rng.sample(HABITS, 2)}
+    profile["交易特征"] = trade
+    profile["偏好"] = prefs
+    wanted = goal_attrs + [f"{a}={v}" for a, v in goal_opts.items()]
+    profile["__reasoning__"] = (f"该用户近期多次浏览{noun}，购买动机为{pick['购买动机']}；本次目标：{'、'.join(wanted)}"
+                                + (f"；心理价位{short_budget}" if short_budget else "") + "。")
+    return simple, profile
 
 
 def _record(d: _Draft, goal_attrs: list[str], rng: random.Random, is_persona: bool) -> dict[str, Any]:
@@ -334,18 +453,9 @@ def _record(d: _Draft, goal_attrs: list[str], rng: random.Random, is_persona: bo
     simple = ""
     persona: dict[str, Any] | None = None
     if is_persona:
-        simple = rng.choice(_SIMPLE_OPENERS).format(u=u, n=d.leaf.noun)
-        simple += "，" + _attr_phrase(goal_attrs[0], rng)
-        in_simple = bool(short_budget) and rng.random() < 0.7
-        if in_simple:
-            simple += "，预算" + short_budget
-        elif len(goal_attrs) > 1:
-            simple += "、" + _attr_phrase(goal_attrs[1], rng)
-        if len(simple) < 20:
-            simple += "，" + rng.choice(_SIMPLE_TAILS)
-        motive = rng.choice(PERSONA["购买动机"])
-        persona = _persona_profile(d, goal_attrs, goal_opts, (short_budget if has_budget and not in_simple else None),
-                                   rng, motive)
+        # Persona text has its own generator so that its wording never shifts the goals of later tasks.
+        simple, persona = _persona(d, goal_attrs, goal_opts, short_budget, upper if has_budget else None,
+                                   random.Random(f"{_SEED}:persona:{d.task_id}"))
 
     rec: dict[str, Any] = {
         "asin": "", "title": d.title, "shop_name": d.shop_name, "category": d.leaf.path,
@@ -423,6 +533,7 @@ def default_splits_path() -> Path:
 
 def build_catalog(persona_ids: list[int], total: int = TOTAL_TASKS) -> list[dict[str, Any]]:
     """Product records sorted by task id: persona tasks for ``persona_ids``, standard tasks for the rest of ``0..total-1``."""
+    _validate_hints()
     persona = frozenset(persona_ids)
     order = sorted(set(range(total)) | persona)
     random.Random(f"{_SEED}:assign").shuffle(order)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from shopsimrl.testbed import catalog_gen
+from shopsimrl.testbed import catalog_gen, catalog_vocab
 from shopsimrl.testbed.catalog_gen import DEFAULT_OUT, build_catalog, catalog_bytes, load_persona_ids, main
 
 _REPO_SPLITS = Path(__file__).resolve().parents[2] / "configs/splits/persona_splits.v1.json"
@@ -220,7 +220,8 @@ def test_every_record_has_the_real_fields_and_types(records: list[dict[str, Any]
         _check_record(r)
 
 
-def test_instruction_names_kind_attributes_and_options(records: list[dict[str, Any]]) -> None:
+def test_full_instruction_names_every_goal(records: list[dict[str, Any]]) -> None:
+    # Standard mode shows the full text: it alone must name every goal attribute and option.
     for r in records:
         ins = r["instructions"][0]
         text = ins["instruction"].casefold()
@@ -228,12 +229,132 @@ def test_instruction_names_kind_attributes_and_options(records: list[dict[str, A
             assert goal.split("：")[-1].casefold() in text, (ins["task_id"], goal)
         for value in ins["instruction_options"]:
             assert value in text, (ins["task_id"], value)
-        if "user_persona" in r:
-            # In persona mode the agent sees only the short text and the profile: together they name every goal.
-            visible = ins["instruction_simple"] + json.dumps(
-                {k: v for k, v in r["user_persona"].items() if k != "__reasoning__"}, ensure_ascii=False)
-            assert all(g in visible or g.split("：")[-1] in visible for g in ins["attributes"]), ins["task_id"]
-            assert all(v in visible.casefold() for v in ins["instruction_options"]), ins["task_id"]
+
+
+# -- persona tasks: partial, indirect disclosure --
+
+def _persona_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if "user_persona" in r]
+
+
+def _visible_profile(r: dict[str, Any]) -> str:
+    """The profile as the agent sees it (the server strips ``__reasoning__``)."""
+    return json.dumps({k: v for k, v in r["user_persona"].items() if k != "__reasoning__"}, ensure_ascii=False)
+
+
+def _option_values(r: dict[str, Any]) -> dict[str, str]:
+    """Goal option (lowercased) -> its catalog spelling."""
+    spelled = {o["value"].lower(): o["value"] for opts in r["customization_options"].values() for o in opts}
+    return {v: spelled[v] for v in r["instructions"][0]["instruction_options"]}
+
+
+def _goal_values(r: dict[str, Any]) -> list[str]:
+    ins = r["instructions"][0]
+    return [g.split("：")[-1] for g in ins["attributes"]] + list(_option_values(r).values())
+
+
+def test_short_instruction_names_the_kind_and_one_or_two_goals(records: list[dict[str, Any]]) -> None:
+    leaf_noun = {leaf.path: leaf.noun for leaf in catalog_vocab.LEAVES}
+    named_counts: collections.Counter[int] = collections.Counter()
+    for r in _persona_records(records):
+        simple = r["instructions"][0]["instruction_simple"]
+        noun = leaf_noun[r["category"]]
+        assert noun in simple, simple
+        rest = simple.replace(noun, "", 1)  # "类型：纸尿裤" is a goal that the kind itself spells
+        named = [v for v in _goal_values(r) if v in rest]
+        assert 1 <= len(named) <= 2, (r["instructions"][0]["task_id"], simple, named)
+        named_counts[len(named)] += 1
+    assert named_counts[1] > 0 and named_counts[2] > 0
+
+
+def test_profile_names_goals_verbatim_only_for_a_bounded_share(records: list[dict[str, Any]]) -> None:
+    verbatim = total = 0
+    for r in _persona_records(records):
+        profile = _visible_profile(r)
+        for goal in r["instructions"][0]["attributes"]:
+            total += 1
+            if "：" in goal:  # the catalog's "键：值" string itself never appears
+                assert goal not in profile, (r["instructions"][0]["task_id"], goal)
+            verbatim += goal.split("：")[-1] in profile
+    assert 0.05 * total <= verbatim <= 0.3 * total, verbatim / total
+
+
+def test_some_goals_are_hinted_indirectly_and_some_not_at_all(records: list[dict[str, Any]]) -> None:
+    leaf_noun = {leaf.path: leaf.noun for leaf in catalog_vocab.LEAVES}
+    kinds: collections.Counter[str] = collections.Counter()
+    fully_visible = 0
+    persona = _persona_records(records)
+    for r in persona:
+        visible = r["instructions"][0]["instruction_simple"] + _visible_profile(r)
+        hidden = 0
+        for value in _goal_values(r):
+            hint = catalog_vocab.size_hint(leaf_noun[r["category"]], value) or catalog_vocab.VALUE_HINTS.get(value)
+            if value in visible:
+                kinds["verbatim"] += 1
+            elif hint and hint in visible:
+                kinds["hinted"] += 1
+            else:
+                kinds["other"] += 1
+                hidden += 1
+        fully_visible += hidden == 0
+    total = sum(kinds.values())
+    assert kinds["hinted"] >= 0.1 * total, kinds
+    assert kinds["other"] >= 0.15 * total, kinds  # real profiles leave goals out
+    assert fully_visible <= 0.25 * len(persona), fully_visible  # no string reader gets every goal for free
+
+
+def test_hints_never_contain_the_value_they_point_to() -> None:
+    for leaf in catalog_vocab.LEAVES:
+        values = [v for _, vs in leaf.slots for v in vs] + list(leaf.tags) + [v for a in leaf.axes for v in a.values]
+        for value in values:
+            for hint in (catalog_vocab.VALUE_HINTS.get(value), catalog_vocab.size_hint(leaf.noun, value)):
+                assert not hint or value.casefold() not in hint.casefold(), (leaf.path, value, hint)
+    assert catalog_vocab.size_hint("跑步鞋", "42") == "脚长约260毫米"
+    assert catalog_vocab.size_hint("跑步鞋", "黑色") is None
+
+
+def test_price_rank_habits_are_true_of_the_gold_variant(records: list[dict[str, Any]]) -> None:
+    checked = 0
+    for r in _persona_records(records):
+        habit = r["user_persona"]["交易特征"].get("消费习惯", "")
+        axes = r["customization_options"]
+        priced = [a for a, o in axes.items() if len({x["price"] for x in o if x["price"] is not None}) > 1]
+        if not priced or not any(w in habit for w in ("最基础", "最高", "顶配")):
+            continue
+        ins = r["instructions"][0]
+        ladder = [(o["price"], o["value"].lower()) for o in axes[priced[0]]]
+        (gold,) = [i for i, (_, v) in enumerate(ladder) if v in ins["instruction_options"]]
+        upper = ins["price_upper"] if ins["price_upper"] is not None else math.inf
+        if "最基础" in habit:
+            assert gold == 0, ins["task_id"]
+        else:
+            assert gold == max(i for i, (p, _) in enumerate(ladder) if p <= upper), ins["task_id"]
+        checked += 1
+    assert checked >= 200
+
+
+def test_persona_budget_is_visible_and_reasoning_names_every_goal(records: list[dict[str, Any]]) -> None:
+    lengths = []
+    for r in _persona_records(records):
+        ins, persona = r["instructions"][0], r["user_persona"]
+        visible = ins["instruction_simple"] + _visible_profile(r)
+        lengths.append(len(_visible_profile(r)))
+        if ins["price_upper"] is not None:
+            assert _short_budget(visible) == ins["price_upper"], ins["task_id"]
+        reasoning = persona["__reasoning__"]
+        assert all(g in reasoning for g in ins["attributes"]), ins["task_id"]
+        assert all(v in reasoning for v in _option_values(r).values()), ins["task_id"]
+    assert 350 <= sum(lengths) / len(lengths) <= 1200
+
+
+def _short_budget(text: str) -> float | None:
+    """Budget of the short phrase forms a persona task shows (``300元以内``, ``三百左右``)."""
+    if m := re.search(r"(\d+)元以内", text):
+        return float(m.group(1))
+    if m := re.search(r"(\d+|[一二三四五六七八九十百千]+)左右", text):
+        amount = float(m.group(1)) if m.group(1).isdigit() else _cn_amount(m.group(1))
+        return round(amount * 1.1, 2)
+    return None
 
 
 def test_option_price_kinds_and_single_price_axis(records: list[dict[str, Any]]) -> None:
