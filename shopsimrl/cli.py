@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+import structlog
 import typer
 
 from shopsimrl.config import ConfigError, ExperimentConfig, WorkerSettings, load_experiment_config
@@ -59,6 +60,8 @@ def plan(
     config_path: Path = typer.Argument(..., metavar="CONFIG", help="Experiment YAML."),
     final_test: bool = FINAL_TEST,
     check: bool = typer.Option(False, "--check", help="Also probe the model's /models and the environment's /healthz."),
+    run_uri: Optional[str] = typer.Option(None, "--run", help="Run location (dir, file://, s3://); with --shards the frozen plan is written there."),
+    shards: Optional[int] = typer.Option(None, "--shards", min=1, help="Freeze a sharded plan: write manifest.json, jobs.jsonl and shards.json."),
 ) -> None:
     """Show the frozen plan (episodes, seeds, fingerprint, identities) without running anything."""
     from shopsimrl.store import LocalRunStore
@@ -102,6 +105,8 @@ def plan(
             prepared.model().check_api_key()
         except ModelConfigError as exc:
             report["warnings"] = [str(exc)]
+    if shards is not None:
+        report["sharded_run"] = _freeze_sharded_plan(prepared, run_uri or str(config.run_dir), shards)
     if check:
         from shopsimrl.experiment import check_services
 
@@ -122,18 +127,29 @@ def run(
     max_episode_retries: Optional[int] = typer.Option(None, min=0, help="Extra attempts per episode for infrastructure failures (default: runtime.max_episode_retries)."),
     concurrency: Optional[int] = typer.Option(None, min=1, help="Episodes in flight (default: experiment.concurrency)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
+    shards: Optional[int] = typer.Option(None, "--shards", min=1, help="Run as N shard worker processes (like an Indexed Job), then reduce."),
+    run_uri: Optional[str] = typer.Option(None, "--run", help="With --shards: run location (dir, file://, s3://); default: the config's run directory."),
+    backoff_limit_per_index: int = typer.Option(2, min=0, help="With --shards: restarts of a crashed shard worker."),
 ) -> None:
-    """Run (or resume) every episode of the plan in this process, then write summary.json."""
+    """Run (or resume) every episode of the plan in this process, then write summary.json.
+
+    With --shards N: N `shopsimrl worker` processes write write-once parts to --run, then `reduce`."""
     from shopsimrl.evaluation import ConcurrencyLimitedModel, Evaluator
     from shopsimrl.model import ModelConfigError
     from shopsimrl.progress import RunProgress
     from shopsimrl.store import LocalRunStore, RunLockedError
 
     configure_logging()
+    if shards is not None:
+        _run_sharded(config_path, run_uri, shards, final_test, backoff_limit_per_index, concurrency)
+        return
+    if run_uri is not None:
+        _fail(ExitCode.BAD_INPUT, "--run needs --shards (a single-process run writes to the config's run directory)")
     config = _load(config_path)
     if concurrency:
         config = config.model_copy(update={"experiment": config.experiment.model_copy(update={"concurrency": concurrency})})
     prepared = _prepare(config, final_test)
+    structlog.contextvars.bind_contextvars(run=config.name)
     try:
         prepared.model().check_api_key()
     except ModelConfigError as exc:
@@ -250,6 +266,167 @@ def summarize(
         requested_ids = [EpisodeJob.from_dict(job).episode_id for job in manifest["plan"]["jobs"]]
     summary = _summarize_local(store, requested_ids, requested)
     _print_summary(summary, store.summary_path)
+
+
+# ----------------------------------------------------------------------------- sharded runs
+
+
+def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> dict[str, Any]:
+    from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
+    from shopsimrl.worker import plan_run
+
+    try:
+        store = ShardedRunStore(run_uri)
+        manifest, shard_map = plan_run(prepared, store, shards)
+    except FingerprintMismatchError as exc:
+        _fail(ExitCode.FINGERPRINT_MISMATCH, str(exc))
+    except (ShardMapError, RunLocationError, ManifestError) as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except StoreUnavailableError as exc:
+        _fail(ExitCode.RETRYABLE, str(exc))
+    return {"run": store.display_uri, "plan_fingerprint": manifest["plan_fingerprint"], "shards": shard_map.count,
+            "jobs_per_shard": [len(ids) for ids in shard_map.episode_ids][:16]}
+
+
+def _run_sharded(config_path: Path, run_uri: Optional[str], shards: int, final_test: bool, backoff_limit: int, concurrency: Optional[int]) -> None:
+    from shopsimrl.executor import run_indexed
+
+    config = _load(config_path)
+    prepared = _prepare(config, final_test)
+    uri = run_uri or str(config.run_dir)
+    frozen = _freeze_sharded_plan(prepared, uri, shards)
+    typer.echo(f"run {config.name}: {len(prepared.jobs)} episodes in {shards} shards → {frozen['run']}", err=True)
+    env = {"SHOPSIMRL_CONCURRENCY": str(concurrency)} if concurrency else {}
+    result = run_indexed(uri, config_path.resolve(), shards, backoff_limit_per_index=backoff_limit, final_test=final_test, env=env)
+    for outcome in result.indexes:
+        if outcome.exit_code not in (0, 1):
+            typer.secho(f"shard {outcome.index}: exit codes {outcome.exit_codes} ({outcome.restarts} restarts)", fg=typer.colors.YELLOW, err=True)
+    if result.exit_code in (ExitCode.FINGERPRINT_MISMATCH, ExitCode.BAD_INPUT) or result.interrupted:
+        raise typer.Exit(int(result.exit_code))
+    code = _reduce_and_report(uri, wait=False, timeout=0.0, include_uncommitted=False)
+    raise typer.Exit(int(max(code, result.exit_code, key=_severity)))
+
+
+def _severity(code: ExitCode) -> int:
+    return {ExitCode.OK: 0, ExitCode.EPISODES_FAILED: 1, ExitCode.RETRYABLE: 2, ExitCode.BAD_INPUT: 3, ExitCode.FINGERPRINT_MISMATCH: 4}[ExitCode(code)]
+
+
+def _reduce_and_report(uri: str, *, wait: bool, timeout: float, include_uncommitted: bool) -> ExitCode:
+    from shopsimrl.metrics import format_summary_table
+    from shopsimrl.reduce import RunNotPlannedError, reduce_run, wait_for_markers
+    from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
+
+    try:
+        store = ShardedRunStore(uri)
+        if wait:
+            pending = wait_for_markers(store, timeout=timeout, interval=min(5.0, max(0.2, timeout / 20)))
+            if pending:
+                _fail(ExitCode.RETRYABLE, f"timed out after {timeout:g} s; shards without a commit marker: {pending[:20]}")
+        summary = reduce_run(store, include_uncommitted=include_uncommitted)
+    except (RunNotPlannedError, ShardMapError, RunLocationError, ManifestError) as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except StoreUnavailableError as exc:
+        _fail(ExitCode.RETRYABLE, str(exc))
+    report = summary["shards"]
+    typer.echo(format_summary_table(summary))
+    typer.echo(
+        f"shards       {report['committed']}/{report['count']} committed · uncommitted {report['uncommitted'][:10]} · "
+        f"corrupt {report['corrupt'][:10]} · duplicates {report['duplicate_records']} · episodes rerun {report['episodes_rerun']} · "
+        f"uncommitted parts {report['uncommitted_parts']} · unreadable lines {report['unreadable_lines']} · "
+        f"foreign objects {len(report['foreign_objects'])}"
+    )
+    for problem in report["problems"]:
+        typer.secho(f"  {problem}", fg=typer.colors.YELLOW, err=True)
+    typer.echo(f"summary: {store.display_uri}/summary.json")
+    counts = summary.get("counts", {})
+    incomplete = report["uncommitted"] or report["corrupt"] or counts.get("failed") or counts.get("missing")
+    return ExitCode.EPISODES_FAILED if incomplete else ExitCode.OK
+
+
+@app.command()
+def worker(
+    run_uri: Optional[str] = typer.Option(None, "--run", envvar="SHOPSIMRL_RUN", help="Run location (dir, file://, s3://bucket/prefix)."),
+    shard_index: Optional[int] = typer.Option(None, "--shard-index", min=0, help="Shard to run (default: JOB_COMPLETION_INDEX)."),
+    config_path: Optional[Path] = typer.Option(None, "--config", envvar="SHOPSIMRL_CONFIG", help="Experiment YAML."),
+    shards: Optional[int] = typer.Option(None, "--shards", envvar="SHOPSIMRL_SHARDS", min=1, help="Shard count (default: the frozen shards.json)."),
+    final_test: bool = FINAL_TEST,
+    retry_failed: bool = typer.Option(True, "--retry-failed/--no-retry-failed", help="Give failed episodes a fresh set of attempts."),
+) -> None:
+    """Run one shard of a sharded run into write-once parts and commit it (one pod of an Indexed Job)."""
+    from pydantic import ValidationError
+
+    from shopsimrl.worker import WorkerOptions, run_worker
+
+    try:
+        settings = WorkerSettings()
+    except ValidationError as exc:
+        _fail(ExitCode.BAD_INPUT, f"invalid SHOPSIMRL_*/JOB_COMPLETION_INDEX environment: {exc}")
+    configure_logging(settings.log_format)
+    index = shard_index if shard_index is not None else settings.shard_index
+    if run_uri is None or config_path is None or index is None:
+        _fail(ExitCode.BAD_INPUT, "worker needs --run (SHOPSIMRL_RUN), --config (SHOPSIMRL_CONFIG) and --shard-index (JOB_COMPLETION_INDEX)")
+    code = run_worker(
+        WorkerOptions(run=run_uri, config=config_path, shard_index=index, shards=shards, final_test=final_test, retry_failed=retry_failed, settings=settings)
+    )
+    raise typer.Exit(int(code))
+
+
+@app.command()
+def reduce(
+    run_uri: str = typer.Argument(..., metavar="URI", help="Run location of a sharded run."),
+    wait: bool = typer.Option(False, "--wait", help="Poll until every shard has a commit marker (exit 3 on timeout)."),
+    timeout: float = typer.Option(3600.0, "--timeout", min=0, help="With --wait: give up after this many seconds."),
+    include_uncommitted: bool = typer.Option(False, "--include-uncommitted", help="Also read parts of shards without a commit marker (a partial summary)."),
+) -> None:
+    """Merge committed shards into summary.json: de-duplicated by episode_id, checksums verified."""
+    configure_logging()
+    code = _reduce_and_report(run_uri, wait=wait, timeout=timeout, include_uncommitted=include_uncommitted)
+    raise typer.Exit(int(code))
+
+
+@app.command()
+def status(
+    run_uri: str = typer.Argument(..., metavar="URI", help="Run location of a sharded run."),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubernetes namespace of the release (adds the Job's view)."),
+    release: Optional[str] = typer.Option(None, "--release", help="Helm release name (with --namespace)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Per-shard progress from commit markers and parts; with --namespace/--release also the Job."""
+    from shopsimrl.reduce import RunNotPlannedError, shard_status
+    from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
+
+    configure_logging()
+    try:
+        report = shard_status(ShardedRunStore(run_uri))
+    except (RunNotPlannedError, ShardMapError, RunLocationError, ManifestError) as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except StoreUnavailableError as exc:
+        _fail(ExitCode.RETRYABLE, str(exc))
+    if namespace or release:
+        report["kubernetes"] = _kube_status(namespace, release)
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
+        return
+    typer.echo(f"run {report['run']} · plan {report['plan_fingerprint'][:12]} · {report['completed']}/{report['jobs']} episodes completed · "
+               f"{report['committed_shards']}/{len(report['shards'])} shards committed")
+    for row in report["shards"]:
+        extra = f" · failed {row['failed']}" if row.get("failed") else ""
+        typer.echo(f"  shard {row['shard']:>5}  {row['state']:<14} {row['completed']}/{row['jobs']}{extra} · parts {row['parts']}")
+    if "kubernetes" in report:
+        typer.echo("kubernetes: " + json.dumps(report["kubernetes"], ensure_ascii=False, default=str))
+
+
+def _kube_status(namespace: Optional[str], release: Optional[str]) -> dict[str, Any]:
+    if not (namespace and release):
+        return {"error": "--namespace and --release are both needed for the Job's view"}
+    try:
+        from shopsimrl import kube
+    except ImportError as exc:
+        return {"error": f"Kubernetes support is not available in this installation ({exc})"}
+    try:
+        return kube.load_release_status(namespace, release).to_dict()
+    except Exception as exc:  # no kubeconfig, no cluster, RBAC: report it, keep the store's view
+        return {"error": f"cannot read the Jobs of release {release!r} in {namespace!r}: {type(exc).__name__}: {exc}"}
 
 
 @app.command("wait-ready")

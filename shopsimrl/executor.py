@@ -1,0 +1,142 @@
+"""Local executor for sharded runs: N ``shopsimrl worker`` processes, then ``reduce``.
+
+It behaves like the Kubernetes Indexed Job controller on one machine, so a local sharded run
+exercises exactly the code path of the pods: each index runs ``shopsimrl worker`` with
+``JOB_COMPLETION_INDEX`` set; an index whose process crashed (any exit code other than
+0, 1, 2 and 42) is restarted after a short backoff, up to ``backoff_limit_per_index`` times;
+2 (bad input) and 42 (fingerprint mismatch) fail the index at once, as ``podFailurePolicy``
+``FailIndex`` does. When every index has finished, the run is reduced.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from shopsimrl.exitcodes import ExitCode
+
+__all__ = ["IndexOutcome", "ShardedRunResult", "run_indexed"]
+
+log = structlog.get_logger("shopsimrl.executor")
+
+_FINAL_CODES = {int(ExitCode.OK), int(ExitCode.EPISODES_FAILED), int(ExitCode.BAD_INPUT), int(ExitCode.FINGERPRINT_MISMATCH)}
+
+
+@dataclass
+class IndexOutcome:
+    index: int
+    exit_code: int | None = None
+    restarts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ShardedRunResult:
+    indexes: list[IndexOutcome]
+    interrupted: bool = False
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """The most severe outcome: 42, then 2, then 3 (crashed past the limit or interrupted), then 1."""
+        codes = {o.exit_code for o in self.indexes}
+        if int(ExitCode.FINGERPRINT_MISMATCH) in codes:
+            return ExitCode.FINGERPRINT_MISMATCH
+        if int(ExitCode.BAD_INPUT) in codes:
+            return ExitCode.BAD_INPUT
+        if self.interrupted or any(code not in _FINAL_CODES for code in codes):
+            return ExitCode.RETRYABLE
+        if int(ExitCode.EPISODES_FAILED) in codes:
+            return ExitCode.EPISODES_FAILED
+        return ExitCode.OK
+
+
+def _worker_command(run: str, config: Path, shards: int, final_test: bool) -> list[str]:
+    command = [sys.executable, "-m", "shopsimrl", "worker", "--run", run, "--config", str(config), "--shards", str(shards)]
+    if final_test:
+        command.append("--final-test")
+    return command
+
+
+def run_indexed(
+    run: str,
+    config: Path,
+    shards: int,
+    *,
+    parallelism: int | None = None,
+    backoff_limit_per_index: int = 2,
+    restart_backoff_s: float = 1.0,
+    final_test: bool = False,
+    env: dict[str, str] | None = None,
+    poll_interval_s: float = 0.1,
+) -> ShardedRunResult:
+    """Run indexes 0…shards-1 as worker processes, at most ``parallelism`` at once."""
+    parallelism = max(1, min(parallelism or shards, shards))
+    base_env = {**os.environ, **(env or {})}
+    outcomes = [IndexOutcome(i) for i in range(shards)]
+    waiting = list(range(shards))  # indexes not yet started (or due for a restart)
+    not_before: dict[int, float] = {}
+    running: dict[int, subprocess.Popen[bytes]] = {}
+    interrupted = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+        for process in running.values():  # every worker flushes its parts and exits 3
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while waiting or running:
+            now = time.monotonic()
+            while not interrupted and len(running) < parallelism:
+                ready = [i for i in waiting if not_before.get(i, 0.0) <= now]
+                if not ready:
+                    break
+                index = ready[0]
+                waiting.remove(index)
+                running[index] = subprocess.Popen(
+                    _worker_command(run, config, shards, final_test),
+                    env={**base_env, "JOB_COMPLETION_INDEX": str(index)},
+                    stdin=subprocess.DEVNULL,
+                )
+                log.info("index_started", index=index, pid=running[index].pid, restarts=outcomes[index].restarts)
+            if interrupted and not running:
+                break
+            for index, process in list(running.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                del running[index]
+                outcome = outcomes[index]
+                outcome.exit_codes.append(code)
+                outcome.exit_code = code
+                if code in _FINAL_CODES or interrupted:
+                    log.info("index_finished", index=index, exit_code=code)
+                elif outcome.restarts < backoff_limit_per_index:
+                    outcome.restarts += 1
+                    not_before[index] = time.monotonic() + restart_backoff_s * 2 ** (outcome.restarts - 1)
+                    waiting.append(index)
+                    log.warning("index_restarting", index=index, exit_code=code, restart=outcome.restarts)
+                else:
+                    log.error("index_failed", index=index, exit_code=code, restarts=outcome.restarts)
+            time.sleep(poll_interval_s)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for process in running.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in running.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return ShardedRunResult(outcomes, interrupted)

@@ -1,0 +1,596 @@
+"""Sharded run layout on any fsspec location: ``./runs/x``, ``file:///…`` or ``s3://bucket/prefix/x``.
+
+Layout (every object is written once, except ``summary.json`` which ``reduce`` rewrites)::
+
+    manifest.json                          frozen plan + fingerprint (create-only)
+    jobs.jsonl                             one job per line with its shard (create-only)
+    shards.json                            the frozen shard map (create-only)
+    shards/00007/part-00003-1a2b3c4d.jsonl trace parts: sequence number, then the writer id
+    shards/00007/_SUCCESS.json             commit marker, written after the last part
+    summary.json                           written by ``shopsimrl reduce``
+
+Object storage has neither append nor atomic rename, so traces are buffered and written as
+whole, immutable part objects. Each worker process picks a random writer id; the id is part of
+every part name, so two writers on one shard (a replaced pod that is not quite dead yet) can
+never overwrite each other's parts. Writes are create-only where the store supports it
+(``O_EXCL``-style hard link locally, ``If-None-Match: *`` on S3); a retried write whose first
+try did land is recognised by comparing the bytes, so a lost response is not an error.
+
+S3 goes through s3fs with the standard ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for MinIO or
+SeaweedFS). ``region_name`` is deliberately never passed in ``client_kwargs``: s3fs would send
+it as a bucket location constraint (set ``AWS_DEFAULT_REGION`` instead). Transient store
+errors (503/SlowDown, throttling, connection resets, timeouts) are retried with capped
+exponential backoff; a store that stays down raises :class:`StoreUnavailableError` (exit 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
+from shopsimrl.planning import SHARD_ASSIGNMENT, shard_jobs
+from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint, is_completed, sha256_hex
+
+__all__ = [
+    "MARKER_NAME",
+    "MARKER_SCHEMA_VERSION",
+    "PART_PATTERN",
+    "SHARD_MAP_SCHEMA_VERSION",
+    "RetryPolicy",
+    "RunLocationError",
+    "ShardListing",
+    "ShardMap",
+    "ShardMapError",
+    "ShardState",
+    "ShardedRunStore",
+    "StoreUnavailableError",
+    "iter_part_records",
+    "marker_document",
+    "part_entry",
+    "part_name",
+    "redact_uri",
+    "scan_shard",
+]
+
+SHARD_MAP_SCHEMA_VERSION = "shopsimrl-shard-map-v1"
+MARKER_SCHEMA_VERSION = "shopsimrl-shard-commit-v1"
+MARKER_NAME = "_SUCCESS.json"
+PART_PATTERN = re.compile(r"^part-(\d{5,})-([0-9a-f]{8,32})\.jsonl$")
+_TEMP_PREFIX = ".tmp-"
+
+T = TypeVar("T")
+
+
+class StoreUnavailableError(RuntimeError):
+    """The object store kept failing after every retry; the work is safe to retry later (exit 3)."""
+
+
+class RunLocationError(ValueError):
+    """The run location cannot be used as given: no bucket, access denied, not a run (exit 2)."""
+
+
+class ShardMapError(ValueError):
+    """shards.json is unreadable or disagrees with the requested shard count (exit 2)."""
+
+
+def redact_uri(uri: str) -> str:
+    """The URI without any ``user:password@`` part, for logs and manifests."""
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def part_name(seq: int, writer: str) -> str:
+    return f"part-{seq:05d}-{writer}.jsonl"
+
+
+# --------------------------------------------------------------------------- retries
+
+# Errors that mean "the request may never have been processed or the store is overloaded".
+_TRANSIENT_NAMES = {
+    "ConnectionError", "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError",
+    "TimeoutError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+    "ConnectionClosedError", "ClientConnectionError", "ServerDisconnectedError", "ClientOSError",
+    "ClientPayloadError", "ServerTimeoutError", "ResponseStreamingError", "IncompleteReadError",
+}
+_TRANSIENT_TEXT = re.compile(r"SlowDown|Throttl|ServiceUnavailable|\b50[0234]\b|InternalError|RequestTimeout|reduce your request rate", re.I)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    for klass in type(exc).__mro__:
+        if klass.__name__ in _TRANSIENT_NAMES:
+            return True
+    if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EBUSY):
+        return True
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return True  # a full or read-only disk may come back; give it the retry budget, then exit 3
+    return bool(_TRANSIENT_TEXT.search(f"{type(exc).__name__}: {exc}"))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Capped exponential backoff with jitter, bounded by attempts and by a wall-clock budget."""
+
+    attempts: int = 8
+    base_delay_s: float = 0.2
+    max_delay_s: float = 5.0
+    budget_s: float = 60.0
+
+    @classmethod
+    def from_env(cls) -> RetryPolicy:
+        """The default policy; ``SHOPSIMRL_STORE_RETRY_BUDGET_S`` caps the seconds spent retrying one operation."""
+        budget = os.environ.get("SHOPSIMRL_STORE_RETRY_BUDGET_S")
+        try:
+            return cls(budget_s=float(budget)) if budget else cls()
+        except ValueError:
+            raise RunLocationError(f"SHOPSIMRL_STORE_RETRY_BUDGET_S must be a number of seconds, got {budget!r}") from None
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        started = time.monotonic()
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn()
+            except Exception as exc:
+                if not _is_transient(exc):
+                    raise
+                delay = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+                if attempt == self.attempts or time.monotonic() - started + delay > self.budget_s:
+                    raise StoreUnavailableError(
+                        f"{what}: object store still failing after {attempt} attempts "
+                        f"({time.monotonic() - started:.1f} s): {type(exc).__name__}: {exc}"
+                    ) from exc
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- the file system
+
+
+def _open_fs(uri: str) -> tuple[Any, str]:
+    scheme = urlsplit(uri).scheme if "://" in uri else ""
+    if scheme in ("s3", "s3a"):
+        import s3fs
+
+        # Credentials come from the AWS_* variables through botocore's own chain and are never
+        # copied anywhere; only the endpoint is passed explicitly (older botocore ignores
+        # AWS_ENDPOINT_URL).
+        client_kwargs: dict[str, Any] = {}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            client_kwargs["endpoint_url"] = endpoint
+        # One try per call below us (botocore and s3fs would otherwise each retry with their
+        # own backoff, up to ~25 s per call): RetryPolicy owns retries, backoff and the budget.
+        fs = s3fs.S3FileSystem(
+            use_listings_cache=False,
+            skip_instance_cache=True,
+            client_kwargs=client_kwargs,
+            config_kwargs={"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 1, "mode": "standard"}},
+        )
+        fs.retries = 1  # a class attribute in s3fs, not a constructor argument
+        path = uri.split("://", 1)[1].rstrip("/")
+        if not path.split("/", 1)[0]:
+            raise RunLocationError(f"{uri}: an S3 run location needs a bucket, e.g. s3://bucket/runs/x")
+        return fs, path
+    if scheme not in ("", "file", "local"):
+        fs, path = fsspec.core.url_to_fs(uri)
+        return fs, path.rstrip("/")
+    path = uri.split("://", 1)[1] if scheme else uri
+    return LocalFileSystem(auto_mkdir=True), os.path.abspath(os.path.expanduser(path))
+
+
+# --------------------------------------------------------------------------- shard map
+
+
+@dataclass
+class ShardMap:
+    count: int
+    plan_fingerprint: str
+    episode_ids: list[list[str]]
+    assignment: str = SHARD_ASSIGNMENT
+
+    @property
+    def jobs(self) -> int:
+        return sum(len(ids) for ids in self.episode_ids)
+
+    def ids_sha256(self, index: int) -> str:
+        return fingerprint(self.episode_ids[index])
+
+    @classmethod
+    def build(cls, jobs: Sequence[EpisodeJob], count: int, plan_fingerprint: str) -> ShardMap:
+        return cls(count, plan_fingerprint, [[job.episode_id for job in shard] for shard in shard_jobs(jobs, count)])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SHARD_MAP_SCHEMA_VERSION,
+            "plan_fingerprint": self.plan_fingerprint,
+            "assignment": self.assignment,
+            "count": self.count,
+            "jobs": self.jobs,
+            "created_at": datetime.now(timezone.utc).isoformat(),
+            "shards": [
+                {"index": i, "jobs": len(ids), "episode_ids_sha256": self.ids_sha256(i), "episode_ids": ids}
+                for i, ids in enumerate(self.episode_ids)
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> ShardMap:
+        if not isinstance(data, dict) or data.get("schema_version") != SHARD_MAP_SCHEMA_VERSION:
+            version = data.get("schema_version") if isinstance(data, dict) else None
+            raise ShardMapError(f"{where}: not a shard map of version {SHARD_MAP_SCHEMA_VERSION} (schema_version {version!r})")
+        if data.get("assignment") != SHARD_ASSIGNMENT:
+            raise ShardMapError(f"{where}: unknown shard assignment {data.get('assignment')!r}; this shopsimrl knows {SHARD_ASSIGNMENT}")
+        shards = data.get("shards")
+        count = data.get("count")
+        if not isinstance(count, int) or not isinstance(shards, list) or len(shards) != count:
+            raise ShardMapError(f"{where}: 'count' must equal the number of entries in 'shards'")
+        ids: list[list[str]] = []
+        for i, entry in enumerate(shards):
+            episode_ids = entry.get("episode_ids") if isinstance(entry, dict) else None
+            if not isinstance(episode_ids, list) or entry.get("index") != i:
+                raise ShardMapError(f"{where}: shards[{i}] needs 'index' {i} and an 'episode_ids' list")
+            if fingerprint(episode_ids) != entry.get("episode_ids_sha256"):
+                raise ShardMapError(f"{where}: shards[{i}].episode_ids_sha256 does not match its episode ids; the file was edited")
+            ids.append(episode_ids)
+        return cls(count, str(data.get("plan_fingerprint")), ids, data["assignment"])
+
+
+@dataclass
+class ShardListing:
+    """What a shard folder holds, by kind."""
+
+    parts: list[str] = field(default_factory=list)
+    """Part names, in write order (sequence number, then writer)."""
+    marker: bool = False
+    temporary: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+
+
+def _part_order(name: str) -> tuple[int, str]:
+    match = PART_PATTERN.match(name)
+    return (int(match.group(1)), match.group(2)) if match else (1 << 62, name)
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class ShardedRunStore:
+    """One run location: manifest, shard map, trace parts, commit markers, summary."""
+
+    def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
+        self.uri = uri.rstrip("/") or uri
+        self.display_uri = redact_uri(self.uri)
+        self.retry = retry or RetryPolicy.from_env()
+        try:
+            self.fs, self.root = _open_fs(self.uri)
+        except ImportError as exc:  # an fsspec protocol whose package is missing
+            raise RunLocationError(f"{self.display_uri}: {exc}") from exc
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    @staticmethod
+    def shard_dir(index: int) -> str:
+        return f"shards/{index:05d}"
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return self.retry.call(f"{what} {self.display_uri}", fn)
+        except PermissionError as exc:
+            raise RunLocationError(f"{self.display_uri}: access denied ({what}); check the AWS_* credentials: {exc}") from exc
+
+    # -- raw objects ------------------------------------------------------------------------
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        """The object's bytes, or None when it does not exist."""
+        path = self.path(rel)
+
+        def read() -> bytes | None:
+            try:
+                return bytes(self.fs.cat_file(path))
+            except FileNotFoundError:
+                return None
+
+        return self._call(f"read {rel} in", read)
+
+    def read_json(self, rel: str) -> Any | None:
+        data = self.read_bytes(rel)
+        if data is None:
+            return None
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"{self.display_uri}/{rel} is not valid JSON: {exc}") from exc
+
+    def listdir(self, rel: str) -> list[str]:
+        """Base names under ``rel`` (empty when it does not exist)."""
+        path = self.path(rel)
+
+        def ls() -> list[str]:
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+            return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") != "directory")
+
+        return self._call(f"list {rel} in", ls)
+
+    def create(self, rel: str, data: bytes) -> bool:
+        """Write ``data`` unless the object exists. True: written (or an identical copy was
+        already there from a retried write). False: another object is already there."""
+        path = self.path(rel)
+
+        def attempt() -> bool:
+            try:
+                self._create_once(path, data)
+                return True
+            except FileExistsError:
+                existing = self.fs.cat_file(path)
+                return bytes(existing) == data
+
+        return self._call(f"write {rel} in", attempt)
+
+    def _create_once(self, path: str, data: bytes) -> None:
+        if self.local:
+            # A hard link is the local create-only primitive that also never exposes a torn
+            # object: the data is complete and fsynced before the final name appears.
+            directory = os.path.dirname(path)
+            os.makedirs(directory, exist_ok=True)
+            tmp = os.path.join(directory, f"{_TEMP_PREFIX}{os.getpid()}-{random.getrandbits(48):012x}")
+            try:
+                with open(tmp, "xb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.link(tmp, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            with contextlib.suppress(OSError):
+                fd = os.open(directory, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            return
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except FileNotFoundError as exc:
+            raise RunLocationError(f"{self.display_uri}: the bucket does not exist ({exc})") from exc
+        # Stores that ignore If-None-Match overwrite silently: read back, and if the bytes are
+        # not ours a concurrent writer won the race.
+        if bytes(self.fs.cat_file(path)) != data:
+            raise FileExistsError(path)
+
+    def overwrite(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+
+        def put() -> None:
+            if self.local:
+                directory = os.path.dirname(path)
+                os.makedirs(directory, exist_ok=True)
+                tmp = os.path.join(directory, f"{_TEMP_PREFIX}{os.getpid()}-{random.getrandbits(48):012x}")
+                with open(tmp, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(tmp, path)
+            else:
+                try:
+                    self.fs.pipe_file(path, data)
+                except FileNotFoundError as exc:
+                    raise RunLocationError(f"{self.display_uri}: the bucket does not exist ({exc})") from exc
+
+        self._call(f"write {rel} in", put)
+
+    # -- manifest and plan ------------------------------------------------------------------
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        manifest = self.read_json("manifest.json")
+        return None if manifest is None else validate_manifest(manifest, f"{self.display_uri}/manifest.json")
+
+    def initialize(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Create manifest.json, or verify that the one there freezes the same plan.
+
+        Planning is deterministic, so any number of workers may call this at once: one creates
+        the manifest, the others find it and compare fingerprints.
+        """
+        new_fp = fingerprint(plan)
+        for _ in range(3):
+            existing = self.read_manifest()
+            if existing is not None:
+                if existing["plan_fingerprint"] != new_fp:
+                    raise FingerprintMismatchError(
+                        self.display_uri, existing["plan_fingerprint"], new_fp, plan_diff(existing["plan"], plan)
+                    )
+                return existing
+            manifest = build_manifest(plan, execution)
+            if self.create("manifest.json", _json_bytes(manifest)):
+                return manifest
+        raise StoreUnavailableError(f"{self.display_uri}/manifest.json keeps changing under us")
+
+    def read_shard_map(self) -> ShardMap | None:
+        data = self.read_json("shards.json")
+        return None if data is None else ShardMap.from_dict(data, f"{self.display_uri}/shards.json")
+
+    def ensure_shard_map(self, jobs: Sequence[EpisodeJob], count: int, plan_fingerprint: str) -> ShardMap:
+        """Create shards.json (and jobs.jsonl) or verify the frozen one has ``count`` shards."""
+        for _ in range(3):
+            existing = self.read_shard_map()
+            if existing is not None:
+                if existing.count != count:
+                    raise ShardMapError(
+                        f"{self.display_uri} is frozen with {existing.count} shards, not {count}; "
+                        f"use --shards {existing.count} (or SHOPSIMRL_SHARDS={existing.count}) or another run location"
+                    )
+                if existing.plan_fingerprint != plan_fingerprint:
+                    raise ShardMapError(f"{self.display_uri}/shards.json belongs to plan {existing.plan_fingerprint[:12]}…, not {plan_fingerprint[:12]}…")
+                expected = ShardMap.build(jobs, count, plan_fingerprint)
+                if expected.episode_ids != existing.episode_ids:
+                    raise ShardMapError(f"{self.display_uri}/shards.json assigns episodes differently from {SHARD_ASSIGNMENT}")
+                return existing
+            shard_map = ShardMap.build(jobs, count, plan_fingerprint)
+            lines = "".join(
+                canonical_json({**job.to_dict(), "episode_id": job.episode_id, "shard": i % count}) + "\n"
+                for i, job in enumerate(jobs)
+            )
+            # jobs.jsonl first: a reader that finds shards.json can rely on it.
+            self.create("jobs.jsonl", lines.encode("utf-8"))
+            if self.create("shards.json", _json_bytes(shard_map.to_dict())):
+                return shard_map
+        raise StoreUnavailableError(f"{self.display_uri}/shards.json keeps changing under us")
+
+    # -- shards -----------------------------------------------------------------------------
+
+    def list_shard(self, index: int) -> ShardListing:
+        listing = ShardListing()
+        for name in self.listdir(self.shard_dir(index)):
+            if PART_PATTERN.match(name):
+                listing.parts.append(name)
+            elif name == MARKER_NAME:
+                listing.marker = True
+            elif name.startswith(_TEMP_PREFIX):
+                listing.temporary.append(name)
+            else:
+                listing.foreign.append(name)
+        listing.parts.sort(key=_part_order)
+        return listing
+
+    def read_part(self, index: int, name: str) -> bytes | None:
+        return self.read_bytes(f"{self.shard_dir(index)}/{name}")
+
+    def write_part(self, index: int, seq: int, writer: str, data: bytes) -> str:
+        """Write one immutable part; the name is unique to this writer, so it never collides."""
+        for _ in range(100):
+            name = part_name(seq, writer)
+            if self.create(f"{self.shard_dir(index)}/{name}", data):
+                return name
+            seq += 1  # only reachable if two processes share a writer id
+        raise StoreUnavailableError(f"{self.display_uri}: cannot find a free part name in shard {index}")
+
+    def read_marker(self, index: int) -> dict[str, Any] | None:
+        rel = f"{self.shard_dir(index)}/{MARKER_NAME}"
+        try:
+            return self.read_json(rel)
+        except ManifestError:
+            return {"unreadable": True}
+
+    def create_marker(self, index: int, marker: dict[str, Any]) -> bool:
+        return self.create(f"{self.shard_dir(index)}/{MARKER_NAME}", _json_bytes(marker))
+
+    def replace_marker(self, index: int, marker: dict[str, Any]) -> None:
+        self.overwrite(f"{self.shard_dir(index)}/{MARKER_NAME}", _json_bytes(marker))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        canonical_json(summary)  # refuse NaN before touching the store
+        self.overwrite("summary.json", _json_bytes(summary))
+
+
+@dataclass
+class ShardState:
+    """What the shard's parts say: per part entry, completed episodes, attempts per episode."""
+
+    parts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    completed: set[str] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)
+    completed_records: int = 0
+    unreadable_lines: int = 0
+    not_in_shard: int = 0
+    next_seq: int = 0
+
+
+def scan_shard(store: ShardedRunStore, index: int, shard_ids: set[str], state: ShardState | None = None) -> ShardState:
+    """Read the parts not yet in ``state`` (all of them the first time) and fold them in."""
+    state = state or ShardState()
+    for name in store.list_shard(index).parts:
+        match = PART_PATTERN.match(name)
+        if match:
+            state.next_seq = max(state.next_seq, int(match.group(1)) + 1)
+        if name in state.parts:
+            continue
+        data = store.read_part(index, name)
+        if data is None:  # listed, then gone: nothing to account for
+            continue
+        records = 0
+        for record in iter_part_records(data):
+            if record is None:
+                state.unreadable_lines += 1
+                continue
+            episode_id = record["episode_id"]
+            if episode_id not in shard_ids:
+                state.not_in_shard += 1
+                continue
+            records += 1
+            state.attempts[episode_id] = state.attempts.get(episode_id, 0) + 1
+            if is_completed(record):
+                state.completed_records += 1
+                state.completed.add(episode_id)
+        state.parts[name] = part_entry(name, data, records)
+    return state
+
+
+def _json_bytes(value: Any) -> bytes:
+    return (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
+
+
+def marker_document(
+    *,
+    shard: int,
+    plan_fingerprint: str,
+    completed: int,
+    failed: int,
+    episode_ids_sha256: str,
+    parts: list[dict[str, Any]],
+    writer: str,
+) -> dict[str, Any]:
+    return {
+        "schema_version": MARKER_SCHEMA_VERSION,
+        "shard": shard,
+        "plan_fingerprint": plan_fingerprint,
+        "episodes": {"completed": completed, "failed": failed},
+        "episode_ids_sha256": episode_ids_sha256,
+        "parts": parts,
+        "writer": writer,
+        "written_at": datetime.now(timezone.utc).isoformat(),
+    }
+
+
+def iter_part_records(data: bytes) -> Iterator[dict[str, Any] | None]:
+    """Every non-blank line of a part: the record, or None for a torn/garbled/foreign line."""
+    for raw in data.split(b"\n"):
+        line = raw.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            yield None
+            continue
+        yield record if isinstance(record, dict) and isinstance(record.get("episode_id"), str) else None
+
+
+def part_entry(name: str, data: bytes, records: int) -> dict[str, Any]:
+    return {"name": name, "sha256": sha256_hex(data), "records": records}

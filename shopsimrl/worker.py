@@ -1,0 +1,337 @@
+"""``shopsimrl worker``: run one shard of a frozen plan into write-once parts, then commit it.
+
+One worker = one shard = one process (a local subprocess or a pod of an Indexed Job). It
+
+1. plans from the config alone and creates or verifies ``manifest.json`` and ``shards.json``
+   (planning is deterministic, so concurrent workers agree; another fingerprint → exit 42,
+   another shard count → exit 2);
+2. resumes from the shard's existing parts: an episode with a completed record is never run
+   again (the reducer de-duplicates whatever a concurrent writer produced anyway);
+3. runs the remaining jobs with :class:`~shopsimrl.evaluation.Evaluator`, buffering traces and
+   writing a new part every ``flush_episodes`` records or ``flush_seconds``, whichever comes
+   first (a timer flushes a stalled buffer), so a crash loses at most that tail;
+4. on SIGTERM/SIGINT stops, flushes what finished and exits 3 (resume later);
+5. when every job is completed or has exhausted its attempts, writes ``_SUCCESS.json`` listing
+   every part with its sha256 and record count: exit 0 if all completed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from shopsimrl.config import ConfigError, WorkerSettings, load_experiment_config
+from shopsimrl.exitcodes import ExitCode
+from shopsimrl.manifest import FingerprintMismatchError, ManifestError
+from shopsimrl.schemas import EpisodeJob, fingerprint
+from shopsimrl.shardstore import (
+    MARKER_SCHEMA_VERSION,
+    PART_PATTERN,
+    RunLocationError,
+    ShardedRunStore,
+    ShardMapError,
+    ShardState,
+    StoreUnavailableError,
+    marker_document,
+    part_entry,
+    scan_shard,
+)
+from shopsimrl.store import encode_trace_line
+
+__all__ = ["PartSink", "WorkerOptions", "plan_run", "run_worker"]
+
+log = structlog.get_logger("shopsimrl.worker")
+
+
+class _Stop(Exception):
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PartSink:
+    """The Evaluator's trace sink: buffers encoded traces and writes them as whole parts.
+
+    ``save_trace`` and ``flush_if_stale`` run in worker threads (off the event loop); one lock
+    keeps buffer and part sequence consistent between the episode path and the flush timer.
+    """
+
+    def __init__(
+        self,
+        store: ShardedRunStore,
+        shard: int,
+        writer: str,
+        first_seq: int,
+        *,
+        flush_episodes: int,
+        flush_seconds: float,
+        on_part: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.store, self.shard, self.writer = store, shard, writer
+        self.flush_episodes, self.flush_seconds = flush_episodes, flush_seconds
+        self._seq = first_seq
+        self._buffer: list[bytes] = []
+        self._oldest = 0.0
+        self._lock = threading.Lock()
+        self._on_part = on_part
+        self.written: list[dict[str, Any]] = []
+
+    def save_trace(self, record: dict[str, Any]) -> None:
+        line = encode_trace_line(record)
+        with self._lock:
+            if not self._buffer:
+                self._oldest = time.monotonic()
+            self._buffer.append(line)
+            if len(self._buffer) >= self.flush_episodes:
+                self._flush_locked()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked()
+
+    def flush_if_stale(self) -> None:
+        with self._lock:
+            if self._buffer and time.monotonic() - self._oldest >= self.flush_seconds:
+                self._flush_locked()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def _flush_locked(self) -> None:
+        if not self._buffer:
+            return
+        data = b"".join(self._buffer)
+        # The buffer is kept until the part is safely stored, so a failed write loses nothing
+        # that a later flush (or the SIGTERM path) could still save.
+        name = self.store.write_part(self.shard, self._seq, self.writer, data)
+        entry = part_entry(name, data, len(self._buffer))
+        self._seq = int(PART_PATTERN.match(name).group(1)) + 1  # type: ignore[union-attr]
+        self._buffer.clear()
+        self.written.append(entry)
+        log.info("part_written", part=name, records=entry["records"], bytes=len(data))
+        if self._on_part is not None:
+            self._on_part(entry)
+
+
+class _EpisodeContextRuntime:
+    """Binds ``episode_id`` for every log line an episode produces (structlog contextvars)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._runtime = runtime
+
+    async def run(self, job: EpisodeJob) -> dict[str, Any]:
+        with structlog.contextvars.bound_contextvars(episode_id=job.episode_id):
+            return await self._runtime.run(job)
+
+
+@dataclass
+class WorkerOptions:
+    run: str
+    config: Path
+    shard_index: int
+    shards: int | None = None
+    final_test: bool = False
+    retry_failed: bool = True
+    settings: WorkerSettings = field(default_factory=WorkerSettings)
+
+
+def _prepare(config_path: Path, settings: WorkerSettings, final_test: bool) -> Any:
+    from shopsimrl.experiment import prepare
+    from shopsimrl.model import ModelConfigError
+    from shopsimrl.planning import PlanError
+    from shopsimrl.prompts import PromptError
+    from shopsimrl.skills import SkillBankError
+    from shopsimrl.tasks import SplitError
+
+    try:
+        config = load_experiment_config(config_path).with_overrides(settings)
+        return prepare(config, final_test=final_test)
+    except (ConfigError, SplitError, PlanError, SkillBankError, PromptError, ModelConfigError) as exc:
+        raise _Stop(ExitCode.BAD_INPUT, str(exc)) from None
+
+
+def plan_run(prepared: Any, store: ShardedRunStore, shards: int | None) -> tuple[dict[str, Any], Any]:
+    """Create or verify manifest.json and shards.json; returns (manifest, shard map)."""
+    from shopsimrl.planning import PlanError
+
+    plan = prepared.plan()
+    execution = {**prepared.execution(), "run": store.display_uri}
+    manifest = store.initialize(plan, execution)
+    if shards is None:
+        shard_map = store.read_shard_map()
+        if shard_map is None:
+            raise ShardMapError(f"{store.display_uri} has no shards.json yet; pass --shards N (or SHOPSIMRL_SHARDS)")
+        shards = shard_map.count
+    try:
+        shard_map = store.ensure_shard_map(prepared.jobs, shards, manifest["plan_fingerprint"])
+    except PlanError as exc:
+        raise ShardMapError(str(exc)) from None
+    return manifest, shard_map
+
+
+def run_worker(options: WorkerOptions) -> ExitCode:
+    """Run one shard; every failure is mapped to an exit code and logged (never a traceback)."""
+    try:
+        return _run_worker(options)
+    except _Stop as stop:
+        (log.warning if stop.code == ExitCode.RETRYABLE else log.error)("worker_stopped", exit_code=int(stop.code), reason=str(stop))
+        return stop.code
+    except FingerprintMismatchError as exc:
+        log.error("fingerprint_mismatch", exit_code=42, reason=str(exc))
+        return ExitCode.FINGERPRINT_MISMATCH
+    except (ShardMapError, RunLocationError, ManifestError) as exc:
+        log.error("bad_input", exit_code=2, reason=str(exc))
+        return ExitCode.BAD_INPUT
+    except StoreUnavailableError as exc:
+        log.error("store_unavailable", exit_code=3, reason=str(exc))
+        return ExitCode.RETRYABLE
+    finally:
+        structlog.contextvars.unbind_contextvars("run", "shard", "writer")
+
+
+def _run_worker(options: WorkerOptions) -> ExitCode:
+    from shopsimrl.model import ModelConfigError
+
+    settings = options.settings
+    store = ShardedRunStore(options.run)
+    writer = secrets.token_hex(4)
+    structlog.contextvars.bind_contextvars(run=store.display_uri, shard=options.shard_index, writer=writer)
+    prepared = _prepare(options.config, settings, options.final_test)
+    try:
+        prepared.model().check_api_key()
+    except ModelConfigError as exc:
+        raise _Stop(ExitCode.BAD_INPUT, str(exc)) from None
+    manifest, shard_map = plan_run(prepared, store, options.shards)
+    index = options.shard_index
+    if not 0 <= index < shard_map.count:
+        raise _Stop(ExitCode.BAD_INPUT, f"shard index {index} is outside 0…{shard_map.count - 1}")
+    plan_fp = manifest["plan_fingerprint"]
+    by_id = {job.episode_id: job for job in prepared.jobs}
+    jobs = [by_id[eid] for eid in shard_map.episode_ids[index]]
+    shard_ids = set(shard_map.episode_ids[index])
+
+    marker = store.read_marker(index)
+    if marker and marker.get("schema_version") == MARKER_SCHEMA_VERSION and marker.get("plan_fingerprint") == plan_fp:
+        failed = int((marker.get("episodes") or {}).get("failed", 0))
+        if failed == 0:
+            log.info("shard_already_committed", completed=len(jobs))
+            return ExitCode.OK
+        if not options.retry_failed:
+            log.info("shard_committed_with_failures", failed=failed)
+            return ExitCode.EPISODES_FAILED
+
+    state = scan_shard(store, index, shard_ids)
+    log.info(
+        "shard_resumed",
+        jobs=len(jobs),
+        completed=len(state.completed),
+        parts=len(state.parts),
+        unreadable_lines=state.unreadable_lines,
+    )
+    config = prepared.config
+    sink = PartSink(
+        store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds
+    )
+    outcome = asyncio.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed))
+    if outcome == "interrupted":
+        raise _Stop(ExitCode.RETRYABLE, f"interrupted; finished episodes are saved in {store.display_uri}, restart to resume")
+
+    # Commit: fold in every part now present (ours and any concurrent writer's).
+    state = scan_shard(store, index, shard_ids, state)
+    completed = len(state.completed)
+    entries = [state.parts[name] for name in store.list_shard(index).parts if name in state.parts]
+    document = marker_document(
+        shard=index,
+        plan_fingerprint=plan_fp,
+        completed=completed,
+        failed=len(jobs) - completed,
+        episode_ids_sha256=fingerprint(shard_map.episode_ids[index]),
+        parts=entries,
+        writer=writer,
+    )
+    if not store.create_marker(index, document):
+        existing = store.read_marker(index) or {}
+        existing_completed = int((existing.get("episodes") or {}).get("completed", -1)) if existing.get("plan_fingerprint") == plan_fp else -1
+        # A marker is a consistent snapshot; only one that accounts for more completed episodes
+        # (a later retry of failed ones) may replace it.
+        if completed > existing_completed:
+            store.replace_marker(index, document)
+        else:
+            log.info("marker_kept", existing_completed=existing_completed)
+    log.info("shard_committed", completed=completed, failed=len(jobs) - completed, parts=len(entries), config=config.name)
+    return ExitCode.OK if completed == len(jobs) else ExitCode.EPISODES_FAILED
+
+
+async def _evaluate(
+    prepared: Any, jobs: list[EpisodeJob], state: ShardState, sink: PartSink, settings: WorkerSettings, retry_failed: bool
+) -> str:
+    from shopsimrl.evaluation import ConcurrencyLimitedModel, Evaluator
+
+    config = prepared.config
+    model = prepared.model()
+    environment = prepared.environment()
+    limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
+
+    def on_trace(record: dict[str, Any], will_retry: bool) -> None:
+        final = record.get("final") if isinstance(record.get("final"), dict) else {}
+        log.info(
+            "episode_finished",
+            episode_id=record.get("episode_id"),
+            status=record.get("status"),
+            reward=final.get("reward"),
+            failure_class=record.get("failure_class"),
+            will_retry=will_retry,
+        )
+
+    evaluator = Evaluator(
+        _EpisodeContextRuntime(prepared.runtime(limited, environment)),  # type: ignore[arg-type]
+        sink,
+        concurrency=config.experiment.concurrency,
+        max_episode_retries=config.runtime.max_episode_retries,
+        retry_failed=retry_failed,
+        on_trace=on_trace,
+    )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    async def flush_timer() -> None:
+        while True:
+            await asyncio.sleep(min(1.0, settings.flush_seconds / 4))
+            await asyncio.to_thread(sink.flush_if_stale)
+
+    evaluation = asyncio.create_task(evaluator.run(jobs, completed=set(state.completed), prior_attempts=dict(state.attempts)))
+    timer = asyncio.create_task(flush_timer())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait({evaluation, timer, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        interrupted = stopping in done and not evaluation.done()
+        for task in (evaluation, timer, stopping):
+            if not task.done():
+                task.cancel()
+        results = await asyncio.gather(evaluation, timer, stopping, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                raise result
+        # Whatever finished is saved, on every path: normal end, SIGTERM, a failing timer.
+        await asyncio.to_thread(sink.flush)
+        if interrupted:
+            log.warning("worker_interrupted", saved_parts=len(sink.written))
+            return "interrupted"
+        return "done"
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await model.aclose()
+        await environment.aclose()

@@ -1,0 +1,241 @@
+"""Fixtures for sharded runs: storage backends (local dir, moto S3 server, MinIO when Docker
+exists), the real testbed services in a subprocess, small configs and worker processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SPLIT_FILE = REPO / "configs" / "splits" / "persona_splits.v1.json"
+S3_TEST_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret-do-not-log", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- storage backends
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def _docker_ok() -> bool:
+    try:
+        import docker
+
+        docker.from_env().ping()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def minio_endpoint() -> Iterator[tuple[str, str, str]]:
+    if not _docker_ok():
+        pytest.skip("no Docker engine: MinIO through testcontainers is skipped")
+    from testcontainers.minio import MinioContainer
+
+    container = MinioContainer()
+    container.start()
+    try:
+        config = container.get_config()
+        yield f"http://{config['endpoint']}", config["access_key"], config["secret_key"]
+    finally:
+        container.stop()
+
+
+@dataclass
+class Backend:
+    """Where a test's runs live, and the environment a worker process needs to reach it."""
+
+    kind: str
+    base: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def uri(self, name: str) -> str:
+        return f"{self.base}/{name}"
+
+
+def _make_bucket(endpoint: str, key: str, secret: str) -> str:
+    import s3fs
+
+    bucket = f"shopsimrl-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem(key=key, secret=secret, client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    fs.mkdir(bucket)
+    return bucket
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("minio", marks=pytest.mark.s3)])
+def backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    if request.param == "local":
+        return Backend("local", str(tmp_path / "runs"))
+    if request.param == "s3":
+        endpoint = request.getfixturevalue("moto_endpoint")
+        env = {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint}
+    else:
+        endpoint, key, secret = request.getfixturevalue("minio_endpoint")
+        env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    bucket = _make_bucket(endpoint, env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"])
+    return Backend(request.param, f"s3://{bucket}/runs", env)
+
+
+# --------------------------------------------------------------------------- the testbed
+
+
+@dataclass
+class Testbed:
+    __test__ = False  # not a test class, despite the name
+    shop_url: str
+    policy_url: str
+
+
+@pytest.fixture(scope="session")
+def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Testbed]:
+    """The real shop and heuristic policy, served by ``shopsimrl testbed up`` in a subprocess."""
+    shop_port, policy_port = _free_port(), _free_port()
+    log = tmp_path_factory.mktemp("testbed") / "testbed.log"
+    env = dict(os.environ)
+    packaged = REPO / "shopsimrl" / "testbed" / "data" / "catalog.v1.json.gz"
+    if not packaged.exists():  # fall back to the small fixture catalog
+        env["SHOPSIM_CATALOG"] = str(REPO / "tests" / "testbed" / "fixtures" / "catalog_small.json")
+    with log.open("wb") as handle:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "testbed", "up", "--shop-port", str(shop_port), "--policy-port", str(policy_port)],
+            stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+        )
+    bed = Testbed(f"http://127.0.0.1:{shop_port}", f"http://127.0.0.1:{policy_port}/v1")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{bed.shop_url}/healthz", timeout=2).json().get("ready") and httpx.get(f"{bed.policy_url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"testbed did not start: {log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.2)
+        yield bed
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def write_config(directory: Path, bed: Testbed, *, episodes: int, name: str = "sharded", temperature: float = 0.0,
+                 concurrency: int = 2, seed: int = 20260830) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}-{temperature}.yaml"
+    path.write_text(
+        f"""experiment:
+  name: {name}
+  output_dir: {directory / 'local-runs'}
+  seed: {seed}
+  concurrency: {concurrency}
+tasks:
+  split_file: {SPLIT_FILE}
+  split: val
+  sample_size: {episodes}
+environment:
+  base_url: {bed.shop_url}
+runtime:
+  max_steps: 30
+model:
+  id: shopsim-heuristic
+  name: shopsim-heuristic
+  base_url: {bed.policy_url}
+  api_key_env: null
+  temperature: {temperature}
+  max_retries: 5
+  retry_backoff_seconds: 0.2
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+# --------------------------------------------------------------------------- worker processes
+
+
+@dataclass
+class WorkerProcess:
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def wait(self, timeout: float = 120) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        lines = []
+        for raw in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                lines.append(json.loads(raw))
+            except json.JSONDecodeError:
+                lines.append({"event": "<non-json>", "text": raw})
+        return lines
+
+    def finished_episodes(self) -> list[str]:
+        return [line["episode_id"] for line in self.log_lines() if line.get("event") == "episode_finished" and line.get("status") == "completed"]
+
+
+def worker_env(backend: Backend, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "SHOPSIMRL_", "JOB_COMPLETION"))}
+    env.update(backend.env)
+    env.update({"SHOPSIMRL_LOG_FORMAT": "json", "SHOPSIMRL_FLUSH_EPISODES": "3", "SHOPSIMRL_FLUSH_SECONDS": "1.0",
+                "SHOPSIMRL_STORE_RETRY_BUDGET_S": "20"})
+    env.update(extra)
+    return env
+
+
+def start_worker(backend: Backend, uri: str, config: Path, index: int, shards: int | None, log_dir: Path,
+                 env: dict[str, str] | None = None, args: list[str] | None = None) -> WorkerProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"worker-{index}-{uuid.uuid4().hex[:6]}.log"
+    command = [sys.executable, "-m", "shopsimrl", "worker", "--run", uri, "--config", str(config)]
+    if shards is not None:
+        command += ["--shards", str(shards)]
+    with log_path.open("wb") as handle:
+        process = subprocess.Popen(
+            command + (args or []), stdout=subprocess.DEVNULL, stderr=handle, cwd=REPO,
+            env={**(env or worker_env(backend)), "JOB_COMPLETION_INDEX": str(index)},
+        )
+    return WorkerProcess(process, log_path)
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shopsimrl", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)

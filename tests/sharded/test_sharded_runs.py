@@ -1,0 +1,209 @@
+"""Real ``shopsimrl worker`` processes against the real testbed services, on a local dir and on
+S3 servers: the executor path, resume after kill -9, SIGTERM, two writers on one shard, injected
+object-store faults, junk in shard folders, fingerprint and shard-count refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from shopsimrl.reduce import reduce_run, shard_status
+from shopsimrl.shardstore import ShardedRunStore
+
+from .conftest import Backend, Testbed, cli, start_worker, worker_env, write_config
+from .faultproxy import FaultPlan, FaultProxy
+
+
+def test_sharded_run_end_to_end(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=6)
+    uri = backend.uri("e2e")
+    env = worker_env(backend)
+    result = cli("run", str(config), "--shards", "2", "--run", uri, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2/2 committed" in result.stdout
+    store = ShardedRunStore(uri)
+    summary = json.loads(store.read_bytes("summary.json"))
+    assert summary["counts"]["completed"] == 6 and summary["counts"]["missing"] == 0
+    assert summary["shards"]["duplicate_records"] == 0
+    marker = json.loads(store.read_bytes("shards/00001/_SUCCESS.json"))
+    assert marker["episodes"] == {"completed": 3, "failed": 0} and marker["parts"]
+    assert set(marker) >= {"schema_version", "shard", "plan_fingerprint", "episode_ids_sha256", "parts", "written_at"}
+    # Secrets never reach the run's objects.
+    for name in ("manifest.json", "shards.json", "summary.json", "shards/00000/_SUCCESS.json"):
+        assert "testing-secret" not in store.read_bytes(name).decode()
+
+    # A worker on a committed shard has nothing to do and writes nothing.
+    again = start_worker(backend, uri, config, 0, 2, tmp_path / "logs")
+    assert again.wait() == 0
+    assert any(line.get("event") == "shard_already_committed" for line in again.log_lines())
+    # The same plan with another shard count is refused; another plan exits 42.
+    assert start_worker(backend, uri, config, 0, 3, tmp_path / "logs").wait() == 2
+    other = write_config(tmp_path, testbed, episodes=6, temperature=0.7)
+    refused = start_worker(backend, uri, other, 0, 2, tmp_path / "logs")
+    assert refused.wait() == 42
+    assert any("model.sampling.temperature" in str(line.get("reason")) for line in refused.log_lines())
+    status = cli("status", uri, env=env)
+    assert status.returncode == 0 and "2/2 shards committed" in status.stdout
+
+
+def test_junk_in_a_shard_folder_is_reported_not_fatal(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=3)
+    uri = backend.uri("junk")
+    assert cli("plan", str(config), "--run", uri, "--shards", "1", env=worker_env(backend)).returncode == 0
+    store = ShardedRunStore(uri)
+    store.create("shards/00000/part-00007-0badc0de.jsonl", b'{"schema_version": "shopsimrl-episode-v4", "episode_id": "task-')
+    store.create("shards/00000/README.txt", b"not a part")
+    worker = start_worker(backend, uri, config, 0, None, tmp_path / "logs")
+    assert worker.wait() == 0
+    summary = reduce_run(store)
+    assert summary["counts"]["completed"] == 3
+    assert summary["shards"]["unreadable_lines"] == 1
+    assert summary["shards"]["foreign_objects"] == ["shards/00000/README.txt"]
+    # Every line of the worker's JSON log is bound to run and shard; episode lines to their episode.
+    lines = worker.log_lines()
+    assert all(line.get("run") == store.display_uri and line.get("shard") == 0 for line in lines), lines[:3]
+    finished = [line for line in lines if line.get("event") == "episode_finished"]
+    assert len(finished) == 3 and all(line["episode_id"].startswith("task-") for line in finished)
+
+
+def test_sigterm_flushes_then_resume_completes(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=10)
+    uri = backend.uri("term")
+    # Flush thresholds far away: whatever is saved was saved by the SIGTERM path.
+    env = worker_env(backend, SHOPSIMRL_FLUSH_EPISODES="1000", SHOPSIMRL_FLUSH_SECONDS="600")
+    worker = start_worker(backend, uri, config, 0, 1, tmp_path / "logs", env=env)
+    deadline = time.monotonic() + 60
+    while len(worker.finished_episodes()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.wait() == 3
+    store = ShardedRunStore(uri)
+    finished_before = set(worker.finished_episodes())
+    listing = store.list_shard(0)
+    assert len(listing.parts) == 1 and not listing.marker
+    saved = {json.loads(line)["episode_id"] for line in store.read_part(0, listing.parts[0]).splitlines()}
+    assert saved == finished_before
+
+    resumed = start_worker(backend, uri, config, 0, 1, tmp_path / "logs")
+    assert resumed.wait() == 0
+    assert not set(resumed.finished_episodes()) & finished_before  # nothing saved is rerun
+    summary = reduce_run(store)
+    assert summary["counts"]["completed"] == 10 and summary["shards"]["duplicate_records"] == 0
+
+
+def test_two_workers_on_one_shard_are_deduplicated(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=8)
+    uri = backend.uri("twin")
+    env = worker_env(backend)
+    assert cli("plan", str(config), "--run", uri, "--shards", "1", env=env).returncode == 0
+    first = start_worker(backend, uri, config, 0, None, tmp_path / "logs")
+    second = start_worker(backend, uri, config, 0, None, tmp_path / "logs")
+    assert first.wait() == 0 and second.wait() == 0
+    ran = len(first.finished_episodes()) + len(second.finished_episodes())
+    summary = reduce_run(ShardedRunStore(uri))
+    shards = summary["shards"]
+    assert summary["counts"]["completed"] == 8 and summary["counts"]["missing"] == 0
+    # Every completed record beyond the first of its episode is a counted duplicate (or was
+    # written after the commit and left out of the marker).
+    assert shards["duplicate_records"] + 8 <= ran
+    assert summary["counts"]["completed"] + shards["duplicate_records"] <= ran
+
+
+def test_kill_minus_9_at_random_moments_loses_only_the_unflushed_tail(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    if backend.kind == "minio":
+        pytest.skip("covered on the local dir and moto")
+    rng = random.Random(20260829)
+    jobs, flush_episodes, trials = 20, 3, 4
+    config = write_config(tmp_path, testbed, episodes=jobs, concurrency=2)
+    uri = backend.uri("crash")
+    env = worker_env(backend, SHOPSIMRL_FLUSH_EPISODES=str(flush_episodes), SHOPSIMRL_FLUSH_SECONDS="30")
+    finished: list[str] = []
+    kills = 0
+    for _ in range(trials):
+        worker = start_worker(backend, uri, config, 0, 1, tmp_path / "logs", env=env)
+        # A random moment within the run: after a random number of finished episodes, plus a
+        # random fraction of an episode (so kills land mid-buffer, mid-episode, mid-write).
+        target = rng.randint(1, 4)
+        deadline = time.monotonic() + 60
+        while len(worker.finished_episodes()) < target and worker.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))
+        if worker.process.poll() is None:
+            worker.process.kill()
+            kills += 1
+        worker.wait()
+        finished += worker.finished_episodes()
+    final = start_worker(backend, uri, config, 0, 1, tmp_path / "logs", env=env)
+    assert final.wait() == 0
+    finished += final.finished_episodes()
+
+    summary = reduce_run(ShardedRunStore(uri))
+    shards = summary["shards"]
+    assert kills == trials
+    assert summary["counts"]["completed"] == jobs and summary["counts"]["missing"] == 0
+    assert shards["duplicate_records"] == 0  # sequential restarts never persist an episode twice
+    reruns = len(finished) - len(set(finished))
+    # Each kill loses at most one unflushed buffer (< flush_episodes records, or one part in flight).
+    assert reruns <= kills * flush_episodes, (reruns, kills)
+    print(f"\n[crash-test {backend.kind}] trials={trials} kills={kills} jobs={jobs} episodes_run={len(finished)} "
+          f"reruns={reruns} duplicates={shards['duplicate_records']}")
+
+
+@pytest.mark.s3
+def test_run_completes_through_object_store_faults(moto_endpoint: str, testbed: Testbed, tmp_path: Path) -> None:
+    from .conftest import S3_TEST_ENV, _make_bucket
+
+    bucket = _make_bucket(moto_endpoint, S3_TEST_ENV["AWS_ACCESS_KEY_ID"], S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"])
+    proxy = FaultProxy(moto_endpoint, FaultPlan(seed=3, burst_probability=0.05, burst_length=3, drop_probability=0.04, lost_response_probability=0.04))
+    endpoint = proxy.start()
+    try:
+        backend = Backend("s3", f"s3://{bucket}/runs", {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint})
+        config = write_config(tmp_path, testbed, episodes=6)
+        uri = backend.uri("faulty")
+        result = cli("run", str(config), "--shards", "2", "--run", uri, env=worker_env(backend, SHOPSIMRL_FLUSH_EPISODES="1"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert sum(proxy.injected.values()) > 0, proxy.injected
+    finally:
+        proxy.stop()
+    import os
+
+    os.environ.update({**S3_TEST_ENV, "AWS_ENDPOINT_URL": moto_endpoint})
+    summary = reduce_run(ShardedRunStore(uri), write=False)
+    assert summary["counts"]["completed"] == 6 and summary["shards"]["committed"] == 2
+
+
+@pytest.mark.s3
+def test_a_store_that_stays_down_exits_3(moto_endpoint: str, testbed: Testbed, tmp_path: Path) -> None:
+    from .conftest import S3_TEST_ENV
+
+    dead = FaultProxy(moto_endpoint, FaultPlan(always_503=True))
+    endpoint = dead.start()
+    try:
+        backend = Backend("s3", "s3://no-such-bucket-ever/runs", {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint})
+        config = write_config(tmp_path, testbed, episodes=2)
+        worker = start_worker(backend, backend.uri("down"), config, 0, 1, tmp_path / "logs",
+                              env=worker_env(backend, SHOPSIMRL_STORE_RETRY_BUDGET_S="2"))
+        assert worker.wait() == 3
+        assert any(line.get("event") == "store_unavailable" for line in worker.log_lines())
+        assert not any("testing-secret" in json.dumps(line) for line in worker.log_lines())
+    finally:
+        dead.stop()
+
+
+def test_reduce_wait_times_out_with_exit_3_and_status_shows_progress(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=4)
+    uri = backend.uri("wait")
+    env = worker_env(backend)
+    assert cli("plan", str(config), "--run", uri, "--shards", "2", env=env).returncode == 0
+    assert start_worker(backend, uri, config, 1, 2, tmp_path / "logs").wait() == 0
+    waited = cli("reduce", uri, "--wait", "--timeout", "1", env=env)
+    assert waited.returncode == 3 and "[0]" in waited.stderr
+    report = shard_status(ShardedRunStore(uri))
+    assert [row["state"] for row in report["shards"]] == ["pending", "committed"]
+    partial = cli("reduce", uri, env=env)
+    assert partial.returncode == 1 and "1/2 committed" in partial.stdout
