@@ -40,3 +40,5 @@ status: $(STAMP)  ## per-shard progress of RUN=<uri>
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+
+include mk/kubernetes.mk

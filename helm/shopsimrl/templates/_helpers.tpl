@@ -1,0 +1,405 @@
+{{/*
+Names, labels and shared fragments. Every object name and label in this chart comes from here.
+*/}}
+
+{{/*
+Chart name, truncated to a DNS label.
+Usage: include "shopsimrl.name" .
+*/}}
+{{- define "shopsimrl.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Release-scoped base name: the release name, with the chart name appended unless it already
+contains it. Kept to 40 characters so "<fullname>-<component>" stays a valid Service name.
+Usage: include "shopsimrl.fullname" .
+*/}}
+{{- define "shopsimrl.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Name of one component's objects (Deployment, Service, Job).
+Usage: include "shopsimrl.componentName" (dict "ctx" . "component" "vllm")
+*/}}
+{{- define "shopsimrl.componentName" -}}
+{{- printf "%s-%s" (include "shopsimrl.fullname" .ctx) .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+"name-version" of the chart, for the helm.sh/chart label.
+Usage: include "shopsimrl.chart" .
+*/}}
+{{- define "shopsimrl.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Selector labels of one component; stable across upgrades, so Deployments keep their pods.
+Usage: include "shopsimrl.selectorLabels" (dict "ctx" . "component" "worker")
+*/}}
+{{- define "shopsimrl.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "shopsimrl.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/*
+Full label set of one component's objects: selector labels plus chart, version and run.
+Usage: include "shopsimrl.labels" (dict "ctx" . "component" "worker")
+*/}}
+{{- define "shopsimrl.labels" -}}
+{{ include "shopsimrl.selectorLabels" . }}
+app.kubernetes.io/part-of: shopsimrl
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+helm.sh/chart: {{ include "shopsimrl.chart" .ctx }}
+shopsimrl.io/run: {{ include "shopsimrl.runName" .ctx | quote }}
+{{- end -}}
+
+{{/*
+Run name: run.name, or the release name.
+Usage: include "shopsimrl.runName" .
+*/}}
+{{- define "shopsimrl.runName" -}}
+{{- default .Release.Name .Values.run.name -}}
+{{- end -}}
+
+{{/*
+Run URI the workers write to: run.uri, or storage.baseUri + "/" + run name. Fails the render
+when neither is set, naming both keys.
+Usage: include "shopsimrl.runUri" .
+*/}}
+{{- define "shopsimrl.runUri" -}}
+{{- if .Values.run.uri -}}
+{{- .Values.run.uri | trimSuffix "/" -}}
+{{- else if .Values.storage.baseUri -}}
+{{- printf "%s/%s" (.Values.storage.baseUri | trimSuffix "/") (include "shopsimrl.runName" .) -}}
+{{- else -}}
+{{- fail "set storage.baseUri (runs go to <baseUri>/<run name>) or run.uri (the full run URI)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The experiment config as rendered into the ConfigMap: the `config` value (mapping or YAML
+string) with tasks.split_file pointed at the inline split file when one is given.
+Usage: include "shopsimrl.configYaml" .
+*/}}
+{{- define "shopsimrl.configYaml" -}}
+{{- $inline := not (kindIs "invalid" .Values.run.inlineSplitFile) -}}
+{{- $cfg := .Values.config -}}
+{{- if and (kindIs "string" .Values.config) (not (trim .Values.config)) -}}
+{{- fail "config: missing; give the experiment YAML, e.g. --set-file config=configs/qwen35_4b_val.yaml, or a config mapping in your values" -}}
+{{- end -}}
+{{- if kindIs "string" .Values.config -}}
+{{- $cfg = fromYaml .Values.config -}}
+{{- if hasKey $cfg "Error" -}}
+{{- fail (printf "config: not valid YAML: %s" (get $cfg "Error")) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (kindIs "map" (get $cfg "tasks")) -}}
+{{- fail "config.tasks: missing; the experiment config needs tasks.split_file and tasks.split" -}}
+{{- end -}}
+{{- if and (kindIs "string" .Values.config) (not $inline) -}}
+{{- /* A YAML string is kept verbatim (comments, number formats) when nothing is rewritten. */ -}}
+{{- .Values.config | trim -}}
+{{- else -}}
+{{- $cfg = deepCopy $cfg -}}
+{{- if $inline -}}
+{{- $_ := set (get $cfg "tasks") "split_file" (include "shopsimrl.inlineSplitRelPath" .) -}}
+{{- end -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Short hash of what identifies one worker Job: run URI, attempt, shard count and config. It goes
+into Job and ConfigMap names, so a changed evaluation is a new Job rather than an update of the
+old one, whose pod template is immutable.
+Usage: include "shopsimrl.runHash" .
+*/}}
+{{- define "shopsimrl.runHash" -}}
+{{- $parts := list (include "shopsimrl.runUri" .) (toString .Values.run.attempt) (toString .Values.job.shards) (include "shopsimrl.configYaml" .) (toJson .Values.run.inlineSplitFile) -}}
+{{- join "\n" $parts | sha256sum | trunc 8 -}}
+{{- end -}}
+
+{{/*
+Name stem shared by the run's Jobs: release plus run name (once when they are equal), made a
+DNS label and cut so "<stem>-<hash>-<index>" pod hostnames stay within 63 characters.
+Usage: include "shopsimrl.runStem" .
+*/}}
+{{- define "shopsimrl.runStem" -}}
+{{- $run := include "shopsimrl.runName" . -}}
+{{- $stem := .Release.Name -}}
+{{- if ne $run .Release.Name -}}
+{{- $stem = printf "%s-%s" .Release.Name $run -}}
+{{- end -}}
+{{- $stem | lower | replace "_" "-" | replace "." "-" | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Name of the worker Job: "<stem>-<hash>".
+Usage: include "shopsimrl.jobName" .
+*/}}
+{{- define "shopsimrl.jobName" -}}
+{{- printf "%s-%s" (include "shopsimrl.runStem" .) (include "shopsimrl.runHash" .) -}}
+{{- end -}}
+
+{{/*
+Name of the reducer Job: "<stem>-<hash>-reduce".
+Usage: include "shopsimrl.reducerJobName" .
+*/}}
+{{- define "shopsimrl.reducerJobName" -}}
+{{- printf "%s-reduce" (include "shopsimrl.jobName" .) -}}
+{{- end -}}
+
+{{/*
+Name of the ConfigMap holding the config of this Job.
+Usage: include "shopsimrl.configMapName" .
+*/}}
+{{- define "shopsimrl.configMapName" -}}
+{{- printf "%s-config" (include "shopsimrl.jobName" .) -}}
+{{- end -}}
+
+{{/*
+Directory of the image's configs; the run config is mounted into it so relative paths in the
+config resolve against the shipped splits and prompts.
+Usage: include "shopsimrl.configDir" .
+*/}}
+{{- define "shopsimrl.configDir" -}}
+/app/configs
+{{- end -}}
+
+{{/*
+File name of the mounted config: "<run name>.yaml", so the experiment name defaults to the run name.
+Usage: include "shopsimrl.configFileName" .
+*/}}
+{{- define "shopsimrl.configFileName" -}}
+{{- printf "%s.yaml" (include "shopsimrl.runName" .) -}}
+{{- end -}}
+
+{{/*
+Path of the inline split file relative to the config directory.
+Usage: include "shopsimrl.inlineSplitRelPath" .
+*/}}
+{{- define "shopsimrl.inlineSplitRelPath" -}}
+{{- printf "splits/%s.split.json" (include "shopsimrl.runName" .) -}}
+{{- end -}}
+
+{{/*
+Image reference "repository:tag" from an image block, with a fallback tag.
+Usage: include "shopsimrl.image" (dict "image" .Values.worker.image "defaultTag" .Chart.AppVersion)
+*/}}
+{{- define "shopsimrl.image" -}}
+{{- printf "%s:%s" .image.repository (default .defaultTag .image.tag) -}}
+{{- end -}}
+
+{{/*
+Testbed image reference: testbed.image, each empty field falling back to the worker image.
+Usage: include "shopsimrl.testbedImage" .
+*/}}
+{{- define "shopsimrl.testbedImage" -}}
+{{- $tb := .Values.testbed.image -}}
+{{- $w := .Values.worker.image -}}
+{{- printf "%s:%s" (default $w.repository $tb.repository) (default (default .Chart.AppVersion $w.tag) $tb.tag) -}}
+{{- end -}}
+
+{{/*
+Model base URL the workers use, or "" to keep the config's: the testbed policy, the release's
+vLLM, or model.baseUrl, in that order.
+Usage: include "shopsimrl.modelBaseUrl" .
+*/}}
+{{- define "shopsimrl.modelBaseUrl" -}}
+{{- if .Values.testbed.enabled -}}
+{{- printf "http://%s:%d/v1" (include "shopsimrl.componentName" (dict "ctx" . "component" "testbed-policy")) (int .Values.testbed.policy.port) -}}
+{{- else if .Values.vllm.enabled -}}
+{{- printf "http://%s:%d/v1" (include "shopsimrl.componentName" (dict "ctx" . "component" "vllm")) (int .Values.vllm.port) -}}
+{{- else -}}
+{{- .Values.model.baseUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Environment (ShopSimulator) base URL the workers use, or "" to keep the config's.
+Usage: include "shopsimrl.envBaseUrl" .
+*/}}
+{{- define "shopsimrl.envBaseUrl" -}}
+{{- if .Values.testbed.enabled -}}
+{{- printf "http://%s:%d" (include "shopsimrl.componentName" (dict "ctx" . "component" "testbed-shop")) (int .Values.testbed.shop.port) -}}
+{{- else if .Values.shopsimulator.enabled -}}
+{{- printf "http://%s:%d" (include "shopsimrl.componentName" (dict "ctx" . "component" "shopsimulator")) (int .Values.shopsimulator.port) -}}
+{{- else -}}
+{{- .Values.environment.baseUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Name of the environment variable carrying the model API key.
+Usage: include "shopsimrl.apiKeyEnv" .
+*/}}
+{{- define "shopsimrl.apiKeyEnv" -}}
+{{- $fromConfig := "" -}}
+{{- $cfg := fromYaml (include "shopsimrl.configYaml" .) -}}
+{{- if kindIs "map" (get $cfg "model") -}}
+{{- $fromConfig = get (get $cfg "model") "api_key_env" | default "" -}}
+{{- end -}}
+{{- .Values.model.apiKey.envName | default $fromConfig | default "OPENAI_API_KEY" -}}
+{{- end -}}
+
+{{/*
+Environment shared by every shopsimrl container of the run: run, config, service overrides,
+object storage and the model key. Secrets only by reference.
+Usage: include "shopsimrl.runEnv" .
+*/}}
+{{- define "shopsimrl.runEnv" -}}
+- name: SHOPSIMRL_RUN
+  value: {{ include "shopsimrl.runUri" . | quote }}
+- name: SHOPSIMRL_CONFIG
+  value: {{ printf "%s/%s" (include "shopsimrl.configDir" .) (include "shopsimrl.configFileName" .) | quote }}
+- name: SHOPSIMRL_SHARDS
+  value: {{ .Values.job.shards | quote }}
+- name: SHOPSIMRL_LOG_FORMAT
+  value: {{ .Values.worker.logFormat | quote }}
+{{- with include "shopsimrl.modelBaseUrl" . }}
+- name: SHOPSIMRL_MODEL_BASE_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with include "shopsimrl.envBaseUrl" . }}
+- name: SHOPSIMRL_ENV_BASE_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.model.apiKey.existingSecret }}
+- name: {{ include "shopsimrl.apiKeyEnv" $ }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.model.apiKey.key }}
+{{- end }}
+{{- with .Values.storage.endpointUrl }}
+- name: AWS_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.storage.region }}
+- name: AWS_DEFAULT_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.storage.credentials.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.storage.credentials.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.storage.credentials.secretAccessKeyKey }}
+{{- end }}
+{{- with .Values.worker.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Pod-level security context of shopsimrl pods: non-root, fixed IDs, RuntimeDefault seccomp.
+Usage: include "shopsimrl.podSecurityContext" .
+*/}}
+{{- define "shopsimrl.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.podSecurity.runAsUser }}
+runAsGroup: {{ .Values.podSecurity.runAsGroup }}
+fsGroup: {{ .Values.podSecurity.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/*
+Container security context of shopsimrl containers: read-only root, no privilege escalation,
+no capabilities (Pod Security "restricted").
+Usage: include "shopsimrl.containerSecurityContext" .
+*/}}
+{{- define "shopsimrl.containerSecurityContext" -}}
+runAsNonRoot: true
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop:
+    - ALL
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/*
+Volume mounts of shopsimrl containers: the run config (and inline split file) into the image's
+config directory, and the writable /tmp.
+Usage: include "shopsimrl.configMounts" .
+*/}}
+{{- define "shopsimrl.configMounts" -}}
+- name: config
+  mountPath: {{ printf "%s/%s" (include "shopsimrl.configDir" .) (include "shopsimrl.configFileName" .) }}
+  subPath: {{ include "shopsimrl.configFileName" . }}
+  readOnly: true
+{{- if not (kindIs "invalid" .Values.run.inlineSplitFile) }}
+- name: config
+  mountPath: {{ printf "%s/%s" (include "shopsimrl.configDir" .) (include "shopsimrl.inlineSplitRelPath" .) }}
+  subPath: split.json
+  readOnly: true
+{{- end }}
+- name: tmp
+  mountPath: /tmp
+{{- end -}}
+
+{{/*
+Volumes of shopsimrl pods: the run's ConfigMap and the /tmp emptyDir.
+Usage: include "shopsimrl.configVolumes" .
+*/}}
+{{- define "shopsimrl.configVolumes" -}}
+- name: config
+  configMap:
+    name: {{ include "shopsimrl.configMapName" . }}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.podSecurity.tmpSizeLimit }}
+{{- end -}}
+
+{{/*
+Scheduling fields of worker-side pods (nodeSelector, tolerations, priority).
+Usage: include "shopsimrl.scheduling" .
+*/}}
+{{- define "shopsimrl.scheduling" -}}
+{{- with .Values.scheduling.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.scheduling.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.scheduling.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Checks of value combinations that a JSON schema cannot express; fails the render with the keys named.
+Usage: include "shopsimrl.validate" .
+*/}}
+{{- define "shopsimrl.validate" -}}
+{{- if and .Values.testbed.enabled (or .Values.vllm.enabled .Values.shopsimulator.enabled) -}}
+{{- fail "testbed.enabled replaces the model and environment: turn off vllm.enabled and shopsimulator.enabled" -}}
+{{- end -}}
+{{- if and (not (kindIs "invalid" .Values.job.parallelism)) (gt (int .Values.job.parallelism) (int .Values.job.shards)) -}}
+{{- fail (printf "job.parallelism (%d) exceeds job.shards (%d)" (int .Values.job.parallelism) (int .Values.job.shards)) -}}
+{{- end -}}
+{{- if and (not (kindIs "invalid" .Values.job.maxFailedIndexes)) (gt (int .Values.job.maxFailedIndexes) (int .Values.job.shards)) -}}
+{{- fail (printf "job.maxFailedIndexes (%d) exceeds job.shards (%d)" (int .Values.job.maxFailedIndexes) (int .Values.job.shards)) -}}
+{{- end -}}
+{{- if and .Values.shopsimulator.enabled (or (not .Values.shopsimulator.image.repository) (not .Values.shopsimulator.image.tag)) -}}
+{{- fail "shopsimulator.enabled needs shopsimulator.image.repository and shopsimulator.image.tag" -}}
+{{- end -}}
+{{- end -}}

