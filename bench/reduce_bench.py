@@ -6,7 +6,7 @@ Traces are shaped like the testbed's (v4 records: reset, conversation, 4 steps w
 observation text, tool calls, usage, final reward detail), about 7 KB each, written as
 committed shards (10 records per part, a commit marker per shard) plus a sprinkling of failed
 attempts and duplicates so the de-duplication path is exercised. Each reduce runs in a fresh
-process, so its peak RSS (ru_maxrss) is the reducer's own. Prints episodes/s, MB/s, peak RSS
+process, so its peak RSS (VmHWM) is the reducer's own. Prints episodes/s, MB/s, peak RSS
 and the ratios between N and 2N: memory must stay flat while the time grows linearly.
 """
 
@@ -90,19 +90,28 @@ def build_run(root: Path, episodes: int, shards: int, seed: int = 7) -> tuple[in
     return episodes, total_bytes
 
 
+def peak_rss_mb() -> float:
+    """VmHWM of this process. Unlike ru_maxrss, which Linux carries across fork+exec (so a child
+    would report the parent's peak), VmHWM belongs to the current address space."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def reduce_child(root: str) -> None:
     import gc
 
     from shopsimrl.reduce import _load_plan, reduce_run
 
     plan = _load_plan(ShardedRunStore(root))  # the plan alone: manifest job list + shard map
-    plan_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    plan_rss_mb = peak_rss_mb()
     del plan
     gc.collect()
     started = time.perf_counter()
     summary = reduce_run(ShardedRunStore(root))
     elapsed = time.perf_counter() - started
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = peak_rss_mb()
     print(json.dumps({"seconds": elapsed, "peak_rss_mb": rss_mb, "plan_rss_mb": plan_rss_mb, "completed": summary["counts"]["completed"],
                       "duplicates": summary["shards"]["duplicate_records"]}))
 
@@ -131,7 +140,7 @@ def main() -> None:
         return
     base = Path(tempfile.mkdtemp(prefix="reduce-bench-", dir=args.dir))
     try:
-        baseline = subprocess.run([sys.executable, "-c", "import resource, shopsimrl.reduce; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024)"],
+        baseline = subprocess.run([sys.executable, "-c", "import shopsimrl.reduce, pathlib; print(next(int(l.split()[1]) / 1024 for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')))"],
                                   capture_output=True, text=True, check=True)
         import_mb = float(baseline.stdout.strip())
         rows = []

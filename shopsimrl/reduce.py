@@ -69,16 +69,17 @@ class _ShardResult:
         return row
 
 
-def _load_plan(store: ShardedRunStore) -> tuple[dict[str, Any], ShardMap]:
-    manifest = store.read_manifest()
-    if manifest is None:
+def _load_plan(store: ShardedRunStore) -> tuple[str, Any, ShardMap]:
+    identity = store.read_manifest_identity()
+    if identity is None:
         raise RunNotPlannedError(f"{store.display_uri} has no manifest.json; plan or start a worker first")
     shard_map = store.read_shard_map()
     if shard_map is None:
         raise RunNotPlannedError(f"{store.display_uri} has no shards.json; it is not a sharded run")
-    if shard_map.plan_fingerprint != manifest["plan_fingerprint"]:
+    plan_fp, experiment = identity
+    if shard_map.plan_fingerprint != plan_fp:
         raise ShardMapError(f"{store.display_uri}/shards.json belongs to another plan than manifest.json")
-    return manifest, shard_map
+    return plan_fp, experiment, shard_map
 
 
 def _verified_marker(store: ShardedRunStore, index: int, plan_fp: str, shard_map: ShardMap, result: _ShardResult) -> dict[str, Any] | None:
@@ -193,10 +194,7 @@ def _reduce_shard(
 
 def reduce_run(store: ShardedRunStore, *, include_uncommitted: bool = False, write: bool = True) -> dict[str, Any]:
     """Merge the shards into the summary (with a ``shards`` report block) and write summary.json."""
-    manifest, shard_map = _load_plan(store)
-    plan_fp = manifest["plan_fingerprint"]
-    experiment = manifest["plan"].get("experiment")
-    del manifest  # the plan's job list is the largest object here; free it before streaming
+    plan_fp, experiment, shard_map = _load_plan(store)
     accumulator = SummaryAccumulator(requested=shard_map.jobs)
     not_in_plan_sample: list[str] = []
     results = [
@@ -240,7 +238,7 @@ def reduce_run(store: ShardedRunStore, *, include_uncommitted: bool = False, wri
 
 def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float = 5.0) -> list[int]:
     """Poll until every shard has a marker; returns the indices still without one at the end."""
-    _, shard_map = _load_plan(store)
+    _, _, shard_map = _load_plan(store)
     deadline = time.monotonic() + timeout
     pending = list(range(shard_map.count))
     while True:
@@ -252,8 +250,7 @@ def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float 
 
 def shard_status(store: ShardedRunStore) -> dict[str, Any]:
     """Per-shard progress from markers (committed shards) and parts (running ones)."""
-    manifest, shard_map = _load_plan(store)
-    plan_fp = manifest["plan_fingerprint"]
+    plan_fp, _, shard_map = _load_plan(store)
     rows = []
     for index in range(shard_map.count):
         ids = shard_map.episode_ids[index]

@@ -83,6 +83,9 @@ class RunLocationError(ValueError):
     """The run location cannot be used as given: no bucket, access denied, not a run (exit 2)."""
 
 
+_MANIFEST_HEAD_BYTES = 16384
+
+
 class ShardMapError(ValueError):
     """shards.json is unreadable or disagrees with the requested shard count (exit 2)."""
 
@@ -315,6 +318,32 @@ class ShardedRunStore:
                 return None
 
         return self._call(f"read {rel} in", read)
+
+    def read_manifest_identity(self) -> tuple[str, Any] | None:
+        """``(plan_fingerprint, experiment)`` from the head of manifest.json, or None if absent.
+
+        The reducer needs only these two; parsing the whole plan would make its memory grow with
+        the job count. The manifest writer puts both before the job list; a manifest written by
+        other tooling falls back to a full, validated read.
+        """
+        path = self.path("manifest.json")
+
+        def head() -> bytes | None:
+            try:
+                return bytes(self.fs.cat_file(path, start=0, end=_MANIFEST_HEAD_BYTES))
+            except FileNotFoundError:
+                return None
+
+        data = self._call("read manifest.json in", head)
+        if data is None:
+            return None
+        text = data.decode("utf-8", errors="ignore")
+        found_fp = re.search(r'"plan_fingerprint"\s*:\s*"([0-9a-f]{64})"', text)
+        found_experiment = re.search(r'"experiment"\s*:\s*("(?:[^"\\]|\\.)*")', text)
+        if found_fp and found_experiment:
+            return found_fp.group(1), json.loads(found_experiment.group(1))
+        manifest = self.read_manifest()
+        return None if manifest is None else (manifest["plan_fingerprint"], manifest["plan"].get("experiment"))
 
     def read_json(self, rel: str) -> Any | None:
         data = self.read_bytes(rel)
