@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -134,7 +135,7 @@ def run(
     """Run (or resume) every episode of the plan in this process, then write summary.json.
 
     With --shards N: N `shopsimrl worker` processes write write-once parts to --run, then `reduce`."""
-    from shopsimrl.evaluation import ConcurrencyLimitedModel, Evaluator
+    from shopsimrl.evaluation import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
     from shopsimrl.model import ModelConfigError
     from shopsimrl.progress import RunProgress
     from shopsimrl.store import LocalRunStore, RunLockedError
@@ -179,33 +180,42 @@ def run(
             err=True,
         )
 
-        async def execute() -> None:
+        async def execute() -> bool:
+            """Run the pending episodes; True when SIGTERM stopped the run (leases are released)."""
             model = prepared.model()
             environment = prepared.environment()
             limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
+            main_task = asyncio.current_task()
+            assert main_task is not None
+            # Cancelling unwinds every episode through its cleanup, so no lease stays held.
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
+            evaluator = Evaluator(
+                prepared.runtime(limited, environment),
+                store,
+                concurrency=config.experiment.concurrency,
+                max_episode_retries=(config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries),
+                retry_failed=retry_failed,
+            )
+            pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
             try:
-                with RunProgress(todo, enabled=progress and sys.stderr.isatty()) as bar:
-                    evaluator = Evaluator(
-                        prepared.runtime(limited, environment),
-                        store,
-                        concurrency=config.experiment.concurrency,
-                        max_episode_retries=(
-                            config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
-                        ),
-                        retry_failed=retry_failed,
-                        on_trace=bar.on_trace,
-                    )
+                with RunProgress(len(pending), enabled=progress and sys.stderr.isatty()) as bar:
+                    evaluator.on_trace = bar.on_trace
                     await evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior)
+                return False
+            except asyncio.CancelledError:
+                return True
             finally:
                 await model.aclose()
                 await environment.aclose()
 
         try:
-            asyncio.run(execute())
+            terminated = asyncio.run(execute())
         except KeyboardInterrupt:
-            _fail(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
+            terminated = True
         except OSError as exc:
             _fail(ExitCode.RETRYABLE, f"cannot persist traces in {config.run_dir}: {exc}")
+        if terminated:
+            _fail(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
         summary = _summarize_local(store, [job.episode_id for job in prepared.jobs])
     finally:
         store.release()

@@ -123,6 +123,29 @@ class Evaluator:
         loop = asyncio.get_running_loop()
         fatal: list[BaseException] = []
 
+        def settle(trace: dict[str, Any], job: EpisodeJob, attempt: int) -> bool:
+            """Count one persisted attempt; True when the episode is finished for this invocation."""
+            outcome.attempts += 1
+            will_retry = (
+                trace["status"] != "completed" and trace.get("failure_class") == "infrastructure" and attempt < self.max_attempts
+            )
+            if self.on_trace is not None:
+                try:
+                    self.on_trace(trace, will_retry)
+                except Exception as exc:  # a broken progress display must not stall the run
+                    log.warning("on_trace_failed", error=type(exc).__name__, message=str(exc)[:300])
+            if trace["status"] == "completed":
+                outcome.completed += 1
+            elif will_retry:
+                outcome.retried += 1
+                delay = self.retry_backoff_seconds * (2 ** (attempt - 1)) * (1 + random.random() * 0.5)
+                log.info("episode_requeued", episode_id=job.episode_id, attempt=attempt, delay_s=round(delay, 2))
+                loop.call_later(delay, queue.put_nowait, (job, attempt + 1))
+                return False
+            else:
+                outcome.failed += 1
+            return True
+
         async def worker() -> None:
             nonlocal remaining
             while True:
@@ -133,31 +156,15 @@ class Evaluator:
                     async with self._save_lock:
                         # fsync off the event loop, one writer at a time
                         await asyncio.to_thread(self.sink.save_trace, trace)
+                    finished = settle(trace, job, attempt)
                 except Exception as exc:  # the store failed: nothing more can be persisted
                     fatal.append(exc)
                     all_done.set()
                     return
-                outcome.attempts += 1
-                will_retry = (
-                    trace["status"] != "completed"
-                    and trace.get("failure_class") == "infrastructure"
-                    and attempt < self.max_attempts
-                )
-                if self.on_trace is not None:
-                    self.on_trace(trace, will_retry)
-                if trace["status"] == "completed":
-                    outcome.completed += 1
-                elif will_retry:
-                    outcome.retried += 1
-                    delay = self.retry_backoff_seconds * (2 ** (attempt - 1)) * (1 + random.random() * 0.5)
-                    log.info("episode_requeued", episode_id=job.episode_id, attempt=attempt, delay_s=round(delay, 2))
-                    loop.call_later(delay, queue.put_nowait, (job, attempt + 1))
-                    continue
-                else:
-                    outcome.failed += 1
-                remaining -= 1
-                if remaining == 0:
-                    all_done.set()
+                if finished:
+                    remaining -= 1
+                    if remaining == 0:
+                        all_done.set()
 
         workers = [asyncio.create_task(worker(), name=f"episode-worker-{i}") for i in range(min(self.concurrency, len(pending)))]
         try:
@@ -171,8 +178,10 @@ class Evaluator:
         return outcome
 
     async def _attempt(self, job: EpisodeJob) -> dict[str, Any]:
+        # Every log line of the episode (runtime, adapters, retries) carries its episode_id.
         try:
-            return await self.runtime.run(job)
+            with structlog.contextvars.bound_contextvars(episode_id=job.episode_id):
+                return await self.runtime.run(job)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a runtime bug must cost one episode, never the run

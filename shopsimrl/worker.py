@@ -123,17 +123,6 @@ class PartSink:
             self._on_part(entry)
 
 
-class _EpisodeContextRuntime:
-    """Binds ``episode_id`` for every log line an episode produces (structlog contextvars)."""
-
-    def __init__(self, runtime: Any) -> None:
-        self._runtime = runtime
-
-    async def run(self, job: EpisodeJob) -> dict[str, Any]:
-        with structlog.contextvars.bound_contextvars(episode_id=job.episode_id):
-            return await self._runtime.run(job)
-
-
 @dataclass
 class WorkerOptions:
     run: str
@@ -294,7 +283,7 @@ async def _evaluate(
         )
 
     evaluator = Evaluator(
-        _EpisodeContextRuntime(prepared.runtime(limited, environment)),  # type: ignore[arg-type]
+        prepared.runtime(limited, environment),
         sink,
         concurrency=config.experiment.concurrency,
         max_episode_retries=config.runtime.max_episode_retries,

@@ -107,3 +107,21 @@ def test_fingerprint_mismatch_exits_42_naming_the_keys(tmp_path: Path) -> None:
         config.write_text(config.read_text().replace("max_retries: 6", "max_retries: 6\n  temperature: 0.3"))
         result = run(config, bed.env())
         assert result.returncode == 42 and "model.sampling.temperature: 0.0 -> 0.3" in result.stderr
+
+
+def test_sigterm_stops_a_local_run_with_exit_3_and_releases_every_lease(tmp_path: Path) -> None:
+    with start_testbed(SHOPSIM_POLICY_LATENCY_MS="60") as bed:
+        config = write_config(tmp_path, name="term", sample_size=40, concurrency=4)
+        run_dir = tmp_path / "runs/term"
+        process = subprocess.Popen([sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress"],
+                                   env=bed.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not ((run_dir / "traces.jsonl").exists() and len(records(run_dir)) >= 3):
+            time.sleep(0.05)
+        assert bed.healthz()["free_slots"] < bed.healthz()["environment_slots"]  # episodes in flight
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 3, stderr[-2000:]
+        health = bed.healthz()
+        assert health["free_slots"] == health["environment_slots"]
+        assert run(config, bed.env()).returncode == 0  # and the run resumes to the end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 
@@ -107,3 +108,12 @@ async def test_a_failing_store_stops_the_run(tmp_path: Path) -> None:
 
     with pytest.raises(OSError, match="No space"):
         await Evaluator(ScriptedRuntime({}), FullDisk(), concurrency=2).run(JOBS)
+
+
+async def test_a_failing_progress_callback_never_stalls_the_run(tmp_path: Path) -> None:
+    def broken(record: dict, will_retry: bool) -> None:
+        raise RuntimeError("display went away")
+
+    evaluator = Evaluator(ScriptedRuntime({}), LocalRunStore(tmp_path), concurrency=2, on_trace=broken)
+    outcome = await asyncio.wait_for(evaluator.run(JOBS), timeout=30)
+    assert outcome.completed == 3
