@@ -15,6 +15,7 @@ from typing import Any, NoReturn, Optional
 
 import structlog
 import typer
+from pydantic import ValidationError
 
 from shopsimrl.config import ConfigError, ExperimentConfig, WorkerSettings, load_experiment_config
 from shopsimrl.exitcodes import ExitCode
@@ -34,9 +35,18 @@ def _fail(code: ExitCode, message: str) -> NoReturn:
 
 def _load(config_path: Path) -> ExperimentConfig:
     try:
-        return load_experiment_config(config_path).with_overrides(WorkerSettings())
+        return load_experiment_config(config_path).with_overrides(worker_settings())
     except ConfigError as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
+
+
+def worker_settings() -> WorkerSettings:
+    """Settings from SHOPSIMRL_* / JOB_COMPLETION_INDEX; a malformed variable is bad input (exit 2)."""
+    try:
+        return WorkerSettings()
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors())
+        _fail(ExitCode.BAD_INPUT, f"invalid SHOPSIMRL_* environment variable: {problems}")
 
 
 def _prepare(config: ExperimentConfig, final_test: bool) -> Any:
@@ -68,18 +78,22 @@ def plan(
     from shopsimrl.store import LocalRunStore
 
     configure_logging()
+    if run_uri is not None and shards is None:
+        _fail(ExitCode.BAD_INPUT, "--run needs --shards (a single-process run writes to the config's run directory)")
     config = _load(config_path)
     prepared = _prepare(config, final_test)
     semantic = prepared.plan()
     plan_fp = fingerprint(semantic)
-    store = LocalRunStore(config.run_dir)
-    try:
-        existing = store.read_manifest()
-        manifest_state = (
-            "none" if existing is None else ("matches" if existing["plan_fingerprint"] == plan_fp else "CONFLICTS (run would exit 42)")
-        )
-    except ManifestError as exc:
-        manifest_state = f"unreadable: {exc}"
+    if shards is not None:
+        manifest_state = "frozen (see sharded_run)"  # written or verified below; a conflict exits 42
+    else:
+        try:
+            existing = LocalRunStore(config.run_dir).read_manifest()
+            manifest_state = (
+                "none" if existing is None else ("matches" if existing["plan_fingerprint"] == plan_fp else "CONFLICTS (run would exit 42)")
+            )
+        except ManifestError as exc:
+            manifest_state = f"unreadable: {exc}"
     report: dict[str, Any] = {
         "experiment": config.name,
         "run_dir": str(config.run_dir),
@@ -142,7 +156,9 @@ def run(
 
     configure_logging()
     if shards is not None:
-        _run_sharded(config_path, run_uri, shards, final_test, backoff_limit_per_index, concurrency)
+        if max_episode_retries is not None:
+            _fail(ExitCode.BAD_INPUT, "--max-episode-retries applies to single-process runs; sharded workers use runtime.max_episode_retries")
+        _run_sharded(config_path, run_uri, shards, final_test, backoff_limit_per_index, concurrency, retry_failed)
         return
     if run_uri is not None:
         _fail(ExitCode.BAD_INPUT, "--run needs --shards (a single-process run writes to the config's run directory)")
@@ -228,8 +244,8 @@ def _summarize_local(store: Any, requested_ids: list[str] | None, requested: int
 
     accumulator = SummaryAccumulator(requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested)
     index = store.load_index()
-    for is_latest, record in store.iter_records(index):
-        if is_latest:
+    for is_winner, record in store.iter_records(index):
+        if is_winner:
             accumulator.add(record)
         else:
             accumulator.note_superseded_attempt(record)
@@ -298,7 +314,15 @@ def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> dict[str, 
             "jobs_per_shard": [len(ids) for ids in shard_map.episode_ids][:16]}
 
 
-def _run_sharded(config_path: Path, run_uri: Optional[str], shards: int, final_test: bool, backoff_limit: int, concurrency: Optional[int]) -> None:
+def _run_sharded(
+    config_path: Path,
+    run_uri: Optional[str],
+    shards: int,
+    final_test: bool,
+    backoff_limit: int,
+    concurrency: Optional[int],
+    retry_failed: bool = True,
+) -> None:
     from shopsimrl.executor import run_indexed
 
     config = _load(config_path)
@@ -307,7 +331,10 @@ def _run_sharded(config_path: Path, run_uri: Optional[str], shards: int, final_t
     frozen = _freeze_sharded_plan(prepared, uri, shards)
     typer.echo(f"run {config.name}: {len(prepared.jobs)} episodes in {shards} shards → {frozen['run']}", err=True)
     env = {"SHOPSIMRL_CONCURRENCY": str(concurrency)} if concurrency else {}
-    result = run_indexed(uri, config_path.resolve(), shards, backoff_limit_per_index=backoff_limit, final_test=final_test, env=env)
+    result = run_indexed(
+        uri, config_path.resolve(), shards, backoff_limit_per_index=backoff_limit, final_test=final_test,
+        retry_failed=retry_failed, env=env,
+    )
     for outcome in result.indexes:
         if outcome.exit_code not in (0, 1):
             typer.secho(f"shard {outcome.index}: exit codes {outcome.exit_codes} ({outcome.restarts} restarts)", fg=typer.colors.YELLOW, err=True)
@@ -363,14 +390,9 @@ def worker(
     retry_failed: bool = typer.Option(True, "--retry-failed/--no-retry-failed", help="Give failed episodes a fresh set of attempts."),
 ) -> None:
     """Run one shard of a sharded run into write-once parts and commit it (one pod of an Indexed Job)."""
-    from pydantic import ValidationError
-
     from shopsimrl.worker import WorkerOptions, run_worker
 
-    try:
-        settings = WorkerSettings()
-    except ValidationError as exc:
-        _fail(ExitCode.BAD_INPUT, f"invalid SHOPSIMRL_*/JOB_COMPLETION_INDEX environment: {exc}")
+    settings = worker_settings()
     configure_logging(settings.log_format)
     index = shard_index if shard_index is not None else settings.shard_index
     if run_uri is None or config_path is None or index is None:

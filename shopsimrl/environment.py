@@ -45,6 +45,8 @@ from typing import Any, Final, Protocol, runtime_checkable
 import httpx
 import structlog
 
+from shopsimrl.schemas import redact_uri
+
 __all__ = [
     "ADAPTER_NAME",
     "TERMINATION_REASONS",
@@ -262,7 +264,7 @@ class ShopSimulatorEnvironment:
         """``provenance.environment``: settings plus the versions seen by the latest reset."""
         return {
             "adapter": ADAPTER_NAME,
-            "base_url": self._base_url,
+            "base_url": redact_uri(self._base_url),
             "persona": self.settings.persona,
             "interaction_mode": self.settings.interaction_mode,
             "environment_version": self._environment_version,

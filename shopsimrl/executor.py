@@ -2,10 +2,12 @@
 
 It behaves like the Kubernetes Indexed Job controller on one machine, so a local sharded run
 exercises exactly the code path of the pods: each index runs ``shopsimrl worker`` with
-``JOB_COMPLETION_INDEX`` set; an index whose process crashed (any exit code other than
-0, 1, 2 and 42) is restarted after a short backoff, up to ``backoff_limit_per_index`` times;
-2 (bad input) and 42 (fingerprint mismatch) fail the index at once, as ``podFailurePolicy``
-``FailIndex`` does. When every index has finished, the run is reduced.
+``JOB_COMPLETION_INDEX`` set; an index whose process exits with anything but 0, 2 or 42 is
+restarted after a short backoff, up to ``backoff_limit_per_index`` times — exit 1 (some
+episodes failed) included, so a restart gives those episodes fresh attempts, as the Job's
+per-index retries do; 2 (bad input) and 42 (fingerprint mismatch) fail the index at once, as
+the chart's ``podFailurePolicy`` ``FailIndex`` rule does. When every index has finished, the
+run is reduced.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ __all__ = ["IndexOutcome", "ShardedRunResult", "run_indexed"]
 
 log = structlog.get_logger("shopsimrl.executor")
 
-_FINAL_CODES = {int(ExitCode.OK), int(ExitCode.EPISODES_FAILED), int(ExitCode.BAD_INPUT), int(ExitCode.FINGERPRINT_MISMATCH)}
+_FINAL_CODES = {int(ExitCode.OK), int(ExitCode.BAD_INPUT), int(ExitCode.FINGERPRINT_MISMATCH)}
+_REPORTED_CODES = _FINAL_CODES | {int(ExitCode.EPISODES_FAILED)}
 
 
 @dataclass
@@ -50,17 +53,19 @@ class ShardedRunResult:
             return ExitCode.FINGERPRINT_MISMATCH
         if int(ExitCode.BAD_INPUT) in codes:
             return ExitCode.BAD_INPUT
-        if self.interrupted or any(code not in _FINAL_CODES for code in codes):
+        if self.interrupted or any(code not in _REPORTED_CODES for code in codes):
             return ExitCode.RETRYABLE
         if int(ExitCode.EPISODES_FAILED) in codes:
             return ExitCode.EPISODES_FAILED
         return ExitCode.OK
 
 
-def _worker_command(run: str, config: Path, shards: int, final_test: bool) -> list[str]:
+def _worker_command(run: str, config: Path, shards: int, final_test: bool, retry_failed: bool) -> list[str]:
     command = [sys.executable, "-m", "shopsimrl", "worker", "--run", run, "--config", str(config), "--shards", str(shards)]
     if final_test:
         command.append("--final-test")
+    if not retry_failed:
+        command.append("--no-retry-failed")
     return command
 
 
@@ -73,6 +78,7 @@ def run_indexed(
     backoff_limit_per_index: int = 2,
     restart_backoff_s: float = 1.0,
     final_test: bool = False,
+    retry_failed: bool = True,
     env: dict[str, str] | None = None,
     poll_interval_s: float = 0.1,
 ) -> ShardedRunResult:
@@ -103,7 +109,7 @@ def run_indexed(
                 index = ready[0]
                 waiting.remove(index)
                 running[index] = subprocess.Popen(
-                    _worker_command(run, config, shards, final_test),
+                    _worker_command(run, config, shards, final_test, retry_failed),
                     env={**base_env, "JOB_COMPLETION_INDEX": str(index)},
                     stdin=subprocess.DEVNULL,
                 )

@@ -1,7 +1,7 @@
 """Process exit codes of every ``shopsimrl`` command, in one place.
 
 Schedulers act on these codes, so they are part of the public contract: the Helm chart's
-``podFailurePolicy`` marks an index failed without retry on ``FINGERPRINT_MISMATCH``, the
+``podFailurePolicy`` marks an index failed without retry on ``BAD_INPUT`` and ``FINGERPRINT_MISMATCH``, the
 Job retries an index (up to ``backoffLimitPerIndex``) on any other non-zero code, and
 ``shopsimrl status`` names them when it reports pod failures.
 
@@ -11,6 +11,7 @@ code    name                     meaning
 0       OK                       done; every episode of the shard (or run) completed
 1       EPISODES_FAILED          finished, but some episodes ended as failures
 2       BAD_INPUT                bad config, split file or flags; fix the input first
+                                 (Kubernetes: ``FailIndex``)
 3       RETRYABLE                interrupted and safe to retry: SIGTERM, object store lost,
                                  model or environment not ready in time
 42      FINGERPRINT_MISMATCH     the run already exists with another fingerprint; retrying

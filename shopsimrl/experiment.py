@@ -18,7 +18,7 @@ from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.planning import EvaluationPlan, build_jobs
 from shopsimrl.prompts import PromptBuilder
 from shopsimrl.runtime import ACTION_PROTOCOL, AgentRuntime
-from shopsimrl.schemas import FINGERPRINT_VERSION, PIPELINE_VERSION, EpisodeJob
+from shopsimrl.schemas import FINGERPRINT_VERSION, PIPELINE_VERSION, EpisodeJob, redact_uri
 from shopsimrl.skills import JsonSkillBank, NoSkills, SkillProvider
 from shopsimrl.tasks import TaskSplit, load_task_split
 
@@ -120,8 +120,8 @@ class PreparedExperiment:
         """Settings recorded for the audit trail but never fingerprinted."""
         return {
             "concurrency": self.config.experiment.concurrency,
-            "model_base_url": self.model_settings.base_url,
-            "environment_base_url": self.environment_settings.base_url,
+            "model_base_url": redact_uri(self.model_settings.base_url),
+            "environment_base_url": redact_uri(self.environment_settings.base_url),
             "model_timeout_s": self.model_settings.timeout,
             "model_max_attempts": self.model_settings.max_retries,
             "environment_timeout_s": self.environment_settings.timeout,

@@ -55,7 +55,7 @@ from typing import Any, Protocol, runtime_checkable
 import httpx
 import structlog
 
-from shopsimrl.schemas import ModelOutput, ToolCall, canonical_json, sha256_hex
+from shopsimrl.schemas import ModelOutput, ToolCall, canonical_json, redact_uri, sha256_hex
 
 __all__ = [
     "ChatModel",
@@ -264,7 +264,7 @@ class OpenAICompatibleChatModel:
         if s.checkpoint_id is not None:
             ident["checkpoint_id"] = s.checkpoint_id
         ident["model"] = s.model
-        ident["base_url"] = self._base_url
+        ident["base_url"] = redact_uri(self._base_url)
         ident["transport"] = {
             "timeout_seconds": s.timeout,
             "max_retries": s.max_retries,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from shopsimrl.schemas import EpisodeJob
 
-__all__ = ["SHARD_ASSIGNMENT", "EvaluationPlan", "PlanError", "build_jobs", "episode_seed", "shard_jobs", "shard_of"]
+__all__ = ["SHARD_ASSIGNMENT", "EvaluationPlan", "PlanError", "build_jobs", "episode_seed", "shard_jobs"]
 
 SHARD_ASSIGNMENT = "round-robin-v1"
 
@@ -64,10 +64,6 @@ def build_jobs(plan: EvaluationPlan) -> list[EpisodeJob]:
         for task_id in plan.selected_task_ids()
         for sample_id in range(plan.repeats)
     ]
-
-
-def shard_of(job_index: int, shards: int) -> int:
-    return job_index % shards
 
 
 def shard_jobs(jobs: Sequence[EpisodeJob], shards: int) -> list[list[EpisodeJob]]:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 __all__ = [
     "EPISODE_STATUS",
@@ -34,8 +36,8 @@ __all__ = [
     "fingerprint",
     "is_completed",
     "json_safe",
+    "redact_uri",
     "sha256_hex",
-    "trace_index_row",
 ]
 
 TRACE_SCHEMA_VERSION = "shopsimrl-episode-v4"
@@ -92,6 +94,27 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return repr(value)
+
+
+_SECRET_QUERY_KEY = re.compile(r"key|token|secret|password|passwd|signature|sig|credential|auth", re.I)
+
+
+def redact_uri(uri: str) -> str:
+    """The URI without a ``user:password@`` part and with credential-like query values masked.
+
+    Every URL that reaches a trace, a manifest or a log line goes through here, so a gateway URL
+    that carries a token never persists it.
+    """
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None and not parts.query:
+        return uri
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    query = urlencode(
+        [(k, "REDACTED" if _SECRET_QUERY_KEY.search(k) else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    )
+    return urlunsplit((parts.scheme, host, parts.path, query, parts.fragment))
 
 
 # --------------------------------------------------------------------------- jobs
@@ -230,22 +253,3 @@ def is_completed(record: dict[str, Any]) -> bool:
         and isinstance(final, dict)
         and final.get("done") is True
     )
-
-
-def trace_index_row(record: dict[str, Any]) -> dict[str, Any]:
-    """The light projection of a trace used for resume and listings (never the heavy steps)."""
-    final = record.get("final") if isinstance(record.get("final"), dict) else {}
-    error = record.get("error") if isinstance(record.get("error"), dict) else None
-    reward = final.get("reward")
-    detail = final.get("reward_detail") if isinstance(final.get("reward_detail"), dict) else {}
-    return {
-        "episode_id": record.get("episode_id"),
-        "status": record.get("status"),
-        "completed": is_completed(record),
-        "reward": reward if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None,
-        "r_success": detail.get("r_success"),
-        "termination_reason": final.get("termination_reason"),
-        "steps": len(record.get("steps") or []),
-        "error_type": (error or {}).get("type"),
-        "failure_class": record.get("failure_class"),
-    }

@@ -36,14 +36,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
 from shopsimrl.planning import SHARD_ASSIGNMENT, shard_jobs
-from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint, is_completed, sha256_hex
+from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint, is_completed, redact_uri, sha256_hex
 
 __all__ = [
     "MARKER_NAME",
@@ -88,17 +88,6 @@ _MANIFEST_HEAD_BYTES = 16384
 
 class ShardMapError(ValueError):
     """shards.json is unreadable or disagrees with the requested shard count (exit 2)."""
-
-
-def redact_uri(uri: str) -> str:
-    """The URI without any ``user:password@`` part, for logs and manifests."""
-    parts = urlsplit(uri)
-    if parts.username is None and parts.password is None:
-        return uri
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
 def part_name(seq: int, writer: str) -> str:
@@ -447,6 +436,13 @@ class ShardedRunStore:
         Planning is deterministic, so any number of workers may call this at once: one creates
         the manifest, the others find it and compare fingerprints.
         """
+        if self._call("look for traces.jsonl in", lambda: self.fs.exists(self.path("traces.jsonl"))):
+            # Resume state lives in the layout: a sharded worker would not see the local traces
+            # and would run every episode again.
+            raise ManifestError(
+                f"{self.display_uri} holds a single-process run (traces.jsonl); resume it with `shopsimrl run` "
+                "without --shards, or give the sharded run another location (--run)"
+            )
         new_fp = fingerprint(plan)
         for _ in range(3):
             existing = self.read_manifest()
@@ -486,8 +482,13 @@ class ShardedRunStore:
                 canonical_json({**job.to_dict(), "episode_id": job.episode_id, "shard": i % count}) + "\n"
                 for i, job in enumerate(jobs)
             )
-            # jobs.jsonl first: a reader that finds shards.json can rely on it.
-            self.create("jobs.jsonl", lines.encode("utf-8"))
+            # jobs.jsonl first: a reader that finds shards.json can rely on it. One left by a
+            # planner that crashed with another shard count must not stand beside a new map.
+            data = lines.encode("utf-8")
+            if not self.create("jobs.jsonl", data) and self.read_bytes("jobs.jsonl") != data:
+                raise ShardMapError(
+                    f"{self.display_uri}/jobs.jsonl was frozen for another shard count or plan; remove it or use another run location"
+                )
             if self.create("shards.json", _json_bytes(shard_map.to_dict())):
                 return shard_map
         raise StoreUnavailableError(f"{self.display_uri}/shards.json keeps changing under us")

@@ -8,7 +8,8 @@ Durability rules:
   skipped line;
 - the file is read as bytes and decoded line by line: a bad line (torn, not UTF-8, not JSON, not
   a trace) is skipped and counted, never fatal;
-- the latest record of an episode wins; every earlier one is an attempt;
+- the first completed record of an episode wins (as in the sharded reducer); without one, the
+  latest failed attempt; every other record is a superseded attempt;
 - ``manifest.json`` and ``summary.json`` are written to a temp file, fsynced, renamed, and the
   directory fsynced;
 - one process at a time holds the run (``flock`` on ``.lock``).
@@ -91,8 +92,7 @@ class EpisodeState:
     completed: bool
     attempts: int
     offset: int
-    """Byte offset of the latest record (for a second, streaming pass)."""
-    failure_class: str | None = None
+    """Byte offset of the winning record (for a second, streaming pass)."""
 
 
 @dataclass
@@ -177,6 +177,12 @@ class LocalRunStore:
 
     def initialize(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
         """Create the manifest, or verify that the existing one freezes the same plan."""
+        if (self.run_dir / "shards.json").exists():
+            # A single process would not see the shards' parts and would run every episode again.
+            raise ManifestError(
+                f"{self.run_dir} holds a sharded run (shards.json); resume it with `shopsimrl run --shards N` "
+                "or `shopsimrl worker`, and merge it with `shopsimrl reduce`"
+            )
         existing = self.read_manifest()
         new_fingerprint = fingerprint(plan)
         if existing is not None:
@@ -215,16 +221,18 @@ class LocalRunStore:
                 continue
             episode_id = record["episode_id"]
             previous = index.episodes.get(episode_id)
+            if previous is not None and previous.completed:
+                previous.attempts += 1  # completion is sticky: the first completed record wins
+                continue
             index.episodes[episode_id] = EpisodeState(
                 completed=is_completed(record),
                 attempts=(previous.attempts if previous else 0) + 1,
                 offset=offset,
-                failure_class=record.get("failure_class"),
             )
         return index
 
     def iter_records(self, index: ResumeIndex | None = None) -> Iterator[tuple[bool, dict[str, Any]]]:
-        """Stream ``(is_latest, record)`` over every valid line; the latest per episode is flagged."""
+        """Stream ``(is_winner, record)`` over every valid line; the winning record per episode is flagged."""
         index = index or self.load_index()
         for offset, record in iter_jsonl_records(self.traces_path):
             if record is None:

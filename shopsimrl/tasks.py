@@ -38,10 +38,13 @@ class TaskSplit:
     role: str | None
     split_version: str | None
     file_name: str
+    overlaps_test: bool = False
+    """Some of its tasks belong to a held-out test split of the same file."""
 
     @property
     def is_test(self) -> bool:
-        return self.role == "test" or self.name == "test"
+        """Held out: named or marked ``test`` (any case), or sharing tasks with such a split."""
+        return _is_test_spec(self.name, self.role) or self.overlaps_test
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -53,6 +56,21 @@ class TaskSplit:
             "task_ids_sha256": task_ids_sha256(self.task_ids),
             "file_name": self.file_name,
         }
+
+
+def _is_test_spec(name: str, role: Any) -> bool:
+    return name.casefold() == "test" or (isinstance(role, str) and role.casefold() == "test")
+
+
+def _overlaps_test(path: Path, name: str, ids: list[int], document: dict[str, Any]) -> bool:
+    """True when a held-out test split of the same file shares a task with this split."""
+    wanted = set(ids)
+    for other, spec in document["splits"].items():
+        if other == name or not isinstance(spec, dict) or not _is_test_spec(other, spec.get("role")):
+            continue
+        if wanted.intersection(_task_ids(f"{path.name}: splits.{other}", spec, document)):
+            return True
+    return False
 
 
 def _task_ids(where: str, spec: dict[str, Any], document: dict[str, Any]) -> list[int]:
@@ -130,4 +148,5 @@ def load_task_split(path: str | Path, name: str) -> TaskSplit:
         role=role,
         split_version=str(version) if version is not None else None,
         file_name=path.name,
+        overlaps_test=_overlaps_test(path, name, ids, document),
     )

@@ -228,7 +228,7 @@ def test_worker_job_is_an_indexed_job_with_the_agreed_policy(matrix: dict[str, l
     assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
     (fail_index,) = [r for r in rules if r["action"] == "FailIndex"]
     assert fail_index["onExitCodes"]["operator"] == "In"
-    assert fail_index["onExitCodes"]["values"] == [ExitCode.FINGERPRINT_MISMATCH]
+    assert fail_index["onExitCodes"]["values"] == [ExitCode.BAD_INPUT, ExitCode.FINGERPRINT_MISMATCH]
     assert fail_index["onExitCodes"]["containerName"] == "worker"
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"

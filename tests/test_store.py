@@ -97,3 +97,20 @@ def test_one_process_per_run_directory(tmp_path: Path) -> None:
             LocalRunStore(tmp_path).acquire()
     with LocalRunStore(tmp_path):
         pass
+
+
+def test_completion_is_sticky_when_a_failed_record_follows(tmp_path: Path) -> None:
+    # e.g. traces concatenated from two machines: a completed episode must never be rerun
+    store = LocalRunStore(tmp_path)
+    store.save_trace(trace("e", "completed", 0.5))
+    store.save_trace(trace("e", "failed"))
+    index = store.load_index()
+    assert index.is_complete("e") and index.attempts("e") == 2
+    winners = [r["status"] for flag, r in store.iter_records(index) if flag]
+    assert winners == ["completed"]
+
+
+def test_local_and_sharded_layouts_never_mix(tmp_path: Path) -> None:
+    (tmp_path / "shards.json").write_text("{}")
+    with pytest.raises(ManifestError, match="sharded run"):
+        LocalRunStore(tmp_path).initialize(PLAN)

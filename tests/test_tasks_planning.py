@@ -130,3 +130,17 @@ def test_planning_is_identical_across_processes() -> None:
     assert len(outputs) == 1
     jobs = [EpisodeJob.from_dict(d) for d in json.loads(outputs.pop())]
     assert len(jobs) == 1000 and jobs[0].seed == episode_seed(20260830, jobs[0].task_id, 0)
+
+
+
+def test_test_guard_cannot_be_sidestepped(tmp_path: Path) -> None:
+    path = write(tmp_path / "s.json", {"splits": {
+        "Held": {"task_ids": [1, 2], "role": "Test"},
+        "copy": {"task_ids": [2, 3], "role": "val"},
+        "clean": {"task_ids": [4, 5], "role": "val"},
+        "TEST": {"task_ids": [9]},
+    }})
+    assert load_task_split(path, "Held").is_test      # role in another case
+    assert load_task_split(path, "copy").is_test      # re-lists a held-out task under another role
+    assert load_task_split(path, "TEST").is_test      # the name, in another case
+    assert not load_task_split(path, "clean").is_test

@@ -10,6 +10,7 @@ import pytest
 from shopsimrl.manifest import FingerprintMismatchError
 from shopsimrl.reduce import reduce_run
 from shopsimrl.schemas import EpisodeJob, fingerprint
+from shopsimrl.schemas import redact_uri
 from shopsimrl.shardstore import (
     RetryPolicy,
     ShardedRunStore,
@@ -17,7 +18,6 @@ from shopsimrl.shardstore import (
     StoreUnavailableError,
     marker_document,
     part_entry,
-    redact_uri,
 )
 
 from .conftest import Backend

@@ -1,0 +1,38 @@
+"""Persisted shapes and identity helpers: URL redaction, JSON safety, the public surface."""
+
+from __future__ import annotations
+
+import math
+
+import shopsimrl.schemas as schemas
+from shopsimrl.schemas import EpisodeJob, TraceFormatError, json_safe, redact_uri
+
+
+def test_urls_are_redacted_before_they_persist() -> None:
+    assert redact_uri("s3://AKIA:secret@bucket/x") == "s3://bucket/x"
+    assert redact_uri("https://gw.example/v1?api-key=sk-1&region=eu") == "https://gw.example/v1?api-key=REDACTED&region=eu"
+    assert redact_uri("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+    assert redact_uri("./runs/x") == "./runs/x"
+
+
+def test_json_safe_replaces_what_canonical_json_refuses() -> None:
+    assert json_safe({"a": math.nan, "b": [math.inf, 1.5], 3: object}) == {"a": None, "b": [None, 1.5], "3": repr(object)}
+
+
+def test_job_records_are_validated() -> None:
+    assert EpisodeJob.from_dict({"task_id": 1, "sample_id": 0, "seed": 5, "split": "val"}).episode_id == "task-000001__sample-000"
+    for bad in ({"task_id": -1, "sample_id": 0, "seed": 5, "split": "val"}, {"task_id": 1}, {"task_id": True, "sample_id": 0, "seed": 1, "split": "v"}):
+        try:
+            EpisodeJob.from_dict(bad)
+        except TraceFormatError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+
+
+def test_public_surface_is_pinned() -> None:
+    assert sorted(schemas.__all__) == sorted(
+        name for name in vars(schemas) if not name.startswith("_") and name.isidentifier()
+        and getattr(getattr(schemas, name), "__module__", "shopsimrl.schemas") == "shopsimrl.schemas"
+        and name not in {"annotations", "Any", "Literal", "TraceStatus"}
+        and not isinstance(getattr(schemas, name), type(schemas))
+    )
