@@ -1,4 +1,4 @@
-"""``shopsimrl`` command line: plan, run, summarize, wait-ready, testbed.
+"""``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, testbed.
 
 Exit codes are those of :mod:`shopsimrl.exitcodes` (0 done, 1 some episodes failed, 2 bad input,
 3 interrupted/retryable, 42 the run exists with another fingerprint).

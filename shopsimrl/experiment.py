@@ -186,10 +186,9 @@ def prepare(config: ExperimentConfig, *, final_test: bool = False) -> PreparedEx
 class ServiceCheck:
     ready: bool
     reason: str | None
-    """``model_unreachable``, ``model_not_listed``, ``environment_unreachable``, ``environment_not_ready``."""
+    """``model_unreachable``, ``model_not_listed``, ``environment_unreachable``, ``environment_not_ready``,
+    ``environment_version_mismatch``."""
     detail: str
-    model_ids: list[str] = field(default_factory=list)
-    healthz: dict[str, Any] | None = None
 
 
 async def _check_once(prepared: PreparedExperiment) -> ServiceCheck:
@@ -199,20 +198,22 @@ async def _check_once(prepared: PreparedExperiment) -> ServiceCheck:
         try:
             ids = await model.list_models()
         except Exception as exc:
-            return ServiceCheck(False, "model_unreachable", f"{prepared.model_settings.base_url}/models: {exc}")
+            return ServiceCheck(False, "model_unreachable", f"{redact_uri(prepared.model_settings.base_url)}/models: {exc}")
         if prepared.model_settings.model not in ids:
             return ServiceCheck(
-                False, "model_not_listed", f"{prepared.model_settings.model!r} is not among the served models {ids}", ids
+                False, "model_not_listed", f"{prepared.model_settings.model!r} is not among the served models {ids}"
             )
         try:
             health = await environment.healthz()
         except EnvironmentVersionError as exc:
-            return ServiceCheck(False, "environment_version_mismatch", str(exc), ids)
+            return ServiceCheck(False, "environment_version_mismatch", str(exc))
         except Exception as exc:
-            return ServiceCheck(False, "environment_unreachable", f"{prepared.environment_settings.base_url}/healthz: {exc}", ids)
+            return ServiceCheck(
+                False, "environment_unreachable", f"{redact_uri(prepared.environment_settings.base_url)}/healthz: {exc}"
+            )
         if health.get("ready") is not True:
-            return ServiceCheck(False, "environment_not_ready", f"/healthz says {health}", ids, health)
-        return ServiceCheck(True, None, "model and environment are ready", ids, health)
+            return ServiceCheck(False, "environment_not_ready", f"/healthz says {health}")
+        return ServiceCheck(True, None, "model and environment are ready")
     finally:
         await model.aclose()
         await environment.aclose()
