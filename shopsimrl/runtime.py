@@ -96,8 +96,8 @@ def _error(stage: str, exc: BaseException) -> dict[str, Any]:
     return {"stage": stage, "type": type(exc).__name__, "message": str(exc), "traceback": text[-MAX_TRACEBACK_CHARS:]}
 
 
-def failed_trace(job: EpisodeJob, exc: BaseException, *, stage: str = "evaluator_boundary") -> dict[str, Any]:
-    """The trace written when the runtime object itself raised (reference fallback shape)."""
+def _trace_skeleton(job: EpisodeJob) -> dict[str, Any]:
+    """Every key of a v4 record, in order, with the values of an episode that has not started."""
     return {
         "schema_version": TRACE_SCHEMA_VERSION,
         "episode_id": job.episode_id,
@@ -105,16 +105,25 @@ def failed_trace(job: EpisodeJob, exc: BaseException, *, stage: str = "evaluator
         "job": job.to_dict(),
         "provenance": {},
         "started_at": None,
-        "ended_at": _now(),
+        "ended_at": None,
         "duration_ms": None,
         "reset": None,
         "selected_skills": [],
         "conversation": [],
         "steps": [],
         "final": None,
-        "error": {"stage": stage, "type": type(exc).__name__, "message": str(exc)},
-        "failure_class": classify_failure(exc),
+        "error": None,
+        "failure_class": None,
     }
+
+
+def failed_trace(job: EpisodeJob, exc: BaseException, *, stage: str = "evaluator_boundary") -> dict[str, Any]:
+    """The trace written when the runtime object itself raised (reference fallback shape)."""
+    trace = _trace_skeleton(job)
+    trace["ended_at"] = _now()
+    trace["error"] = {"stage": stage, "type": type(exc).__name__, "message": str(exc)}
+    trace["failure_class"] = classify_failure(exc)
+    return trace
 
 
 class _ProtocolViolation(Exception):
@@ -178,23 +187,8 @@ class AgentRuntime:
         started_at, started = _now(), time.perf_counter()
         episode = self.environment.open_episode()
         elog = log.bind(episode_id=job.episode_id)
-        trace: dict[str, Any] = {
-            "schema_version": TRACE_SCHEMA_VERSION,
-            "episode_id": job.episode_id,
-            "status": "failed",
-            "job": job.to_dict(),
-            "provenance": {},
-            "started_at": started_at,
-            "ended_at": None,
-            "duration_ms": None,
-            "reset": None,
-            "selected_skills": [],
-            "conversation": [],
-            "steps": [],
-            "final": None,
-            "error": None,
-            "failure_class": None,
-        }
+        trace = _trace_skeleton(job)
+        trace["started_at"] = started_at
         progress = {"stage": "reset"}
         try:
             await self._play(job, episode, trace, progress)

@@ -44,6 +44,7 @@ from fsspec.implementations.local import LocalFileSystem
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
 from shopsimrl.planning import SHARD_ASSIGNMENT, shard_jobs
 from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint, is_completed, redact_uri, sha256_hex
+from shopsimrl.store import parse_trace_line
 
 __all__ = [
     "MARKER_NAME",
@@ -612,14 +613,8 @@ def iter_part_records(data: bytes) -> Iterator[dict[str, Any] | None]:
     """Every non-blank line of a part: the record, or None for a torn/garbled/foreign line."""
     for raw in data.split(b"\n"):
         line = raw.strip()
-        if not line:
-            continue
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            yield None
-            continue
-        yield record if isinstance(record, dict) and isinstance(record.get("episode_id"), str) else None
+        if line:
+            yield parse_trace_line(line)
 
 
 def part_entry(name: str, data: bytes, records: int) -> dict[str, Any]:

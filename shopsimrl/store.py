@@ -37,6 +37,7 @@ __all__ = [
     "RunLockedError",
     "atomic_write_json",
     "encode_trace_line",
+    "parse_trace_line",
     "iter_jsonl_records",
 ]
 
@@ -85,6 +86,15 @@ def encode_trace_line(record: dict[str, Any]) -> bytes:
     return text.encode("utf-8") + b"\n"
 
 
+def parse_trace_line(raw: bytes) -> dict[str, Any] | None:
+    """One JSONL line back into a trace record, or None when it is torn, garbled or foreign."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("episode_id"), str) else None
+
+
 @dataclass
 class EpisodeState:
     """What resume needs to know about one episode, without its heavy trace."""
@@ -119,14 +129,8 @@ def iter_jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]
         for raw in handle:
             start, offset = offset, offset + len(raw)
             line = raw.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                yield start, None
-                continue
-            yield start, record if isinstance(record, dict) and isinstance(record.get("episode_id"), str) else None
+            if line:
+                yield start, parse_trace_line(line)
 
 
 class LocalRunStore:

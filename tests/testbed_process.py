@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class LocalTestbed:
+    __test__ = False  # a fixture value, not a test class
     shop_url: str
     model_url: str
     process: subprocess.Popen[bytes]

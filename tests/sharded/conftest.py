@@ -6,30 +6,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+
+from tests.testbed_process import LocalTestbed, start_testbed
 
 REPO = Path(__file__).resolve().parents[2]
 SPLIT_FILE = REPO / "configs" / "splits" / "persona_splits.v1.json"
 S3_TEST_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret-do-not-log", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- storage backends
@@ -114,47 +105,14 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.
 # --------------------------------------------------------------------------- the testbed
 
 
-@dataclass
-class Testbed:
-    __test__ = False  # not a test class, despite the name
-    shop_url: str
-    policy_url: str
+Testbed = LocalTestbed
 
 
 @pytest.fixture(scope="session")
-def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Testbed]:
+def testbed() -> Iterator[LocalTestbed]:
     """The real shop and heuristic policy, served by ``shopsimrl testbed up`` in a subprocess."""
-    shop_port, policy_port = _free_port(), _free_port()
-    log = tmp_path_factory.mktemp("testbed") / "testbed.log"
-    env = dict(os.environ)
-    packaged = REPO / "shopsimrl" / "testbed" / "data" / "catalog.v1.json.gz"
-    if not packaged.exists():  # fall back to the small fixture catalog
-        env["SHOPSIM_CATALOG"] = str(REPO / "tests" / "testbed" / "fixtures" / "catalog_small.json")
-    with log.open("wb") as handle:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "shopsimrl", "testbed", "up", "--shop-port", str(shop_port), "--policy-port", str(policy_port)],
-            stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-        )
-    bed = Testbed(f"http://127.0.0.1:{shop_port}", f"http://127.0.0.1:{policy_port}/v1")
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{bed.shop_url}/healthz", timeout=2).json().get("ready") and httpx.get(f"{bed.policy_url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"testbed did not start: {log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.2)
+    with start_testbed() as bed:
         yield bed
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def write_config(directory: Path, bed: Testbed, *, episodes: int, name: str = "sharded", temperature: float = 0.0,
@@ -178,7 +136,7 @@ runtime:
 model:
   id: shopsim-heuristic
   name: shopsim-heuristic
-  base_url: {bed.policy_url}
+  base_url: {bed.model_url}
   api_key_env: null
   temperature: {temperature}
   max_retries: 5
