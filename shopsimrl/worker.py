@@ -168,8 +168,14 @@ def plan_run(prepared: Any, store: ShardedRunStore, shards: int | None) -> tuple
     return manifest, shard_map
 
 
+def _terminated(signum: int, frame: object) -> None:
+    # Outside the evaluation there is nothing buffered: stop where we are, with the retryable code.
+    raise _Stop(ExitCode.RETRYABLE, f"signal {signum} while planning or committing; finished episodes are saved, restart to resume")
+
+
 def run_worker(options: WorkerOptions) -> ExitCode:
     """Run one shard; every failure is mapped to an exit code and logged (never a traceback)."""
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return _run_worker(options)
     except _Stop as stop:
@@ -185,6 +191,7 @@ def run_worker(options: WorkerOptions) -> ExitCode:
         log.error("store_unavailable", exit_code=3, reason=str(exc))
         return ExitCode.RETRYABLE
     finally:
+        signal.signal(signal.SIGTERM, previous)
         structlog.contextvars.unbind_contextvars("run", "shard", "writer")
 
 
@@ -232,6 +239,7 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
         store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds
     )
     outcome = asyncio.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed))
+    signal.signal(signal.SIGTERM, _terminated)  # the event loop's handler is gone with the loop
     if outcome == "interrupted":
         raise _Stop(ExitCode.RETRYABLE, f"interrupted; finished episodes are saved in {store.display_uri}, restart to resume")
 
@@ -251,9 +259,10 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
     if not store.create_marker(index, document):
         existing = store.read_marker(index) or {}
         existing_completed = int((existing.get("episodes") or {}).get("completed", -1)) if existing.get("plan_fingerprint") == plan_fp else -1
+        existing_parts = {p.get("name") for p in existing.get("parts") or [] if isinstance(p, dict)}
         # A marker is a consistent snapshot; only one that accounts for more completed episodes
-        # (a later retry of failed ones) may replace it.
-        if completed > existing_completed:
+        # (a later retry of failed ones), or for the same episodes and more attempts, replaces it.
+        if completed > existing_completed or (completed == existing_completed and existing_parts < {e["name"] for e in entries}):
             store.replace_marker(index, document)
         else:
             log.info("marker_kept", existing_completed=existing_completed)
