@@ -205,15 +205,15 @@ def run(
             assert main_task is not None
             # Cancelling unwinds every episode through its cleanup, so no lease stays held.
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
-            evaluator = Evaluator(
-                prepared.runtime(limited, environment),
-                store,
-                concurrency=config.experiment.concurrency,
-                max_episode_retries=(config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries),
-                retry_failed=retry_failed,
-            )
-            pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
             try:
+                evaluator = Evaluator(
+                    prepared.runtime(limited, environment),
+                    store,
+                    concurrency=config.experiment.concurrency,
+                    max_episode_retries=(config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries),
+                    retry_failed=retry_failed,
+                )
+                pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
                 with RunProgress(len(pending), enabled=progress and sys.stderr.isatty()) as bar:
                     evaluator.on_trace = bar.on_trace
                     await evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior)
@@ -221,12 +221,14 @@ def run(
             except asyncio.CancelledError:
                 return True
             finally:
-                await model.aclose()
-                await environment.aclose()
+                try:
+                    await model.aclose()
+                finally:
+                    await environment.aclose()
 
         try:
             terminated = asyncio.run(execute())
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, asyncio.CancelledError):  # a second signal during cleanup
             terminated = True
         except OSError as exc:
             _fail(ExitCode.RETRYABLE, f"cannot persist traces in {config.run_dir}: {exc}")

@@ -150,18 +150,17 @@ class Evaluator:
             nonlocal remaining
             while True:
                 job, attempt = await queue.get()
+                trace = await self._attempt(job)
+                trace["attempt"] = prior_attempts.get(job.episode_id, 0) + attempt
                 try:
-                    trace = await self._attempt(job)
-                    trace["attempt"] = prior_attempts.get(job.episode_id, 0) + attempt
                     async with self._save_lock:
                         # fsync off the event loop, one writer at a time
                         await asyncio.to_thread(self.sink.save_trace, trace)
-                    finished = settle(trace, job, attempt)
                 except Exception as exc:  # the store failed: nothing more can be persisted
                     fatal.append(exc)
                     all_done.set()
                     return
-                if finished:
+                if settle(trace, job, attempt):
                     remaining -= 1
                     if remaining == 0:
                         all_done.set()

@@ -124,7 +124,8 @@ def run_indexed(
                 outcome = outcomes[index]
                 outcome.exit_codes.append(code)
                 outcome.exit_code = code
-                if code in _FINAL_CODES or interrupted:
+                # Without --retry-failed a restart would find the same failures and exit 1 again.
+                if code in _FINAL_CODES or interrupted or (code == int(ExitCode.EPISODES_FAILED) and not retry_failed):
                     log.info("index_finished", index=index, exit_code=code)
                 elif outcome.restarts < backoff_limit_per_index:
                     outcome.restarts += 1

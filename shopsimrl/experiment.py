@@ -133,9 +133,8 @@ def prepare(config: ExperimentConfig, *, final_test: bool = False) -> PreparedEx
     split = load_task_split(config.resolve(config.tasks.split_file), config.tasks.split)
 
     if split.is_test and not final_test:
-        raise ConfigError(
-            f"split {split.name!r} is the held-out test split; running it needs the explicit --final-test flag"
-        )
+        what = "is the held-out test split" if not split.overlaps_test else "shares tasks with the held-out test split"
+        raise ConfigError(f"split {split.name!r} {what}; running it needs the explicit --final-test flag")
     if final_test and not split.is_test:
         raise ConfigError(f"--final-test is only for the held-out test split; {split.name!r} has role {split.role!r}")
     if final_test and config.skills.path is not None:

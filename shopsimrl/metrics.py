@@ -336,7 +336,7 @@ def _count_value(value: Any) -> int | None:
 
 
 class SummaryAccumulator:
-    """Streams trace records (the LATEST record per episode, de-duplicated by the caller) into a
+    """Streams trace records (the winning record per episode, chosen by the caller) into a
     summary; memory does not grow with the number of episodes (sums, counters and fixed-size
     histograms only).
 
@@ -403,7 +403,7 @@ class SummaryAccumulator:
             self._last_end = ended
 
     def add(self, record: Mapping[str, Any]) -> None:
-        """Count one episode's latest record."""
+        """Count one episode's winning record."""
         if not self._in_plan(record):
             self._not_in_plan += 1
             if len(self._not_in_plan_sample) < _NOT_IN_PLAN_SAMPLE:
@@ -593,7 +593,7 @@ def summarize_traces(
     requested: int | None = None,
     created_at: str | None = None,
 ) -> dict[str, Any]:
-    """Summarise the latest record of each episode (see :class:`SummaryAccumulator`)."""
+    """Summarise the winning record of each episode (see :class:`SummaryAccumulator`)."""
     accumulator = SummaryAccumulator(requested_episode_ids=requested_episode_ids, requested=requested)
     for record in records:
         accumulator.add(record)

@@ -344,19 +344,20 @@ class OpenAICompatibleChatModel:
     async def list_models(self) -> list[str]:
         """Ids served at ``GET {base_url}/models`` (one attempt; for health probes)."""
         url = f"{self._base_url}/models"
+        shown = redact_uri(url)  # messages may persist; the URL itself may carry credentials
         try:
             response = await self._http().get(url, headers=self._headers())
         except httpx.HTTPError as exc:
-            raise ModelRequestError(self._redact(f"GET {url} failed: {_describe(exc)}"), status_code=None, attempts=[]) from None
+            raise ModelRequestError(self._redact(f"GET {shown} failed: {_describe(exc)}"), status_code=None, attempts=[]) from None
         status = response.status_code
         if status != 200:
             text = self._redact(response.text[:ERROR_BODY_CHARS])
-            raise ModelRequestError(f"GET {url} returned HTTP {status}: {text}", status_code=status, attempts=[])
+            raise ModelRequestError(f"GET {shown} returned HTTP {status}: {text}", status_code=status, attempts=[])
         try:
             return [str(item["id"]) for item in response.json()["data"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise ModelRequestError(
-                f"GET {url} did not return an OpenAI model list ({type(exc).__name__})", status_code=status, attempts=[]
+                f"GET {shown} did not return an OpenAI model list ({type(exc).__name__})", status_code=status, attempts=[]
             ) from None
 
     # ------------------------------------------------------------------ generate
@@ -445,7 +446,9 @@ class OpenAICompatibleChatModel:
             return _Retryable(
                 f"HTTP {status}: {excerpt}", status=status, retry_after=_retry_after(response.headers.get("retry-after"))
             )
-        return ModelRequestError(f"non-retryable model HTTP {status} from POST {url}: {excerpt}", status_code=status, attempts=[])
+        return ModelRequestError(
+            f"non-retryable model HTTP {status} from POST {redact_uri(url)}: {excerpt}", status_code=status, attempts=[]
+        )
 
     async def _plain_attempt(
         self, client: httpx.AsyncClient, url: str, payload: bytes, headers: dict[str, str]

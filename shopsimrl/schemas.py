@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
     "EPISODE_STATUS",
@@ -96,25 +96,30 @@ def json_safe(value: Any) -> Any:
     return repr(value)
 
 
-_SECRET_QUERY_KEY = re.compile(r"key|token|secret|password|passwd|signature|sig|credential|auth", re.I)
+_SECRET_QUERY_KEY = re.compile(r"(^|[_.-])(api|access)?[_-]?(key|token|secret|password|passwd|sig|signature|credential|auth)s?($|[_.-])", re.I)
 
 
 def redact_uri(uri: str) -> str:
     """The URI without a ``user:password@`` part and with credential-like query values masked.
 
     Every URL that reaches a trace, a manifest or a log line goes through here, so a gateway URL
-    that carries a token never persists it.
+    that carries a token never persists it. Host, port and the rest of the query stay verbatim.
     """
-    parts = urlsplit(uri)
-    if parts.username is None and parts.password is None and not parts.query:
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc.rpartition("@")[2]
+    query = parts.query
+    if query:
+        pieces = []
+        for piece in query.split("&"):
+            key, sep, _value = piece.partition("=")
+            pieces.append(f"{key}=REDACTED" if sep and _SECRET_QUERY_KEY.search(key) else piece)
+        query = "&".join(pieces)
+    if netloc == parts.netloc and query == parts.query:
         return uri
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    query = urlencode(
-        [(k, "REDACTED" if _SECRET_QUERY_KEY.search(k) else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-    )
-    return urlunsplit((parts.scheme, host, parts.path, query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 # --------------------------------------------------------------------------- jobs

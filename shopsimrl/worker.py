@@ -177,22 +177,33 @@ def run_worker(options: WorkerOptions) -> ExitCode:
     """Run one shard; every failure is mapped to an exit code and logged (never a traceback)."""
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        return _run_worker(options)
-    except _Stop as stop:
-        (log.warning if stop.code == ExitCode.RETRYABLE else log.error)("worker_stopped", exit_code=int(stop.code), reason=str(stop))
+        return _exit_code(options)
+    except _Stop as stop:  # a signal that landed while an outcome was being reported
         return stop.code
-    except FingerprintMismatchError as exc:
-        log.error("fingerprint_mismatch", exit_code=42, reason=str(exc))
-        return ExitCode.FINGERPRINT_MISMATCH
-    except (ShardMapError, RunLocationError, ManifestError) as exc:
-        log.error("bad_input", exit_code=2, reason=str(exc))
-        return ExitCode.BAD_INPUT
-    except StoreUnavailableError as exc:
-        log.error("store_unavailable", exit_code=3, reason=str(exc))
-        return ExitCode.RETRYABLE
     finally:
         signal.signal(signal.SIGTERM, previous)
         structlog.contextvars.unbind_contextvars("run", "shard", "writer")
+
+
+def _exit_code(options: WorkerOptions) -> ExitCode:
+    try:
+        return _run_worker(options)
+    except _Stop as stop:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: report, then exit
+        (log.warning if stop.code == ExitCode.RETRYABLE else log.error)("worker_stopped", exit_code=int(stop.code), reason=str(stop))
+        return stop.code
+    except FingerprintMismatchError as exc:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        log.error("fingerprint_mismatch", exit_code=42, reason=str(exc))
+        return ExitCode.FINGERPRINT_MISMATCH
+    except (ShardMapError, RunLocationError, ManifestError) as exc:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        log.error("bad_input", exit_code=2, reason=str(exc))
+        return ExitCode.BAD_INPUT
+    except StoreUnavailableError as exc:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        log.error("store_unavailable", exit_code=3, reason=str(exc))
+        return ExitCode.RETRYABLE
 
 
 def _run_worker(options: WorkerOptions) -> ExitCode:
@@ -239,7 +250,6 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
         store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds
     )
     outcome = asyncio.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed))
-    signal.signal(signal.SIGTERM, _terminated)  # the event loop's handler is gone with the loop
     if outcome == "interrupted":
         raise _Stop(ExitCode.RETRYABLE, f"interrupted; finished episodes are saved in {store.display_uri}, restart to resume")
 
@@ -330,6 +340,8 @@ async def _evaluate(
         return "done"
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
+            loop.remove_signal_handler(signum)  # this leaves SIG_DFL behind, not the previous handler
+        signal.signal(signal.SIGTERM, _terminated)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         await model.aclose()
         await environment.aclose()

@@ -36,3 +36,9 @@ def test_public_surface_is_pinned() -> None:
         and name not in {"annotations", "Any", "Literal", "TraceStatus"}
         and not isinstance(getattr(schemas, name), type(schemas))
     )
+
+
+def test_redaction_keeps_everything_else_verbatim() -> None:
+    assert redact_uri("http://u:p@[::1]:8080/v1") == "http://[::1]:8080/v1"
+    assert redact_uri("https://Host.Example:443/v1?flag&design=x&access_token=abc;v") == "https://Host.Example:443/v1?flag&design=x&access_token=REDACTED"
+    assert redact_uri("https://h/v1?sig=1&author=me&monkey=2") == "https://h/v1?sig=REDACTED&author=me&monkey=2"

@@ -72,7 +72,8 @@ def test_junk_in_a_shard_folder_is_reported_not_fatal(backend: Backend, testbed:
 
 
 def test_sigterm_flushes_then_resume_completes(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
-    config = write_config(tmp_path, testbed, episodes=10)
+    # Enough episodes that the signal lands mid-run even on a loaded machine.
+    config = write_config(tmp_path, testbed, episodes=40)
     uri = backend.uri("term")
     # Flush thresholds far away: whatever is saved was saved by the SIGTERM path.
     env = worker_env(backend, SHOPSIMRL_FLUSH_EPISODES="1000", SHOPSIMRL_FLUSH_SECONDS="600")
@@ -87,13 +88,15 @@ def test_sigterm_flushes_then_resume_completes(backend: Backend, testbed: Testbe
     listing = store.list_shard(0)
     assert len(listing.parts) == 1 and not listing.marker
     saved = {json.loads(line)["episode_id"] for line in store.read_part(0, listing.parts[0]).splitlines()}
-    assert saved == finished_before
+    # Every logged episode was flushed; the signal may also land between an episode's save and
+    # its log line, so the part can hold one more than the log shows.
+    assert finished_before <= saved and len(saved - finished_before) <= 1
 
     resumed = start_worker(backend, uri, config, 0, 1, tmp_path / "logs")
     assert resumed.wait() == 0
-    assert not set(resumed.finished_episodes()) & finished_before  # nothing saved is rerun
+    assert not set(resumed.finished_episodes()) & saved  # nothing saved is rerun
     summary = reduce_run(store)
-    assert summary["counts"]["completed"] == 10 and summary["shards"]["duplicate_records"] == 0
+    assert summary["counts"]["completed"] == 40 and summary["shards"]["duplicate_records"] == 0
 
 
 def test_two_workers_on_one_shard_are_deduplicated(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
