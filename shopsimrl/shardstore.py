@@ -43,7 +43,15 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
 from shopsimrl.planning import SHARD_ASSIGNMENT, shard_jobs
-from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint, is_completed, redact_uri, sha256_hex
+from shopsimrl.schemas import (
+    MANIFEST_SCHEMA_VERSIONS,
+    EpisodeJob,
+    canonical_json,
+    fingerprint,
+    is_completed,
+    redact_uri,
+    sha256_hex,
+)
 from shopsimrl.store import parse_trace_line
 
 __all__ = [
@@ -328,6 +336,12 @@ class ShardedRunStore:
         if data is None:
             return None
         text = data.decode("utf-8", errors="ignore")
+        found_version = re.search(r'"schema_version"\s*:\s*"([^"]*)"', text)  # the first key of the manifest
+        if found_version and found_version.group(1) not in MANIFEST_SCHEMA_VERSIONS:
+            raise ManifestError(
+                f"{self.display_uri}/manifest.json has unsupported schema_version {found_version.group(1)!r}; "
+                f"this shopsimrl reads {', '.join(MANIFEST_SCHEMA_VERSIONS)}"
+            )
         found_fp = re.search(r'"plan_fingerprint"\s*:\s*"([0-9a-f]{64})"', text)
         found_experiment = re.search(r'"experiment"\s*:\s*("(?:[^"\\]|\\.)*")', text)
         if found_fp and found_experiment:

@@ -4,13 +4,13 @@ the shard map, parts, markers, retries of a failing store, and the reducer over 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from shopsimrl.manifest import FingerprintMismatchError
+from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.reduce import reduce_run
-from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.schemas import redact_uri
+from shopsimrl.schemas import EpisodeJob, fingerprint, redact_uri
 from shopsimrl.shardstore import (
     RetryPolicy,
     ShardedRunStore,
@@ -158,3 +158,11 @@ def test_retries_ride_out_faults_and_a_dead_store_is_unavailable(moto_endpoint: 
 def test_uri_credentials_are_redacted() -> None:
     assert redact_uri("s3://AKIA:secret@bucket/x") == "s3://bucket/x"
     assert redact_uri("./runs/x") == "./runs/x"
+
+
+def test_reducer_refuses_a_manifest_of_an_unknown_version(tmp_path: Path) -> None:
+    store = ShardedRunStore(str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "manifest.json").write_text('{\n  "schema_version": "shopsimrl-run-manifest-v9",\n  "plan_fingerprint": "' + "0" * 64 + '"\n}')
+    with pytest.raises(ManifestError, match="unsupported schema_version"):
+        store.read_manifest_identity()
