@@ -80,6 +80,9 @@ def test_cp03_release_all_frees_every_slot_and_invalidates_leases(shop: ShopClie
 def test_cp04_every_reset_gets_a_fresh_lease_and_old_leases_are_stale(shop: ShopClient) -> None:
     old = shop.reset(0)
     shop.release(old)
+    # Slots go round-robin (as the real server's set.pop()): the old slot comes back after a round.
+    for _ in range(3):
+        shop.release(shop.reset(0))
     new = shop.reset(0)
     assert new["env_idx"] == old["env_idx"] and new["lease_id"] != old["lease_id"]
     assert re.fullmatch(r"[0-9a-f]{32}", new["lease_id"])
@@ -89,6 +92,21 @@ def test_cp04_every_reset_gets_a_fresh_lease_and_old_leases_are_stale(shop: Shop
     assert shop.call(action="release_one", **stale)[0] == 409
     assert shop.act(new, "search[电水壶]")["action_feedback"]["valid"] is True
     assert shop.release(new)[0] == 200
+
+
+def test_slots_are_handed_out_round_robin_like_the_real_server(shop: ShopClient) -> None:
+    granted = []
+    for _ in range(6):
+        episode = shop.reset(0)
+        granted.append(episode["env_idx"])
+        shop.release(episode)
+    assert granted == [0, 1, 2, 3, 0, 1]  # not lowest-free, which would give slot 0 every time
+    held = [shop.reset(0), shop.reset(1)]  # slots 2 and 3
+    assert [e["env_idx"] for e in held] == [2, 3]
+    shop.release(held[0])
+    assert shop.reset(2)["env_idx"] == 0  # the round wraps to the next free slot after 3
+    shop.ok(action="release_all")
+    assert shop.reset(0)["env_idx"] == 0  # release_all starts a fresh round
 
 
 def test_cp05_reset_blocks_while_the_pool_is_exhausted(make_shop) -> None:
@@ -114,6 +132,49 @@ def test_cp05_reset_blocks_while_the_pool_is_exhausted(make_shop) -> None:
         assert waiter["status"] == 200
         assert waiter["result"]["env_idx"] == holder["env_idx"]
         assert waiter["result"]["lease_id"] != holder["lease_id"]
+
+
+@pytest.mark.parametrize("keep_orphans", [False, True])
+def test_a_queued_reset_whose_client_hung_up(keep_orphans: bool) -> None:
+    """Default: the testbed drops it (no phantom lease). SHOPSIM_KEEP_ORPHAN_RESETS=1: it takes
+    the next free slot for nobody, as the real threaded server does, so clients are tested
+    against that behaviour."""
+    import socket
+    import time
+
+    from shopsimrl.testbed.serving import running_server
+    from shopsimrl.testbed.shop import ShopSettings, create_app
+
+    from .conftest import SMALL_CATALOG
+
+    app = create_app(ShopSettings(slots=1, keep_orphan_resets=keep_orphans), catalog_path=SMALL_CATALOG)
+    pool = app.state.shop.pool
+    with running_server(app) as url:
+        shop = ShopClient(url)
+        holder = shop.reset(0)
+        host, port = url.removeprefix("http://").split(":")
+        body = b'{"action": "reset", "idx": 1}'
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(
+                b"POST /api/shop_agent HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+            )
+            deadline = time.monotonic() + 10
+            while pool._waiting == 0:  # the server has the reset and queued it
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        if not keep_orphans:  # the server notices the hang-up and drops the queued reset
+            deadline = time.monotonic() + 10
+            while pool._waiting:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert shop.release(holder)[0] == 200
+        deadline = time.monotonic() + 10
+        while pool._waiting:  # with keep_orphans, the orphan takes the freed slot
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert shop.health()["free_slots"] == (0 if keep_orphans else 1)
+        shop.close()
 
 
 def test_cp05b_release_all_wakes_queued_resets(make_shop) -> None:

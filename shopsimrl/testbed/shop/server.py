@@ -50,6 +50,7 @@ _ENV = {
     "SHOPSIM_SLOW_RATE": "slow_rate",
     "SHOPSIM_SLOW_MS": "slow_ms",
     "SHOPSIM_SEED": "seed",
+    "SHOPSIM_KEEP_ORPHAN_RESETS": "keep_orphan_resets",
 }
 
 
@@ -65,6 +66,10 @@ class ShopSettings:
     slow_rate: float = 0.0  # probability of an extra slow_ms delay
     slow_ms: float = 0.0
     seed: int | None = None  # seeds the latency/fault RNG
+    keep_orphan_resets: bool = False
+    """True: a queued reset whose client has gone still takes a slot when one frees, as the real
+    (threaded Werkzeug) server does; that slot is then leased to nobody. False: such a reset is
+    dropped and logged, so the testbed itself never creates phantom leases."""
 
     def __post_init__(self) -> None:
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
@@ -89,6 +94,8 @@ class ShopSettings:
             try:
                 if name == "catalog":
                     values[name] = Path(raw)
+                elif name == "keep_orphan_resets":
+                    values[name] = _parse_flag(variable, raw)
                 elif name in ("slots", "seed"):
                     values[name] = int(raw)
                 else:
@@ -102,13 +109,28 @@ class ShopSettings:
         return Path(self.catalog) if self.catalog is not None else DEFAULT_CATALOG
 
 
+def _parse_flag(variable: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{variable}={raw!r} is not a valid flag (use 1 or 0)")
+
+
 class LeasePool:
-    """Slots with explicit leases; ``acquire`` waits until a slot is free (no timeout)."""
+    """Slots with explicit leases; ``acquire`` waits until a slot is free (no timeout).
+
+    Slots are handed out round-robin, as the real server's ``set.pop()`` over small integers
+    does: the next free slot at or after the one after the last grant, wrapping around.
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._free: set[int] = set(range(size))
         self._leases: dict[int, str] = {}
+        self._next = 0
+        self._waiting = 0
         self._cond: asyncio.Condition | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -128,13 +150,25 @@ class LeasePool:
         async with cond:
             if not self._free:
                 _log.info("no environment slot is available; queuing reset")
-            while not self._free:
-                await cond.wait()
-            slot = min(self._free)
-            self._free.discard(slot)
-            lease = uuid.uuid4().hex
-            self._leases[slot] = lease
-            return slot, lease
+            self._waiting += 1
+            try:
+                while not self._free:
+                    await cond.wait()
+            finally:
+                self._waiting -= 1
+            return self._grant()
+
+    def try_acquire(self) -> tuple[int, str] | None:
+        """A slot at once, or None when none is free or earlier resets are queued (then wait)."""
+        return self._grant() if self._free and not self._waiting else None
+
+    def _grant(self) -> tuple[int, str]:
+        slot = min((s for s in self._free if s >= self._next), default=min(self._free))
+        self._next = (slot + 1) % self.size
+        self._free.discard(slot)
+        lease = uuid.uuid4().hex
+        self._leases[slot] = lease
+        return slot, lease
 
     def validate(self, slot: int, lease_id: object) -> bool:
         return self._leases.get(slot) == str(lease_id)
@@ -149,12 +183,22 @@ class LeasePool:
                 cond.notify()
             return was_leased
 
+    async def wake_one(self) -> None:
+        cond = self._condition()
+        async with cond:
+            cond.notify()
+
     async def reset(self) -> None:
         cond = self._condition()
         async with cond:
             self._free = set(range(self.size))
             self._leases = {}
+            self._next = 0  # a fresh free set starts its round at slot 0 again
             cond.notify_all()
+
+
+class _ClientGone(Exception):
+    """The client of a queued reset disconnected; no answer can reach it."""
 
 
 class _Failure(Exception):
@@ -207,7 +251,10 @@ class ShopService:
 
     # ------------------------------------------------------------------ dispatch
 
-    async def handle(self, data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def handle(
+        self, data: dict[str, Any], client_gone: asyncio.Event | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """Answer one request; ``client_gone`` is set when the caller's connection closes."""
         action = data.get("action")
         await self._delay()
         if action in ("reset", "interact", "terminate") and self._faulted():
@@ -230,7 +277,7 @@ class ShopService:
             if action == "reset":
                 if env_idx is not None:
                     raise _Failure(400, "reset must not include env_idx; the server assigns a slot")
-                return 200, await self._reset(data)
+                return 200, await self._reset(data, client_gone)
             if action in ("interact", "terminate"):
                 if not _valid_slot_args(env_idx, lease_id):
                     raise _Failure(400, f"{action} requires a valid env_idx and lease_id")
@@ -246,14 +293,19 @@ class ShopService:
             raise _Failure(400, f"unsupported action: {action!r}")
         except _Failure as failure:
             return failure.status, {"error": str(failure)}
+        except _ClientGone:
+            return 499, {"error": "client closed the connection while its reset was queued"}
         except KeyError as exc:  # the real server reports str() of a KeyError, quotes included
             return 500, {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - every failure is answered, as the real server does
             _log.exception("request failed")
             return 500, {"error": str(exc)}
 
-    async def _reset(self, data: dict[str, Any]) -> dict[str, Any]:
-        slot, lease = await self.pool.acquire()
+    async def _reset(self, data: dict[str, Any], client_gone: asyncio.Event | None) -> dict[str, Any]:
+        granted = self.pool.try_acquire()
+        if granted is None:
+            granted = await self._wait_for_slot(data, client_gone)
+        slot, lease = granted
         try:
             result = self._start(slot, data)
         except Exception:
@@ -263,6 +315,27 @@ class ShopService:
             raise
         result["lease_id"] = lease
         return result
+
+    async def _wait_for_slot(self, data: dict[str, Any], client_gone: asyncio.Event | None) -> tuple[int, str]:
+        if client_gone is None or self.settings.keep_orphan_resets:
+            return await self.pool.acquire()
+        acquire = asyncio.ensure_future(self.pool.acquire())
+        gone = asyncio.ensure_future(client_gone.wait())
+        try:
+            await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not client_gone.is_set():
+            return acquire.result()
+        # The client hung up while queued: nobody would learn this lease, so do not take one.
+        acquire.cancel()
+        outcome = (await asyncio.gather(acquire, return_exceptions=True))[0]
+        if isinstance(outcome, tuple):  # granted just before the cancellation landed
+            await self.pool.release(outcome[0])
+        else:  # a wake-up this waiter may have swallowed goes to the next one
+            await self.pool.wake_one()
+        _log.warning("dropped a queued reset of task %s: its client disconnected", data.get("idx"))
+        raise _ClientGone()
 
     def _start(self, slot: int, data: dict[str, Any]) -> dict[str, Any]:
         idx = data.get("idx")
@@ -395,7 +468,23 @@ def create_app(settings: ShopSettings | None = None, *, catalog_path: str | Path
             return _json({"result": {"error": "No JSON data provided"}})
         if not isinstance(data, dict):
             return _json({"result": {"error": f"the JSON body must be an object, got {type(data).__name__}"}}, 400)
-        status, result = await service.handle(data)
+        if data.get("action") != "reset":
+            status, result = await service.handle(data)
+            return _json({"result": result}, status)
+        # A reset may wait for a slot: watch the connection meanwhile, so a queued reset whose
+        # client has gone can be dropped (see ShopSettings.keep_orphan_resets).
+        client_gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            client_gone.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            status, result = await service.handle(data, client_gone)
+        finally:
+            watcher.cancel()
         return _json({"result": result}, status)
 
     async def healthz(request: Request) -> Response:
