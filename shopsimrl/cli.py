@@ -26,6 +26,8 @@ from shopsimrl.schemas import fingerprint
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Frozen, resumable rollouts of shopping agents on ShopSimulator.")
 testbed_app = typer.Typer(no_args_is_help=True, help="Local stand-ins: a ShopSimulator-compatible shop and a heuristic policy model.")
 app.add_typer(testbed_app, name="testbed")
+env_app = typer.Typer(no_args_is_help=True, help="Operate a ShopSimulator server: slot usage, releasing every lease.")
+app.add_typer(env_app, name="env")
 
 
 def _fail(code: ExitCode, message: str) -> NoReturn:
@@ -125,9 +127,16 @@ def plan(
     if check:
         from shopsimrl.experiment import check_services
 
-        result = asyncio.run(check_services(prepared))
+        result = asyncio.run(check_services(prepared, processes=shards or 1))
         report["services"] = {"ready": result.ready, "reason": result.reason, "detail": result.detail}
+        if result.slots is not None:
+            report["services"]["environment_slots"] = result.slots.environment_slots
+            report["services"]["free_slots"] = result.slots.free_slots
+        if result.warnings:
+            report.setdefault("warnings", []).extend(result.warnings)
     typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
+    for warning in report.get("warnings", []):
+        typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     if check and not report["services"]["ready"]:
         raise typer.Exit(int(ExitCode.RETRYABLE))
 
@@ -197,38 +206,61 @@ def run(
         )
 
         async def execute() -> bool:
-            """Run the pending episodes; True when SIGTERM stopped the run (leases are released)."""
+            """Run the pending episodes; True when a signal stopped the run (leases are released)."""
+            from shopsimrl.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
+            from shopsimrl.stopping import GracefulStop
+
             model = prepared.model()
             environment = prepared.environment()
+            journal = LeaseJournal(
+                DirectoryJournalStorage(config.run_dir / "leases"), environment_url=prepared.environment_settings.base_url
+            )
             limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
-            main_task = asyncio.current_task()
-            assert main_task is not None
-            # Cancelling unwinds every episode through its cleanup, so no lease stays held.
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
-            try:
-                evaluator = Evaluator(
-                    prepared.runtime(limited, environment),
-                    store,
-                    concurrency=config.experiment.concurrency,
-                    max_episode_retries=(config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries),
-                    retry_failed=retry_failed,
-                )
-                pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
-                with RunProgress(len(pending), enabled=progress and sys.stderr.isatty()) as bar:
-                    evaluator.on_trace = bar.on_trace
-                    await evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior)
-                return False
-            except asyncio.CancelledError:
-                return True
-            finally:
+            evaluation: asyncio.Task[Any] | None = None
+
+            def stop_evaluation() -> None:
+                if evaluation is not None:
+                    evaluation.cancel()  # every episode unwinds through its cleanup: no lease stays held
+
+            grace = config.environment.cleanup_grace_seconds
+            with GracefulStop(stop_evaluation, cleanup=f"releasing leases (up to {grace:g} s)") as stop:
                 try:
-                    await model.aclose()
+                    await start_lease_tracking(
+                        environment, journal, concurrency=config.experiment.concurrency, processes=1,
+                        configured=config.environment.max_leases,
+                    )
+                    if stop.requested:
+                        return True
+                    evaluator = Evaluator(
+                        prepared.runtime(limited, environment),
+                        store,
+                        concurrency=config.experiment.concurrency,
+                        max_episode_retries=(config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries),
+                        retry_failed=retry_failed,
+                    )
+                    pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
+                    with RunProgress(len(pending), enabled=progress and sys.stderr.isatty()) as bar:
+                        evaluator.on_trace = bar.on_trace
+                        evaluation = asyncio.ensure_future(evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior))
+                        try:
+                            await evaluation
+                        except asyncio.CancelledError:
+                            if not stop.requested:
+                                raise
+                            return True
+                    return False
                 finally:
-                    await environment.aclose()
+                    try:
+                        await model.aclose()
+                    finally:
+                        try:
+                            await environment.aclose()
+                        finally:
+                            await journal.aclose()
 
         try:
             terminated = asyncio.run(execute())
-        except (KeyboardInterrupt, asyncio.CancelledError):  # a second signal during cleanup
+        except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
             terminated = True
         except OSError as exc:
             _fail(ExitCode.RETRYABLE, f"cannot persist traces in {config.run_dir}: {exc}")
@@ -424,18 +456,26 @@ def status(
     namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubernetes namespace of the release (adds the Job's view)."),
     release: Optional[str] = typer.Option(None, "--release", help="Helm release name (with --namespace)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    env_url: Optional[str] = typer.Option(
+        None, "--env-url", envvar="SHOPSIMRL_ENV_BASE_URL",
+        help="ShopSimulator to show the slot usage of (default: the one the running shards' lease journals name).",
+    ),
 ) -> None:
-    """Per-shard progress from commit markers and parts; with --namespace/--release also the Job."""
+    """Per-shard progress from commit markers and parts, leases held per running shard, the shop's
+    slot usage; with --namespace/--release also the Job."""
     from shopsimrl.reduce import RunNotPlannedError, shard_status
     from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
 
     configure_logging()
     try:
-        report = shard_status(ShardedRunStore(run_uri))
+        store = ShardedRunStore(run_uri)
+        report = shard_status(store)
+        journal_url = _lease_status(store, report)
     except (RunNotPlannedError, ShardMapError, RunLocationError, ManifestError) as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
     except StoreUnavailableError as exc:
         _fail(ExitCode.RETRYABLE, str(exc))
+    report["environment"] = _slot_status(env_url or journal_url)
     if namespace or release:
         report["kubernetes"] = _kube_status(namespace, release)
     if as_json:
@@ -445,9 +485,57 @@ def status(
                f"{report['committed_shards']}/{len(report['shards'])} shards committed")
     for row in report["shards"]:
         extra = f" · failed {row['failed']}" if row.get("failed") else ""
+        if row.get("leases_held") or row.get("leases_left_by_stopped_workers"):
+            extra += f" · leases {row.get('leases_held', 0)}"
+            if row.get("leases_left_by_stopped_workers"):
+                extra += f" (+{row['leases_left_by_stopped_workers']} left by a stopped worker)"
         typer.echo(f"  shard {row['shard']:>5}  {row['state']:<14} {row['completed']}/{row['jobs']}{extra} · parts {row['parts']}")
+    shop = report["environment"]
+    if shop.get("url"):
+        state = shop.get("error") or f"{shop['free_slots']}/{shop['environment_slots']} slots free"
+        typer.echo(f"shop {shop['url']}: {state}")
     if "kubernetes" in report:
         typer.echo("kubernetes: " + json.dumps(report["kubernetes"], ensure_ascii=False, default=str))
+
+
+def _lease_status(store: Any, report: dict[str, Any]) -> str | None:
+    """Add the leases each unfinished shard's journals hold; return the shop URL they name."""
+    from shopsimrl.lease_journal import StoreJournalStorage, read_journals
+
+    url = None
+    for row in report["shards"]:
+        if row["state"] == "committed":
+            continue
+        journals = read_journals(StoreJournalStorage(store, f"leases/{row['shard']:05d}"))
+        live = [j for j in journals if j.alive is not False]
+        row["leases_held"] = sum(j.leases for j in live)
+        stopped = sum(j.leases for j in journals if j.alive is False)
+        if stopped:
+            row["leases_left_by_stopped_workers"] = stopped
+        url = url or next((j.environment for j in journals if j.environment), None)
+    return url
+
+
+def _slot_status(url: Optional[str]) -> dict[str, Any]:
+    """The shop's slot usage for ``status`` (a few seconds at most; never fails the command)."""
+    from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
+    from shopsimrl.schemas import redact_uri
+
+    if not url:
+        return {"url": None, "error": "no running shard names its ShopSimulator; pass --env-url"}
+
+    async def probe() -> dict[str, Any]:
+        environment = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=url, timeout=3.0, max_retries=0))
+        try:
+            usage = await environment.slot_usage()
+            return {"url": redact_uri(url), "environment_slots": usage.environment_slots, "free_slots": usage.free_slots}
+        finally:
+            await environment.aclose()
+
+    try:
+        return asyncio.run(probe())
+    except Exception as exc:  # unreachable from here (an in-cluster URL): say so, keep the rest
+        return {"url": redact_uri(url), "error": f"unreachable: {type(exc).__name__}: {str(exc)[:200]}"}
 
 
 def _kube_status(namespace: Optional[str], release: Optional[str]) -> dict[str, Any]:
@@ -468,15 +556,26 @@ def wait_ready(
     config_path: Path = typer.Option(..., "--config", envvar="SHOPSIMRL_CONFIG", help="Experiment YAML."),
     timeout: float = typer.Option(600.0, min=0, help="Give up after this many seconds."),
     interval: float = typer.Option(5.0, min=0.1, help="Seconds between probes."),
+    require_free_slot: bool = typer.Option(
+        True, "--require-free-slot/--no-require-free-slot",
+        help="Count a ShopSimulator without a free slot as not ready. Shard pods turn this off: other shards "
+        "hold slots legitimately, and a pod releases its dead predecessor's leases only once it runs.",
+    ),
 ) -> None:
     """Wait until the model lists the served model and the environment says ready (exit 3 on timeout)."""
     from shopsimrl.experiment import check_services
 
+    settings = worker_settings()
     configure_logging()
     config = _load(config_path)
     # Readiness does not depend on the split guard: probe with the test guard satisfied.
     prepared = _prepare(config, final_test=_is_test_split(config))
-    result = asyncio.run(check_services(prepared, timeout=timeout, interval=interval))
+    processes = min(settings.parallelism or settings.shards or 1, settings.shards or settings.parallelism or 1)
+    result = asyncio.run(
+        check_services(prepared, timeout=timeout, interval=interval, processes=processes, require_free_slot=require_free_slot)
+    )
+    for warning in result.warnings:
+        typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     if not result.ready:
         _fail(ExitCode.RETRYABLE, f"{result.reason}: {result.detail}")
     typer.echo(f"ready: {result.detail}")
@@ -489,6 +588,80 @@ def _is_test_split(config: ExperimentConfig) -> bool:
         return load_task_split(config.resolve(config.tasks.split_file), config.tasks.split).is_test and config.skills.path is None
     except SplitError:
         return False
+
+
+# ----------------------------------------------------------------------------- env (operator)
+
+ENV_URL = typer.Option(..., "--url", envvar="SHOPSIMRL_ENV_BASE_URL", help="ShopSimulator base URL, e.g. http://shop:5700.")
+
+
+def _operator_environment(url: str) -> Any:
+    from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
+
+    try:
+        return ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=url, timeout=10.0, max_retries=1))
+    except ValueError as exc:
+        _fail(ExitCode.BAD_INPUT, f"--url: {exc}")
+
+
+@env_app.command("slots")
+def env_slots(url: str = ENV_URL, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show the server's slot pool: size, free, leased (exit 3 when unreachable)."""
+    from shopsimrl.environment import ShopEnvironmentError
+    from shopsimrl.schemas import redact_uri
+
+    configure_logging()
+    environment = _operator_environment(url)
+
+    async def probe() -> Any:
+        try:
+            return await environment.slot_usage()
+        finally:
+            await environment.aclose()
+
+    try:
+        usage = asyncio.run(probe())
+    except ShopEnvironmentError as exc:
+        _fail(ExitCode.RETRYABLE, f"{redact_uri(url)}: {exc}")
+    leased = None if usage.environment_slots is None or usage.free_slots is None else usage.environment_slots - usage.free_slots
+    if as_json:
+        typer.echo(json.dumps({"url": redact_uri(url), "environment_slots": usage.environment_slots, "free_slots": usage.free_slots, "leased": leased}))
+    else:
+        typer.echo(f"{redact_uri(url)}: {usage.describe()}" + ("" if leased is None else f", {leased} leased"))
+
+
+@env_app.command("release-all")
+def env_release_all(
+    url: str = ENV_URL,
+    yes: bool = typer.Option(False, "--yes", help="Confirm: every client of the server loses its leases."),
+) -> None:
+    """Free every slot of the server (release_all). Every client's leases become invalid, including
+    runs in progress elsewhere: their episodes fail with a stale lease and are retried."""
+    from shopsimrl.environment import ShopEnvironmentError
+    from shopsimrl.schemas import redact_uri
+
+    configure_logging()
+    if not yes:
+        _fail(
+            ExitCode.BAD_INPUT,
+            f"release-all frees every slot of {redact_uri(url)} and invalidates the leases of EVERY client of that "
+            "server, including runs in progress; add --yes to do it",
+        )
+    environment = _operator_environment(url)
+
+    async def release() -> tuple[Any, str, Any]:
+        try:
+            before = await environment.slot_usage()
+            message = await environment.release_all()
+            return before, message, await environment.slot_usage()
+        finally:
+            await environment.aclose()
+
+    try:
+        before, message, after = asyncio.run(release())
+    except ShopEnvironmentError as exc:
+        _fail(ExitCode.RETRYABLE, f"{redact_uri(url)}: {exc}")
+    typer.echo(f"{redact_uri(url)}: {message or 'released'}; before {before.describe()}, now {after.describe()}")
 
 
 # ----------------------------------------------------------------------------- testbed

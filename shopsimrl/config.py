@@ -78,7 +78,12 @@ class EnvironmentSection(_Strict):
     persona: bool | None = None
     interaction_mode: Literal["single_turn", "multi_turn"] = "single_turn"
     reset_timeout: float | None = Field(default=900.0, gt=0)
-    """Cap on the wait for a free environment slot (the server queues resets)."""
+    """How long an episode waits for a free environment slot (the server queues resets)."""
+    max_leases: int | None = Field(default=None, ge=1)
+    """Leases one process holds or requests at once (execution only, not fingerprinted).
+    Null: an equal share of the shop's slots (``/healthz``) per process, at most the concurrency."""
+    cleanup_grace_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """At exit, how long pending resets and lease releases may take before they are abandoned."""
     max_retries: int = Field(default=3, ge=1)
     expected_environment_version: str | None = None
     expected_observation_version: str | None = None
@@ -205,6 +210,9 @@ class WorkerSettings(BaseSettings):
     model_base_url: str | None = None
     env_base_url: str | None = None
     concurrency: int | None = Field(default=None, ge=1)
+    parallelism: int | None = Field(default=None, ge=1)
+    """Shard workers running at once (the Job's parallelism); default: the shard count. Each
+    gets an equal share of the shop's slots."""
     flush_episodes: int = Field(default=10, ge=1)
     flush_seconds: float = Field(default=10.0, gt=0)
 

@@ -4,6 +4,20 @@ One :class:`ShopSimulatorEnvironment` per process owns a pooled ``httpx.AsyncCli
 each episode opens an :class:`EnvironmentEpisode`, which holds at most one server lease
 (``env_idx`` + ``lease_id``) from ``reset`` until ``close``.
 
+Leases. ShopSimulator has a fixed pool of slots, no lease expiry, and a ``reset`` that waits
+without a timeout while every slot is leased; a reset the client gives up on is still granted
+later, to nobody. So the adapter never abandons a request that may hold a slot:
+
+- ``reset`` runs as a task of its own. When the episode stops waiting for it (cancellation,
+  ``reset_timeout``), the request stays open and the lease it returns is released at once.
+- ``close`` hands the release to a task of its own, so a cancelled ``close`` cannot lose a lease.
+- ``max_leases`` bounds the leases held or requested by the process (the rest wait here, not in
+  the server's queue); ``aclose`` waits up to ``cleanup_grace_seconds`` for pending resets and
+  releases. A :class:`LeaseObserver` (the run's lease journal) sees every change, so a process
+  that is killed outright leaves a record of what it held.
+- While resets wait for a slot, a line "waiting for a ShopSimulator slot (0/20 free, N queued)"
+  is logged at most every ``slot_wait_log_seconds``.
+
 Errors::
 
     ShopEnvironmentError                  anything the environment adapter raises on purpose
@@ -28,17 +42,18 @@ hides a bug.
 Retries. ``interact`` and ``terminate`` change server state and are not idempotent, so they
 are retried only when the request provably never left this process (connection refused,
 connect or pool timeout). ``reset`` is retried in those cases and on HTTP 502/503, where a
-proxy did not reach the server; a reset that timed out is *not* retried, because the server
-may still grant it a slot. ``release_one`` and ``GET /healthz`` are retried on any transport
-error and on any 5xx; a 409 on a ``release_one`` retry, after an attempt that may have
-reached the server, means that attempt already released the lease.
+proxy did not reach the server; it has no read timeout (the server answers once a slot is
+free). ``release_one`` and ``GET /healthz`` are retried on any transport error and on any 5xx;
+a 409 on a ``release_one`` retry, after an attempt that may have reached the server, means that
+attempt already released the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
@@ -55,11 +70,14 @@ __all__ = [
     "EnvironmentUnavailableError",
     "EnvironmentVersionError",
     "LeaseError",
+    "LeaseObserver",
     "ShopEnvironment",
     "ShopEnvironmentError",
     "ShopSimulatorEnvironment",
     "ShopSimulatorEpisode",
     "ShopSimulatorSettings",
+    "SlotUsage",
+    "lease_budget",
 ]
 
 ADAPTER_NAME: Final = "shopsimulator_http"
@@ -135,6 +153,14 @@ class EnvironmentEpisode(Protocol):
     async def close(self) -> None: ...
 
 
+class LeaseObserver(Protocol):
+    """Told of every change in the leases a process holds (a lease journal listens here)."""
+
+    def leases_changed(self, held: Mapping[int, str], resets_in_flight: int) -> None:
+        """``held``: ``env_idx → lease_id`` not yet released; ``resets_in_flight``: resets sent
+        and not yet answered (a lease the server may grant that nobody knows yet)."""
+
+
 @runtime_checkable
 class ShopEnvironment(Protocol):
     """Process-wide handle on one environment service."""
@@ -167,8 +193,16 @@ class ShopSimulatorSettings:
     timeout: float = 30.0
     """Seconds for connect/read/write of every call except the read of ``reset``."""
     reset_timeout: float | None = 900.0
-    """Cap on how long ``reset`` waits for its answer; the server queues resets while every
-    slot is leased. None waits without limit."""
+    """How long an episode waits for its reset (the server queues resets while every slot is
+    leased) before it fails as an infrastructure failure. The request itself stays open: a
+    lease granted later is released at once. None waits without limit."""
+    max_leases: int | None = None
+    """Leases this process holds or requests at once; further resets wait here, not in the
+    server's queue. None: no bound of its own (see :func:`lease_budget`)."""
+    cleanup_grace_seconds: float = 30.0
+    """``aclose`` waits this long for pending resets and releases before it gives up on them."""
+    slot_wait_log_seconds: float = 30.0
+    """While resets wait for a slot, log the pool's state at most this often."""
     max_retries: int = 3
     """Extra attempts, only where a retry is safe (see the module docstring)."""
     retry_backoff_seconds: float = 0.5
@@ -194,10 +228,65 @@ class ShopSimulatorSettings:
             raise ValueError(f"retry_backoff_seconds must be >= 0, got {self.retry_backoff_seconds!r}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
+        if self.max_leases is not None and (
+            isinstance(self.max_leases, bool) or not isinstance(self.max_leases, int) or self.max_leases < 1
+        ):
+            raise ValueError(f"max_leases must be an integer >= 1 or None, got {self.max_leases!r}")
+        for name in ("cleanup_grace_seconds", "slot_wait_log_seconds"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         for name in ("expected_environment_version", "expected_observation_version"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SlotUsage:
+    """The shop's lease pool as ``GET /healthz`` reports it (None where a key is missing)."""
+
+    environment_slots: int | None
+    free_slots: int | None
+
+    @classmethod
+    def from_healthz(cls, body: Mapping[str, Any]) -> SlotUsage:
+        def count(key: str) -> int | None:
+            value = body.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+        return cls(count("environment_slots"), count("free_slots"))
+
+    def sizing_warning(self, *, concurrency: int, processes: int, lease_limit: int) -> str | None:
+        """A sentence when ``processes × concurrency`` episodes in flight exceed the pool."""
+        slots, in_flight = self.environment_slots, concurrency * processes
+        if slots is None or in_flight <= slots:
+            return None
+        return (
+            f"{processes} process(es) × concurrency {concurrency} = {in_flight} episodes in flight, but "
+            f"ShopSimulator has {slots} slots: each process holds at most {lease_limit} leases at a time and the "
+            "other episodes wait; raise SHOPSIM_ENV_SLOTS or lower the concurrency"
+        )
+
+    def describe(self) -> str:
+        if self.environment_slots is None:
+            return "slot count unknown (/healthz has no environment_slots)"
+        free = "?" if self.free_slots is None else str(self.free_slots)
+        return f"{free}/{self.environment_slots} slots free"
+
+
+def lease_budget(*, concurrency: int, processes: int, environment_slots: int | None, configured: int | None) -> int:
+    """Leases one process may hold or request at once.
+
+    ``configured`` (``environment.max_leases``) wins. Otherwise each of the ``processes`` that
+    run at once gets an equal share of the shop's slots, at most its episode concurrency and at
+    least one; with the slot count unknown, the concurrency.
+    """
+    if configured is not None:
+        return configured
+    if environment_slots is None or environment_slots < 1:
+        return concurrency
+    return max(1, min(concurrency, environment_slots // max(1, processes)))
 
 
 # --------------------------------------------------------------------------- retry policy
@@ -233,6 +322,13 @@ _PUBLIC_STATE_FIELDS = ("observation", "observation_state")
 # --------------------------------------------------------------------------- adapter
 
 
+@dataclass
+class _ResetState:
+    since: float
+    sent: bool = False
+    """The request left (or may have left) this process: only then can the server grant it."""
+
+
 class ShopSimulatorEnvironment:
     """The ShopSimulator HTTP API (``POST /api/shop_agent``, ``GET /healthz``) behind ``ShopEnvironment``."""
 
@@ -242,6 +338,7 @@ class ShopSimulatorEnvironment:
         *,
         client: httpx.AsyncClient | None = None,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        lease_observer: LeaseObserver | None = None,
     ) -> None:
         self.settings = settings or ShopSimulatorSettings()
         self._base_url = self.settings.base_url.rstrip("/")
@@ -257,6 +354,19 @@ class ShopSimulatorEnvironment:
         self._sleep = sleep
         self._environment_version: str | None = None
         self._observation_version: str | None = None
+        # Lease bookkeeping (see the module docstring). Everything runs on one event loop.
+        self.lease_observer = lease_observer
+        self._lease_limit = self.settings.max_leases
+        self._permits: asyncio.Semaphore | None = None
+        self._lease_requests_started = False
+        self._unreleased: dict[int, str] = {}
+        """Leases granted to this process and not yet confirmed released."""
+        self._resets_in_flight = 0
+        self._background: set[asyncio.Task[Any]] = set()
+        """Abandoned resets and releases still running; ``aclose`` waits for them."""
+        self._waiting: dict[int, _ResetState] = {}
+        """Resets not yet granted."""
+        self._reporter: asyncio.Task[None] | None = None
 
     # -- identity
 
@@ -295,9 +405,214 @@ class ShopSimulatorEnvironment:
         self._check_pins(body, action="healthz")
         return body
 
+    async def slot_usage(self) -> SlotUsage:
+        """The shop's pool size and free slots, from ``GET /healthz``."""
+        return SlotUsage.from_healthz(await self.healthz())
+
+    async def release_lease(self, env_idx: int, lease_id: str) -> bool:
+        """Release a lease this process does not hold (one a stopped process left behind).
+
+        True: released. False: the server no longer knows it (already released, reassigned,
+        or the server restarted) — harmless either way."""
+        try:
+            await self._call(
+                "release_one",
+                {"action": "release_one", "env_idx": env_idx, "lease_id": lease_id},
+                timeout=httpx.Timeout(self.settings.timeout),
+                policy=_IDEMPOTENT,
+                stale_lease_means_done=True,
+            )
+        except LeaseError:
+            return False
+        return True
+
+    async def release_all(self) -> str:
+        """``release_all``: frees every slot and invalidates every client's leases."""
+        result = await self._call(
+            "release_all", {"action": "release_all"}, timeout=httpx.Timeout(self.settings.timeout), policy=_IDEMPOTENT
+        )
+        return str(result.get("message", ""))
+
+    def limit_leases(self, limit: int | None) -> None:
+        """Bound the leases held or requested at once; only before the first reset."""
+        if self._lease_requests_started:
+            raise RuntimeError("limit_leases() must be called before the first reset")
+        if limit is not None and limit < 1:
+            raise ValueError(f"the lease limit must be >= 1, got {limit!r}")
+        self._lease_limit = limit
+
+    @property
+    def lease_limit(self) -> int | None:
+        return self._lease_limit
+
+    @property
+    def unreleased_leases(self) -> dict[int, str]:
+        """``env_idx → lease_id`` granted to this process and not yet confirmed released."""
+        return dict(self._unreleased)
+
     async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
+        """Wait (up to ``cleanup_grace_seconds``) for abandoned resets and pending releases,
+        then close the connection pool."""
+        try:
+            await self._settle(self.settings.cleanup_grace_seconds)
+        finally:
+            if self._reporter is not None:
+                self._reporter.cancel()
+            if self._owns_client:
+                await self._client.aclose()
+
+    # -- leases
+
+    async def _settle(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        while self._background:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            # An abandoned reset that is granted starts a release: loop until both are done.
+            await asyncio.wait(set(self._background), timeout=remaining)
+        if not self._background:
+            return
+        resets = self._resets_in_flight
+        _log.warning(
+            "lease cleanup incomplete",
+            grace_s=grace,
+            resets_still_queued=resets,
+            unreleased_leases=len(self._unreleased),
+            consequence=(
+                "a reset the server grants later leaks its slot until `shopsimrl env release-all`; "
+                "unreleased leases stay in the lease journal and are released when the run restarts"
+            ),
+        )
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _leases_changed(self) -> None:
+        if self.lease_observer is not None:
+            try:
+                self.lease_observer.leases_changed(dict(self._unreleased), self._resets_in_flight)
+            except Exception as exc:  # a journal problem must not break the episode
+                _log.warning("lease observer failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _request_lease(self, payload: dict[str, Any], state: _ResetState) -> dict[str, Any]:
+        """Take a permit, send the reset, record the lease; the permit stays taken until the
+        lease is released (or the reset fails without one)."""
+        self._lease_requests_started = True
+        self._waiting[id(state)] = state
+        self._start_reporter()
+        try:
+            if self._lease_limit is not None:
+                if self._permits is None:
+                    self._permits = asyncio.Semaphore(self._lease_limit)
+                await self._permits.acquire()
+            try:
+                state.sent = True  # from here on the server may grant a slot for this request
+                self._resets_in_flight += 1
+                self._leases_changed()
+                try:
+                    result = await self._call("reset", payload, timeout=self._reset_timeout(), policy=_RESET)
+                finally:
+                    self._resets_in_flight -= 1
+                env_idx, lease_id = result.get("env_idx"), result.get("lease_id")
+                if isinstance(env_idx, bool) or not isinstance(env_idx, int):
+                    raise _contract_error("reset", f"needs an integer 'env_idx', got {env_idx!r}")
+                if not isinstance(lease_id, str) or not lease_id:
+                    raise _contract_error("reset", f"needs a non-empty string 'lease_id', got {lease_id!r}")
+            except BaseException:
+                self._return_permit()
+                self._leases_changed()
+                raise
+        finally:
+            self._waiting.pop(id(state), None)
+        self._unreleased[env_idx] = lease_id
+        self._leases_changed()
+        return result
+
+    def _return_permit(self) -> None:
+        if self._permits is not None:
+            self._permits.release()
+
+    async def _release(self, env_idx: int, lease_id: str) -> None:
+        """Release one of this process's leases; its permit comes back whatever happens."""
+        try:
+            await self._call(
+                "release_one",
+                {"action": "release_one", "env_idx": env_idx, "lease_id": lease_id},
+                timeout=httpx.Timeout(self.settings.timeout),
+                policy=_IDEMPOTENT,
+                stale_lease_means_done=True,
+            )
+        except LeaseError:
+            # The server no longer knows the lease (release_all, a restart): nothing is held.
+            self._forget(env_idx, lease_id)
+            raise
+        except BaseException:
+            # Unconfirmed: keep it among the unreleased leases, so the journal keeps it too.
+            self._return_permit()
+            raise
+        self._forget(env_idx, lease_id)
+
+    def _forget(self, env_idx: int, lease_id: str) -> None:
+        if self._unreleased.get(env_idx) == lease_id:
+            del self._unreleased[env_idx]
+        self._return_permit()
+        self._leases_changed()
+
+    def _abandon(self, request: asyncio.Task[dict[str, Any]], state: _ResetState) -> None:
+        """Nobody waits for ``request`` any more: cancel it while it has not been sent (it only
+        waits for a permit here), else let it finish and release the lease it obtains."""
+        if not state.sent:
+            request.cancel()
+            return
+        self._background.add(request)
+
+        def settled(task: asyncio.Task[dict[str, Any]]) -> None:
+            self._background.discard(task)
+            if task.cancelled() or task.exception() is not None:
+                return
+            result = task.result()
+            _log.info("releasing the lease of an abandoned reset", env_idx=result["env_idx"])
+            self._spawn(self._release(result["env_idx"], result["lease_id"]))
+
+        request.add_done_callback(settled)
+
+    # -- waiting for slots, made visible
+
+    def _start_reporter(self) -> None:
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.ensure_future(self._report_waits())
+
+    async def _report_waits(self) -> None:
+        interval = self.settings.slot_wait_log_seconds
+        first = min(5.0, interval)
+        last_report = float("-inf")
+        while self._waiting:
+            await asyncio.sleep(min(1.0, first))
+            now = time.monotonic()
+            waits = list(self._waiting.values())
+            if not waits or now - min(w.since for w in waits) < first or now - last_report < interval:
+                continue
+            last_report = now
+            try:
+                usage = await asyncio.wait_for(self.slot_usage(), timeout=min(10.0, self.settings.timeout))
+                pool = usage.describe()
+            except Exception as exc:  # the report itself must never fail an episode
+                pool = f"/healthz unavailable: {type(exc).__name__}"
+            at_shop = sum(1 for w in waits if w.sent)
+            _log.warning(
+                f"waiting for a ShopSimulator slot ({pool}, {len(waits)} queued)",
+                queued_at_shop=at_shop,
+                queued_here=len(waits) - at_shop,
+                lease_limit=self._lease_limit,
+                waited_s=round(now - min(w.since for w in waits), 1),
+            )
 
     # -- plumbing shared with episodes
 
@@ -323,10 +638,10 @@ class ShopSimulatorEnvironment:
                 )
 
     def _reset_timeout(self) -> httpx.Timeout:
-        # The server answers a reset only once a slot is free, so the read (and the wait for a
-        # pooled connection) is bounded by reset_timeout instead of the per-call timeout.
-        cap = self.settings.reset_timeout
-        return httpx.Timeout(connect=self.settings.timeout, read=cap, write=self.settings.timeout, pool=cap)
+        # The server answers a reset only once a slot is free, and a reset given up on the client
+        # side is still granted later, to nobody: no read timeout (as the real clients do); the
+        # episode's own wait is bounded by reset_timeout instead (see ShopSimulatorEpisode.reset).
+        return httpx.Timeout(connect=self.settings.timeout, read=None, write=self.settings.timeout, pool=None)
 
     async def _call(
         self,
@@ -477,25 +792,25 @@ class ShopSimulatorEpisode:
             "include_private_goal": False,
             "interaction_mode": settings.interaction_mode,
         }
+        # The request runs on its own: if this episode stops waiting, the request is not
+        # dropped (the server would still grant it a slot, to nobody) but left to finish and
+        # its lease released.
+        state = _ResetState(time.monotonic())
+        request = asyncio.ensure_future(self._env._request_lease(payload, state))
         try:
-            result = await self._env._call("reset", payload, timeout=self._env._reset_timeout(), policy=_RESET)
-        except EnvironmentUnavailableError as exc:
-            if exc.status is None and isinstance(exc.__cause__, httpx.ReadTimeout | httpx.PoolTimeout):
-                raise EnvironmentUnavailableError(
-                    f"ShopSimulator reset of task {task_id} got no free slot within reset_timeout="
-                    f"{settings.reset_timeout}s; if the server grants the slot later, that lease is "
-                    "orphaned until release_all or a restart",
-                    action="reset",
-                    attempts=exc.attempts,
-                ) from exc
+            result = await asyncio.wait_for(asyncio.shield(request), timeout=settings.reset_timeout)
+        except TimeoutError:
+            self._env._abandon(request, state)
+            raise EnvironmentUnavailableError(
+                f"ShopSimulator reset of task {task_id} got no free slot within reset_timeout="
+                f"{settings.reset_timeout}s; the request stays queued and a lease granted later is released at once",
+                action="reset",
+            ) from None
+        except asyncio.CancelledError:
+            self._env._abandon(request, state)
             raise
-        # Take ownership of the lease before any other check, so close() always releases it.
-        env_idx, lease_id = result.get("env_idx"), result.get("lease_id")
-        if isinstance(env_idx, bool) or not isinstance(env_idx, int):
-            raise _contract_error("reset", f"needs an integer 'env_idx', got {env_idx!r}")
-        if not isinstance(lease_id, str) or not lease_id:
-            raise _contract_error("reset", f"needs a non-empty string 'lease_id', got {lease_id!r}")
-        self.env_idx, self.lease_id = env_idx, lease_id
+        # Own the lease before any other check, so close() always releases it.
+        self.env_idx, self.lease_id = result["env_idx"], result["lease_id"]
         observation_version = _check_public_state("reset", result)
         if not isinstance(result.get("task_instruction"), str):
             raise _contract_error("reset", "needs a string 'task_instruction'")
@@ -536,19 +851,17 @@ class ShopSimulatorEpisode:
         return result
 
     async def close(self) -> None:
-        """Release the lease (with safe retries); a no-op without one. The local lease is cleared first."""
+        """Release the lease (with safe retries); a no-op without one.
+
+        The release runs as a task the environment tracks: the episode gives up its lease
+        without an ``await`` in between, so a cancelled ``close`` cannot lose it, and
+        ``environment.aclose()`` waits for the release to finish."""
         if self.lease_id is None or self.env_idx is None:
             self.env_idx = self.lease_id = None
             return
-        payload = {"action": "release_one", "env_idx": self.env_idx, "lease_id": self.lease_id}
+        release = self._env._spawn(self._env._release(self.env_idx, self.lease_id))
         self.env_idx = self.lease_id = None
-        await self._env._call(
-            "release_one",
-            payload,
-            timeout=httpx.Timeout(self._env.settings.timeout),
-            policy=_IDEMPOTENT,
-            stale_lease_means_done=True,
-        )
+        await asyncio.shield(release)
 
     def _leased(self, action: str, **fields: Any) -> dict[str, Any]:
         if self.lease_id is None:

@@ -146,16 +146,26 @@ class Evaluator:
                 outcome.failed += 1
             return True
 
+        saves: set[asyncio.Task[None]] = set()
+
+        async def save(trace: dict[str, Any]) -> None:
+            async with self._save_lock:
+                # fsync off the event loop, one writer at a time
+                await asyncio.to_thread(self.sink.save_trace, trace)
+
         async def worker() -> None:
             nonlocal remaining
             while True:
                 job, attempt = await queue.get()
                 trace = await self._attempt(job)
                 trace["attempt"] = prior_attempts.get(job.episode_id, 0) + attempt
+                # A finished episode is saved even if the run is cancelled meanwhile: the save
+                # runs as its own task, which run() waits for before it returns.
+                saving = asyncio.ensure_future(save(trace))
+                saves.add(saving)
+                saving.add_done_callback(saves.discard)
                 try:
-                    async with self._save_lock:
-                        # fsync off the event loop, one writer at a time
-                        await asyncio.to_thread(self.sink.save_trace, trace)
+                    await asyncio.shield(saving)
                 except Exception as exc:  # the store failed: nothing more can be persisted
                     fatal.append(exc)
                     all_done.set()
@@ -172,6 +182,11 @@ class Evaluator:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            if saves:
+                done, _ = await asyncio.wait(set(saves))
+                for task in done:
+                    if not task.cancelled() and task.exception() is not None and not fatal:
+                        fatal.append(task.exception())  # type: ignore[arg-type]
         if fatal:
             raise fatal[0]
         return outcome

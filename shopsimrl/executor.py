@@ -8,15 +8,22 @@ episodes failed) included, so a restart gives those episodes fresh attempts, as 
 per-index retries do; 2 (bad input) and 42 (fingerprint mismatch) fail the index at once, as
 the chart's ``podFailurePolicy`` ``FailIndex`` rule does. When every index has finished, the
 run is reduced.
+
+Stopping: SIGTERM/SIGINT are passed on to every worker as SIGTERM, and the executor waits for
+them to save their traces and release their leases (each bounds that by its own grace period).
+On Linux each worker also gets SIGTERM if the executor itself dies (even by kill -9), so no
+worker outlives it holding leases.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +76,27 @@ def _worker_command(run: str, config: Path, shards: int, final_test: bool, retry
     return command
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGTERM when this process dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 def run_indexed(
     run: str,
     config: Path,
@@ -81,6 +109,7 @@ def run_indexed(
     retry_failed: bool = True,
     env: dict[str, str] | None = None,
     poll_interval_s: float = 0.1,
+    stop_timeout_s: float = 120.0,
 ) -> ShardedRunResult:
     """Run indexes 0…shards-1 as worker processes, at most ``parallelism`` at once."""
     parallelism = max(1, min(parallelism or shards, shards))
@@ -93,12 +122,16 @@ def run_indexed(
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal interrupted
+        if interrupted:  # the workers are stopping already; they ignore further signals too
+            log.warning("already_stopping", signal=signal.Signals(signum).name)
+            return
         interrupted = True
         for process in running.values():  # every worker flushes its parts and exits 3
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    preexec = _die_with_parent()
     try:
         while waiting or running:
             now = time.monotonic()
@@ -110,8 +143,9 @@ def run_indexed(
                 waiting.remove(index)
                 running[index] = subprocess.Popen(
                     _worker_command(run, config, shards, final_test, retry_failed),
-                    env={**base_env, "JOB_COMPLETION_INDEX": str(index)},
+                    env={**base_env, "JOB_COMPLETION_INDEX": str(index), "SHOPSIMRL_PARALLELISM": str(parallelism)},
                     stdin=subprocess.DEVNULL,
+                    preexec_fn=preexec,
                 )
                 log.info("index_started", index=index, pid=running[index].pid, restarts=outcomes[index].restarts)
             if interrupted and not running:
@@ -141,9 +175,11 @@ def run_indexed(
         for process in running.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + stop_timeout_s
         for process in running.values():
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.error("worker_killed", pid=process.pid, after_s=stop_timeout_s)
                 process.kill()
     return ShardedRunResult(outcomes, interrupted)

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shopsimrl.config import ConfigError, ExperimentConfig
-from shopsimrl.environment import EnvironmentVersionError, ShopSimulatorEnvironment, ShopSimulatorSettings
+from shopsimrl.environment import (
+    EnvironmentVersionError,
+    ShopSimulatorEnvironment,
+    ShopSimulatorSettings,
+    SlotUsage,
+    lease_budget,
+)
 from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.planning import EvaluationPlan, build_jobs
 from shopsimrl.prompts import PromptBuilder
@@ -55,6 +61,8 @@ def _environment_settings(config: ExperimentConfig, persona: bool) -> ShopSimula
         interaction_mode=e.interaction_mode,
         timeout=e.timeout,
         reset_timeout=e.reset_timeout,
+        max_leases=e.max_leases,
+        cleanup_grace_seconds=e.cleanup_grace_seconds,
         max_retries=e.max_retries,
         expected_environment_version=e.expected_environment_version,
         expected_observation_version=e.expected_observation_version,
@@ -186,11 +194,13 @@ class ServiceCheck:
     ready: bool
     reason: str | None
     """``model_unreachable``, ``model_not_listed``, ``environment_unreachable``, ``environment_not_ready``,
-    ``environment_version_mismatch``."""
+    ``environment_version_mismatch``, ``environment_no_free_slot``."""
     detail: str
+    slots: SlotUsage | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
-async def _check_once(prepared: PreparedExperiment) -> ServiceCheck:
+async def _check_once(prepared: PreparedExperiment, *, processes: int, require_free_slot: bool) -> ServiceCheck:
     model = prepared.model()
     environment = prepared.environment()
     try:
@@ -212,17 +222,44 @@ async def _check_once(prepared: PreparedExperiment) -> ServiceCheck:
             )
         if health.get("ready") is not True:
             return ServiceCheck(False, "environment_not_ready", f"/healthz says {health}")
-        return ServiceCheck(True, None, "model and environment are ready")
+        usage = SlotUsage.from_healthz(health)
+        concurrency = prepared.config.experiment.concurrency
+        limit = lease_budget(
+            concurrency=concurrency, processes=processes, environment_slots=usage.environment_slots,
+            configured=prepared.config.environment.max_leases,
+        )
+        sizing = usage.sizing_warning(concurrency=concurrency, processes=processes, lease_limit=limit)
+        warnings = [sizing] if sizing else []
+        if require_free_slot and usage.free_slots == 0:
+            return ServiceCheck(
+                False,
+                "environment_no_free_slot",
+                f"ShopSimulator has 0/{usage.environment_slots} slots free: another run holds them, or leaked them "
+                f"(`shopsimrl env slots --url {redact_uri(prepared.environment_settings.base_url)}`)",
+                usage,
+                warnings,
+            )
+        return ServiceCheck(True, None, f"model and environment are ready ({usage.describe()})", usage, warnings)
     finally:
         await model.aclose()
         await environment.aclose()
 
 
-async def check_services(prepared: PreparedExperiment, *, timeout: float = 0.0, interval: float = 5.0) -> ServiceCheck:
-    """Probe once, or keep probing until ready or ``timeout`` seconds have passed."""
+async def check_services(
+    prepared: PreparedExperiment,
+    *,
+    timeout: float = 0.0,
+    interval: float = 5.0,
+    processes: int = 1,
+    require_free_slot: bool = True,
+) -> ServiceCheck:
+    """Probe once, or keep probing until ready or ``timeout`` seconds have passed.
+
+    ``processes``: shard workers that will run at once (for the slot sizing warning);
+    ``require_free_slot``: a shop with no free slot is not ready."""
     deadline = time.monotonic() + timeout
     while True:
-        check = await _check_once(prepared)
+        check = await _check_once(prepared, processes=processes, require_free_slot=require_free_slot)
         if check.ready or time.monotonic() + interval > deadline:
             return check
         await asyncio.sleep(interval)

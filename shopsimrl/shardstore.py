@@ -439,6 +439,18 @@ class ShardedRunStore:
 
         self._call(f"write {rel} in", put)
 
+    def delete(self, rel: str) -> None:
+        """Remove one object; a missing object is not an error."""
+        path = self.path(rel)
+
+        def rm() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._call(f"delete {rel} in", rm)
+
     # -- manifest and plan ------------------------------------------------------------------
 
     def read_manifest(self) -> dict[str, Any] | None:

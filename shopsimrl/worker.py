@@ -249,7 +249,8 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
     sink = PartSink(
         store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds
     )
-    outcome = asyncio.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed))
+    processes = min(settings.parallelism or shard_map.count, shard_map.count)
+    outcome = asyncio.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, processes))
     if outcome == "interrupted":
         raise _Stop(ExitCode.RETRYABLE, f"interrupted; finished episodes are saved in {store.display_uri}, restart to resume")
 
@@ -281,13 +282,33 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
 
 
 async def _evaluate(
-    prepared: Any, jobs: list[EpisodeJob], state: ShardState, sink: PartSink, settings: WorkerSettings, retry_failed: bool
+    prepared: Any,
+    jobs: list[EpisodeJob],
+    state: ShardState,
+    sink: PartSink,
+    settings: WorkerSettings,
+    retry_failed: bool,
+    processes: int,
 ) -> str:
+    """Run the shard's pending jobs; "interrupted" when a signal stopped them, else "done".
+
+    Whatever finished is saved on every path: at the first signal the buffer is flushed at
+    once (before the episodes unwind and release their leases, which may take the grace
+    period), and again after the evaluation ended."""
     from shopsimrl.evaluation import ConcurrencyLimitedModel, Evaluator
+    from shopsimrl.lease_journal import LeaseJournal, StoreJournalStorage, start_lease_tracking
+    from shopsimrl.stopping import GracefulStop
 
     config = prepared.config
+    store = sink.store
     model = prepared.model()
     environment = prepared.environment()
+    journal = LeaseJournal(
+        StoreJournalStorage(store, f"leases/{sink.shard:05d}"),
+        environment_url=prepared.environment_settings.base_url,
+        writer=sink.writer,
+        min_interval=0.0 if store.local else 1.0,  # object stores bill every PUT
+    )
     limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
 
     def on_trace(record: dict[str, Any], will_retry: bool) -> None:
@@ -301,47 +322,63 @@ async def _evaluate(
             will_retry=will_retry,
         )
 
-    evaluator = Evaluator(
-        prepared.runtime(limited, environment),
-        sink,
-        concurrency=config.experiment.concurrency,
-        max_episode_retries=config.runtime.max_episode_retries,
-        retry_failed=retry_failed,
-        on_trace=on_trace,
-    )
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-
     async def flush_timer() -> None:
         while True:
             await asyncio.sleep(min(1.0, settings.flush_seconds / 4))
-            await asyncio.to_thread(sink.flush_if_stale)
+            try:
+                await asyncio.to_thread(sink.flush_if_stale)
+            except Exception as exc:  # the buffer is kept; the next flush (or the final one) retries
+                log.warning("part_flush_failed", error=f"{type(exc).__name__}: {exc}", buffered=sink.buffered)
 
-    evaluation = asyncio.create_task(evaluator.run(jobs, completed=set(state.completed), prior_attempts=dict(state.attempts)))
-    timer = asyncio.create_task(flush_timer())
-    stopping = asyncio.create_task(stop.wait())
-    try:
-        done, _ = await asyncio.wait({evaluation, timer, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        interrupted = stopping in done and not evaluation.done()
-        for task in (evaluation, timer, stopping):
-            if not task.done():
-                task.cancel()
-        results = await asyncio.gather(evaluation, timer, stopping, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
-                raise result
-        # Whatever finished is saved, on every path: normal end, SIGTERM, a failing timer.
-        await asyncio.to_thread(sink.flush)
-        if interrupted:
-            log.warning("worker_interrupted", saved_parts=len(sink.written))
-            return "interrupted"
-        return "done"
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)  # this leaves SIG_DFL behind, not the previous handler
-        signal.signal(signal.SIGTERM, _terminated)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        await model.aclose()
-        await environment.aclose()
+    evaluation: asyncio.Task[Any] | None = None
+    early_flush: list[asyncio.Future[None]] = []
+
+    def stop_now() -> None:
+        early_flush.append(asyncio.ensure_future(asyncio.to_thread(sink.flush)))
+        if evaluation is not None:
+            evaluation.cancel()
+
+    grace = config.environment.cleanup_grace_seconds
+    cleanup = f"saving finished episodes and releasing leases (up to {grace:g} s)"
+    with GracefulStop(stop_now, cleanup=cleanup) as stop:
+        timer = asyncio.ensure_future(flush_timer())
+        try:
+            await start_lease_tracking(
+                environment, journal, concurrency=config.experiment.concurrency, processes=processes,
+                configured=config.environment.max_leases,
+            )
+            if not stop.requested:
+                evaluator = Evaluator(
+                    prepared.runtime(limited, environment),
+                    sink,
+                    concurrency=config.experiment.concurrency,
+                    max_episode_retries=config.runtime.max_episode_retries,
+                    retry_failed=retry_failed,
+                    on_trace=on_trace,
+                )
+                evaluation = asyncio.ensure_future(
+                    evaluator.run(jobs, completed=set(state.completed), prior_attempts=dict(state.attempts))
+                )
+                try:
+                    await evaluation
+                except asyncio.CancelledError:
+                    if not stop.requested:
+                        raise
+            if stop.requested:
+                log.warning("worker_interrupted", saved_parts=len(sink.written))
+                return "interrupted"
+            return "done"
+        finally:
+            timer.cancel()
+            try:
+                # Finished episodes are saved before anything else can fail or time out.
+                await asyncio.gather(*early_flush, return_exceptions=True)
+                await asyncio.to_thread(sink.flush)
+            finally:
+                try:
+                    await model.aclose()
+                finally:
+                    try:
+                        await environment.aclose()
+                    finally:
+                        await journal.aclose()

@@ -1,0 +1,69 @@
+"""SIGTERM and SIGINT during a run: the first stops it gracefully, later ones are only logged.
+
+A stopping run still has work that must not be cut short: releasing ShopSimulator leases (they
+never expire) and saving finished traces. That work is bounded by its own grace periods, so a
+second Ctrl-C, or the SIGTERM a Job controller sends after the terminal's SIGINT, is logged and
+ignored instead of cancelling the cleanup. kill -9 stays the way to end a process at once; the
+lease journal covers that case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+__all__ = ["GracefulStop"]
+
+log = structlog.get_logger("shopsimrl.stopping")
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class GracefulStop:
+    """Installs SIGTERM/SIGINT handlers on the running loop for the duration of a ``with`` block."""
+
+    def __init__(self, on_stop: Callable[[], None], *, cleanup: str) -> None:
+        """``on_stop`` runs once, at the first signal; ``cleanup`` says what the process still
+        does before it exits (shown when a later signal arrives)."""
+        self._on_stop = on_stop
+        self._cleanup = cleanup
+        self.signal: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def _handle(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is None:
+            self.signal = signum
+            log.warning(f"{name}: stopping; {self._cleanup}")
+            self._on_stop()
+        else:
+            log.warning(f"{name} again: already stopping; {self._cleanup} (kill -9 skips that)")
+
+    def __enter__(self) -> GracefulStop:
+        self._loop = asyncio.get_running_loop()
+        self._previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
+        for signum in _SIGNALS:
+            self._loop.add_signal_handler(signum, self._handle, signum)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None
+        for signum in _SIGNALS:
+            self._loop.remove_signal_handler(signum)
+            if self.requested:
+                # On its way out after a stop: a late signal must not turn the exit into a traceback.
+                signal.signal(signum, signal.SIG_IGN)
+                continue
+            # remove_signal_handler leaves the default behind; put back what was there before.
+            previous = self._previous[signum]
+            if previous is not None:
+                signal.signal(signum, previous)
