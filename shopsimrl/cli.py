@@ -500,13 +500,13 @@ def status(
 
 def _lease_status(store: Any, report: dict[str, Any]) -> str | None:
     """Add the leases each unfinished shard's journals hold; return the shop URL they name."""
-    from shopsimrl.lease_journal import StoreJournalStorage, read_journals
+    from shopsimrl.lease_journal import read_journals, shard_journal_storage
 
     url = None
     for row in report["shards"]:
         if row["state"] == "committed":
             continue
-        journals = read_journals(StoreJournalStorage(store, f"leases/{row['shard']:05d}"))
+        journals = read_journals(shard_journal_storage(store, row["shard"]))
         live = [j for j in journals if j.alive is not False]
         row["leases_held"] = sum(j.leases for j in live)
         stopped = sum(j.leases for j in journals if j.alive is False)

@@ -18,10 +18,11 @@ always, because Kubernetes starts a replacement pod for an index only after the 
 terminated (``podFailurePolicy`` implies ``podReplacementPolicy: Failed``). Two workers running
 one shard at once on different hosts is outside that contract.
 
-What can still leak after kill -9 (stated in docs/sharded_runs.md): a lease granted between the
-server's answer and the journal write that follows it (one write: sub-millisecond locally, one
-PUT on S3), and resets that were queued at the server when the process died (the server grants
-them later, to nobody); the journal records how many such resets were in flight.
+What can still leak after kill -9 (docs/sharded_runs.md, "Leases"): resets that were in flight
+when the process died — the server grants them, now or once a slot frees, to nobody. On a local
+disk the journal is written before each reset is sent, so it records exactly how many; on an
+object store it lags by up to ``min_interval`` plus one PUT, and leases granted in that window
+can leak too.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ __all__ = [
     "RecoveryReport",
     "StoreJournalStorage",
     "read_journals",
+    "shard_journal_storage",
     "start_lease_tracking",
 ]
 
@@ -66,6 +68,8 @@ class JournalStorage(Protocol):
     """Where one run's (or shard's) journals are kept: whole small objects by name."""
 
     display: str
+    write_through: bool
+    """Cheap enough to write on every change, synchronously (a local disk)."""
 
     def names(self) -> list[str]: ...
 
@@ -79,6 +83,8 @@ class JournalStorage(Protocol):
 class DirectoryJournalStorage:
     """Journals as files in a local directory (replaced atomically, no fsync: kill -9 of the
     process, not a power cut, is what they guard against)."""
+
+    write_through = True
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
@@ -111,6 +117,8 @@ class DirectoryJournalStorage:
 
 class StoreJournalStorage:
     """Journals as objects under a prefix of a sharded run's store (any fsspec location)."""
+
+    write_through = False
 
     def __init__(self, store: Any, prefix: str) -> None:
         self.store = store
@@ -259,16 +267,16 @@ def read_journals(storage: JournalStorage) -> list[JournalSummary]:
 class LeaseJournal:
     """One process's journal (a :class:`~shopsimrl.environment.LeaseObserver`).
 
-    ``leases_changed`` only records the new state and wakes a writer task; the writer replaces
-    the journal object with the latest state, so bursts of changes coalesce into one write and
-    the event loop never waits for storage.
+    On a local disk (``storage.write_through``) every change is written before the adapter's
+    next step, so a reset is journaled as in flight before it is sent: after kill -9, exactly the
+    resets in flight can have leaked. On an object store a writer task replaces the journal
+    with the latest state, at most every ``min_interval`` seconds (every PUT is billed): bursts
+    coalesce, and kill -9 can lose up to that much more.
     """
 
     def __init__(
-        self, storage: JournalStorage, *, environment_url: str, writer: str | None = None, min_interval: float = 0.0
+        self, storage: JournalStorage, *, environment_url: str, writer: str | None = None, min_interval: float = 1.0
     ) -> None:
-        """``min_interval``: seconds between two writes (object stores bill every PUT); changes
-        in between are coalesced, which widens what kill -9 can lose by as much."""
         self.storage = storage
         self.min_interval = min_interval
         self.writer = writer or secrets.token_hex(4)
@@ -281,35 +289,43 @@ class LeaseJournal:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._exists = False
+        self._failures = 0
 
     # -- LeaseObserver
 
     def leases_changed(self, held: Mapping[int, str], resets_in_flight: int) -> None:
         self._held = dict(held)
         self._in_flight = resets_in_flight
-        if self._dirty is not None:
+        if self.storage.write_through:
+            try:
+                self._apply()
+            except OSError as exc:  # the run goes on; only a later kill -9 would lose more
+                self._write_failed(exc)
+        elif self._dirty is not None:
             self._dirty.set()
 
     # -- lifecycle
 
     async def start(self) -> None:
-        self._dirty = asyncio.Event()
-        self._task = asyncio.ensure_future(self._write_changes())
+        if not self.storage.write_through:
+            self._dirty = asyncio.Event()
+            self._task = asyncio.ensure_future(self._write_changes())
 
     async def aclose(self, timeout: float = 30.0) -> None:
-        """Write the final state: delete the journal when nothing is held, else keep it for the
-        next start (leases whose release could not be confirmed)."""
-        if self._task is None:
-            return
+        """Write the final state: no journal when nothing is held, else one kept for the next
+        start (leases whose release could not be confirmed)."""
         self._closing = True
-        assert self._dirty is not None
-        self._dirty.set()
         try:
+            if self._task is None:
+                await asyncio.wait_for(asyncio.to_thread(self._apply), timeout)
+                return
+            assert self._dirty is not None
+            self._dirty.set()
             await asyncio.wait_for(asyncio.shield(self._task), timeout)
-        except TimeoutError:
-            log.warning("lease journal not finalised", journal=f"{self.storage.display}/{self.name}", timeout_s=timeout)
-        except Exception as exc:  # the store failed: the journal may lag behind, never the run
-            log.warning("lease journal not finalised", journal=f"{self.storage.display}/{self.name}", error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a late or failed journal never fails the run
+            log.warning(
+                "lease journal not finalised", journal=f"{self.storage.display}/{self.name}", error=f"{type(exc).__name__}: {exc}"
+            )
 
     def document(self) -> dict[str, Any]:
         return {
@@ -322,35 +338,38 @@ class LeaseJournal:
             "leases": [{"env_idx": env_idx, "lease_id": lease_id} for env_idx, lease_id in sorted(self._held.items())],
         }
 
+    def _apply(self) -> None:
+        """Make the stored journal match the state: present while anything is held or in flight."""
+        if self._held or self._in_flight:
+            data = (json.dumps(self.document(), ensure_ascii=False, indent=1) + "\n").encode("utf-8")
+            self.storage.write(self.name, data)
+            self._exists = True
+        elif self._exists:
+            self.storage.delete(self.name)
+            self._exists = False
+        self._failures = 0
+
+    def _write_failed(self, exc: BaseException) -> None:
+        self._failures += 1
+        if self._failures == 1 or self._failures % 10 == 0:
+            log.warning(
+                "lease journal write failed", journal=f"{self.storage.display}/{self.name}", error=f"{type(exc).__name__}: {exc}"
+            )
+
     async def _write_changes(self) -> None:
-        """The journal exists while something is held or in flight, and holds the latest state."""
         assert self._dirty is not None
-        failures = 0
         while True:
             await self._dirty.wait()
             self._dirty.clear()
             final = self._closing
             try:
-                if self._held or self._in_flight:
-                    data = (json.dumps(self.document(), ensure_ascii=False, indent=1) + "\n").encode("utf-8")
-                    await asyncio.to_thread(self.storage.write, self.name, data)
-                    self._exists = True
-                elif self._exists:
-                    await asyncio.to_thread(self.storage.delete, self.name)
-                    self._exists = False
-                failures = 0
+                await asyncio.to_thread(self._apply)
             except Exception as exc:  # keep running: the next change, or this retry, writes again
-                failures += 1
-                if failures == 1 or failures % 10 == 0:
-                    log.warning(
-                        "lease journal write failed",
-                        journal=f"{self.storage.display}/{self.name}",
-                        error=f"{type(exc).__name__}: {exc}",
-                    )
+                self._write_failed(exc)
                 if final:
                     raise
                 self._dirty.set()
-                await asyncio.sleep(min(5.0, 0.2 * 2**failures))
+                await asyncio.sleep(min(5.0, 0.2 * 2**self._failures))
                 continue
             if final and not self._dirty.is_set():
                 return
@@ -468,3 +487,12 @@ async def start_lease_tracking(
         released_from_journals=recovery.released,
     )
     return plan
+
+
+def shard_journal_storage(store: Any, shard: int) -> JournalStorage:
+    """Where the journals of one shard live: a plain directory when the run is on a local disk
+    (written through), else objects in the run's store."""
+    prefix = f"leases/{shard:05d}"
+    if store.local:
+        return DirectoryJournalStorage(Path(store.path(prefix)))
+    return StoreJournalStorage(store, prefix)

@@ -296,7 +296,7 @@ async def _evaluate(
     once (before the episodes unwind and release their leases, which may take the grace
     period), and again after the evaluation ended."""
     from shopsimrl.evaluation import ConcurrencyLimitedModel, Evaluator
-    from shopsimrl.lease_journal import LeaseJournal, StoreJournalStorage, start_lease_tracking
+    from shopsimrl.lease_journal import LeaseJournal, shard_journal_storage, start_lease_tracking
     from shopsimrl.stopping import GracefulStop
 
     config = prepared.config
@@ -304,10 +304,7 @@ async def _evaluate(
     model = prepared.model()
     environment = prepared.environment()
     journal = LeaseJournal(
-        StoreJournalStorage(store, f"leases/{sink.shard:05d}"),
-        environment_url=prepared.environment_settings.base_url,
-        writer=sink.writer,
-        min_interval=0.0 if store.local else 1.0,  # object stores bill every PUT
+        shard_journal_storage(store, sink.shard), environment_url=prepared.environment_settings.base_url, writer=sink.writer
     )
     limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
 
