@@ -753,7 +753,7 @@ _CONTEXT_OVERFLOW = re.compile(
     "|".join(
         (
             r"maximum context length is \d+",  # vLLM, OpenAI, llama-cpp-python
-            r"context length is only \d+",  # vLLM ≥ 0.16: "…the model's context length is only N tokens…"
+            r"context length is only \d+",  # newer vLLM: "…the model's context length is only N tokens…"
             r"maximum context length of \d+",  # SGLang: prompt + max_new_tokens too long
             r"is longer than the model's context length",  # SGLang: the prompt alone
             r"exceeds (?:the available )?context size",  # llama.cpp server

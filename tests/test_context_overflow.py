@@ -1,11 +1,12 @@
 """Context overflow is a scored policy failure (issue 10): the servers' real error texts, over HTTP.
 
 Every body below is what the named server answers when the prompt (plus ``max_tokens``) does not
-fit its context window, taken from its source: vLLM ``serving_engine._validate_input`` (three
-generations of wording), SGLang ``TokenizerManager._validate_one_request`` (both checks, as a
-400 and as an ``error`` chunk inside a 200 stream), the llama.cpp server
-(``ERROR_TYPE_EXCEED_CONTEXT_SIZE``, two wordings), llama-cpp-python's server
-(``errors.context_length_exceeded``) and OpenAI (``context_length_exceeded``).
+fit its context window, from its source or from its responses as quoted verbatim in public
+threads: vLLM ``_validate_input`` (three generations of wording), SGLang
+``TokenizerManager._validate_one_request`` (both checks, as a 400 and as an ``error`` chunk
+inside a 200 stream), the llama.cpp server (``ERROR_TYPE_EXCEED_CONTEXT_SIZE``, two wordings),
+llama-cpp-python's server (``errors.context_length_exceeded``) and OpenAI
+(``context_length_exceeded``, two wordings).
 """
 
 from __future__ import annotations
@@ -29,19 +30,19 @@ MESSAGES = [{"role": "system", "content": "你是购物助手"}, {"role": "user"
 KEY = "sk-test-overflow-0123456789"
 
 OVERFLOW_BODIES = {
-    "vllm-0.10-prompt": {"error": {
+    "vllm-prompt": {"error": {
         "message": "This model's maximum context length is 32768 tokens. However, your request has 40000 input tokens. "
                    "Please reduce the length of the input messages.",
         "type": "BadRequestError", "param": None, "code": 400}},
-    "vllm-0.10-max-tokens": {"error": {
+    "vllm-max-tokens": {"error": {
         "message": "'max_tokens' or 'max_completion_tokens' is too large: 512. This model's maximum context length is "
                    "4096 tokens and your request has 3700 input tokens (512 > 4096 - 3700).",
         "type": "BadRequestError", "param": None, "code": 400}},
-    "vllm-0.5": {"object": "error",
+    "vllm-older": {"object": "error",
         "message": "This model's maximum context length is 4096 tokens. However, you requested 4600 tokens (4088 in the "
                    "messages, 512 in the completion). Please reduce the length of the messages or completion.",
         "type": "BadRequestError", "param": None, "code": 400},
-    "vllm-0.16": {"error": {
+    "vllm-newer": {"error": {
         "message": "You passed 98305 input tokens and requested 512 output tokens. However, the model's context length "
                    "is only 98816 tokens, resulting in a maximum input length of 98304 tokens. Please reduce the length "
                    "of the input prompt. (parameter=input_tokens, value=98305)",
@@ -172,7 +173,7 @@ async def test_an_echoed_api_key_never_reaches_the_policy_failure(stub: OpenAISt
 async def test_runtime_terminates_an_overflow_as_generation_length_and_scores_it(stub: OpenAIStub, make: Any) -> None:
     stub.queue(
         Reply(json=completion(tool_calls=[tool_call("search", '{"query": "蓝牙耳机"}')])),
-        Reply(status=400, json=OVERFLOW_BODIES["vllm-0.10-prompt"]),
+        Reply(status=400, json=OVERFLOW_BODIES["vllm-prompt"]),
     )
     env = FakeEnvironment()
     runtime = AgentRuntime(model=make(), environment=env, prompts=PromptBuilder(), skills=NoSkills())

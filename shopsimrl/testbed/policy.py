@@ -127,7 +127,7 @@ def _validate(body: Any) -> dict[str, Any]:
 
 
 def _context_error(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> JSONResponse | None:
-    """vLLM's two context checks (``serving_engine._validate_input``, 0.10–0.15), same texts."""
+    """vLLM's two context checks (``_validate_input`` of its OpenAI server), with its texts."""
     if prompt_tokens >= max_model_len:
         message = (
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
