@@ -190,7 +190,7 @@ def run(
         try:
             if not config.experiment.resume and store.read_manifest() is not None:
                 _fail(ExitCode.BAD_INPUT, f"{config.run_dir} already holds a run and experiment.resume is false")
-            store.initialize(prepared.plan(), prepared.execution())
+            manifest = store.initialize(prepared.plan(), prepared.execution())
         except FingerprintMismatchError as exc:
             _fail(ExitCode.FINGERPRINT_MISMATCH, str(exc))
         except ManifestError as exc:
@@ -266,14 +266,17 @@ def run(
             _fail(ExitCode.RETRYABLE, f"cannot persist traces in {config.run_dir}: {exc}")
         if terminated:
             _fail(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
-        summary = _summarize_local(store, [job.episode_id for job in prepared.jobs])
+        summary = _summarize_local(store, manifest, [job.episode_id for job in prepared.jobs])
     finally:
         store.release()
     _print_summary(summary, store.summary_path)
     _exit_for(summary)
 
 
-def _summarize_local(store: Any, requested_ids: list[str] | None, requested: int | None = None) -> dict[str, Any]:
+def _summarize_local(
+    store: Any, manifest: dict[str, Any] | None, requested_ids: list[str] | None, requested: int | None = None
+) -> dict[str, Any]:
+    from shopsimrl.manifest import run_identity
     from shopsimrl.metrics import SummaryAccumulator
 
     accumulator = SummaryAccumulator(requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested)
@@ -285,6 +288,7 @@ def _summarize_local(store: Any, requested_ids: list[str] | None, requested: int
             accumulator.note_superseded_attempt(record)
     summary = accumulator.result()
     summary.setdefault("counts", {})["unreadable_lines"] = index.bad_lines
+    summary["run"] = run_identity(manifest, uri=str(store.run_dir.resolve()))
     store.write_summary(summary)
     return summary
 
@@ -324,7 +328,7 @@ def summarize(
         from shopsimrl.schemas import EpisodeJob
 
         requested_ids = [EpisodeJob.from_dict(job).episode_id for job in manifest["plan"]["jobs"]]
-    summary = _summarize_local(store, requested_ids, requested)
+    summary = _summarize_local(store, manifest, requested_ids, requested)
     _print_summary(summary, store.summary_path)
 
 

@@ -10,18 +10,32 @@ may change between invocations without blocking resume.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from shopsimrl import __version__
 from shopsimrl.schemas import (
     FINGERPRINT_VERSION,
     MANIFEST_SCHEMA_VERSION,
     MANIFEST_SCHEMA_VERSIONS,
+    SUMMARY_SCHEMA_VERSION,
+    TRACE_SCHEMA_VERSION,
     TraceFormatError,
     fingerprint,
+    redact_uri,
 )
 
-__all__ = ["FingerprintMismatchError", "ManifestError", "build_manifest", "plan_diff", "validate_manifest"]
+__all__ = [
+    "FingerprintMismatchError",
+    "ManifestError",
+    "build_manifest",
+    "manifest_head",
+    "plan_diff",
+    "run_identity",
+    "validate_manifest",
+]
 
 
 class ManifestError(TraceFormatError):
@@ -98,3 +112,98 @@ def plan_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             f"jobs: {old_count} jobs (digest {fingerprint(old_jobs)[:12]}) -> {new_count} jobs (digest {fingerprint(new_jobs)[:12]})"
         )
     return lines
+
+
+# --------------------------------------------------------------------------- identity in summaries
+
+
+def run_identity(manifest: Mapping[str, Any] | None, *, uri: str | None) -> dict[str, Any]:
+    """The ``run`` block of ``summary.json``: which run these numbers belong to.
+
+    ``manifest`` may be the full manifest or its head (:func:`manifest_head`); without one
+    (traces of the earlier implementation) every plan-derived field is null. ``uri`` is
+    redacted: no credentials reach the summary.
+    """
+    manifest = manifest or {}
+    plan = _object(manifest.get("plan"))
+    model = _object(plan.get("model"))
+    split = _object(plan.get("task_split"))
+    return {
+        "uri": redact_uri(uri) if uri else None,
+        "experiment": plan.get("experiment"),
+        "model_id": plan.get("model_id"),
+        "model_name": model.get("model"),
+        "checkpoint_id": model.get("checkpoint_id"),
+        "plan_fingerprint": manifest.get("plan_fingerprint"),
+        "split": {
+            "name": split.get("name"),
+            "task_count": split.get("task_count"),
+            "task_ids_sha256": split.get("task_ids_sha256"),
+        },
+        "versions": {
+            "shopsimrl": __version__,
+            "pipeline": plan.get("pipeline_version"),
+            "fingerprint": manifest.get("fingerprint_version"),
+            "manifest_schema": manifest.get("schema_version"),
+            "trace_schema": TRACE_SCHEMA_VERSION,
+            "summary_schema": SUMMARY_SCHEMA_VERSION,
+        },
+    }
+
+
+def _object(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+_DECODER = json.JSONDecoder()
+
+
+def manifest_head(data: bytes) -> dict[str, Any] | None:
+    """The manifest's keys up to the job list, parsed from the first bytes of manifest.json.
+
+    The writer puts ``schema_version`` … ``plan_fingerprint`` and the plan's identity keys
+    before ``plan.jobs``, so a bounded prefix carries everything :func:`run_identity` needs
+    without reading a job list that grows with the run. None when the prefix ends before the job
+    list or is not a manifest (read the whole file then).
+    """
+    text = data.decode("utf-8", errors="ignore")
+    try:
+        top, position, found = _members(text, 0, stop="plan")
+        if not found:
+            return None
+        plan, _, found = _members(text, position, stop="jobs")
+    except (ValueError, IndexError):
+        return None
+    return {**top, "plan": plan} if found else None
+
+
+def _members(text: str, position: int, *, stop: str) -> tuple[dict[str, Any], int, bool]:
+    """Decode an object's members from ``text[position]`` (its ``{``) until the key ``stop``.
+
+    Returns the members before it, the position of its value, and whether it was reached."""
+    members: dict[str, Any] = {}
+    position = _skip(text, position)
+    if text[position] != "{":
+        raise ValueError("not an object")
+    position += 1
+    while True:
+        position = _skip(text, position)
+        if text[position] == "}":
+            return members, position + 1, False
+        key, position = _DECODER.raw_decode(text, position)
+        position = _skip(text, position)
+        if not isinstance(key, str) or text[position] != ":":
+            raise ValueError("not an object member")
+        position = _skip(text, position + 1)
+        if key == stop:
+            return members, position, True
+        members[key], position = _DECODER.raw_decode(text, position)
+        position = _skip(text, position)
+        if text[position] == ",":
+            position += 1
+
+
+def _skip(text: str, position: int) -> int:
+    while text[position] in " \t\r\n":
+        position += 1
+    return position

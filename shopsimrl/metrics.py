@@ -1,8 +1,10 @@
 """Summary metrics from episode traces: pure, streaming, bounded memory.
 
 ``SummaryAccumulator`` takes the latest trace record of each episode (de-duplication is the
-caller's job: the store or the reducer) and keeps only sums, counters and fixed-size
-histograms, so summarising a million episodes costs the same memory as summarising ten.
+caller's job: the store or the reducer) and keeps only sums, counters, fixed-size histograms
+and eight floats per distinct task (the clustered statistics need per-task sums, and repeats
+of a task can arrive far apart), never a trace: memory grows with the number of tasks, not
+with the number of episodes or repeats.
 
 Reference-compatible keys (same names, same formulas as ``shopsimrl-eval-summary-v2``):
 ``counts.{requested, trace_files, completed, failed, scored, coverage}``,
@@ -10,8 +12,11 @@ Reference-compatible keys (same names, same formulas as ``shopsimrl-eval-summary
 ``behavior.*``, ``cost.{duration_ms_mean, tokens}`` and ``errors``. A record is completed
 when :func:`shopsimrl.schemas.is_completed` says so; every other record is failed. Reward,
 behaviour, cost, latency and per-step retry metrics use completed records only.
-One deliberate departure: a NaN or infinite value (reward, component, duration) is ignored
-like a non-numeric one, where the reference would have produced a NaN mean.
+Two deliberate departures: a NaN or infinite value (reward, component, duration) is ignored
+like a non-numeric one, where the reference would have produced a NaN mean; and
+``reward_sem`` (and ``success_sem``) are clustered by task: identical to the reference's
+SD/√n when every task ran once, and not shrunk by repeats that merely agree with each other
+(the reference's SE fell by √repeats for a deterministic policy).
 
 Keys added by ``shopsimrl-eval-summary-v3``:
 
@@ -23,10 +28,19 @@ key                               meaning
 ``counts.not_in_plan``            records whose ``episode_id`` is not a requested id; they
                                   are counted nowhere else
 ``counts.not_in_plan_ids_sample`` the first 20 such ids seen
-``primary.reward_ci95``           [lo, hi]: mean ± t(0.975, n−1) · reward_sem (n ≥ 2)
-``primary.success_sem``           sample SD (n−1) / √n of the ``r_success`` values (n ≥ 2)
-``primary.success_ci95``          Wilson score interval (z = 1.95996) for success_rate
+``primary.reward_ci95``           95 % interval of reward_mean, clustered by task, inside
+                                  [0, 1] (:func:`clustered_mean`); null below two tasks
+``primary.success_sem``           task-clustered SE of the ``r_success`` values
+``primary.success_ci95``          the same interval for success_rate (a proportion)
 ``primary.score``                 reward_mean × 100 (WebShop-style score)
+``primary.reward_mean_itt``,      intent to treat: completed episodes plus every failed
+``primary.success_rate_itt``      episode that is not ``infrastructure``, the latter as 0
+``intent_to_treat``               that denominator, its SEs, intervals and score
+``intervals``                     the interval method, the cluster key and count, and a
+                                  note per interval that is missing or fell back
+``per_task``                      tasks, episodes per task, and with repeats the unbiased
+                                  pass@k and pass^k (keys are k) with the tasks counted
+``behavior.policy_failure_codes`` counter of ``policy_failure.code`` over steps
 ``latency.model_step_ms``         ``{p50, p95, mean, count}`` of per-step ``model.latency_ms``
 ``latency.episode_ms``            ``{p50, p95}`` of ``duration_ms``
 ``retries.model_calls_retried``   steps whose model call took more than one attempt
@@ -39,6 +53,8 @@ key                               meaning
                                   null when the span is unknown or not positive
 ``failure_classes``               counter of ``failure_class`` over failed records
                                   (``"unknown"`` when absent, as in legacy traces)
+``run``                           added by the caller, not here: the run's identity
+                                  (:func:`shopsimrl.manifest.run_identity`)
 ================================  ==========================================================
 
 Percentiles are nearest-rank (the smallest value with at least q·n values at or below it),
@@ -57,7 +73,10 @@ from __future__ import annotations
 
 import math
 import string
-from collections.abc import Collection, Iterable, Mapping
+from array import array
+from collections import Counter
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
 from statistics import NormalDist
@@ -66,14 +85,21 @@ from typing import Any
 from shopsimrl.schemas import SUMMARY_SCHEMA_VERSION, is_completed
 
 __all__ = [
+    "CI_METHOD",
+    "ClusteredEstimate",
     "SummaryAccumulator",
+    "clustered_mean",
     "format_summary_table",
+    "pass_at_k",
+    "pass_hat_k",
     "student_t_quantile",
     "summarize_traces",
     "wilson_interval",
 ]
 
 _Z975 = NormalDist().inv_cdf(0.975)
+CI_METHOD = "task-clustered-score-t"
+"""Names the interval method of :func:`clustered_mean` in ``summary.json``."""
 _MAX_COUNTER_KEYS = 256
 _MAX_COMPONENTS = 64
 _NOT_IN_PLAN_SAMPLE = 20
@@ -172,8 +198,10 @@ def student_t_quantile(p: float, df: float) -> float:
     return 0.5 * (lo + hi)
 
 
-def wilson_interval(p_hat: float, n: int, z: float = _Z975) -> tuple[float, float]:
-    """Wilson score interval for a proportion ``p_hat`` observed over ``n`` trials."""
+def wilson_interval(p_hat: float, n: float, z: float = _Z975) -> tuple[float, float]:
+    """Wilson score interval for a proportion ``p_hat`` observed over ``n`` trials.
+
+    ``n`` may be an effective (non-integer) sample size, as :func:`clustered_mean` passes."""
     if n <= 0:
         raise ValueError(f"wilson_interval: n must be positive, got {n!r}")
     if not 0.0 <= p_hat <= 1.0:
@@ -185,6 +213,98 @@ def wilson_interval(p_hat: float, n: int, z: float = _Z975) -> tuple[float, floa
     low = 0.0 if p_hat == 0.0 else max(0.0, centre - half)
     high = 1.0 if p_hat == 1.0 else min(1.0, centre + half)
     return low, high
+
+
+@dataclass(frozen=True)
+class ClusteredEstimate:
+    """A mean over episodes with its task-clustered standard error and 95 % interval."""
+
+    mean: float | None
+    sem: float | None
+    ci95: tuple[float, float] | None
+    note: str | None
+    """Why the interval is missing or not the plain computed one; None otherwise."""
+    clusters: int
+    observations: int
+
+
+# Below this the clustered SE is rounding noise of equal task means, not spread.
+_ZERO_SE = 1e-12
+
+
+def clustered_mean(
+    clusters: Sequence[tuple[float, float]], *, proportion: bool = False, bounded: bool = True
+) -> ClusteredEstimate:
+    """Mean, task-clustered SE and 95 % interval from per-task ``(count, sum)`` pairs.
+
+    The mean is the ratio estimator Σ sums / Σ counts (every episode weighs the same). Its SE
+    is the cluster-robust one, √(G/(G−1) · Σ_c (S_c − n_c·μ)²) / N over G tasks and N
+    episodes: with one episode per task it is exactly the sample SD/√N, with balanced repeats
+    it is the SD of the task means/√G. The interval (see docs/runtime_eval.md §5):
+
+    * ``bounded`` (every value in [0, 1]): the Wilson score interval with the t(0.975, G−1)
+      quantile and the effective sample size n_eff = μ(1−μ)/SE² (a quasi-binomial score
+      interval: it stays inside [0, 1]); for a ``proportion`` n_eff is capped at N
+      (design effect ≥ 1, Korn & Graubard);
+    * all task means equal (SE 0): n_eff = G, the widest spread a [0, 1] value with this mean
+      can have, one observation per task; ``note`` says so;
+    * not ``bounded``: mean ± t(0.975, G−1)·SE, with a note;
+    * fewer than two tasks: no SE and no interval, with a note.
+    """
+    pairs = [(n, s) for n, s in clusters if n > 0]
+    count = len(pairs)
+    observations = math.fsum(n for n, _ in pairs)
+    if not count:
+        return ClusteredEstimate(None, None, None, "no values", 0, 0)
+    mean = _finite(math.fsum(s for _, s in pairs) / observations)
+    if mean is None:
+        return ClusteredEstimate(None, None, None, "the values do not add up to a finite mean", count, int(observations))
+    if count < 2:
+        note = "one task: the spread between tasks cannot be estimated, so there is no interval"
+        return ClusteredEstimate(mean, None, None, note, count, int(observations))
+    squares = math.fsum((s - n * mean) ** 2 for n, s in pairs)
+    sem = _finite(math.sqrt(count / (count - 1) * squares) / observations)
+    if sem is None:
+        return ClusteredEstimate(mean, None, None, "the spread between tasks is not finite", count, int(observations))
+    q = student_t_quantile(0.975, count - 1)
+    note = None
+    if not bounded or not 0.0 <= mean <= 1.0:
+        low, high = mean - q * sem, mean + q * sem
+        note = "values outside [0, 1] were seen: Student t interval, not bounded"
+    elif sem > _ZERO_SE and 0.0 < mean < 1.0:
+        effective = mean * (1.0 - mean) / (sem * sem)
+        if proportion:
+            effective = min(effective, observations)
+        low, high = wilson_interval(mean, effective, q)
+    else:
+        low, high = wilson_interval(mean, count, q)
+        sem = 0.0
+        note = (
+            f"all {count} task means equal {mean:.6g}: no spread between tasks was seen, so the interval "
+            f"assumes the largest spread a [0, 1] value with this mean can have, one observation per task"
+        )
+    ci = (_finite(low), _finite(high))
+    return ClusteredEstimate(mean, sem, ci if None not in ci else None, note, count, int(observations))  # type: ignore[arg-type]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task: P(at least one of k draws without replacement from n
+    attempts with c successes succeeds) = 1 − C(n−c, k)/C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass^k of one task (tau-bench): P(all of k draws without replacement succeed)
+    = C(c, k)/C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_hat_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if c < k:
+        return 0.0
+    return math.prod((c - i) / (n - i) for i in range(k))
 
 
 class _ExactSum:
@@ -218,30 +338,20 @@ class _ExactSum:
 
 
 class _Moments:
-    """Count, exact mean and Welford's sum of squared deviations."""
+    """Count and exact mean (the spread is computed per task, in :func:`clustered_mean`)."""
 
-    __slots__ = ("n", "total", "_mean", "_m2")
+    __slots__ = ("n", "total")
 
     def __init__(self) -> None:
         self.n = 0
         self.total = _ExactSum()
-        self._mean = 0.0
-        self._m2 = 0.0
 
     def add(self, x: float) -> None:
         self.n += 1
         self.total.add(x)
-        delta = x - self._mean
-        self._mean += delta / self.n
-        self._m2 += delta * (x - self._mean)
 
     def mean(self) -> float | None:
         return _finite(self.total.value() / self.n) if self.n else None
-
-    def sem(self) -> float | None:
-        if self.n < 2:
-            return None
-        return _finite(math.sqrt(max(self._m2, 0.0) / (self.n - 1)) / math.sqrt(self.n))
 
 
 class _LogHistogram:
@@ -294,6 +404,50 @@ class _LogHistogram:
 
     def percentiles(self) -> dict[str, float | None]:
         return {"p50": self.quantile(0.50), "p95": self.quantile(0.95)}
+
+
+class _TaskTable:
+    """Per-task sums for the clustered statistics: a few floats per task, never a trace.
+
+    Repeats of one task can arrive far apart (other episodes, other shards), so the sums stay
+    until the end; memory grows with the number of distinct tasks, not with episodes."""
+
+    REWARD_N, REWARD_SUM, SUCCESS_N, SUCCESS_SUM, PASSES, ITT_N, ITT_REWARD, ITT_SUCCESS = range(8)
+    WIDTH = 8
+
+    __slots__ = ("rows", "values")
+
+    def __init__(self) -> None:
+        self.rows: dict[Hashable, int] = {}
+        self.values = array("d")
+
+    def row(self, key: Hashable) -> int:
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = len(self.rows)
+            self.values.extend([0.0] * self.WIDTH)
+        return row
+
+    def add(self, row: int, field: int, value: float) -> None:
+        self.values[row * self.WIDTH + field] += value
+
+    def pairs(self, count_field: int, sum_field: int) -> list[tuple[float, float]]:
+        """``(count, sum)`` of every task with a positive count."""
+        values, width = self.values, self.WIDTH
+        pairs = []
+        for base in range(0, len(values), width):
+            n = values[base + count_field]
+            if n > 0:
+                pairs.append((n, values[base + sum_field]))
+        return pairs
+
+
+def _task_key(record: Mapping[str, Any]) -> Hashable:
+    """The cluster of an episode: its task id; a record without one is a cluster of its own."""
+    task_id = _mapping(record.get("job")).get("task_id")
+    if isinstance(task_id, int) and not isinstance(task_id, bool):
+        return task_id
+    return f"episode:{record.get('episode_id')}"
 
 
 class _BoundedCounter:
@@ -384,6 +538,13 @@ class SummaryAccumulator:
         self._superseded = 0
         self._first_start: datetime | None = None
         self._last_end: datetime | None = None
+        self._tasks = _TaskTable()
+        self._rewards_bounded = True
+        self._successes_bounded = True
+        self._failed_counted_zero = 0
+        self._failed_infrastructure = 0
+        self._failed_unclassified = 0
+        self._policy_codes = _BoundedCounter()
 
     # ------------------------------------------------------------------ input
 
@@ -411,21 +572,41 @@ class SummaryAccumulator:
             return
         self._records += 1
         self._note_span(record)
+        tasks = self._tasks
         if not is_completed(dict(record) if not isinstance(record, dict) else record):
             error = _mapping(record.get("error"))
             self._errors.add(str(error.get("type") or "unknown"))
             failure_class = record.get("failure_class")
             self._failure_classes.add(str(failure_class) if failure_class else "unknown")
+            # Intent to treat: only a failure known to be infrastructure is excused.
+            if failure_class == "infrastructure":
+                self._failed_infrastructure += 1
+            else:
+                self._failed_counted_zero += 1
+                self._failed_unclassified += not failure_class
+                tasks.add(tasks.row(_task_key(record)), tasks.ITT_N, 1.0)
             return
         self._completed += 1
+        row = tasks.row(_task_key(record))
         final = _mapping(record.get("final"))
         reward = _number(final.get("reward"))
         if reward is not None:
             self._reward.add(reward)
+            self._rewards_bounded = self._rewards_bounded and 0.0 <= reward <= 1.0
+            tasks.add(row, tasks.REWARD_N, 1.0)
+            tasks.add(row, tasks.REWARD_SUM, reward)
         detail = _mapping(final.get("reward_detail"))
         success = _number(detail.get("r_success"))
         if success is not None:
             self._success.add(success)
+            self._successes_bounded = self._successes_bounded and 0.0 <= success <= 1.0
+            tasks.add(row, tasks.SUCCESS_N, 1.0)
+            tasks.add(row, tasks.SUCCESS_SUM, success)
+            if abs(success - 1.0) <= 1e-6:  # tau-bench's success test
+                tasks.add(row, tasks.PASSES, 1.0)
+        tasks.add(row, tasks.ITT_N, 1.0)
+        tasks.add(row, tasks.ITT_REWARD, reward or 0.0)
+        tasks.add(row, tasks.ITT_SUCCESS, success or 0.0)
         for key, value in detail.items():
             component = _number(value)
             if not (isinstance(key, str) and key.startswith("r_")) or component is None:
@@ -458,10 +639,10 @@ class SummaryAccumulator:
             "protocol_error" not in step and isinstance(model.get("protocol_error"), Mapping)
         ):
             self._protocol_errors += 1
-        if isinstance(step.get("policy_failure"), Mapping) or (
-            "policy_failure" not in step and isinstance(model.get("policy_failure"), Mapping)
-        ):
+        policy_failure = step.get("policy_failure") if "policy_failure" in step else model.get("policy_failure")
+        if isinstance(policy_failure, Mapping):
             self._policy_failures += 1
+            self._policy_codes.add(str(policy_failure.get("code") or "unknown"))
         environment = step.get("environment")
         if isinstance(environment, Mapping):
             self._actions += 1
@@ -509,15 +690,22 @@ class SummaryAccumulator:
         completed, failed = self._completed, self._records - self._completed
         missing = max(0, requested - completed - failed) if self._plan_ids is not None else None
 
-        reward_mean, reward_sem = self._reward.mean(), self._reward.sem()
-        reward_ci = None
-        if reward_mean is not None and reward_sem is not None:
-            half = student_t_quantile(0.975, self._reward.n - 1) * reward_sem
-            reward_ci = [_finite(reward_mean - half), _finite(reward_mean + half)]
-        success_rate = self._success.mean()
-        success_ci = None
-        if success_rate is not None and 0.0 <= success_rate <= 1.0:
-            success_ci = list(wilson_interval(success_rate, self._success.n))
+        reward_mean, success_rate = self._reward.mean(), self._success.mean()
+        tasks = self._tasks
+        reward = clustered_mean(tasks.pairs(tasks.REWARD_N, tasks.REWARD_SUM), bounded=self._rewards_bounded)
+        success = clustered_mean(
+            tasks.pairs(tasks.SUCCESS_N, tasks.SUCCESS_SUM), proportion=True, bounded=self._successes_bounded
+        )
+        itt_pairs = tasks.pairs(tasks.ITT_N, tasks.ITT_REWARD)
+        itt_reward = clustered_mean(itt_pairs, bounded=self._rewards_bounded)
+        itt_success = clustered_mean(
+            tasks.pairs(tasks.ITT_N, tasks.ITT_SUCCESS), proportion=True, bounded=self._successes_bounded
+        )
+        notes = {
+            name: estimate.note
+            for name, estimate in (("reward", reward), ("success", success), ("reward_itt", itt_reward), ("success_itt", itt_success))
+            if estimate.note is not None and estimate.observations
+        }
 
         steps = self._steps
         span_hours = None
@@ -542,13 +730,36 @@ class SummaryAccumulator:
             },
             "primary": {
                 "reward_mean": reward_mean,
-                "reward_sem": reward_sem,
+                "reward_sem": reward.sem,
                 "success_rate": success_rate,
-                "reward_ci95": reward_ci,
-                "success_sem": self._success.sem(),
-                "success_ci95": success_ci,
+                "reward_ci95": _pair(reward.ci95),
+                "success_sem": success.sem,
+                "success_ci95": _pair(success.ci95),
                 "score": _finite(reward_mean * 100.0) if reward_mean is not None else None,
+                "reward_mean_itt": itt_reward.mean,
+                "success_rate_itt": itt_success.mean,
             },
+            "intent_to_treat": {
+                "episodes": itt_reward.observations,
+                "failed_counted_as_zero": self._failed_counted_zero,
+                "failed_unclassified": self._failed_unclassified,
+                "failed_infrastructure_excluded": self._failed_infrastructure,
+                "reward_mean": itt_reward.mean,
+                "reward_sem": itt_reward.sem,
+                "reward_ci95": _pair(itt_reward.ci95),
+                "success_rate": itt_success.mean,
+                "success_sem": itt_success.sem,
+                "success_ci95": _pair(itt_success.ci95),
+                "score": _finite(itt_reward.mean * 100.0) if itt_reward.mean is not None else None,
+            },
+            "intervals": {
+                "confidence": 0.95,
+                "method": CI_METHOD,
+                "cluster": "task_id",
+                "clusters": reward.clusters,
+                "notes": notes,
+            },
+            "per_task": self._per_task(),
             "reward_components": {key: self._components[key].mean() for key in sorted(self._components)},
             "behavior": {
                 "steps_mean": _finite(steps / completed) if completed else None,
@@ -557,6 +768,7 @@ class SummaryAccumulator:
                 "protocol_error_rate": self._protocol_errors / steps if steps else None,
                 "policy_failures": self._policy_failures,
                 "policy_failure_rate": self._policy_failures / steps if steps else None,
+                "policy_failure_codes": self._policy_codes.as_dict(),
                 "total_actions": self._actions,
                 "invalid_actions": self._invalid_actions,
                 "invalid_action_rate": self._invalid_actions / self._actions if self._actions else None,
@@ -586,6 +798,50 @@ class SummaryAccumulator:
         }
 
 
+    def _per_task(self) -> dict[str, Any]:
+        """Tasks, repeats per task and, with repeats, pass@k and pass^k (unbiased estimators)."""
+        tasks = self._tasks
+        shapes: Counter[tuple[int, int]] = Counter(
+            (round(n), round(passes))
+            for n, passes in tasks.pairs(tasks.SUCCESS_N, tasks.PASSES)
+        )
+        sizes = [n for n, _ in shapes]
+        block: dict[str, Any] = {
+            "tasks": sum(shapes.values()),
+            "episodes_per_task": {"min": min(sizes), "max": max(sizes)} if sizes else None,
+            "pass_at_k": None,
+            "pass_hat_k": None,
+            "tasks_at_k": None,
+        }
+        largest = max(sizes, default=0)
+        if largest < 2:
+            return block
+        pass_at, pass_hat, counted = {}, {}, {}
+        for k in _report_ks(largest):
+            usable = [(n, c, weight) for (n, c), weight in shapes.items() if n >= k]
+            total = sum(weight for *_, weight in usable)
+            pass_at[str(k)] = math.fsum(pass_at_k(n, c, k) * w for n, c, w in usable) / total
+            pass_hat[str(k)] = math.fsum(pass_hat_k(n, c, k) * w for n, c, w in usable) / total
+            counted[str(k)] = total
+        block.update(pass_at_k=pass_at, pass_hat_k=pass_hat, tasks_at_k=counted)
+        return block
+
+
+def _report_ks(largest: int) -> list[int]:
+    """Every k up to 16, then powers of two, and the largest repeat count itself."""
+    ks = set(range(1, min(largest, 16) + 1))
+    power = 32
+    while power < largest:
+        ks.add(power)
+        power *= 2
+    ks.add(largest)
+    return sorted(ks)
+
+
+def _pair(interval: tuple[float, float] | None) -> list[float] | None:
+    return list(interval) if interval is not None else None
+
+
 def summarize_traces(
     records: Iterable[Mapping[str, Any]],
     *,
@@ -603,16 +859,25 @@ def summarize_traces(
 # --------------------------------------------------------------------------- table
 
 _TABLE_ROWS = (
+    ("run", "{run.experiment} · model {run.model_id} ({run.model_name}, checkpoint {run.checkpoint_id})"
+            " · split {run.split.name} · plan {run.plan_fingerprint:short}"),
     ("episodes", "requested {counts.requested} · completed {counts.completed} · failed {counts.failed}"
                  " · scored {counts.scored} · coverage {counts.coverage:%} · missing {counts.missing}"
                  " · not in plan {counts.not_in_plan}"),
     ("reward", "mean {primary.reward_mean} · sem {primary.reward_sem} · 95% CI {primary.reward_ci95:ci}"
                " · score {primary.score:.2f}"),
     ("success", "rate {primary.success_rate:%} · sem {primary.success_sem:%} · 95% CI {primary.success_ci95:ci%}"),
+    ("ITT", "reward {intent_to_treat.reward_mean} · 95% CI {intent_to_treat.reward_ci95:ci}"
+            " · success {intent_to_treat.success_rate:%} · over {intent_to_treat.episodes} episodes"
+            " (failures as 0: {intent_to_treat.failed_counted_as_zero},"
+            " infrastructure excluded: {intent_to_treat.failed_infrastructure_excluded})"),
+    ("tasks", "{per_task.tasks} · episodes per task {per_task.episodes_per_task.min}–{per_task.episodes_per_task.max}"
+              " · pass@k {per_task.pass_at_k:kv} · pass^k {per_task.pass_hat_k:kv}"),
     ("components", "{reward_components:kv}"),
     ("steps", "mean {behavior.steps_mean:.2f} · model steps {behavior.model_steps}"
               " · protocol errors {behavior.protocol_errors} ({behavior.protocol_error_rate:%})"
-              " · policy failures {behavior.policy_failures} ({behavior.policy_failure_rate:%})"),
+              " · policy failures {behavior.policy_failures} ({behavior.policy_failure_rate:%})"
+              " {behavior.policy_failure_codes:kv}"),
     ("actions", "total {behavior.total_actions} · invalid {behavior.invalid_actions}"
                 " ({behavior.invalid_action_rate:%})"),
     ("termination", "{behavior.termination_reasons:kv}"),
@@ -631,7 +896,8 @@ _TABLE_ROWS = (
 class _TableFormatter(string.Formatter):
     """Resolves dotted summary paths; a missing or null value prints as a dash.
 
-    Specs: ``%`` (percent), ``ci`` / ``ci%`` (an interval pair), ``kv`` (a counter or mapping).
+    Specs: ``%`` (percent), ``ci`` / ``ci%`` (an interval pair), ``kv`` (a counter or mapping),
+    ``short`` (the first 12 characters of a digest).
     """
 
     def get_field(self, field_name: str, args: Any, kwargs: Any) -> tuple[Any, str]:
@@ -652,6 +918,8 @@ class _TableFormatter(string.Formatter):
             if not isinstance(value, Mapping) or not value:
                 return "–"
             return ", ".join(f"{key} {self.format_field(item, '.3f')}" for key, item in value.items())
+        if format_spec == "short" and isinstance(value, str):
+            return value[:12]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return str(value)
         if format_spec == "%":
@@ -667,4 +935,7 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
     width = max(len(label) for label, _ in _TABLE_ROWS)
     lines = [formatter.format("summary {schema_version} · created {created_at}", summary=summary)]
     lines += [f"{label.ljust(width)}  {formatter.format(row, summary=summary)}" for label, row in _TABLE_ROWS]
+    notes = summary.get("intervals", {}).get("notes") if isinstance(summary.get("intervals"), Mapping) else None
+    if isinstance(notes, Mapping):
+        lines += [f"{'note'.ljust(width)}  {name} interval: {text}" for name, text in notes.items()]
     return "\n".join(lines)

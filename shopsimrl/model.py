@@ -31,6 +31,14 @@ repair turn; then per call ``invalid_arguments_type``, ``invalid_arguments_json`
 ``invalid_arguments_object``, ``unavailable_tool``; then ``tool_call_count`` (tools offered,
 ≠1 call), ``mixed_content`` (visible text beside the call) and ``empty_response``.
 
+Context overflow is a policy outcome too: an HTTP 400 (or, from SGLang, an ``error`` chunk in
+a stream) saying that the prompt plus ``max_tokens`` exceeds the context window comes back as
+``policy_failure = {"code": "context_length"}``, never retried. The texts of vLLM, SGLang,
+llama.cpp's server, llama-cpp-python and OpenAI are recognised (``_CONTEXT_OVERFLOW``), and
+OpenAI's ``context_length_exceeded`` code and llama.cpp's ``exceed_context_size_error`` type.
+When the error states a window that ``max_tokens`` alone does not fit, no conversation could
+ever fit: that is a ``ModelRequestError`` (a configuration error), not a policy failure.
+
 Compatibility knob ``assistant_content_empty_string``: some servers (llama.cpp) reject
 assistant messages whose ``content`` is ``null``, which is how tool-call turns are recorded.
 With the knob on, such messages are sent with ``content: ""``; the caller's list (and so the
@@ -45,6 +53,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -103,6 +112,16 @@ class ModelRequestError(ModelError):
     @property
     def attempt_count(self) -> int:
         return len(self.attempts)
+
+
+class _ContextOverflow(Exception):
+    """The server refused the request because the conversation no longer fits its context."""
+
+    def __init__(self, message: str, *, status: int | None, body: Any, excerpt: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.excerpt = excerpt
+        self.window = _stated_window(message, body)
 
 
 class _Retryable(Exception):
@@ -411,6 +430,9 @@ class OpenAICompatibleChatModel:
                 record.update(latency_ms=_ms_since(started), status=exc.status_code, error=str(exc))
                 exc.attempts = attempts
                 raise
+            except _ContextOverflow as exc:
+                record.update(latency_ms=_ms_since(started), status=exc.status, error=self._redact(str(exc)))
+                return self._context_length_failure(exc, url, attempts)
             else:
                 record.update(latency_ms=_ms_since(started), status=status)
                 output = _parse(body, raw, allowed, offered=bool(tools))
@@ -432,6 +454,29 @@ class OpenAICompatibleChatModel:
             attempts=attempts,
         )
 
+    def _context_length_failure(self, exc: _ContextOverflow, url: str, attempts: list[dict[str, Any]]) -> ModelOutput:
+        """The policy failure ``context_length``, unless the settings alone cannot fit."""
+        budget = self.settings.max_tokens
+        if exc.window is not None and budget >= exc.window:
+            # No conversation could ever fit: a configuration error, not the agent's doing.
+            raise ModelRequestError(
+                f"model.max_tokens ({budget}) is not smaller than the model's context window ({exc.window} tokens) "
+                f"at POST {redact_uri(url)}: {self._redact(str(exc))}",
+                status_code=exc.status,
+                attempts=attempts,
+            )
+        output = ModelOutput(
+            policy_failure={
+                "code": "context_length",
+                "message": f"the conversation no longer fits the model's context window: {self._redact(str(exc))}",
+            },
+            raw_response={"http_status": exc.status, "error_body": self._redact(exc.excerpt)},
+        )
+        output.latency_ms = attempts[-1]["latency_ms"]
+        output.attempt_count = len(attempts)
+        output.attempts = attempts
+        return output
+
     def _backoff(self, failures_before: int, retry_after: float | None) -> float:
         cap = self.settings.max_backoff_seconds
         if retry_after is not None:
@@ -442,6 +487,11 @@ class OpenAICompatibleChatModel:
     def _status_error(self, url: str, response: httpx.Response, text: str) -> Exception:
         status = response.status_code
         excerpt = self._redact(text[:ERROR_BODY_CHARS])
+        if status == 400:
+            body, _ = _decode_json(text.encode("utf-8"))
+            overflow = _context_overflow_message(body, text)
+            if overflow is not None:
+                return _ContextOverflow(overflow[:ERROR_BODY_CHARS], status=status, body=body, excerpt=text[:ERROR_BODY_CHARS])
         if status in RETRYABLE_STATUSES or 500 <= status <= 599:
             return _Retryable(
                 f"HTTP {status}: {excerpt}", status=status, retry_after=_retry_after(response.headers.get("retry-after"))
@@ -513,7 +563,11 @@ class _StreamAssembler:
         if not isinstance(chunk, dict):
             raise _Retryable(f"streamed chunk {self.chunks} is not an object")
         if chunk.get("error") is not None:
-            raise _Retryable(f"stream reported an error: {json.dumps(chunk['error'], ensure_ascii=False)[:ERROR_BODY_CHARS]}")
+            text = json.dumps(chunk["error"], ensure_ascii=False)
+            overflow = _context_overflow_message(chunk, text)
+            if overflow is not None:  # SGLang reports it inside a 200 stream
+                raise _ContextOverflow(overflow[:ERROR_BODY_CHARS], status=None, body=chunk, excerpt=text[:ERROR_BODY_CHARS])
+            raise _Retryable(f"stream reported an error: {text[:ERROR_BODY_CHARS]}")
         for key in ("id", "model", "usage", *METADATA_KEYS):
             if chunk.get(key) is not None:
                 self.top[key] = chunk[key]
@@ -689,6 +743,70 @@ def _text(content: Any) -> str | None:
     if isinstance(content, list):
         return "".join(part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
     raise _Rejected("invalid_message", f"message.content is a {type(content).__name__}, not text")
+
+
+# --------------------------------------------------------------------------- context overflow
+
+# How servers say that the prompt (plus the max_tokens budget) does not fit the context window.
+# Each pattern matches the stable part of one server's text; docs/runtime_eval.md lists them.
+_CONTEXT_OVERFLOW = re.compile(
+    "|".join(
+        (
+            r"maximum context length is \d+",  # vLLM, OpenAI, llama-cpp-python
+            r"context length is only \d+",  # newer vLLM: "…the model's context length is only N tokens…"
+            r"maximum context length of \d+",  # SGLang: prompt + max_new_tokens too long
+            r"is longer than the model's context length",  # SGLang: the prompt alone
+            r"exceeds (?:the available )?context size",  # llama.cpp server
+            r"is larger than the max context size",  # llama.cpp server, older builds
+            r"input tokens exceed the configured limit",  # OpenAI
+            r"requested tokens \(\d+\) exceed context window",  # llama-cpp-python's own error
+        )
+    ),
+    re.IGNORECASE,
+)
+_OVERFLOW_CODES = frozenset({"context_length_exceeded", "exceed_context_size_error"})  # OpenAI; llama.cpp type
+_WINDOW = re.compile(
+    r"(?:maximum context length (?:is|of)|context length is only|context length \(|context size \("
+    r"|configured limit of|context window of)\s*(\d+)",
+    re.IGNORECASE,
+)
+
+
+def _error_fields(body: Any) -> tuple[list[str], set[str]]:
+    """Messages and code/type strings of an error body in the shapes servers use."""
+    messages: list[str] = []
+    codes: set[str] = set()
+    if not isinstance(body, dict):
+        return messages, codes
+    for holder in (body, body.get("error")):
+        if isinstance(holder, str):
+            messages.append(holder)
+        elif isinstance(holder, dict):
+            for key in ("message", "detail"):
+                if isinstance(holder.get(key), str):
+                    messages.append(holder[key])
+            codes.update(str(holder[key]) for key in ("code", "type") if isinstance(holder.get(key), str))
+    return messages, codes
+
+
+def _context_overflow_message(body: Any, text: str) -> str | None:
+    """The server's message when an error body says the context window is exceeded, else None."""
+    messages, codes = _error_fields(body)
+    for message in messages or [text]:
+        if _CONTEXT_OVERFLOW.search(message):
+            return message
+    if codes & _OVERFLOW_CODES:
+        return messages[0] if messages else text
+    return None
+
+
+def _stated_window(message: str, body: Any) -> int | None:
+    """The context window (tokens) an overflow error states, when it states one."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("n_ctx"), int):  # llama.cpp
+        return error["n_ctx"]
+    found = _WINDOW.search(message)
+    return int(found.group(1)) if found else None
 
 
 # --------------------------------------------------------------------------- small helpers

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shopsimrl.manifest import manifest_head, run_identity
 from shopsimrl.metrics import SummaryAccumulator
 from shopsimrl.schemas import fingerprint, is_completed, sha256_hex
 from shopsimrl.shardstore import (
@@ -35,6 +36,8 @@ from shopsimrl.shardstore import (
 __all__ = ["RunNotPlannedError", "reduce_run", "shard_status", "wait_for_markers"]
 
 _SAMPLE = 20
+_IDENTITY_HEAD_BYTES = 65536
+"""Bytes of manifest.json read for the summary's identity; the job list comes after it."""
 
 
 class RunNotPlannedError(ValueError):
@@ -194,7 +197,7 @@ def _reduce_shard(
 
 def reduce_run(store: ShardedRunStore, *, include_uncommitted: bool = False, write: bool = True) -> dict[str, Any]:
     """Merge the shards into the summary (with a ``shards`` report block) and write summary.json."""
-    plan_fp, experiment, shard_map = _load_plan(store)
+    plan_fp, _, shard_map = _load_plan(store)
     accumulator = SummaryAccumulator(requested=shard_map.jobs)
     not_in_plan_sample: list[str] = []
     results = [
@@ -210,7 +213,7 @@ def reduce_run(store: ShardedRunStore, *, include_uncommitted: bool = False, wri
     if not_in_plan_sample:
         counts["not_in_plan_ids_sample"] = not_in_plan_sample
     counts["unreadable_lines"] = sum(r.unreadable_lines for r in results)
-    summary["run"] = {"uri": store.display_uri, "plan_fingerprint": plan_fp, "experiment": experiment}
+    summary["run"] = run_identity(_identity_manifest(store), uri=store.display_uri)
     summary["shards"] = {
         "count": shard_map.count,
         "assignment": shard_map.assignment,
@@ -234,6 +237,21 @@ def reduce_run(store: ShardedRunStore, *, include_uncommitted: bool = False, wri
     if write:
         store.write_summary(summary)
     return summary
+
+
+def _identity_manifest(store: ShardedRunStore) -> dict[str, Any] | None:
+    """The manifest's keys before the job list, from a bounded head read (whole file as fallback)."""
+    path = store.path("manifest.json")
+
+    def head() -> bytes | None:
+        try:
+            return bytes(store.fs.cat_file(path, start=0, end=_IDENTITY_HEAD_BYTES))
+        except FileNotFoundError:
+            return None
+
+    data = store.retry.call(f"read manifest.json in {store.display_uri}", head)
+    parsed = manifest_head(data) if data else None
+    return parsed if parsed is not None else store.read_manifest()
 
 
 def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float = 5.0) -> list[int]:

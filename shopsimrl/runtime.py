@@ -10,8 +10,12 @@ Outcomes per model call (``steps[i]``):
 - protocol error: the reply was unusable; a repair turn is appended (tool messages when the reply
   had tool calls, else a user message) and the model answers again on the same page; the step
   counts against ``max_steps``;
-- ``generation_length`` policy failure: the reply was cut off by the token limit without exactly
-  one valid call; the episode is terminated with zero reward and still counts as scored.
+- policy failure: ``generation_length`` (the reply was cut off by the token limit without
+  exactly one valid call) or ``context_length`` (the server refused the prompt: the
+  conversation outgrew the context window). The episode is terminated through the environment
+  with zero reward and still counts as scored. ShopSimulator accepts only ``action_limit`` and
+  ``generation_length`` as termination reasons, so both are sent as ``generation_length``; the
+  step's ``policy_failure.code`` keeps which one it was.
 
 The loop ends on ``done``; after ``max_steps`` calls without ``done`` the runtime terminates with
 ``action_limit``. The lease is always released; a failed release makes the episode ``failed``.
@@ -50,6 +54,9 @@ from shopsimrl.skills import SkillProvider
 __all__ = ["ACTION_PROTOCOL", "AgentRuntime", "classify_failure", "failed_trace"]
 
 ACTION_PROTOCOL = "openai-function-tools-repair-v3"
+POLICY_FAILURE_CODES = ("generation_length", "context_length")
+POLICY_TERMINATION_REASON = "generation_length"
+"""What a policy failure is sent to ShopSimulator as: the one reason it accepts besides action_limit."""
 
 LEASE_KEYS = ("env_idx", "lease_id")
 PRIVATE_RESET_KEYS = ("private_task_instruction", "goal_options", "reason_key")
@@ -278,9 +285,10 @@ class AgentRuntime:
             if output.policy_failure:
                 progress["stage"] = f"policy_termination_step_{step_index}"
                 step["policy_failure"] = dict(output.policy_failure)
-                if output.policy_failure.get("code") != "generation_length":
-                    raise RuntimeError(f"unsupported policy failure {output.policy_failure.get('code')!r}")
-                final = await episode.terminate("generation_length")
+                code = output.policy_failure.get("code")
+                if code not in POLICY_FAILURE_CODES:
+                    raise RuntimeError(f"unsupported policy failure {code!r}")
+                final = await episode.terminate(POLICY_TERMINATION_REASON)
                 trace["final"] = _without(final, LEASE_KEYS)
                 return
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,10 @@ def _trace(
     status: str = "completed",
     error: dict[str, Any] | None = None,
     duration_ms: float | None = 1000.0,
+    task_id: int | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
+    """A v4 record; each episode id is its own task unless ``task_id`` says otherwise."""
     final = None
     if status == "completed":
         final = {"done": True, "over": True, "reward": reward, "termination_reason": reason,
@@ -105,7 +108,9 @@ def _trace(
                                    "reward_version": "shopsimulator-paper-reward-v2"}}
     record = {
         "schema_version": TRACE_SCHEMA_VERSION, "episode_id": episode_id, "status": status,
-        "job": {"task_id": 1, "sample_id": 0, "seed": 7, "split": "val"}, "provenance": {},
+        "job": {"task_id": zlib.crc32(episode_id.encode()) if task_id is None else task_id,
+                "sample_id": 0, "seed": 7, "split": "val"},
+        "provenance": {},
         "started_at": "2025-08-30T10:00:00+00:00", "ended_at": "2025-08-30T10:01:00+00:00", "duration_ms": duration_ms,
         "reset": None, "selected_skills": [], "conversation": [], "steps": steps if steps is not None else [],
         "final": final, "error": error,
@@ -200,13 +205,25 @@ def test_legacy_fixture_summary_matches_hand_computation() -> None:
     # Rewards 1.0 (purchase), 0.0 (action_limit), 0.0 (generation_length), 0.5 (purchase after a protocol error).
     primary = summary["primary"]
     assert primary["reward_mean"] == 0.375
-    sem = math.sqrt(0.6875 / 3) / 2
+    sem = math.sqrt(0.6875 / 3) / 2  # one episode per task: the clustered SE is the sample SD/√n
     assert primary["reward_sem"] == pytest.approx(sem, rel=1e-12)
-    half = 3.182446305284263 * sem  # t(0.975, df=3)
-    assert primary["reward_ci95"] == pytest.approx([0.375 - half, 0.375 + half], rel=1e-9)
+    # Wilson with t(0.975, df=3) and n_eff = 0.375·0.625/sem² (the old t interval was [-0.39, 1.14]).
+    assert primary["reward_ci95"] == pytest.approx(
+        list(wilson_interval(0.375, 0.375 * 0.625 / sem**2, 3.182446305284263)), rel=1e-12
+    )
     assert primary["score"] == 37.5
     assert primary["success_rate"] == 0.25 and primary["success_sem"] == pytest.approx(0.25)
-    assert primary["success_ci95"] == pytest.approx([0.045587, 0.699358], abs=1e-6)
+    assert primary["success_ci95"] == pytest.approx(list(wilson_interval(0.25, 3.0, 3.182446305284263)), rel=1e-12)
+    assert summary["intervals"] == {
+        "confidence": 0.95, "method": "task-clustered-score-t", "cluster": "task_id", "clusters": 4, "notes": {},
+    }
+    # Intent to treat: the two failed episodes (no failure_class: written before it existed) count as 0.
+    itt = summary["intent_to_treat"]
+    assert (itt["episodes"], itt["failed_counted_as_zero"], itt["failed_unclassified"]) == (6, 2, 2)
+    assert itt["reward_mean"] == primary["reward_mean_itt"] == 0.25 and itt["score"] == 25.0
+    assert itt["success_rate"] == primary["success_rate_itt"] == pytest.approx(1 / 6)
+    assert summary["per_task"] == {"tasks": 4, "episodes_per_task": {"min": 1, "max": 1}, "pass_at_k": None,
+                                   "pass_hat_k": None, "tasks_at_k": None}
 
     assert summary["reward_components"] == {
         "r_att": 0.375, "r_loose": 0.4375, "r_option": 0.375, "r_price": 0.5,
@@ -473,14 +490,15 @@ def test_student_t_quantile_symmetry_and_errors() -> None:
         student_t_quantile(0.975, 0)
 
 
-def test_reward_ci_uses_t_with_n_minus_1_df() -> None:
+def test_reward_ci_is_a_wilson_interval_with_t_quantile_and_effective_n() -> None:
     rewards = [0.2, 0.4, 0.9, 1.0]
     summary = summarize_traces([_trace(f"e{i}", reward=r) for i, r in enumerate(rewards)])
     mean = sum(rewards) / 4
     sem = math.sqrt(sum((r - mean) ** 2 for r in rewards) / 3) / 2
+    assert summary["primary"]["reward_sem"] == pytest.approx(sem, rel=1e-12)
     lo, hi = summary["primary"]["reward_ci95"]
-    assert (hi - lo) / 2 == pytest.approx(3.182446305 * sem, rel=1e-9)
-    assert (lo + hi) / 2 == pytest.approx(mean)
+    assert (lo, hi) == pytest.approx(wilson_interval(mean, mean * (1 - mean) / sem**2, 3.182446305), rel=1e-9)
+    assert 0.0 <= lo < mean < hi <= 1.0
     assert summary["primary"]["score"] == pytest.approx(mean * 100)
 
 
@@ -534,17 +552,23 @@ def _container_sizes(obj: Any, skip: set[str], path: str = "acc") -> dict[str, i
 
 
 def test_memory_is_flat_in_the_number_of_records() -> None:
+    """500 tasks × 100 repeats: after every task was seen once, nothing grows any more."""
     rng = random.Random(7)
-    plan = {f"task-{n:06d}__sample-000" for n in range(50_000)}
+    tasks = 500
+
+    def episode_id(n: int) -> str:
+        return f"task-{n % tasks:06d}__sample-{n // tasks:03d}"
+
+    plan = {episode_id(n) for n in range(50_000)}
     accumulator = SummaryAccumulator(requested_episode_ids=plan)
 
     def record(n: int) -> dict[str, Any]:
         if n % 10 == 0:
             error_type = rng.choice(["ModelRequestError", "EnvironmentError"])
-            return _failed(f"task-{n:06d}__sample-000", error_type=error_type)
+            return _failed(episode_id(n), error_type=error_type, task_id=n % tasks)
         usage = _usage(900, rng.randint(1, 400), 10)
         step = _action_step(1, rng.random() < 0.2, usage, latency=rng.lognormvariate(6, 1))
-        return _trace(f"task-{n:06d}__sample-000", reward=rng.random(), success=rng.randint(0, 1), steps=[step],
+        return _trace(episode_id(n), reward=rng.random(), success=rng.randint(0, 1), steps=[step], task_id=n % tasks,
                       duration_ms=rng.uniform(1e3, 1e5), ended_at=f"2025-08-30T1{n % 10}:00:00+00:00")
 
     for n in range(1_000):
@@ -556,11 +580,15 @@ def test_memory_is_flat_in_the_number_of_records() -> None:
 
     assert set(late) == set(early)
     for path, size in late.items():
+        if path == "acc._tasks.rows":  # the per-task sums: one row per task, whatever the repeats
+            assert size == early[path] == tasks
+            continue
         # Only the fixed histograms are big; compensated-sum partials are bounded by the float range.
         assert size <= _LogHistogram.SIZE, path
         if ".buckets" not in path:
             assert size <= 64, path
             assert size <= early[path] + 4, path
+    assert len(accumulator._tasks.values) == tasks * accumulator._tasks.WIDTH
     summary = accumulator.result()
     assert summary["counts"]["trace_files"] == 50_000 and summary["counts"]["failed"] == 5_000
     assert summary["latency"]["model_step_ms"]["count"] == 45_000

@@ -56,7 +56,8 @@ class PolicySettings(BaseSettings):
     strict_model: bool = True
     """Answer 404 to a request naming another model, as vLLM does."""
     max_model_len: int = Field(131072, ge=1)
-    """Context length reported by ``/v1/models`` and enforced on the prompt estimate."""
+    """Context length reported by ``/v1/models`` and enforced like vLLM: HTTP 400 with vLLM's
+    text when the prompt estimate reaches it, or when the prompt plus ``max_tokens`` exceeds it."""
     latency_ms: float = Field(0.0, ge=0)
     """Fixed delay before each answer."""
     latency_jitter_ms: float = Field(0.0, ge=0)
@@ -123,6 +124,24 @@ def _validate(body: Any) -> dict[str, Any]:
     if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
         raise _BadRequest("'temperature' must be a number", "temperature")
     return body
+
+
+def _context_error(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> JSONResponse | None:
+    """vLLM's two context checks (``_validate_input`` of its OpenAI server), with its texts."""
+    if prompt_tokens >= max_model_len:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_tokens} input tokens. Please reduce the length of the input messages."
+        )
+        return _error(400, message, "BadRequestError")
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        message = (
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {prompt_tokens})."
+        )
+        return _error(400, message, "BadRequestError")
+    return None
 
 
 def _restrict_tools(tools: list[dict[str, Any]], tool_choice: Any) -> list[dict[str, Any]]:
@@ -260,12 +279,12 @@ class _PolicyServer:
         tools = _restrict_tools(body.get("tools") or [], body.get("tool_choice"))
         prompt_chars = len(canonical_json(json_safe(body["messages"]))) + len(canonical_json(json_safe(tools)))
         prompt_tokens = _tokens(prompt_chars)
-        if prompt_tokens > s.max_model_len:
-            message = f"This model's maximum context length is {s.max_model_len} tokens; the prompt has {prompt_tokens}."
-            return _error(400, message, "BadRequestError", "messages")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        too_long = _context_error(s.max_model_len, prompt_tokens, max_tokens)
+        if too_long is not None:
+            return too_long
         temperature = float(body.get("temperature") or 0.0)
         decision = decide(body["messages"], tools, seed=body.get("seed"), temperature=temperature)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         completion = _Completion(decision, s.reasoning, prompt_tokens, max_tokens)
         if fault == "no_tool_call":
             completion.as_text(_TEXT_ONLY_REPLY)

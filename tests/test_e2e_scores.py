@@ -1,0 +1,135 @@
+"""Issue 10 on the real testbed processes: context overflow is scored, repeats are clustered,
+and summary.json names its run (`shopsimrl run` and `summarize` as users run them)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shopsimrl import __version__
+from shopsimrl.schemas import MANIFEST_SCHEMA_VERSION, SUMMARY_SCHEMA_VERSION, TRACE_SCHEMA_VERSION, is_completed
+from tests.testbed_process import ROOT, start_testbed, write_config
+
+pytestmark = pytest.mark.slow
+
+# The policy counts two characters a token; on the val split a conversation grows from about
+# 650 to 2,600–3,600 tokens over its steps. With a window of 3,600 and the default max_tokens
+# of 512, episodes with four or more steps outgrow it at their fourth model call.
+WINDOW = "3600"
+
+
+def run(config: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress", *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "traces.jsonl").read_text(encoding="utf-8").splitlines() if line]
+
+
+def with_repeats(config: Path, sample_size: int, repeats: int) -> Path:
+    text = config.read_text(encoding="utf-8")
+    config.write_text(text.replace(f"sample_size: {sample_size}}}", f"sample_size: {sample_size}, repeats: {repeats}}}"))
+    return config
+
+
+def test_context_overflow_on_the_testbed_is_a_scored_zero(tmp_path: Path) -> None:
+    with start_testbed(SHOPSIM_POLICY_MAX_MODEL_LEN=WINDOW) as bed:
+        result = run(write_config(tmp_path, name="overflow", sample_size=8), bed.env())
+        assert result.returncode == 0, result.stderr[-3000:]  # every episode completed: nothing failed
+        health = bed.healthz()
+        assert health["free_slots"] == health["environment_slots"]
+    run_dir = tmp_path / "runs/overflow"
+    traces = records(run_dir)
+    overflowed = [r for r in traces if any((s.get("policy_failure") or {}).get("code") == "context_length" for s in r["steps"])]
+    assert 0 < len(overflowed) < len(traces)
+    for record in overflowed:
+        assert is_completed(record) and record["failure_class"] is None
+        assert record["final"]["reward"] == 0.0 and record["final"]["termination_reason"] == "generation_length"
+        last = record["steps"][-1]
+        assert last["policy_failure"]["code"] == "context_length" and last["environment"] is None
+        assert "This model's maximum context length is 3600 tokens" in last["policy_failure"]["message"]
+        assert last["model"]["attempts"][-1]["status"] == 400
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["counts"]["completed"] == summary["counts"]["scored"] == 8 and summary["counts"]["failed"] == 0
+    assert summary["behavior"]["policy_failure_codes"] == {"context_length": len(overflowed)}
+    assert summary["behavior"]["termination_reasons"]["generation_length"] == len(overflowed)
+    rewards = [r["final"]["reward"] for r in traces]
+    assert summary["primary"]["reward_mean"] == pytest.approx(sum(rewards) / 8)  # the zeros are in the mean
+    assert summary["intent_to_treat"]["episodes"] == 8
+    assert summary["primary"]["reward_mean_itt"] == pytest.approx(summary["primary"]["reward_mean"])
+
+
+def test_repeats_on_the_testbed_do_not_shrink_the_interval(tmp_path: Path) -> None:
+    """Issue 10: the deterministic policy with repeats 3 gave an SE √3 smaller than repeats 1."""
+    with start_testbed() as bed:
+        once = run(write_config(tmp_path, name="once", sample_size=10), bed.env())
+        thrice = run(with_repeats(write_config(tmp_path, name="thrice", sample_size=10), 10, 3), bed.env())
+    assert once.returncode == 0 and thrice.returncode == 0, (once.stderr[-2000:], thrice.stderr[-2000:])
+    one = json.loads((tmp_path / "runs/once/summary.json").read_text(encoding="utf-8"))
+    three = json.loads((tmp_path / "runs/thrice/summary.json").read_text(encoding="utf-8"))
+    assert three["counts"]["completed"] == 30 and three["per_task"]["episodes_per_task"] == {"min": 3, "max": 3}
+    per_task = {}
+    for record in records(tmp_path / "runs/thrice"):  # the policy is deterministic at temperature 0
+        per_task.setdefault(record["job"]["task_id"], set()).add(record["final"]["reward"])
+    assert all(len(rewards) == 1 for rewards in per_task.values())
+    assert len({next(iter(r)) for r in per_task.values()}) > 1  # the tasks themselves differ
+    for key in ("reward_mean", "reward_sem", "reward_ci95", "success_rate", "success_sem", "success_ci95"):
+        assert three["primary"][key] == pytest.approx(one["primary"][key], rel=1e-9), key
+    assert three["intervals"]["clusters"] == one["intervals"]["clusters"] == 10
+    low, high = three["primary"]["reward_ci95"]
+    assert 0.0 <= low < high <= 1.0
+    # Deterministic repeats agree, so pass^k equals pass@1 and pass@k for every k.
+    assert set(three["per_task"]["pass_hat_k"]) == {"1", "2", "3"}
+    assert len(set(three["per_task"]["pass_hat_k"].values()) | set(three["per_task"]["pass_at_k"].values())) == 1
+    assert one["per_task"]["pass_hat_k"] is None
+
+
+def test_summary_json_names_its_run_and_summarize_of_legacy_traces_says_what_it_cannot_know(tmp_path: Path) -> None:
+    with start_testbed() as bed:
+        config = write_config(tmp_path, name="named", sample_size=2, extra_model="  checkpoint_id: ckpt-0042")
+        result = run(config, bed.env())
+        assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "runs/named"
+    manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    split = manifest["plan"]["task_split"]
+    assert summary["run"] == {
+        "uri": str(run_dir.resolve()),
+        "experiment": "named",
+        "model_id": "shopsim-heuristic",
+        "model_name": "shopsim-heuristic",
+        "checkpoint_id": "ckpt-0042",
+        "plan_fingerprint": manifest["plan_fingerprint"],
+        "split": {"name": "val", "task_count": split["task_count"], "task_ids_sha256": split["task_ids_sha256"]},
+        "versions": {
+            "shopsimrl": __version__, "pipeline": manifest["plan"]["pipeline_version"],
+            "fingerprint": manifest["fingerprint_version"], "manifest_schema": MANIFEST_SCHEMA_VERSION,
+            "trace_schema": TRACE_SCHEMA_VERSION, "summary_schema": SUMMARY_SCHEMA_VERSION,
+        },
+    }
+    assert "named · model shopsim-heuristic (shopsim-heuristic, checkpoint ckpt-0042) · split val" in result.stdout
+
+    resummarized = subprocess.run([sys.executable, "-m", "shopsimrl", "summarize", str(run_dir)],
+                                  capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert resummarized.returncode == 0, resummarized.stderr
+    assert json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["run"] == summary["run"]
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    shutil.copy(ROOT / "tests/fixtures/legacy_v4_traces.jsonl", legacy / "traces.jsonl")
+    old = subprocess.run([sys.executable, "-m", "shopsimrl", "summarize", str(legacy), "--requested", "6"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert old.returncode == 0, old.stderr
+    identity = json.loads((legacy / "summary.json").read_text(encoding="utf-8"))["run"]
+    assert identity["uri"] == str(legacy.resolve())
+    for key in ("experiment", "model_id", "model_name", "checkpoint_id", "plan_fingerprint"):
+        assert identity[key] is None, key
+    assert identity["split"] == {"name": None, "task_count": None, "task_ids_sha256": None}
+    assert identity["versions"]["manifest_schema"] is None and identity["versions"]["pipeline"] is None
+    assert identity["versions"]["shopsimrl"] == __version__
