@@ -592,11 +592,50 @@ def test_schema_rejects_bad_values(helm: Helm, sets: dict[str, str], message: st
         ({"job.parallelism": "9"}, "job.parallelism (9) exceeds job.shards (8)"),
         ({"job.maxFailedIndexes": "9"}, "job.maxFailedIndexes (9) exceeds job.shards (8)"),
         ({"shopsimulator.enabled": "true"}, "shopsimulator.enabled needs shopsimulator.image.repository"),
+        # default-values: 8 shards, config concurrency 32
+        ({"environment.slots": "64"}, "8 worker pods at once × concurrency 32 = 256 episodes in flight exceed the 64 "
+                                       "ShopSimulator slots (environment.slots)"),
+        ({"environment.slots": "64", "worker.concurrency": "16"}, "8 worker pods at once × concurrency 16 = 128"),
+        ({"shopsimulator.enabled": "true", "shopsimulator.image.repository": "s", "shopsimulator.image.tag": "v8",
+          "shopsimulator.slots": "100"}, "= 256 episodes in flight exceed the 100 ShopSimulator slots (shopsimulator.slots)"),
+        ({"testbed.enabled": "true", "testbed.shop.slots": "20", "job.parallelism": "2"},
+         "2 worker pods at once × concurrency 32 = 64 episodes in flight exceed the 20 ShopSimulator slots (testbed.shop.slots)"),
+        ({"shopsimulator.enabled": "true", "shopsimulator.image.repository": "s", "shopsimulator.image.tag": "v8",
+          "shopsimulator.env[0].name": "SHOPSIM_ENV_SLOTS", "shopsimulator.env[0].value": "nine"},
+         "shopsimulator.env sets SHOPSIM_ENV_SLOTS; set shopsimulator.slots instead"),
     ],
 )
 def test_inconsistent_values_fail_with_the_keys_named(helm: Helm, sets: dict[str, str], message: str) -> None:
     proc = helm.template(CHART / "ci" / "default-values.yaml", sets=sets, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_slots_that_fit_render_and_reach_the_shop_and_the_workers(helm: Helm) -> None:
+    sets = {"environment.slots": "256", "job.parallelism": "4", "worker.concurrency": "64"}  # 4 × 64 = 256: fits
+    docs = helm.render(CHART / "ci" / "default-values.yaml", sets=sets)
+    pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    for container in (*pod["initContainers"], *pod["containers"]):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["SHOPSIMRL_PARALLELISM"] == "4" and env["SHOPSIMRL_SHARDS"] == "8"
+    assert "--no-require-free-slot" in pod["initContainers"][0]["args"]  # see the template's comment
+    testbed = helm.render(CHART / "ci" / "testbed-smoke-values.yaml")
+    shop = only(testbed, "Deployment", "deployment-testbed-shop.yaml")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "SHOPSIM_ENV_SLOTS", "value": "256"} in shop["env"]
+    sets = {"shopsimulator.enabled": "true", "shopsimulator.image.repository": "s", "shopsimulator.image.tag": "v8"}
+    real = helm.render(CHART / "ci" / "default-values.yaml", sets=sets)
+    container = only(real, "Deployment", "deployment-shopsimulator.yaml")["spec"]["template"]["spec"]["containers"][0]
+    assert container["env"][0] == {"name": "SHOPSIM_ENV_SLOTS", "value": "256"}
+
+
+def test_the_shipped_manifests_and_docs_agree_on_slots() -> None:
+    """k8s/base sizes ShopSimulator for the documented example evaluation."""
+    base = yaml.safe_load((ROOT / "k8s/base/shopsimulator-deployment.yaml").read_text())
+    env = base["spec"]["template"]["spec"]["containers"][0]["env"]
+    slots = int(next(e["value"] for e in env if e["name"] == "SHOPSIM_ENV_SLOTS"))
+    docs = (ROOT / "docs/kubernetes.md").read_text()
+    example = yaml.safe_load(docs.split("A minimal `my-values.yaml` for the shared services:")[1].split("```yaml")[1].split("```")[0])
+    in_flight = example["job"]["shards"] * example["config"]["experiment"]["concurrency"]
+    assert in_flight <= slots == example["environment"]["slots"]
 
 
 def _values_tree() -> dict[str, Any]:

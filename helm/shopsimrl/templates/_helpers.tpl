@@ -263,6 +263,8 @@ Usage: include "shopsimrl.runEnv" .
   value: {{ printf "%s/%s" (include "shopsimrl.configDir" .) (include "shopsimrl.configFileName" .) | quote }}
 - name: SHOPSIMRL_SHARDS
   value: {{ .Values.job.shards | quote }}
+- name: SHOPSIMRL_PARALLELISM
+  value: {{ include "shopsimrl.podsAtOnce" . | quote }}
 - name: SHOPSIMRL_LOG_FORMAT
   value: {{ .Values.worker.logFormat | quote }}
 {{- with include "shopsimrl.modelBaseUrl" . }}
@@ -402,4 +404,61 @@ Usage: include "shopsimrl.validate" .
 {{- if and .Values.shopsimulator.enabled (or (not .Values.shopsimulator.image.repository) (not .Values.shopsimulator.image.tag)) -}}
 {{- fail "shopsimulator.enabled needs shopsimulator.image.repository and shopsimulator.image.tag" -}}
 {{- end -}}
+{{- range .Values.shopsimulator.env -}}
+{{- if eq (toString .name) "SHOPSIM_ENV_SLOTS" -}}
+{{- fail "shopsimulator.env sets SHOPSIM_ENV_SLOTS; set shopsimulator.slots instead (the sizing check reads it)" -}}
+{{- end -}}
+{{- end -}}
+{{- $slots := include "shopsimrl.shopSlots" . -}}
+{{- if $slots -}}
+{{- $pods := int (include "shopsimrl.podsAtOnce" .) -}}
+{{- $concurrency := int (include "shopsimrl.concurrency" .) -}}
+{{- if gt (mul $pods $concurrency) (int $slots) -}}
+{{- fail (printf "%d worker pods at once × concurrency %d = %d episodes in flight exceed the %s ShopSimulator slots (%s): raise the slots, lower worker.concurrency (or config experiment.concurrency), or set job.parallelism" $pods $concurrency (mul $pods $concurrency) $slots (include "shopsimrl.shopSlotsKey" .)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Worker pods running at once: job.parallelism, at most job.shards.
+*/}}
+{{- define "shopsimrl.podsAtOnce" -}}
+{{- if kindIs "invalid" .Values.job.parallelism -}}
+{{- .Values.job.shards -}}
+{{- else -}}
+{{- min (int .Values.job.parallelism) (int .Values.job.shards) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Episodes in flight per worker: worker.concurrency, else the config's experiment.concurrency, else 1.
+*/}}
+{{- define "shopsimrl.concurrency" -}}
+{{- if not (kindIs "invalid" .Values.worker.concurrency) -}}
+{{- .Values.worker.concurrency -}}
+{{- else -}}
+{{- $experiment := get (fromYaml (include "shopsimrl.configYaml" .)) "experiment" -}}
+{{- if and (kindIs "map" $experiment) (hasKey $experiment "concurrency") -}}
+{{- get $experiment "concurrency" -}}
+{{- else -}}
+1
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Slots of the ShopSimulator the workers use, when the chart deploys it or is told; empty otherwise.
+*/}}
+{{- define "shopsimrl.shopSlots" -}}
+{{- if .Values.testbed.enabled -}}
+{{- .Values.testbed.shop.slots -}}
+{{- else if .Values.shopsimulator.enabled -}}
+{{- .Values.shopsimulator.slots -}}
+{{- else if not (kindIs "invalid" .Values.environment.slots) -}}
+{{- .Values.environment.slots -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "shopsimrl.shopSlotsKey" -}}
+{{- if .Values.testbed.enabled -}}testbed.shop.slots{{- else if .Values.shopsimulator.enabled -}}shopsimulator.slots{{- else -}}environment.slots{{- end -}}
 {{- end -}}
