@@ -187,14 +187,15 @@ def start_servers(slots: int, policy_latency_ms: float, shop_latency_ms: float, 
     shop_env = {**env, "SHOPSIM_ENV_SLOTS": str(slots), "SHOPSIM_LATENCY_MS": str(shop_latency_ms)}
     policy_env = {**env, "SHOPSIM_POLICY_LATENCY_MS": str(policy_latency_ms)}
     tag = f"policy{policy_latency_ms:g}ms"
-    shop = subprocess.Popen(
-        [sys.executable, "-m", "shopsimrl", "testbed", "shop", "--port", str(shop_port)],
-        cwd=ROOT, env=shop_env, stdout=open(logs / f"shop-{tag}.log", "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    policy = subprocess.Popen(
-        [sys.executable, "-m", "shopsimrl", "testbed", "policy", "--port", str(policy_port)],
-        cwd=ROOT, env=policy_env, stdout=open(logs / f"policy-{tag}.log", "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    with open(logs / f"shop-{tag}.log", "wb") as shop_log, open(logs / f"policy-{tag}.log", "wb") as policy_log:
+        shop = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "testbed", "shop", "--port", str(shop_port)],
+            cwd=ROOT, env=shop_env, stdout=shop_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        policy = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "testbed", "policy", "--port", str(policy_port)],
+            cwd=ROOT, env=policy_env, stdout=policy_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     servers = Servers(f"http://127.0.0.1:{shop_port}", f"http://127.0.0.1:{policy_port}/v1", shop, policy)
     try:
         wait_http_ok(f"{servers.shop_url}/healthz", shop)
