@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo demo-s3 smoke smoke-llm reduce status clean
+.PHONY: install test demo demo-s3 smoke smoke-llm bench reduce status clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ smoke: $(STAMP)  ## 3 episodes against the local testbed
 
 smoke-llm: $(STAMP)  ## SmolLM2-135M on a local llama.cpp server vs the testbed shop (first run builds llama.cpp, ~5 min)
 	BIN=$(BIN) scripts/llm-smoke.sh configs/smoke_llm.yaml
+
+# The full matrix (C = 1,16,64,256,1024 × policy 0 and 200 ms): make bench BENCH_ARGS=
+BENCH_ARGS ?= --concurrency 16,64,256 --policy-latency-ms 0,200
+bench: $(STAMP)  ## throughput of `shopsimrl run` against the testbed processes (bench/throughput.py $(BENCH_ARGS))
+	$(PY) bench/throughput.py $(BENCH_ARGS)
 
 reduce: $(STAMP)  ## merge the shards of RUN=<uri> into summary.json
 	@test -n "$(RUN)" || { echo "usage: make reduce RUN=<run uri>"; exit 2; }

@@ -1,8 +1,10 @@
-"""Per-step overhead of the runtime and scheduler with zero-latency fakes, on one core.
+"""Unit cost per step of the runtime and scheduler with in-process fakes, on one core.
 
-The model and environment answer instantly (in-process), so everything measured is shopsimrl's
-own work per model call: building tools from the page, the protocol checks, conversation and
-trace bookkeeping, and (second row) persisting each trace with fsync.
+NOT the real path: the model and environment are in-process fakes that answer instantly, so no
+HTTP client, connection pool, socket or JSON over the wire is measured. What it measures is
+shopsimrl's own work per model call: building tools from the page, the protocol checks,
+conversation and trace bookkeeping, and (second row) persisting each trace with fsync. For
+throughput and CPU per step of `shopsimrl run` against real servers, use bench/throughput.py.
 
     .venv/bin/python bench/runtime_overhead.py [--episodes 400] [--steps 20]
 
@@ -95,7 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
     base = asyncio.run(ideal(args.episodes, args.steps))
-    print(f"one core, {args.episodes} episodes x {args.steps} steps, zero-latency model and environment")
+    print("UNIT COST with in-process fakes (no HTTP, no sockets): not the real path; see bench/throughput.py")
+    print(f"one core, {args.episodes} episodes x {args.steps} steps, zero-latency in-process model and environment")
     print(f"{'path':<34}{'steps/s':>10}{'us/step':>10}{'vs fakes alone':>16}")
     print(f"{'fakes alone (ideal)':<34}{args.episodes * args.steps / base:>10.0f}{base / (args.episodes * args.steps) * 1e6:>10.1f}{1.0:>16.2f}")
     for label, persist in (("runtime + scheduler", False), ("runtime + scheduler + fsync'd trace", True)):

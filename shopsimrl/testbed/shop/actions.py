@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shopsimrl.testbed.shop.catalog import Catalog
-from shopsimrl.testbed.shop.pages import BUY_NOW, Session, option_state, clickables
+from shopsimrl.testbed.shop.pages import BUY_NOW, MISROUTED_PAGE, Session, option_state, clickables
 from shopsimrl.testbed.shop.reward import purchase_record, purchase_reward, zero_reward_detail
-from shopsimrl.testbed.shop.search import SearchIndex
+from shopsimrl.testbed.shop.search import SearchIndex, ServerFault
 
 __all__ = [
     "EPISODE_LIMITS",
@@ -141,7 +141,7 @@ def _click(session: Session, target: tuple[str, ...], catalog: Catalog) -> None:
     elif kind == "page":
         session.show_results(int(target[1]))
     elif kind == "results":
-        session.show_results(session.results_page or 1)
+        session.previous_results()
     elif kind == "open":
         session.open_product(target[1], catalog)
     elif kind == "option":
@@ -164,10 +164,19 @@ def _purchase(session: Session, catalog: Catalog, feedback: dict[str, Any]) -> S
 
 
 def step(session: Session, response: str, catalog: Catalog, index: SearchIndex) -> StepResult:
-    """Run one Agent response on a live (not yet terminal) session."""
+    """Run one Agent response on a live (not yet terminal) session.
+
+    Raises :class:`ServerFault` where the real server answers 500. The action still counts; a
+    failing search or ``< prev`` changes nothing else, while an action that leaves a misrouted
+    product page in place has taken effect (option selected, feedback stored) before the 500.
+    """
     session.action_count += 1
     result = _dispatch(session, extract_action(response), catalog, index)
     session.last_action = result.feedback
+    if session.misrouted:
+        # The real server renders the page before its action-limit check, so a misrouted page
+        # fails first and the limit is applied by the first action that leaves the page.
+        raise ServerFault(MISROUTED_PAGE)
     if not result.done and session.action_count >= session.max_actions:
         # The limit-hitting action still reports its own feedback; the episode ends with zeros.
         session.done, session.termination_reason = True, "action_limit"

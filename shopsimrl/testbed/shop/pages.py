@@ -14,11 +14,12 @@ from typing import Any
 
 from shopsimrl.testbed.shop.catalog import Catalog, Product
 from shopsimrl.testbed.shop.reward import resolve_variant_price
-from shopsimrl.testbed.shop.search import PAGE_SIZE, TOP_K, SearchIndex, normalize_query
+from shopsimrl.testbed.shop.search import PAGE_SIZE, SearchIndex, ServerFault, normalize_query
 
 __all__ = [
     "BACK_TO_SEARCH",
     "BUY_NOW",
+    "MISROUTED_PAGE",
     "NEXT_PAGE",
     "OBSERVATION_VERSION",
     "PREV_PAGE",
@@ -39,6 +40,9 @@ FORBIDDEN_KEYS = frozenset({"goal", "reward", "reward_detail", "target_asin", "a
 _ASIN = re.compile(r"^\d{8,12}$")
 
 SEARCH_HOME, SEARCH_RESULTS, PRODUCT_DETAIL, TERMINAL = "search_home", "search_results", "product_detail", "terminal"
+# The real server's error when it renders a misrouted product page (Session.misrouted) as a results
+# page: the results page's product ASINs are not among the product page's actions.
+MISROUTED_PAGE = "model-visible search ASINs differ from environment-actionable ASINs"
 
 
 class ObservationError(ValueError):
@@ -78,12 +82,35 @@ class Session:
         return self.result_asins[(page - 1) * PAGE_SIZE : page * PAGE_SIZE]
 
     def search(self, arg: str, index: SearchIndex) -> None:
-        """A new query every time; shows page 1."""
-        self.keywords = arg.split(" ")
-        self.normalized_query = normalize_query(" ".join(self.keywords))
+        """A new query every time; shows page 1. A failing search (ServerFault) changes nothing."""
+        keywords = arg.split(" ")
+        self.result_asins = index.results(keywords)
+        self.keywords = keywords
+        self.normalized_query = normalize_query(" ".join(keywords))
         self.search_count += 1
-        self.result_asins = index.search(" ".join(self.keywords), k=TOP_K)
         self.show_results(1)
+
+    @property
+    def misrouted(self) -> bool:
+        """The real server would take this product page for a results page (see MISROUTED_PAGE).
+
+        It names its pages by URL, tests ``"search_results" in url`` first, and a product page's
+        URL embeds the search keywords and the selected options (as ASCII-escaped JSON).
+        """
+        if self.page != PRODUCT_DETAIL:
+            return False
+        url_parts = "+".join(self.keywords or []) + json.dumps(self.options)
+        return SEARCH_RESULTS in url_parts
+
+    def previous_results(self) -> None:
+        """``< prev`` on a product page: back to its results page, or, misrouted, the one before."""
+        page = self.results_page or 1
+        if self.misrouted:
+            # The real server handles the click as "< prev" on a results page: page - 1.
+            page -= 1
+            if page < 1:
+                raise ServerFault("search result page must be positive")
+        self.show_results(page)
 
     def show_results(self, page: int) -> None:
         """Show a page of the cached results; leaving a product forgets its options."""
@@ -180,6 +207,8 @@ def _summary(product: Product, rank: int | None = None) -> dict[str, Any]:
 
 def build_observation_state(session: Session, catalog: Catalog) -> dict[str, Any]:
     """The public page state; it is derived from the session only."""
+    if session.misrouted:
+        raise ServerFault(MISROUTED_PAGE)
     state: dict[str, Any] = {
         "observation_version": OBSERVATION_VERSION,
         "page_type": session.page,

@@ -3,10 +3,15 @@
 Every field is pre-tokenized (Chinese bigrams plus Latin/number tokens) before it is stored, so
 FTS5's ``unicode61`` tokenizer only splits on the spaces between those tokens and Chinese lookup
 does not depend on any machine-local segmenter. The index lives in memory and is built at start-up.
+
+A search action goes through :meth:`SearchIndex.results`, which also keeps the real server's
+WebShop-era prefixes: ``<r>`` samples 150 random products, ``<c> CATEGORY`` lists one exact
+category in catalog order, and ``<a> …`` / a bare ``<c>`` fail with HTTP 500 (see docs/testbed.md).
 """
 
 from __future__ import annotations
 
+import random
 import re
 import sqlite3
 import threading
@@ -24,6 +29,7 @@ __all__ = [
     "SEARCH_VERSION",
     "TOP_K",
     "SearchIndex",
+    "ServerFault",
     "normalize_query",
     "product_fields",
     "search_tokens",
@@ -52,6 +58,18 @@ _MODEL = re.compile(
     r"[a-z0-9]+(?:[._+\-/][a-z0-9]+)*(?![a-z0-9])"
 )
 
+
+class ServerFault(Exception):
+    """A request the real server fails with HTTP 500 and ``str(exc)`` as ``result.error``.
+
+    The testbed reproduces these failures on purpose, with the real texts (they are the Python
+    exception messages of the real server's code path), so that an agent that triggers one fails
+    here as it would there.
+    """
+
+
+# The old WebShop search prefixes, matched against the first space-separated keyword exactly.
+RANDOM_PREFIX, ATTRIBUTE_PREFIX, CATEGORY_PREFIX = "<r>", "<a>", "<c>"
 
 _CURRENCY_WORD = re.compile(r"(?<=\d)\s*(?:rmb|cny|yuan)\b")
 _PUNCTUATION = re.compile(r"[，,。；;：:！!？?、|]+")
@@ -133,6 +151,10 @@ class SearchIndex:
     """In-memory FTS5 index; ``search`` returns up to ``TOP_K`` ASINs, best first."""
 
     def __init__(self, products: Iterable[Product]) -> None:
+        # Catalog order and categories serve the legacy prefixes; the unseeded generator makes
+        # every <r> search a fresh sample, as the real server's module-level ``random`` does.
+        self._catalog_order: list[tuple[str, str]] = []
+        self._random = random.Random()
         # One connection shared by the event loop; the lock covers use from other threads.
         self._db = sqlite3.connect(":memory:", check_same_thread=False)
         self._lock = threading.Lock()
@@ -147,6 +169,7 @@ class SearchIndex:
             if product.asin in seen:
                 continue
             seen.add(product.asin)
+            self._catalog_order.append((product.asin, product.category))
             fields = product_fields(product)
             rows.append((product.asin, *(_indexed_text(fields[f]) for f in FIELDS)))
         self._db.executemany("INSERT INTO products VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
@@ -167,6 +190,24 @@ class SearchIndex:
         query = " OR ".join(f'"{token}"' for token in tokens)
         with self._lock:
             return [row[0] for row in self._db.execute(self._sql, (query, int(k)))]
+
+    def results(self, keywords: list[str]) -> list[str]:
+        """The result list of ``search[ARG]``, where ``keywords`` is ARG split on single spaces."""
+        head = keywords[0] if keywords else ""
+        if head == RANDOM_PREFIX:
+            try:
+                return [asin for asin, _ in self._random.sample(self._catalog_order, k=TOP_K)]
+            except ValueError as exc:  # a catalog of fewer than 150 products: the same 500 as there
+                raise ServerFault(str(exc)) from None
+        if head == ATTRIBUTE_PREFIX:
+            # The real server never passes its attribute table to the search, so it indexes None.
+            raise ServerFault("'NoneType' object is not subscriptable")
+        if head == CATEGORY_PREFIX:
+            if len(keywords) < 2:
+                raise ServerFault("list index out of range")
+            category = keywords[1].strip()  # only the second keyword; every match, no top-150 cut
+            return [asin for asin, product_category in self._catalog_order if product_category == category]
+        return self.search(" ".join(keywords), k=TOP_K)
 
     def close(self) -> None:
         with self._lock:

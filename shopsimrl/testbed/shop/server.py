@@ -31,7 +31,7 @@ from shopsimrl.testbed.serving import serve_forever
 from shopsimrl.testbed.shop.actions import EPISODE_LIMITS, step, terminate
 from shopsimrl.testbed.shop.catalog import Catalog, load_catalog
 from shopsimrl.testbed.shop.pages import OBSERVATION_VERSION, Session, build_observation_state, render_observation_state
-from shopsimrl.testbed.shop.search import SearchIndex
+from shopsimrl.testbed.shop.search import SearchIndex, ServerFault
 
 __all__ = ["ENVIRONMENT_VERSION", "DEFAULT_CATALOG", "LeasePool", "ShopSettings", "create_app", "serve"]
 
@@ -295,6 +295,9 @@ class ShopService:
             return failure.status, {"error": str(failure)}
         except _ClientGone:
             return 499, {"error": "client closed the connection while its reset was queued"}
+        except ServerFault as fault:  # a mirrored failure of the real server, not a testbed bug
+            _log.info("%s answered 500 as the real server does: %s", action, fault)
+            return 500, {"error": str(fault)}
         except KeyError as exc:  # the real server reports str() of a KeyError, quotes included
             return 500, {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - every failure is answered, as the real server does
@@ -438,6 +441,12 @@ class ShopService:
         }
 
 
+_INTERNAL_ERROR_PAGE = (
+    "<!doctype html>\n<html lang=en>\n<title>500 Internal Server Error</title>\n"
+    "<h1>Internal Server Error</h1>\n<p>The server encountered an internal error and was unable to "
+    "complete your request. Either the server is overloaded or there is an error in the application.</p>\n"
+)
+
 _UI_PAGE = (
     "<!doctype html><html><head><meta charset='utf-8'><title>ShopSimulator testbed</title></head>"
     "<body><p>ShopSimulator testbed stand-in: this {what} is not provided. "
@@ -467,7 +476,9 @@ def create_app(settings: ShopSettings | None = None, *, catalog_path: str | Path
         if data is None:  # the real server answers this one with status 200
             return _json({"result": {"error": "No JSON data provided"}})
         if not isinstance(data, dict):
-            return _json({"result": {"error": f"the JSON body must be an object, got {type(data).__name__}"}}, 400)
+            # JSON that is not an object (array, string, number, true/false) crashes the real
+            # server's handler before its own error handling: its framework's HTML 500 page.
+            return HTMLResponse(_INTERNAL_ERROR_PAGE, status_code=500)
         if data.get("action") != "reset":
             status, result = await service.handle(data)
             return _json({"result": result}, status)
