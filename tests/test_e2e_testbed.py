@@ -25,7 +25,11 @@ def run(config: Path, env: dict[str, str], *args: str, timeout: float = 240) -> 
 
 
 def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "traces.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    """Every whole record; a line torn by kill -9 (even inside a UTF-8 sequence) is skipped."""
+    from shopsimrl.store import parse_trace_line
+
+    lines = (run_dir / "traces.jsonl").read_bytes().split(b"\n")
+    return [record for record in map(parse_trace_line, lines) if record is not None]
 
 
 def test_smoke_config_completes_and_releases_every_lease(tmp_path: Path) -> None:

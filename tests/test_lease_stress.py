@@ -27,9 +27,11 @@ from tests.testbed_process import ROOT, LocalTestbed, start_testbed, write_confi
 pytestmark = pytest.mark.slow
 
 SEED = 20261130
-LOCAL_TRIALS = 24
-SHARDED_TRIALS = 20
-KILL_TRIALS = 10
+# SHOPSIMRL_LEASE_TRIALS="local,sharded,kill" scales the trials up for a reliability measurement
+# (docs/benchmarks.md); the defaults are what the suite runs.
+LOCAL_TRIALS, SHARDED_TRIALS, KILL_TRIALS = (
+    int(n) for n in os.environ.get("SHOPSIMRL_LEASE_TRIALS", "24,20,10").split(",")
+)
 SLOTS = 2
 
 
@@ -86,6 +88,7 @@ def test_local_runs_release_every_lease_on_sigterm_and_sigint(bed: LocalTestbed,
         assert code in (0, 3), f"{context}: exit {code}\n{stderr[-3000:]}"
         assert "Traceback" not in stderr, f"{context}\n{stderr[-3000:]}"
         assert_all_free(bed, context, stderr)
+    print(f"local runs: {LOCAL_TRIALS} SIGTERM/SIGINT trials, 0 slots leaked")
 
 
 def test_sharded_runs_release_every_lease_on_ctrl_c_and_sigterm(bed: LocalTestbed, tmp_path: Path) -> None:
@@ -117,6 +120,7 @@ def test_sharded_runs_release_every_lease_on_ctrl_c_and_sigterm(bed: LocalTestbe
         assert code in (0, 1, 3), f"{context}: exit {code}\n{stderr[-3000:]}"
         assert "Traceback" not in stderr, f"{context}\n{stderr[-3000:]}"
         assert_all_free(bed, context, stderr)
+    print(f"sharded runs: {SHARDED_TRIALS} Ctrl-C/SIGTERM trials, 0 slots leaked")
 
 
 def recovery_lines(stderr: str) -> list[dict]:
