@@ -154,11 +154,16 @@ class EnvironmentEpisode(Protocol):
 
 
 class LeaseObserver(Protocol):
-    """Told of every change in the leases a process holds (a lease journal listens here)."""
+    """Told of every lease event of a process, as it happens (a lease journal listens here)."""
 
-    def leases_changed(self, held: Mapping[int, str], resets_in_flight: int) -> None:
-        """``held``: ``env_idx → lease_id`` not yet released; ``resets_in_flight``: resets sent
-        and not yet answered (a lease the server may grant that nobody knows yet)."""
+    def reset_sent(self) -> None:
+        """A reset is about to leave the process: from now on the server may grant it a slot."""
+
+    def reset_answered(self, lease: tuple[int, str] | None) -> None:
+        """The reset came back: with ``(env_idx, lease_id)``, or without a lease (a failure)."""
+
+    def lease_released(self, env_idx: int, lease_id: str) -> None:
+        """The server confirmed the release (or no longer knew the lease)."""
 
 
 @runtime_checkable
@@ -494,12 +499,12 @@ class ShopSimulatorEnvironment:
         task.add_done_callback(self._background.discard)
         return task
 
-    def _leases_changed(self) -> None:
+    def _observe(self, event: str, *args: Any) -> None:
         if self.lease_observer is not None:
             try:
-                self.lease_observer.leases_changed(dict(self._unreleased), self._resets_in_flight)
+                getattr(self.lease_observer, event)(*args)
             except Exception as exc:  # a journal problem must not break the episode
-                _log.warning("lease observer failed", error=f"{type(exc).__name__}: {exc}")
+                _log.warning("lease observer failed", lease_event=event, error=f"{type(exc).__name__}: {exc}")
 
     async def _request_lease(self, payload: dict[str, Any], state: _ResetState) -> dict[str, Any]:
         """Take a permit, send the reset, record the lease; the permit stays taken until the
@@ -512,27 +517,28 @@ class ShopSimulatorEnvironment:
                 if self._permits is None:
                     self._permits = asyncio.Semaphore(self._lease_limit)
                 await self._permits.acquire()
+            state.sent = True  # from here on the server may grant a slot for this request
+            self._resets_in_flight += 1
+            self._observe("reset_sent")
+            lease: tuple[int, str] | None = None
             try:
-                state.sent = True  # from here on the server may grant a slot for this request
-                self._resets_in_flight += 1
-                self._leases_changed()
-                try:
-                    result = await self._call("reset", payload, timeout=self._reset_timeout(), policy=_RESET)
-                finally:
-                    self._resets_in_flight -= 1
+                result = await self._call("reset", payload, timeout=self._reset_timeout(), policy=_RESET)
                 env_idx, lease_id = result.get("env_idx"), result.get("lease_id")
                 if isinstance(env_idx, bool) or not isinstance(env_idx, int):
                     raise _contract_error("reset", f"needs an integer 'env_idx', got {env_idx!r}")
                 if not isinstance(lease_id, str) or not lease_id:
                     raise _contract_error("reset", f"needs a non-empty string 'lease_id', got {lease_id!r}")
+                lease = (env_idx, lease_id)
             except BaseException:
                 self._return_permit()
-                self._leases_changed()
                 raise
+            finally:
+                self._resets_in_flight -= 1
+                if lease is not None:
+                    self._unreleased[lease[0]] = lease[1]
+                self._observe("reset_answered", lease)
         finally:
             self._waiting.pop(id(state), None)
-        self._unreleased[env_idx] = lease_id
-        self._leases_changed()
         return result
 
     def _return_permit(self) -> None:
@@ -563,7 +569,7 @@ class ShopSimulatorEnvironment:
         if self._unreleased.get(env_idx) == lease_id:
             del self._unreleased[env_idx]
         self._return_permit()
-        self._leases_changed()
+        self._observe("lease_released", env_idx, lease_id)
 
     def _abandon(self, request: asyncio.Task[dict[str, Any]], state: _ResetState) -> None:
         """Nobody waits for ``request`` any more: cancel it while it has not been sent (it only
@@ -601,7 +607,8 @@ class ShopSimulatorEnvironment:
                 continue
             last_report = now
             try:
-                usage = await asyncio.wait_for(self.slot_usage(), timeout=min(10.0, self.settings.timeout))
+                async with asyncio.timeout(min(10.0, self.settings.timeout)):
+                    usage = await self.slot_usage()
                 pool = usage.describe()
             except Exception as exc:  # the report itself must never fail an episode
                 pool = f"/healthz unavailable: {type(exc).__name__}"
@@ -797,18 +804,21 @@ class ShopSimulatorEpisode:
         # its lease released.
         state = _ResetState(time.monotonic())
         request = asyncio.ensure_future(self._env._request_lease(payload, state))
+        # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+        # arrives as the request completes, and the episode would run on after a stop.
         try:
-            result = await asyncio.wait_for(asyncio.shield(request), timeout=settings.reset_timeout)
-        except TimeoutError:
+            done, _ = await asyncio.wait({request}, timeout=settings.reset_timeout)
+        except asyncio.CancelledError:
+            self._env._abandon(request, state)
+            raise
+        if not done:
             self._env._abandon(request, state)
             raise EnvironmentUnavailableError(
                 f"ShopSimulator reset of task {task_id} got no free slot within reset_timeout="
                 f"{settings.reset_timeout}s; the request stays queued and a lease granted later is released at once",
                 action="reset",
-            ) from None
-        except asyncio.CancelledError:
-            self._env._abandon(request, state)
-            raise
+            )
+        result = request.result()
         # Own the lease before any other check, so close() always releases it.
         self.env_idx, self.lease_id = result["env_idx"], result["lease_id"]
         observation_version = _check_public_state("reset", result)

@@ -2,15 +2,19 @@
 
 ShopSimulator leases never expire: a process killed outright (kill -9, an OOM kill, a node
 lost) keeps its slots leased until someone calls ``release_all``. So every process that runs
-episodes writes a journal — one small JSON object per process, replaced whenever its leases
-change — and a process that starts on the same run (or shard) first releases the leases that
-dead predecessors left in theirs.
+episodes keeps a journal, and a process that starts on the same run (or shard) first releases
+the leases that dead predecessors left in theirs.
 
-Where the journals live:
+Where and how the journals are kept:
 
-- a local run: ``<run dir>/leases/<writer>.json`` (the run directory is locked to one process);
-- a sharded run: ``<run>/leases/<shard>/<writer>.json`` in the run's store (local or ``s3://``),
-  so a replacement pod on another node finds them.
+- on a local disk (a local run: ``<run dir>/leases/``; a sharded run in a directory:
+  ``<run>/leases/<shard>/``), ``<writer>.jsonl`` is an append-only event log — a header line,
+  then one short line per event (reset sent, reset answered with or without a lease, lease
+  released), written with one ``write()`` before the adapter goes on: a reset is journaled as in
+  flight before it is sent. It is compacted when it grows, and deleted when nothing is held;
+- on an object store (``s3://…/leases/<shard>/``), ``<writer>.json`` is a snapshot of the state,
+  replaced by a writer task at most every ``min_interval`` seconds (every PUT is billed), so
+  bursts of changes coalesce.
 
 Which journals are released: those of processes that are provably gone — on this host (same
 hostname and PID namespace) when the PID is dead or belongs to a newer process; on another host
@@ -20,9 +24,8 @@ one shard at once on different hosts is outside that contract.
 
 What can still leak after kill -9 (docs/sharded_runs.md, "Leases"): resets that were in flight
 when the process died — the server grants them, now or once a slot frees, to nobody. On a local
-disk the journal is written before each reset is sent, so it records exactly how many; on an
-object store it lags by up to ``min_interval`` plus one PUT, and leases granted in that window
-can leak too.
+disk the journal records exactly how many; on an object store it lags by up to ``min_interval``
+plus one PUT, and leases granted in that window can leak too.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import json
 import os
 import secrets
 import socket
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -47,95 +49,30 @@ from shopsimrl.schemas import redact_uri
 __all__ = [
     "JOURNAL_SCHEMA_VERSION",
     "DirectoryJournalStorage",
+    "JournalState",
     "JournalStorage",
-    "JournalSummary",
     "LeaseJournal",
-    "ProcessIdentity",
     "LeasePlan",
+    "ProcessIdentity",
     "RecoveryReport",
     "StoreJournalStorage",
+    "parse_journal",
     "read_journals",
     "shard_journal_storage",
     "start_lease_tracking",
 ]
 
 JOURNAL_SCHEMA_VERSION = "shopsimrl-lease-journal-v1"
+_LOG_SUFFIX, _SNAPSHOT_SUFFIX = ".jsonl", ".json"
 
 log = structlog.get_logger("shopsimrl.leases")
 
 
-class JournalStorage(Protocol):
-    """Where one run's (or shard's) journals are kept: whole small objects by name."""
-
-    display: str
-    write_through: bool
-    """Cheap enough to write on every change, synchronously (a local disk)."""
-
-    def names(self) -> list[str]: ...
-
-    def read(self, name: str) -> bytes | None: ...
-
-    def write(self, name: str, data: bytes) -> None: ...
-
-    def delete(self, name: str) -> None: ...
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
 
 
-class DirectoryJournalStorage:
-    """Journals as files in a local directory (replaced atomically, no fsync: kill -9 of the
-    process, not a power cut, is what they guard against)."""
-
-    write_through = True
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = Path(directory)
-        self.display = str(self.directory)
-
-    def names(self) -> list[str]:
-        try:
-            return sorted(p.name for p in self.directory.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
-        except FileNotFoundError:
-            return []
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            return (self.directory / name).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def write(self, name: str, data: bytes) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.directory / f".{name}.{os.getpid()}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, self.directory / name)
-
-    def delete(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            (self.directory / name).unlink()
-        with contextlib.suppress(OSError):  # only succeeds once no journal is left
-            self.directory.rmdir()
-
-
-class StoreJournalStorage:
-    """Journals as objects under a prefix of a sharded run's store (any fsspec location)."""
-
-    write_through = False
-
-    def __init__(self, store: Any, prefix: str) -> None:
-        self.store = store
-        self.prefix = prefix.strip("/")
-        self.display = f"{store.display_uri}/{self.prefix}"
-
-    def names(self) -> list[str]:
-        return [name for name in self.store.listdir(self.prefix) if name.endswith(".json")]
-
-    def read(self, name: str) -> bytes | None:
-        return self.store.read_bytes(f"{self.prefix}/{name}")
-
-    def write(self, name: str, data: bytes) -> None:
-        self.store.overwrite(f"{self.prefix}/{name}", data)
-
-    def delete(self, name: str) -> None:
-        self.store.delete(f"{self.prefix}/{name}")
+# --------------------------------------------------------------------------- process identity
 
 
 def _process_start_ticks(pid: int) -> int | None:
@@ -178,8 +115,7 @@ class ProcessIdentity:
     def from_dict(cls, data: Any) -> ProcessIdentity | None:
         if not isinstance(data, dict) or not isinstance(data.get("host"), str) or not isinstance(data.get("pid"), int):
             return None
-        started = data.get("started")
-        namespace = data.get("pid_namespace")
+        started, namespace = data.get("started"), data.get("pid_namespace")
         return cls(
             data["host"],
             data["pid"],
@@ -188,8 +124,8 @@ class ProcessIdentity:
         )
 
     def is_alive(self) -> bool:
-        """False when provably gone; True when it runs here, or cannot be checked from here but
-        may (never: another host or PID namespace is taken as gone, see the module docstring)."""
+        """False when provably gone, or when it ran on another host or in another PID namespace
+        (taken as gone: see the module docstring); True when it runs here."""
         here = ProcessIdentity.current()
         if self.host != here.host or self.pid_namespace != here.pid_namespace:
             return False
@@ -206,73 +142,200 @@ class ProcessIdentity:
         return True
 
 
-@dataclass
-class RecoveryReport:
-    released: int = 0
-    """Leases a stopped process held that are now free again."""
-    already_gone: int = 0
-    """Leases the server no longer knew (released earlier, reassigned, server restarted)."""
-    failed: int = 0
-    """Leases that could not be released now; their journal is kept for the next start."""
-    journals: list[str] = field(default_factory=list)
-    skipped_live: list[str] = field(default_factory=list)
-    resets_in_flight_at_stop: int = 0
-    """Resets the stopped processes had sent without an answer: if the server granted them, those
-    slots are leaked for good (``shopsimrl env release-all``)."""
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat()
+# --------------------------------------------------------------------------- journal contents
 
 
 @dataclass
-class JournalSummary:
-    """One journal as ``status`` shows it."""
+class JournalState:
+    """What one journal says: whose it is and what that process held."""
 
-    name: str
-    leases: int
-    resets_in_flight: int
+    writer: str
+    process: ProcessIdentity | None
     environment: str | None
-    updated_at: str | None
-    alive: bool | None
-    """False: its process is provably gone (its leases are released when the shard restarts)."""
+    held: dict[int, str] = field(default_factory=dict)
+    resets_in_flight: int = 0
+    updated_at: str | None = None
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "schema_version": JOURNAL_SCHEMA_VERSION,
+            "writer": self.writer,
+            "process": self.process.to_dict() if self.process else None,
+            "environment": self.environment,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self.header(),
+            "updated_at": _now(),
+            "resets_in_flight": self.resets_in_flight,
+            "leases": [{"env_idx": env_idx, "lease_id": lease_id} for env_idx, lease_id in sorted(self.held.items())],
+        }
+
+    def apply(self, event: dict[str, Any]) -> None:
+        """One event line of a local journal."""
+        if "sent" in event:
+            self.resets_in_flight += 1
+        elif "answered" in event:
+            self.resets_in_flight = max(0, self.resets_in_flight - 1)
+            lease = event["answered"]
+            if lease is not None:
+                self.held[int(lease[0])] = str(lease[1])
+        elif "released" in event:
+            env_idx, lease_id = int(event["released"][0]), str(event["released"][1])
+            if self.held.get(env_idx) == lease_id:
+                del self.held[env_idx]
+        if isinstance(event.get("at"), str):
+            self.updated_at = event["at"]
 
 
-def read_journals(storage: JournalStorage) -> list[JournalSummary]:
-    summaries = []
-    for name in storage.names():
-        raw = storage.read(name)
+def parse_journal(name: str, raw: bytes) -> JournalState:
+    """Read a journal: an event log (``.jsonl``) or a snapshot (``.json``). Raises ValueError."""
+    lines = [line for line in raw.split(b"\n") if line.strip()]
+    if not lines:
+        raise ValueError("empty journal")
+    head = json.loads(lines[0])
+    if not isinstance(head, dict) or head.get("schema_version") != JOURNAL_SCHEMA_VERSION:
+        raise ValueError(f"not a lease journal of version {JOURNAL_SCHEMA_VERSION}")
+    environment = head.get("environment")
+    state = JournalState(
+        str(head.get("writer", "")),
+        ProcessIdentity.from_dict(head.get("process")),
+        environment if isinstance(environment, str) else None,
+    )
+    if name.endswith(_LOG_SUFFIX):
+        for line in lines[1:]:
+            try:
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    state.apply(event)
+            except (ValueError, TypeError, IndexError, KeyError):
+                continue  # a torn last line (kill -9 in the middle of a write)
+        return state
+    state.held = {int(e["env_idx"]): str(e["lease_id"]) for e in head.get("leases", [])}
+    in_flight = head.get("resets_in_flight")
+    state.resets_in_flight = in_flight if isinstance(in_flight, int) and in_flight > 0 else 0
+    state.updated_at = head.get("updated_at") if isinstance(head.get("updated_at"), str) else None
+    return state
+
+
+# --------------------------------------------------------------------------- storage
+
+
+class JournalStorage(Protocol):
+    """Where one run's (or shard's) journals are kept."""
+
+    display: str
+    appends: bool
+    """True: a local directory, journals are event logs appended line by line."""
+
+    def names(self) -> list[str]: ...
+
+    def read(self, name: str) -> bytes | None: ...
+
+    def write(self, name: str, data: bytes) -> None: ...
+
+    def delete(self, name: str) -> None: ...
+
+
+class DirectoryJournalStorage:
+    """Journals as files in a local directory. No fsync: kill -9 of the process, not a power
+    cut, is what they guard against, and the page cache survives the process."""
+
+    appends = True
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.display = str(self.directory)
+        self._fds: dict[str, int] = {}
+
+    def names(self) -> list[str]:
         try:
-            document = json.loads(raw.decode("utf-8")) if raw else None
-        except (UnicodeDecodeError, ValueError):
-            document = None
-        if not isinstance(document, dict):
-            continue
-        owner = ProcessIdentity.from_dict(document.get("process"))
-        leases = document.get("leases")
-        in_flight = document.get("resets_in_flight")
-        summaries.append(
-            JournalSummary(
-                name,
-                len(leases) if isinstance(leases, list) else 0,
-                in_flight if isinstance(in_flight, int) else 0,
-                document.get("environment") if isinstance(document.get("environment"), str) else None,
-                document.get("updated_at") if isinstance(document.get("updated_at"), str) else None,
-                None if owner is None else owner.is_alive(),
+            return sorted(
+                p.name for p in self.directory.iterdir()
+                if p.suffix in (_LOG_SUFFIX, _SNAPSHOT_SUFFIX) and not p.name.startswith(".")
             )
-        )
-    return summaries
+        except FileNotFoundError:
+            return []
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            return (self.directory / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def append(self, name: str, line: bytes) -> None:
+        fd = self._fds.get(name)
+        if fd is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = self._fds[name] = os.open(self.directory / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(fd, line)
+
+    def write(self, name: str, data: bytes) -> None:
+        """Replace the whole file atomically (compaction)."""
+        self._close(name)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f".{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.directory / name)
+
+    def delete(self, name: str) -> None:
+        self._close(name)
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / name).unlink()
+        with contextlib.suppress(OSError):  # only succeeds once no journal is left
+            self.directory.rmdir()
+
+    def _close(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+
+class StoreJournalStorage:
+    """Journal snapshots as objects under a prefix of a sharded run's store (``s3://…``)."""
+
+    appends = False
+
+    def __init__(self, store: Any, prefix: str) -> None:
+        self.store = store
+        self.prefix = prefix.strip("/")
+        self.display = f"{store.display_uri}/{self.prefix}"
+
+    def names(self) -> list[str]:
+        return [n for n in self.store.listdir(self.prefix) if n.endswith((_LOG_SUFFIX, _SNAPSHOT_SUFFIX))]
+
+    def read(self, name: str) -> bytes | None:
+        return self.store.read_bytes(f"{self.prefix}/{name}")
+
+    def write(self, name: str, data: bytes) -> None:
+        self.store.overwrite(f"{self.prefix}/{name}", data)
+
+    def delete(self, name: str) -> None:
+        self.store.delete(f"{self.prefix}/{name}")
+
+
+def shard_journal_storage(store: Any, shard: int) -> JournalStorage:
+    """Where the journals of one shard live: a plain directory when the run is on a local disk,
+    else objects in the run's store."""
+    prefix = f"leases/{shard:05d}"
+    if store.local:
+        return DirectoryJournalStorage(Path(store.path(prefix)))
+    return StoreJournalStorage(store, prefix)
+
+
+# --------------------------------------------------------------------------- the journal
+
+
+def _line(value: Any) -> bytes:
+    return (json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
 
 
 class LeaseJournal:
-    """One process's journal (a :class:`~shopsimrl.environment.LeaseObserver`).
+    """One process's journal: a :class:`~shopsimrl.environment.LeaseObserver`."""
 
-    On a local disk (``storage.write_through``) every change is written before the adapter's
-    next step, so a reset is journaled as in flight before it is sent: after kill -9, exactly the
-    resets in flight can have leaked. On an object store a writer task replaces the journal
-    with the latest state, at most every ``min_interval`` seconds (every PUT is billed): bursts
-    coalesce, and kill -9 can lose up to that much more.
-    """
+    _COMPACT_AFTER = 512
+    """Event lines before a local log is rewritten as its current state (and per lease held)."""
 
     def __init__(
         self, storage: JournalStorage, *, environment_url: str, writer: str | None = None, min_interval: float = 1.0
@@ -280,74 +343,81 @@ class LeaseJournal:
         self.storage = storage
         self.min_interval = min_interval
         self.writer = writer or secrets.token_hex(4)
-        self.name = f"{self.writer}.json"
-        self.environment_url = redact_uri(environment_url)
-        self.identity = ProcessIdentity.current()
-        self._held: dict[int, str] = {}
-        self._in_flight = 0
+        self.name = self.writer + (_LOG_SUFFIX if storage.appends else _SNAPSHOT_SUFFIX)
+        self.state = JournalState(self.writer, ProcessIdentity.current(), redact_uri(environment_url))
+        self._lines = 0
+        self._exists = False
         self._dirty: asyncio.Event | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._exists = False
         self._failures = 0
 
     # -- LeaseObserver
 
-    def leases_changed(self, held: Mapping[int, str], resets_in_flight: int) -> None:
-        self._held = dict(held)
-        self._in_flight = resets_in_flight
-        if self.storage.write_through:
-            try:
-                self._apply()
-            except OSError as exc:  # the run goes on; only a later kill -9 would lose more
-                self._write_failed(exc)
-        elif self._dirty is not None:
-            self._dirty.set()
+    def reset_sent(self) -> None:
+        self._event({"sent": 1})
+
+    def reset_answered(self, lease: tuple[int, str] | None) -> None:
+        self._event({"answered": list(lease) if lease else None})
+
+    def lease_released(self, env_idx: int, lease_id: str) -> None:
+        self._event({"released": [env_idx, lease_id]})
+
+    def _event(self, event: dict[str, Any]) -> None:
+        self.state.apply(event)
+        if not self.storage.appends:
+            if self._dirty is not None:
+                self._dirty.set()
+            return
+        try:
+            assert isinstance(self.storage, DirectoryJournalStorage)
+            if not self._exists or self._lines >= self._COMPACT_AFTER + 4 * len(self.state.held):
+                self._compact()
+            else:
+                self.storage.append(self.name, _line(event))
+                self._lines += 1
+        except OSError as exc:  # the run goes on; only a later kill -9 would lose more
+            self._write_failed(exc)
+
+    def _compact(self) -> None:
+        """Rewrite the log as header + the current state (one event per lease and per reset)."""
+        events = [{"answered": [env_idx, lease_id]} for env_idx, lease_id in self.state.held.items()]
+        events += [{"sent": 1}] * self.state.resets_in_flight
+        self.storage.write(self.name, b"".join(_line(e) for e in [{**self.state.header(), "at": _now()}, *events]))
+        self._exists, self._lines = True, len(events)
 
     # -- lifecycle
 
     async def start(self) -> None:
-        if not self.storage.write_through:
+        if not self.storage.appends:
             self._dirty = asyncio.Event()
-            self._task = asyncio.ensure_future(self._write_changes())
+            self._task = asyncio.ensure_future(self._write_snapshots())
 
     async def aclose(self, timeout: float = 30.0) -> None:
-        """Write the final state: no journal when nothing is held, else one kept for the next
-        start (leases whose release could not be confirmed)."""
+        """The final state: no journal when nothing is held, else one kept for the next start
+        (leases whose release could not be confirmed)."""
         self._closing = True
         try:
             if self._task is None:
-                await asyncio.wait_for(asyncio.to_thread(self._apply), timeout)
+                await asyncio.to_thread(self._finish_local)
                 return
             assert self._dirty is not None
             self._dirty.set()
-            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            done, _ = await asyncio.wait({self._task}, timeout=timeout)
+            if not done:
+                raise TimeoutError(f"the last snapshot took longer than {timeout:g} s")
+            self._task.result()
         except Exception as exc:  # a late or failed journal never fails the run
             log.warning(
                 "lease journal not finalised", journal=f"{self.storage.display}/{self.name}", error=f"{type(exc).__name__}: {exc}"
             )
 
-    def document(self) -> dict[str, Any]:
-        return {
-            "schema_version": JOURNAL_SCHEMA_VERSION,
-            "writer": self.writer,
-            "process": self.identity.to_dict(),
-            "environment": self.environment_url,
-            "updated_at": _now(),
-            "resets_in_flight": self._in_flight,
-            "leases": [{"env_idx": env_idx, "lease_id": lease_id} for env_idx, lease_id in sorted(self._held.items())],
-        }
-
-    def _apply(self) -> None:
-        """Make the stored journal match the state: present while anything is held or in flight."""
-        if self._held or self._in_flight:
-            data = (json.dumps(self.document(), ensure_ascii=False, indent=1) + "\n").encode("utf-8")
-            self.storage.write(self.name, data)
-            self._exists = True
+    def _finish_local(self) -> None:
+        if self.state.held or self.state.resets_in_flight:
+            self._compact()
         elif self._exists:
             self.storage.delete(self.name)
             self._exists = False
-        self._failures = 0
 
     def _write_failed(self, exc: BaseException) -> None:
         self._failures += 1
@@ -356,14 +426,24 @@ class LeaseJournal:
                 "lease journal write failed", journal=f"{self.storage.display}/{self.name}", error=f"{type(exc).__name__}: {exc}"
             )
 
-    async def _write_changes(self) -> None:
+    def _sync_snapshot(self) -> None:
+        """Make the stored snapshot match the state: present while anything is held or in flight."""
+        if self.state.held or self.state.resets_in_flight:
+            self.storage.write(self.name, _line(self.state.snapshot()))
+            self._exists = True
+        elif self._exists:
+            self.storage.delete(self.name)
+            self._exists = False
+        self._failures = 0
+
+    async def _write_snapshots(self) -> None:
         assert self._dirty is not None
         while True:
             await self._dirty.wait()
             self._dirty.clear()
             final = self._closing
             try:
-                await asyncio.to_thread(self._apply)
+                await asyncio.to_thread(self._sync_snapshot)
             except Exception as exc:  # keep running: the next change, or this retry, writes again
                 self._write_failed(exc)
                 if final:
@@ -391,25 +471,21 @@ class LeaseJournal:
             if raw is None:
                 continue
             try:
-                document = json.loads(raw.decode("utf-8"))
-                if document.get("schema_version") != JOURNAL_SCHEMA_VERSION:
-                    raise ValueError(f"schema_version {document.get('schema_version')!r}")
-                leases = [(int(e["env_idx"]), str(e["lease_id"])) for e in document.get("leases", [])]
+                state = parse_journal(name, raw)
             except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as exc:
                 log.warning("unreadable lease journal left as it is", journal=where, error=str(exc))
                 continue
-            owner = ProcessIdentity.from_dict(document.get("process"))
-            if owner is not None and owner.is_alive():
+            if state.process is not None and state.process.is_alive():
                 report.skipped_live.append(name)
-                log.info("lease journal of a live process left alone", journal=where, pid=owner.pid)
+                log.info("lease journal of a live process left alone", journal=where, pid=state.process.pid)
                 continue
-            if document.get("environment") not in (None, self.environment_url):
+            if state.environment not in (None, self.state.environment):
                 log.warning(
                     "lease journal names another ShopSimulator; releasing through this run's",
-                    journal=where, journal_environment=document.get("environment"), environment=self.environment_url,
+                    journal=where, journal_environment=state.environment, environment=self.state.environment,
                 )
             failed = 0
-            for env_idx, lease_id in leases:
+            for env_idx, lease_id in state.held.items():
                 try:
                     if await environment.release_lease(env_idx, lease_id):
                         report.released += 1
@@ -418,8 +494,7 @@ class LeaseJournal:
                 except ShopEnvironmentError as exc:
                     failed += 1
                     log.warning("could not release a journaled lease", journal=where, env_idx=env_idx, error=str(exc))
-            in_flight = document.get("resets_in_flight")
-            report.resets_in_flight_at_stop += in_flight if isinstance(in_flight, int) and in_flight > 0 else 0
+            report.resets_in_flight_at_stop += state.resets_in_flight
             report.failed += failed
             report.journals.append(name)
             if not failed:
@@ -434,6 +509,56 @@ class LeaseJournal:
                 resets_in_flight_at_stop=report.resets_in_flight_at_stop,
             )
         return report
+
+
+@dataclass
+class RecoveryReport:
+    released: int = 0
+    """Leases a stopped process held that are now free again."""
+    already_gone: int = 0
+    """Leases the server no longer knew (released earlier, reassigned, server restarted)."""
+    failed: int = 0
+    """Leases that could not be released now; their journal is kept for the next start."""
+    journals: list[str] = field(default_factory=list)
+    skipped_live: list[str] = field(default_factory=list)
+    resets_in_flight_at_stop: int = 0
+    """Resets the stopped processes had sent without an answer: if the server granted them, those
+    slots are leaked for good (``shopsimrl env release-all``)."""
+
+
+@dataclass
+class JournalSummary:
+    """One journal as ``status`` shows it."""
+
+    name: str
+    leases: int
+    resets_in_flight: int
+    environment: str | None
+    updated_at: str | None
+    alive: bool | None
+    """False: its process is provably gone (its leases are released when the shard restarts)."""
+
+
+def read_journals(storage: JournalStorage) -> list[JournalSummary]:
+    summaries = []
+    for name in storage.names():
+        raw = storage.read(name)
+        if raw is None:
+            continue
+        try:
+            state = parse_journal(name, raw)
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+            continue
+        summaries.append(
+            JournalSummary(
+                name, len(state.held), state.resets_in_flight, state.environment, state.updated_at,
+                None if state.process is None else state.process.is_alive(),
+            )
+        )
+    return summaries
+
+
+# --------------------------------------------------------------------------- start of a run
 
 
 @dataclass
@@ -487,12 +612,3 @@ async def start_lease_tracking(
         released_from_journals=recovery.released,
     )
     return plan
-
-
-def shard_journal_storage(store: Any, shard: int) -> JournalStorage:
-    """Where the journals of one shard live: a plain directory when the run is on a local disk
-    (written through), else objects in the run's store."""
-    prefix = f"leases/{shard:05d}"
-    if store.local:
-        return DirectoryJournalStorage(Path(store.path(prefix)))
-    return StoreJournalStorage(store, prefix)

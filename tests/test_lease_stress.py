@@ -9,6 +9,7 @@ seed are fixed; each trial's parameters are printed in the assertion message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -55,8 +56,14 @@ def wait_until_leased(bed: LocalTestbed, process: subprocess.Popen[str], timeout
         time.sleep(0.02)
 
 
-def finish(process: subprocess.Popen[str], timeout: float = 90) -> tuple[int, str]:
-    _, stderr = process.communicate(timeout=timeout)
+def finish(process: subprocess.Popen[str], timeout: float = 150) -> tuple[int, str]:
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL) if process.pid == os.getpgid(process.pid) else process.kill()
+        _, stderr = process.communicate()
+        raise AssertionError(f"the run did not stop within {timeout} s; its log:\n{stderr[-6000:]}") from None
     return process.returncode, stderr
 
 
@@ -152,7 +159,7 @@ def test_kill_9_then_restart_releases_the_journaled_leases(bed: LocalTestbed, tm
         process.kill()
         finish(process)
         held_after_kill = SLOTS - free_slots(bed)
-        journals = list((tmp_path / "runs" / f"kill-{trial}" / "leases").glob("*.json"))
+        journals = list((tmp_path / "runs" / f"kill-{trial}" / "leases").glob("*.jsonl"))
         assert journals, f"{context}: no lease journal left behind"
         restart = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
         assert restart.returncode == 0, f"{context}: restart exit {restart.returncode}\n{restart.stderr[-3000:]}"

@@ -35,7 +35,7 @@ from shopsimrl.lease_journal import (
     DirectoryJournalStorage,
     LeaseJournal,
     ProcessIdentity,
-    StoreJournalStorage,
+    parse_journal,
     start_lease_tracking,
 )
 from shopsimrl.testbed.serving import running_server
@@ -234,8 +234,8 @@ async def test_aclose_gives_up_after_the_grace_period_and_says_what_may_leak() -
 # --------------------------------------------------------------------------- the journal
 
 
-def journal_document(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
+def journal_state(path: Path) -> Any:
+    return parse_journal(path.name, path.read_bytes())
 
 
 async def test_the_journal_is_written_before_the_reset_is_sent_and_removed_when_nothing_is_held(tmp_path: Path) -> None:
@@ -248,18 +248,36 @@ async def test_the_journal_is_written_before_the_reset_is_sent_and_removed_when_
             episode = env.open_episode()
             task = asyncio.ensure_future(episode.reset(TASK))
             await until(lambda: pool._waiting == 1, "the reset is queued")
-            document = journal_document(path)
-            assert document["resets_in_flight"] == 1 and document["leases"] == []
+            state = journal_state(path)
+            assert state.resets_in_flight == 1 and state.held == {}
             raw_release(url, holder)
             await task
-            document = journal_document(path)
-            assert document["resets_in_flight"] == 0
-            assert document["leases"] == [{"env_idx": episode.env_idx, "lease_id": episode.lease_id}]
-            assert document["process"]["pid"] == os.getpid() and document["environment"] == url
+            state = journal_state(path)
+            assert state.resets_in_flight == 0 and state.held == {episode.env_idx: episode.lease_id}
+            assert state.process == ProcessIdentity.current() and state.environment == url
             await episode.close()
-            assert not path.exists()
+            assert journal_state(path).held == {}
         await journal.aclose()
-        assert not (tmp_path / "leases").exists()
+        assert not (tmp_path / "leases").exists()  # nothing held at the end: no journal left
+
+
+async def test_a_long_local_journal_is_compacted_and_still_exact(tmp_path: Path) -> None:
+    with shop(4) as (url, _):
+        journal = LeaseJournal(DirectoryJournalStorage(tmp_path / "leases"), environment_url=url)
+        journal._COMPACT_AFTER = 8
+        path = tmp_path / "leases" / journal.name
+        async with environment(url) as env:
+            await start_lease_tracking(env, journal, concurrency=4, processes=1, configured=None)
+            kept = env.open_episode()
+            await kept.reset(TASK)
+            for _ in range(20):
+                episode = env.open_episode()
+                await episode.reset(TASK)
+                await episode.close()
+                assert len(path.read_bytes().splitlines()) <= 1 + 8 + 4 + 3  # header + bounded events
+            assert journal_state(path).held == {kept.env_idx: kept.lease_id}
+            await kept.close()
+        await journal.aclose()
 
 
 def dead_process_identity() -> ProcessIdentity:
