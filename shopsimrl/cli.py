@@ -17,6 +17,7 @@ import structlog
 import typer
 from pydantic import ValidationError
 
+from shopsimrl import eventloop
 from shopsimrl.config import ConfigError, ExperimentConfig, WorkerSettings, load_experiment_config
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.logs import configure_logging
@@ -127,7 +128,7 @@ def plan(
     if check:
         from shopsimrl.experiment import check_services
 
-        result = asyncio.run(check_services(prepared, processes=shards or 1))
+        result = eventloop.run(check_services(prepared, processes=shards or 1))
         report["services"] = {"ready": result.ready, "reason": result.reason, "detail": result.detail}
         if result.slots is not None:
             report["services"]["environment_slots"] = result.slots.environment_slots
@@ -259,7 +260,7 @@ def run(
                             await journal.aclose()
 
         try:
-            terminated = asyncio.run(execute())
+            terminated = eventloop.run(execute())
         except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
             terminated = True
         except OSError as exc:
@@ -537,7 +538,7 @@ def _slot_status(url: Optional[str]) -> dict[str, Any]:
             await environment.aclose()
 
     try:
-        return asyncio.run(probe())
+        return eventloop.run(probe())
     except Exception as exc:  # unreachable from here (an in-cluster URL): say so, keep the rest
         return {"url": redact_uri(url), "error": f"unreachable: {type(exc).__name__}: {str(exc)[:200]}"}
 
@@ -575,7 +576,7 @@ def wait_ready(
     # Readiness does not depend on the split guard: probe with the test guard satisfied.
     prepared = _prepare(config, final_test=_is_test_split(config))
     processes = min(settings.parallelism or settings.shards or 1, settings.shards or settings.parallelism or 1)
-    result = asyncio.run(
+    result = eventloop.run(
         check_services(prepared, timeout=timeout, interval=interval, processes=processes, require_free_slot=require_free_slot)
     )
     for warning in result.warnings:
@@ -624,7 +625,7 @@ def env_slots(url: str = ENV_URL, as_json: bool = typer.Option(False, "--json", 
             await environment.aclose()
 
     try:
-        usage = asyncio.run(probe())
+        usage = eventloop.run(probe())
     except ShopEnvironmentError as exc:
         _fail(ExitCode.RETRYABLE, f"{redact_uri(url)}: {exc}")
     leased = None if usage.environment_slots is None or usage.free_slots is None else usage.environment_slots - usage.free_slots
@@ -662,7 +663,7 @@ def env_release_all(
             await environment.aclose()
 
     try:
-        before, message, after = asyncio.run(release())
+        before, message, after = eventloop.run(release())
     except ShopEnvironmentError as exc:
         _fail(ExitCode.RETRYABLE, f"{redact_uri(url)}: {exc}")
     typer.echo(f"{redact_uri(url)}: {message or 'released'}; before {before.describe()}, now {after.describe()}")

@@ -1,6 +1,6 @@
 """ShopSimulator over HTTP: the environment seam of the runtime and its httpx adapter.
 
-One :class:`ShopSimulatorEnvironment` per process owns a pooled ``httpx.AsyncClient``;
+One :class:`ShopSimulatorEnvironment` per process owns a connection pool (:class:`~shopsimrl.httpclient.HttpService`);
 each episode opens an :class:`EnvironmentEpisode`, which holds at most one server lease
 (``env_idx`` + ``lease_id``) from ``reset`` until ``close``.
 
@@ -51,7 +51,6 @@ attempt already released the lease.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -60,7 +59,8 @@ from typing import Any, Final, Protocol, runtime_checkable
 import httpx
 import structlog
 
-from shopsimrl.schemas import redact_uri
+from shopsimrl.httpclient import HttpService, request_not_sent
+from shopsimrl.schemas import parse_json, redact_uri, wire_json
 
 __all__ = [
     "ADAPTER_NAME",
@@ -318,10 +318,7 @@ _NOT_SENT_ONLY = _RetryPolicy(after_sent=False, statuses=frozenset())
 _RESET = _RetryPolicy(after_sent=False, statuses=frozenset({502, 503}))
 _IDEMPOTENT = _RetryPolicy(after_sent=True, statuses=_FIVE_XX)
 
-# These httpx errors are raised before a single byte of the request was written.
-_NOT_SENT_ERRORS: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-
-_PUBLIC_STATE_FIELDS = ("observation", "observation_state")
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 # --------------------------------------------------------------------------- adapter
@@ -341,21 +338,15 @@ class ShopSimulatorEnvironment:
         self,
         settings: ShopSimulatorSettings | None = None,
         *,
-        client: httpx.AsyncClient | None = None,
+        http: HttpService | None = None,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         lease_observer: LeaseObserver | None = None,
     ) -> None:
         self.settings = settings or ShopSimulatorSettings()
         self._base_url = self.settings.base_url.rstrip("/")
-        self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=self.settings.timeout,
-            limits=httpx.Limits(
-                max_connections=self.settings.max_connections,
-                max_keepalive_connections=self.settings.max_connections,
-            ),
-            trust_env=self.settings.trust_env,
-        )
+        self._agent_url = f"{self._base_url}/api/shop_agent"
+        self._owns_http = http is None
+        self._http = http or HttpService(max_connections=self.settings.max_connections, trust_env=self.settings.trust_env)
         self._sleep = sleep
         self._environment_version: str | None = None
         self._observation_version: str | None = None
@@ -463,8 +454,8 @@ class ShopSimulatorEnvironment:
         finally:
             if self._reporter is not None:
                 self._reporter.cancel()
-            if self._owns_client:
-                await self._client.aclose()
+            if self._owns_http:
+                await self._http.aclose()
 
     # -- leases
 
@@ -683,26 +674,30 @@ class ShopSimulatorEnvironment:
     async def _send(self, action: str, payload: dict[str, Any] | None, timeout: httpx.Timeout) -> dict[str, Any]:
         try:
             if payload is None:
-                response = await self._client.get(f"{self._base_url}/healthz", timeout=timeout)
+                response = await self._http.request("GET", f"{self._base_url}/healthz", timeout=timeout)
             else:
-                response = await self._client.post(f"{self._base_url}/api/shop_agent", json=payload, timeout=timeout)
+                response = await self._http.request(
+                    "POST", self._agent_url, content=wire_json(payload), headers=_JSON_HEADERS, timeout=timeout
+                )
         except httpx.ReadTimeout as exc:
             raise EnvironmentUnavailableError(
                 f"ShopSimulator {action}: no answer within the read timeout ({exc.__class__.__name__})", action=action
             ) from exc
         except httpx.TransportError as exc:
             raise EnvironmentUnavailableError(
-                f"ShopSimulator {action}: {exc.__class__.__name__}: {exc or 'transport error'}",
-                action=action,
-                request_sent=not isinstance(exc, _NOT_SENT_ERRORS),
+                f"ShopSimulator {action}: {_describe(exc)}", action=action, request_sent=not request_not_sent(exc)
             ) from exc
         return _decode(action, response, enveloped=payload is not None)
+
+
+def _describe(exc: httpx.TransportError) -> str:
+    return f"{type(exc).__name__}: {exc or 'transport error'}"
 
 
 def _decode(action: str, response: httpx.Response, *, enveloped: bool) -> dict[str, Any]:
     status = response.status_code
     try:
-        body = json.loads(response.content)
+        body = parse_json(response.content)
     except ValueError:
         body = None
     result = body.get("result") if enveloped and isinstance(body, dict) else body

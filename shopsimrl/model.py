@@ -5,7 +5,7 @@
 Unusable replies are *returned*, never resampled: the runtime decides what to do with them.
 
 ``OpenAICompatibleChatModel`` POSTs to ``{base_url}/chat/completions`` through one pooled
-``httpx.AsyncClient`` per adapter instance, shared by every concurrent episode of a process.
+connection pool (:class:`~shopsimrl.httpclient.HttpService`) per adapter instance, shared by every concurrent episode of a process.
 Transient failures are retried inside one ``generate`` call; everything that escapes is
 translated into this module's exceptions::
 
@@ -64,7 +64,8 @@ from typing import Any, Protocol, runtime_checkable
 import httpx
 import structlog
 
-from shopsimrl.schemas import ModelOutput, ToolCall, canonical_json, redact_uri, sha256_hex
+from shopsimrl.httpclient import HttpService
+from shopsimrl.schemas import ModelOutput, ToolCall, canonical_json, parse_json, redact_uri, sha256_hex, wire_json
 
 __all__ = [
     "ChatModel",
@@ -259,7 +260,7 @@ class OpenAICompatibleChatModel:
         self,
         settings: OpenAICompatibleSettings,
         *,
-        client: httpx.AsyncClient | None = None,
+        http: HttpService | None = None,
         sleep: Sleep = asyncio.sleep,
     ) -> None:
         if not isinstance(settings, OpenAICompatibleSettings):
@@ -267,9 +268,8 @@ class OpenAICompatibleChatModel:
         self.settings = settings
         self._base_url = settings.base_url.rstrip("/")
         self._sleep = sleep
-        self._client = client
-        self._owns_client = client is None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._http_service = http
+        self._owns_http = http is None
         self._closed = False
 
     def __repr__(self) -> str:
@@ -335,37 +335,32 @@ class OpenAICompatibleChatModel:
 
     # ------------------------------------------------------------------ client
 
-    def _http(self) -> httpx.AsyncClient:
+    def _http(self) -> HttpService:
         if self._closed:
             raise RuntimeError("the model adapter is closed; create a new one")
-        loop = asyncio.get_running_loop()
-        # Created lazily so that identity-only uses (plan) never open a pool; re-created when
-        # called from a new event loop, whose predecessor's pooled connections are unusable.
-        if self._client is None or (self._owns_client and self._client_loop is not loop):
-            self._client_loop = loop
+        # Created on first use, so that identity-only uses (plan) never open a pool.
+        if self._http_service is None:
             s = self.settings
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(s.timeout, connect=min(s.timeout, CONNECT_TIMEOUT_CAP)),
-                limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections),
-                trust_env=s.trust_env,
-            )
-        return self._client
+            self._http_service = HttpService(max_connections=s.max_connections, trust_env=s.trust_env)
+        return self._http_service
+
+    def _timeout(self) -> httpx.Timeout:
+        s = self.settings
+        return httpx.Timeout(s.timeout, connect=min(s.timeout, CONNECT_TIMEOUT_CAP))
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
-        client, self._client = self._client, None
-        # A pool created in an event loop that has since ended cannot be closed from this one.
-        if self._owns_client and client is not None and self._client_loop is asyncio.get_running_loop():
-            await client.aclose()
+        if self._owns_http and self._http_service is not None:
+            await self._http_service.aclose()
 
     async def list_models(self) -> list[str]:
         """Ids served at ``GET {base_url}/models`` (one attempt; for health probes)."""
         url = f"{self._base_url}/models"
         shown = redact_uri(url)  # messages may persist; the URL itself may carry credentials
         try:
-            response = await self._http().get(url, headers=self._headers())
+            response = await self._http().request("GET", url, headers=self._headers(), timeout=self._timeout())
         except httpx.HTTPError as exc:
             raise ModelRequestError(self._redact(f"GET {shown} failed: {_describe(exc)}"), status_code=None, attempts=[]) from None
         status = response.status_code
@@ -408,7 +403,7 @@ class OpenAICompatibleChatModel:
     ) -> ModelOutput:
         s = self.settings
         headers = {"Content-Type": "application/json", **self._headers()}
-        payload = json.dumps(self._body(messages, tools, seed), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        payload = wire_json(self._body(messages, tools, seed))  # sampling values are validated finite
         allowed = _tool_names(tools)
         url = f"{self._base_url}/chat/completions"
         client = self._http()
@@ -501,10 +496,10 @@ class OpenAICompatibleChatModel:
         )
 
     async def _plain_attempt(
-        self, client: httpx.AsyncClient, url: str, payload: bytes, headers: dict[str, str]
+        self, client: HttpService, url: str, payload: bytes, headers: dict[str, str]
     ) -> tuple[int, Any, str | None]:
         try:
-            response = await client.post(url, content=payload, headers=headers)
+            response = await client.request("POST", url, content=payload, headers=headers, timeout=self._timeout())
         except httpx.RequestError as exc:
             raise _Retryable(_describe(exc)) from None
         if not response.is_success:
@@ -512,11 +507,11 @@ class OpenAICompatibleChatModel:
         return response.status_code, *_decode_json(response.content)
 
     async def _stream_attempt(
-        self, client: httpx.AsyncClient, url: str, payload: bytes, headers: dict[str, str]
+        self, client: HttpService, url: str, payload: bytes, headers: dict[str, str]
     ) -> tuple[int, Any, str | None]:
         request_headers = {**headers, "Accept": "text/event-stream"}
         try:
-            async with client.stream("POST", url, content=payload, headers=request_headers) as response:
+            async with client.stream("POST", url, content=payload, headers=request_headers, timeout=self._timeout()) as response:
                 if not response.is_success:
                     await response.aread()
                     raise self._status_error(url, response, response.text)
@@ -556,7 +551,7 @@ class _StreamAssembler:
             self.done = True
             return True
         try:
-            chunk = json.loads(data)
+            chunk = parse_json(data)
         except ValueError:
             raise _Retryable(f"streamed chunk {self.chunks + 1} is not JSON: {data[:200]!r}") from None
         self.chunks += 1
@@ -726,7 +721,7 @@ def _check_arguments(i: int, arguments: Any, call: ToolCall, allowed: set[str]) 
     if not isinstance(arguments, str):
         return "invalid_arguments_type", f"tool_calls[{i}].function.arguments is not a string"
     try:
-        parsed = json.loads(arguments)
+        parsed = parse_json(arguments)
     except ValueError:
         return "invalid_arguments_json", f"tool_calls[{i}].function.arguments is not valid JSON"
     if not isinstance(parsed, dict):
@@ -824,7 +819,7 @@ def _tool_names(tools: list[dict[str, Any]]) -> set[str]:
 def _decode_json(content: bytes) -> tuple[Any, str | None]:
     """(parsed body, None), or (None, body text) when the body is not JSON."""
     try:
-        return json.loads(content), None
+        return parse_json(content), None
     except ValueError:
         return None, content.decode("utf-8", errors="replace")
 

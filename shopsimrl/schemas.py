@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
+import orjson
+
 __all__ = [
     "EPISODE_STATUS",
     "MANIFEST_SCHEMA_VERSION",
@@ -67,6 +69,22 @@ class TraceFormatError(ValueError):
 def canonical_json(value: Any) -> str:
     """Sorted keys, compact separators, non-ASCII kept, NaN/Infinity rejected."""
     return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def wire_json(value: Any) -> bytes:
+    """Compact UTF-8 JSON for HTTP bodies on the hot path (orjson: several times faster than the
+    standard library). Callers pass finite numbers only: orjson writes NaN as null."""
+    return orjson.dumps(value)
+
+
+def parse_json(data: bytes | str) -> Any:
+    """JSON from the wire (orjson). ``NaN`` and ``Infinity``, which JSON does not have but some
+    servers send, are read as null, so no non-finite number enters a trace. Raises ValueError
+    for text that is not JSON."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data, parse_constant=lambda _: None)
 
 
 def sha256_hex(data: bytes | str) -> str:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
 from shopsimrl.schemas import canonical_json, fingerprint, is_completed, json_safe
 
@@ -73,25 +75,31 @@ def atomic_write_json(path: Path, value: Any) -> None:
 
 
 def encode_trace_line(record: dict[str, Any]) -> bytes:
-    """One JSONL line; a payload canonical JSON refuses (NaN, odd objects) is made safe, never fatal."""
+    """One compact JSONL line (orjson). A value JSON cannot hold (an odd object) is made safe and
+    the record flagged ``serialization_repaired``, never fatal. Wire data reaches traces through
+    ``schemas.parse_json``, which reads NaN as null; a non-finite float made by a custom adapter
+    is written as null."""
     episode_id = record.get("episode_id")
     if not isinstance(episode_id, str) or not episode_id:
         raise ValueError("a trace needs a string episode_id")
     try:
-        text = json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError):
+        return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
         safe = json_safe(record)
         safe.setdefault("serialization_repaired", True)
-        text = json.dumps(safe, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return text.encode("utf-8") + b"\n"
+        return orjson.dumps(safe, option=orjson.OPT_APPEND_NEWLINE)
 
 
 def parse_trace_line(raw: bytes) -> dict[str, Any] | None:
-    """One JSONL line back into a trace record, or None when it is torn, garbled or foreign."""
+    """One JSONL line back into a trace record, or None when it is torn, garbled or foreign.
+    Records of the earlier implementation may hold NaN, which is read as such."""
     try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
     return record if isinstance(record, dict) and isinstance(record.get("episode_id"), str) else None
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from shopsimrl import eventloop
 from shopsimrl.config import ConfigError, WorkerSettings, load_experiment_config
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
@@ -250,7 +251,7 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
         store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds
     )
     processes = min(settings.parallelism or shard_map.count, shard_map.count)
-    outcome = asyncio.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, processes))
+    outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, processes))
     if outcome == "interrupted":
         raise _Stop(ExitCode.RETRYABLE, f"interrupted; finished episodes are saved in {store.display_uri}, restart to resume")
 

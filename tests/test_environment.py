@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -220,12 +222,34 @@ async def test_step_is_retried_when_the_connection_is_refused() -> None:
         try:
             episode = env.open_episode()
             await episode.reset(1)
-            servers.close()  # the server goes away between two calls
+            servers.close()  # the server goes away between two calls ...
+            await asyncio.sleep(0.2)  # ... and the client's loop sees its pooled connection close
             step = await episode.step("search[耳机]")
             assert step["done"] is False
             assert stub.actions() == ["reset", "interact"]  # delivered exactly once
             await episode.close()
             assert stub.leases == {}
+        finally:
+            await env.aclose()
+
+
+async def test_step_on_a_connection_the_server_dropped_is_not_resent() -> None:
+    """A request written on a pooled connection that the server closed at that instant may have
+    been read: an interact is never sent twice, the failure is infrastructure (the episode is
+    retried whole)."""
+    stub, port = ShopStub(), free_port()
+    with ExitStack() as servers:
+        servers.enter_context(running_server(stub.app, port=port))
+        env = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=f"http://127.0.0.1:{port}"))
+        try:
+            episode = env.open_episode()
+            await episode.reset(1)
+            servers.close()  # closed while the client still holds the connection in its pool
+            servers.enter_context(running_server(stub.app, port=port))
+            with pytest.raises(EnvironmentUnavailableError) as failure:
+                await episode.step("search[耳机]")
+            assert failure.value.request_sent and failure.value.attempts == 1
+            assert stub.actions() == ["reset"]
         finally:
             await env.aclose()
 

@@ -31,6 +31,7 @@ from shopsimrl.environment import (
     SlotUsage,
     lease_budget,
 )
+from shopsimrl.httpclient import HttpService
 from shopsimrl.lease_journal import (
     DirectoryJournalStorage,
     LeaseJournal,
@@ -134,8 +135,7 @@ async def test_a_cancelled_close_still_releases_its_lease() -> None:
     with shop(2) as (url, _):
         # No keep-alive: every request opens a connection, so a close() cancelled at its first
         # suspension has provably not sent its release yet.
-        client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), trust_env=False)
-        env = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=url), client=client)
+        env = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=url), http=HttpService(keep_alive=False))
         episode = env.open_episode()
         await episode.reset(TASK)
         closing = asyncio.ensure_future(episode.close())
@@ -145,7 +145,6 @@ async def test_a_cancelled_close_still_releases_its_lease() -> None:
             await closing
         assert episode.lease_id is None  # the episode handed the lease to the environment
         await env.aclose()  # which finishes the release
-        await client.aclose()
         assert health(url)["free_slots"] == 2
 
 
@@ -156,11 +155,11 @@ async def test_a_release_that_fails_keeps_the_lease_for_the_journal() -> None:
             await episode.reset(TASK)
             lease = (episode.env_idx, episode.lease_id)
             # Point the adapter at a closed port for the release: unconfirmed, so still unreleased.
-            env._base_url = "http://127.0.0.1:1"
+            env._agent_url = "http://127.0.0.1:1/api/shop_agent"
             with pytest.raises(EnvironmentUnavailableError):
                 await episode.close()
             assert env.unreleased_leases == {lease[0]: lease[1]}
-            env._base_url = url
+            env._agent_url = f"{url}/api/shop_agent"
             assert await env.release_lease(*lease) is True
             assert await env.release_lease(*lease) is False  # already gone: 409, harmless
 
