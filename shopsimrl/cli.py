@@ -706,7 +706,15 @@ def testbed_up(
     serve_both(host=host, shop_port=shop_port, policy_port=policy_port)
 
 
+def _stop_early(signum: int, frame: object) -> None:
+    # Until a command installs its own handling (a run's graceful stop), a signal ends the process
+    # at once with the retryable code: nothing is held yet that needs cleaning up.
+    raise SystemExit(int(ExitCode.RETRYABLE))
+
+
 def main() -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_early)
     app()
 
 

@@ -174,35 +174,46 @@ def _terminated(signum: int, frame: object) -> None:
     raise _Stop(ExitCode.RETRYABLE, f"signal {signum} while planning or committing; finished episodes are saved, restart to resume")
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def run_worker(options: WorkerOptions) -> ExitCode:
-    """Run one shard; every failure is mapped to an exit code and logged (never a traceback)."""
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    """Run one shard; every failure is mapped to an exit code and logged (never a traceback).
+
+    The process exits with the returned code: once it is known, later signals are ignored."""
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _terminated)
     try:
         return _exit_code(options)
     except _Stop as stop:  # a signal that landed while an outcome was being reported
         return stop.code
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _ignore_signals()
         structlog.contextvars.unbind_contextvars("run", "shard", "writer")
+
+
+def _ignore_signals() -> None:
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _exit_code(options: WorkerOptions) -> ExitCode:
     try:
         return _run_worker(options)
     except _Stop as stop:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: report, then exit
+        _ignore_signals()  # already stopping: report, then exit
         (log.warning if stop.code == ExitCode.RETRYABLE else log.error)("worker_stopped", exit_code=int(stop.code), reason=str(stop))
         return stop.code
     except FingerprintMismatchError as exc:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _ignore_signals()
         log.error("fingerprint_mismatch", exit_code=42, reason=str(exc))
         return ExitCode.FINGERPRINT_MISMATCH
     except (ShardMapError, RunLocationError, ManifestError) as exc:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _ignore_signals()
         log.error("bad_input", exit_code=2, reason=str(exc))
         return ExitCode.BAD_INPUT
     except StoreUnavailableError as exc:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _ignore_signals()
         log.error("store_unavailable", exit_code=3, reason=str(exc))
         return ExitCode.RETRYABLE
 
