@@ -18,7 +18,14 @@ import typer
 from pydantic import ValidationError
 
 from shopsimrl import eventloop
-from shopsimrl.config import ConfigError, ExperimentConfig, WorkerSettings, describe_settings_error, load_experiment_config
+from shopsimrl.config import (
+    ConfigError,
+    ExperimentConfig,
+    WorkerSettings,
+    check_environment_url,
+    describe_settings_error,
+    load_experiment_config,
+)
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.logs import configure_logging
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
@@ -474,6 +481,11 @@ def status(
     from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
 
     configure_logging()
+    if env_url is not None:
+        try:
+            check_environment_url(env_url)
+        except ConfigError as exc:
+            _fail(ExitCode.BAD_INPUT, f"--env-url: {exc}")
     try:
         store = ShardedRunStore(run_uri)
         report = shard_status(store)
@@ -606,6 +618,7 @@ def _operator_environment(url: str) -> Any:
     from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
 
     try:
+        check_environment_url(url)
         return ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=url, timeout=10.0, max_retries=1))
     except ValueError as exc:
         _fail(ExitCode.BAD_INPUT, f"--url: {exc}")

@@ -41,6 +41,7 @@ __all__ = [
     "SkillsSection",
     "TasksSection",
     "WorkerSettings",
+    "check_environment_url",
     "describe_settings_error",
     "load_experiment_config",
     "safe_name",
@@ -87,6 +88,14 @@ def _check_service_url(url: str, *, credentials_hint: str, allow_query: bool) ->
     if parts.query and not allow_query:
         raise refuse("must not have a ?query (request paths are appended to this URL)")
     return url
+
+
+def check_environment_url(url: str) -> None:
+    """ConfigError when ``url`` cannot be a ShopSimulator base URL (for URLs given as flags)."""
+    try:
+        _check_service_url(url, credentials_hint=_ENVIRONMENT_CREDENTIALS_HINT, allow_query=False)
+    except PydanticCustomError as exc:
+        raise ConfigError(exc.message()) from None
 
 
 def _mask_userinfo(text: str) -> str:

@@ -181,6 +181,14 @@ def test_credentials_in_service_url_overrides_exit_2(tmp_path: Path, variable: s
         assert "model.api_key_env" in result.stderr
 
 
+@pytest.mark.parametrize("command", [("env", "slots", "--url"), ("status", "RUN", "--env-url")])
+def test_credentials_in_operator_shop_urls_exit_2(tmp_path: Path, command: tuple[str, ...]) -> None:
+    args = [str(tmp_path) if part == "RUN" else part for part in command]
+    result = cli(*args, f"http://alice:{PASSWORD}@127.0.0.1:1", cwd=tmp_path, env=without())
+    assert_one_line_bad_input(result, f"{command[-1]}: must not contain user:password@ credentials")
+    assert PASSWORD not in result.stdout + result.stderr
+
+
 def test_credentials_in_model_base_url_exit_2(tmp_path: Path) -> None:
     config = small_config(tmp_path, model_url=f"http://alice:{PASSWORD}@127.0.0.1:1/v1")
     result = cli("plan", str(config), cwd=tmp_path, env=without())
