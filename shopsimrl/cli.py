@@ -18,7 +18,14 @@ import typer
 from pydantic import ValidationError
 
 from shopsimrl import eventloop
-from shopsimrl.config import ConfigError, ExperimentConfig, WorkerSettings, load_experiment_config
+from shopsimrl.config import (
+    ConfigError,
+    ExperimentConfig,
+    WorkerSettings,
+    check_environment_url,
+    describe_settings_error,
+    load_experiment_config,
+)
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.logs import configure_logging
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
@@ -48,8 +55,7 @@ def worker_settings() -> WorkerSettings:
     try:
         return WorkerSettings()
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors())
-        _fail(ExitCode.BAD_INPUT, f"invalid SHOPSIMRL_* environment variable: {problems}")
+        _fail(ExitCode.BAD_INPUT, describe_settings_error(exc))
 
 
 def _prepare(config: ExperimentConfig, final_test: bool) -> Any:
@@ -124,7 +130,7 @@ def plan(
         except ModelConfigError as exc:
             report["warnings"] = [str(exc)]
     if shards is not None:
-        report["sharded_run"] = _freeze_sharded_plan(prepared, run_uri or str(config.run_dir), shards)
+        report["sharded_run"] = _freeze_sharded_plan(prepared, str(config.run_dir) if run_uri is None else run_uri, shards)
     if check:
         from shopsimrl.experiment import check_services
 
@@ -187,6 +193,9 @@ def run(
         store.acquire()
     except RunLockedError as exc:
         _fail(ExitCode.RETRYABLE, str(exc))
+    except OSError as exc:  # the directory cannot exist there (a file in the way, no permission) or the disk failed
+        unusable = isinstance(exc, (PermissionError, FileExistsError, FileNotFoundError, NotADirectoryError))
+        _fail(ExitCode.BAD_INPUT if unusable else ExitCode.RETRYABLE, f"experiment.output_dir: cannot create the run directory {config.run_dir}: {exc.strerror or exc}")
     try:
         try:
             if not config.experiment.resume and store.read_manifest() is not None:
@@ -366,7 +375,7 @@ def _run_sharded(
 
     config = _load(config_path)
     prepared = _prepare(config, final_test)
-    uri = run_uri or str(config.run_dir)
+    uri = str(config.run_dir) if run_uri is None else run_uri
     frozen = _freeze_sharded_plan(prepared, uri, shards)
     typer.echo(f"run {config.name}: {len(prepared.jobs)} episodes in {shards} shards → {frozen['run']}", err=True)
     env = {"SHOPSIMRL_CONCURRENCY": str(concurrency)} if concurrency else {}
@@ -472,6 +481,11 @@ def status(
     from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
 
     configure_logging()
+    if env_url is not None:
+        try:
+            check_environment_url(env_url)
+        except ConfigError as exc:
+            _fail(ExitCode.BAD_INPUT, f"--env-url: {exc}")
     try:
         store = ShardedRunStore(run_uri)
         report = shard_status(store)
@@ -604,6 +618,7 @@ def _operator_environment(url: str) -> Any:
     from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
 
     try:
+        check_environment_url(url)
         return ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=url, timeout=10.0, max_retries=1))
     except ValueError as exc:
         _fail(ExitCode.BAD_INPUT, f"--url: {exc}")

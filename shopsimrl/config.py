@@ -6,6 +6,12 @@ deliberate differences: unknown keys are rejected with their path (a typo such a
 ``max_token`` no longer passes silently), and ``model.trust_env`` defaults to false so proxy
 variables never reroute traffic to a local model server.
 
+Every number and flag is checked strictly: ``seed: true`` or ``max_tokens: "5"`` are errors, not
+1 and 5, and NaN or infinity are refused wherever a number is expected. Service URLs must be
+plain ``http(s)://host[:port][/path]`` without ``user:password@`` (credentials in a URL would be
+sent as Basic auth and could be echoed into traces; the model key comes from
+``model.api_key_env``).
+
 Relative paths are resolved against the YAML file's directory. Deployment-specific values come
 from the environment through :class:`WorkerSettings` (``SHOPSIMRL_*``), so a pod needs no edits
 of the YAML: in-cluster Service URLs, concurrency, flush cadence, the shard index.
@@ -17,9 +23,11 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
@@ -33,6 +41,8 @@ __all__ = [
     "SkillsSection",
     "TasksSection",
     "WorkerSettings",
+    "check_environment_url",
+    "describe_settings_error",
     "load_experiment_config",
     "safe_name",
 ]
@@ -47,8 +57,55 @@ def safe_name(value: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", value).strip("-.")
 
 
+_MODEL_CREDENTIALS_HINT = "put the API key in the environment variable named by model.api_key_env"
+_ENVIRONMENT_CREDENTIALS_HINT = "ShopSimulator takes no credentials"
+
+
+def _check_service_url(url: str, *, credentials_hint: str, allow_query: bool) -> str:
+    """``url`` unchanged if it can be a service base URL; otherwise a pydantic error saying why.
+
+    The error text never repeats the URL, so a password in it cannot reach the terminal or a log.
+    """
+
+    def refuse(reason: str) -> PydanticCustomError:
+        return PydanticCustomError("service_url", reason)
+
+    if not url.strip():
+        raise refuse("must not be blank")
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        raise refuse("is not a valid URL (malformed host or port)") from None
+    if parts.scheme not in ("http", "https"):
+        raise refuse("must start with http:// or https://")
+    if "@" in parts.netloc:
+        raise refuse(f"must not contain user:password@ credentials; {credentials_hint}")
+    if not parts.hostname or not port_ok:
+        raise refuse("needs a host (and a port from 1 to 65535 if one is given)")
+    if parts.fragment or url.endswith("#"):
+        raise refuse("must not have a #fragment")
+    if parts.query and not allow_query:
+        raise refuse("must not have a ?query (request paths are appended to this URL)")
+    return url
+
+
+def check_environment_url(url: str) -> None:
+    """ConfigError when ``url`` cannot be a ShopSimulator base URL (for URLs given as flags)."""
+    try:
+        _check_service_url(url, credentials_hint=_ENVIRONMENT_CREDENTIALS_HINT, allow_query=False)
+    except PydanticCustomError as exc:
+        raise ConfigError(exc.message()) from None
+
+
+def _mask_userinfo(text: str) -> str:
+    """``scheme://user:pass@host`` → ``scheme://host`` inside any text (for echoing bad input)."""
+    return re.sub(r"://[^\s'\"]*@", "://", text)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no bool for an int, no string for a number; NaN and infinity are never a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ExperimentSection(_Strict):
@@ -58,7 +115,8 @@ class ExperimentSection(_Strict):
     """Local run root; the run directory is ``output_dir/name``."""
     dotenv: str | None = None
     """Optional ``KEY=VALUE`` file; never overrides variables already set in the process."""
-    seed: int = 20260828
+    seed: int = Field(default=20260828, ge=0)
+    """Non-negative: ``random.Random`` would sample the same tasks for ``-s`` as for ``s``."""
     concurrency: int = Field(default=1, ge=1)
     """Episodes in flight per process (execution only, not fingerprinted)."""
     resume: bool = True
@@ -84,9 +142,15 @@ class EnvironmentSection(_Strict):
     Null: an equal share of the shop's slots (``/healthz``) per process, at most the concurrency."""
     cleanup_grace_seconds: float = Field(default=30.0, gt=0, le=3600)
     """At exit, how long pending resets and lease releases may take before they are abandoned."""
-    max_retries: int = Field(default=3, ge=1)
+    max_retries: int = Field(default=4, ge=1)
+    """Total attempts per call where a retry is safe (1 = never retry), like ``model.max_retries``."""
     expected_environment_version: str | None = None
     expected_observation_version: str | None = None
+
+    @field_validator("base_url")
+    @classmethod
+    def _service_url(cls, value: str) -> str:
+        return _check_service_url(value, credentials_hint=_ENVIRONMENT_CREDENTIALS_HINT, allow_query=False)
 
 
 class RuntimeSection(_Strict):
@@ -128,12 +192,18 @@ class ModelSection(_Strict):
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     """Model calls one process has in flight; default: the episode concurrency."""
 
-    @field_validator("name", "base_url")
+    @field_validator("name")
     @classmethod
     def _not_blank(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be blank")
         return value
+
+    @field_validator("base_url")
+    @classmethod
+    def _service_url(cls, value: str) -> str:
+        # A query (e.g. a gateway's api-version) is kept: the adapter puts paths before it.
+        return _check_service_url(value, credentials_hint=_MODEL_CREDENTIALS_HINT, allow_query=True)
 
     @field_validator("checkpoint_id", "api_key_env")
     @classmethod
@@ -193,7 +263,7 @@ class ExperimentConfig(_Strict):
 class WorkerSettings(BaseSettings):
     """Execution settings from flags or ``SHOPSIMRL_*`` environment variables (never fingerprinted)."""
 
-    model_config = SettingsConfigDict(env_prefix="SHOPSIMRL_", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="SHOPSIMRL_", extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
     run: str | None = None
     config: str | None = None
@@ -216,18 +286,44 @@ class WorkerSettings(BaseSettings):
     flush_episodes: int = Field(default=10, ge=1)
     flush_seconds: float = Field(default=10.0, gt=0)
 
+    @field_validator("model_base_url")
+    @classmethod
+    def _model_url(cls, value: str | None) -> str | None:
+        return None if value is None else _check_service_url(value, credentials_hint=_MODEL_CREDENTIALS_HINT, allow_query=True)
+
+    @field_validator("env_base_url")
+    @classmethod
+    def _environment_url(cls, value: str | None) -> str | None:
+        return None if value is None else _check_service_url(value, credentials_hint=_ENVIRONMENT_CREDENTIALS_HINT, allow_query=False)
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """One line naming each bad ``SHOPSIMRL_*`` variable (values with credentials masked)."""
+    problems = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"])
+        if field == "SHOPSIMRL_SHARD_INDEX":
+            name = "SHOPSIMRL_SHARD_INDEX or JOB_COMPLETION_INDEX"
+        else:
+            name = field if field.isupper() else f"SHOPSIMRL_{field.upper()}"
+        problems.append(f"{name}: {error['msg']} (got {_mask_userinfo(repr(error.get('input')))})")
+    return "invalid environment variable " + "; ".join(problems)
+
 
 def _format_validation_error(path: Path, exc: ValidationError) -> str:
-    lines = [f"invalid config {path}:"]
+    """One line for one problem; otherwise a header and one line per problem, each naming its key."""
+    problems = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"]) or "<root>"
         if error["type"] == "extra_forbidden":
-            lines.append(f"  {where}: unknown key")
+            problems.append(f"{where}: unknown key")
         elif error["type"] == "missing":
-            lines.append(f"  {where}: required key is missing")
+            problems.append(f"{where}: required key is missing")
         else:
-            lines.append(f"  {where}: {error['msg']} (got {error.get('input')!r})")
-    return "\n".join(lines)
+            problems.append(f"{where}: {error['msg']} (got {_mask_userinfo(repr(error.get('input')))})")
+    if len(problems) == 1:
+        return f"invalid config {path}: {problems[0]}"
+    return "\n".join([f"invalid config {path}:", *(f"  {problem}" for problem in problems)])
 
 
 def _load_dotenv(path: Path) -> None:
@@ -271,6 +367,10 @@ def load_experiment_config(path: str | Path, *, load_dotenv: bool = True) -> Exp
         config = ExperimentConfig.model_validate({**data, "source_path": path.resolve()})
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(path, exc)) from None
+    try:
+        config.name  # derived on use; derive it now so a bad name stops the load, not a run
+    except ConfigError as exc:
+        raise ConfigError(f"config {path}: {exc}") from None
     if config.prompt.system_prompt is not None and config.prompt.system_prompt_file is not None:
         raise ConfigError(f"config {path}: prompt.system_prompt and prompt.system_prompt_file are mutually exclusive")
     if load_dotenv and config.experiment.dotenv:

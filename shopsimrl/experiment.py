@@ -63,7 +63,8 @@ def _environment_settings(config: ExperimentConfig, persona: bool) -> ShopSimula
         reset_timeout=e.reset_timeout,
         max_leases=e.max_leases,
         cleanup_grace_seconds=e.cleanup_grace_seconds,
-        max_retries=e.max_retries,
+        # The config counts total attempts (as model.max_retries does); the adapter counts extra ones.
+        max_retries=e.max_retries - 1,
         expected_environment_version=e.expected_environment_version,
         expected_observation_version=e.expected_observation_version,
     )

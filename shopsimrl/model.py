@@ -4,8 +4,10 @@
 ``ModelOutput`` whose ``protocol_error`` / ``policy_failure`` say whether the reply is usable.
 Unusable replies are *returned*, never resampled: the runtime decides what to do with them.
 
-``OpenAICompatibleChatModel`` POSTs to ``{base_url}/chat/completions`` through one pooled
-connection pool (:class:`~shopsimrl.httpclient.HttpService`) per adapter instance, shared by every concurrent episode of a process.
+``OpenAICompatibleChatModel`` POSTs to ``{base_url}/chat/completions`` (a query in ``base_url``,
+such as a gateway's ``?api-version=…``, stays after the path) through one pooled connection pool
+(:class:`~shopsimrl.httpclient.HttpService`) per adapter instance, shared by every concurrent
+episode of a process.
 Transient failures are retried inside one ``generate`` call; everything that escapes is
 translated into this module's exceptions::
 
@@ -60,6 +62,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import structlog
@@ -194,7 +197,19 @@ class OpenAICompatibleSettings:
             if not isinstance(value, str) or not value.strip():
                 raise ModelConfigError(f"model setting {name!r} must be a non-blank string, got {value!r}")
         if not self.base_url.startswith(("http://", "https://")):
-            raise ModelConfigError(f"model setting 'base_url' must start with http:// or https://, got {self.base_url!r}")
+            raise ModelConfigError(f"model setting 'base_url' must start with http:// or https://, got {redact_uri(self.base_url)!r}")
+        try:
+            parts = urlsplit(self.base_url)
+        except ValueError:
+            raise ModelConfigError("model setting 'base_url' is not a valid URL") from None
+        if "@" in parts.netloc:
+            # httpx would send them as Basic auth instead of the Bearer key, and servers echo headers.
+            raise ModelConfigError(
+                "model setting 'base_url' must not contain user:password@ credentials; "
+                "put the API key in the environment variable named by api_key_env"
+            )
+        if parts.fragment:
+            raise ModelConfigError("model setting 'base_url' must not have a #fragment")
         for name in ("api_key_env", "checkpoint_id"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -273,7 +288,12 @@ class OpenAICompatibleChatModel:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"OpenAICompatibleChatModel(model={self.settings.model!r}, base_url={self._base_url!r})"
+        return f"OpenAICompatibleChatModel(model={self.settings.model!r}, base_url={redact_uri(self._base_url)!r})"
+
+    def _endpoint(self, path: str) -> str:
+        """``base_url`` joined with ``path``; a query of ``base_url`` stays after the path."""
+        parts = urlsplit(self.settings.base_url)
+        return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/") + path, parts.query, ""))
 
     # ------------------------------------------------------------------ identity
 
@@ -357,7 +377,7 @@ class OpenAICompatibleChatModel:
 
     async def list_models(self) -> list[str]:
         """Ids served at ``GET {base_url}/models`` (one attempt; for health probes)."""
-        url = f"{self._base_url}/models"
+        url = self._endpoint("/models")
         shown = redact_uri(url)  # messages may persist; the URL itself may carry credentials
         try:
             response = await self._http().request("GET", url, headers=self._headers(), timeout=self._timeout())
@@ -405,7 +425,7 @@ class OpenAICompatibleChatModel:
         headers = {"Content-Type": "application/json", **self._headers()}
         payload = wire_json(self._body(messages, tools, seed))  # sampling values are validated finite
         allowed = _tool_names(tools)
-        url = f"{self._base_url}/chat/completions"
+        url = self._endpoint("/chat/completions")
         client = self._http()
         attempts: list[dict[str, Any]] = []
         last: _Retryable | None = None

@@ -1,4 +1,4 @@
-"""Sharded run layout on any fsspec location: ``./runs/x``, ``file:///…`` or ``s3://bucket/prefix/x``.
+"""Sharded run layout in a local directory or on S3: ``./runs/x``, ``file:///…`` or ``s3://bucket/prefix/x``.
 
 Layout (every object is written once, except ``summary.json`` which ``reduce`` rewrites)::
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import random
 import re
@@ -36,9 +37,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
@@ -141,10 +141,15 @@ class RetryPolicy:
     def from_env(cls) -> RetryPolicy:
         """The default policy; ``SHOPSIMRL_STORE_RETRY_BUDGET_S`` caps the seconds spent retrying one operation."""
         budget = os.environ.get("SHOPSIMRL_STORE_RETRY_BUDGET_S")
+        if not budget:
+            return cls()
         try:
-            return cls(budget_s=float(budget)) if budget else cls()
+            seconds = float(budget)
         except ValueError:
-            raise RunLocationError(f"SHOPSIMRL_STORE_RETRY_BUDGET_S must be a number of seconds, got {budget!r}") from None
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise RunLocationError(f"SHOPSIMRL_STORE_RETRY_BUDGET_S must be a finite number of seconds >= 0, got {budget!r}")
+        return cls(budget_s=seconds)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         started = time.monotonic()
@@ -167,36 +172,96 @@ class RetryPolicy:
 # --------------------------------------------------------------------------- the file system
 
 
-def _open_fs(uri: str) -> tuple[Any, str]:
-    scheme = urlsplit(uri).scheme if "://" in uri else ""
-    if scheme in ("s3", "s3a"):
-        import s3fs
+_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_BUCKET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_LOCATION_FORMS = "a directory path, file:///absolute/path or s3://bucket/prefix"
 
-        # Credentials come from the AWS_* variables through botocore's own chain and are never
-        # copied anywhere; only the endpoint is passed explicitly (older botocore ignores
-        # AWS_ENDPOINT_URL).
-        client_kwargs: dict[str, Any] = {}
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            client_kwargs["endpoint_url"] = endpoint
-        # One try per call below us (botocore and s3fs would otherwise each retry with their
-        # own backoff, up to ~25 s per call): RetryPolicy owns retries, backoff and the budget.
-        fs = s3fs.S3FileSystem(
-            use_listings_cache=False,
-            skip_instance_cache=True,
-            client_kwargs=client_kwargs,
-            config_kwargs={"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 1, "mode": "standard"}},
+
+def _shown(uri: str) -> str:
+    """The location for an error message: redacted, and anything before a stray ``@`` hidden.
+
+    ``redact_uri`` removes a well-formed ``user:password@``; a password with an unencoded ``/``
+    ends up outside the host part, so whatever precedes an ``@`` is hidden as well.
+    """
+    shown = redact_uri(uri)
+    if "@" not in shown:
+        return shown
+    scheme = _URL_SCHEME.match(shown)
+    return f"{scheme.group(0) + '//' if scheme else ''}…@{shown.rpartition('@')[2]}"
+
+
+def _open_fs(uri: str) -> tuple[Any, str]:
+    """The file system and root path of a run location, or RunLocationError saying why not.
+
+    Only local directories and S3 are accepted: the commit protocol relies on their create-only
+    writes. A location with credentials is refused (they belong in the ``AWS_*`` variables), and
+    no message repeats them.
+    """
+    if not uri.strip():
+        raise RunLocationError(f"the run location is empty; give {_LOCATION_FORMS}")
+    match = _URL_SCHEME.match(uri)
+    if match is None:
+        return _open_local(uri, uri)
+    scheme = match.group(1).lower()
+    if not uri[match.end() :].startswith("//"):
+        raise RunLocationError(
+            f"{_shown(uri)}: '{scheme}:' without '//' is neither a URL nor a plain path; "
+            f"write {scheme}://… (or ./{scheme}:… for a local directory with a colon in its name)"
         )
-        fs.retries = 1  # a class attribute in s3fs, not a constructor argument
-        path = uri.split("://", 1)[1].rstrip("/")
-        if not path.split("/", 1)[0]:
-            raise RunLocationError(f"{uri}: an S3 run location needs a bucket, e.g. s3://bucket/runs/x")
-        return fs, path
-    if scheme not in ("", "file", "local"):
-        fs, path = fsspec.core.url_to_fs(uri)
-        return fs, path.rstrip("/")
-    path = uri.split("://", 1)[1] if scheme else uri
-    return LocalFileSystem(auto_mkdir=True), os.path.abspath(os.path.expanduser(path))
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        raise RunLocationError(f"{_shown(uri)}: not a valid URL; give {_LOCATION_FORMS}") from None
+    if scheme not in ("s3", "s3a", "file", "local"):
+        raise RunLocationError(f"{_shown(uri)}: unsupported run location scheme '{scheme}://'; give {_LOCATION_FORMS}")
+    if "@" in parts.netloc:
+        hint = "S3 credentials belong in the AWS_* variables" if scheme in ("s3", "s3a") else "a local path takes none"
+        raise RunLocationError(f"{_shown(uri)}: a run location must not contain user:password@ credentials; {hint}")
+    if parts.query or parts.fragment or uri.endswith(("?", "#")):
+        raise RunLocationError(f"{_shown(uri)}: a run location takes no ?query or #fragment")
+    if scheme in ("file", "local"):
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise RunLocationError(f"{_shown(uri)}: a {scheme}:// location names an absolute path, e.g. {scheme}:///data/runs/x")
+        return _open_local(unquote(parts.path), uri)
+    if not parts.netloc:
+        raise RunLocationError(f"{_shown(uri)}: an S3 run location needs a bucket, e.g. s3://bucket/runs/x")
+    if not _BUCKET_NAME.match(parts.netloc):
+        raise RunLocationError(
+            f"{_shown(uri)}: the part after {scheme}:// must be a bucket name (letters, digits, '.', '-', '_'); "
+            f"an S3 endpoint goes in AWS_ENDPOINT_URL"
+        )
+    import s3fs
+
+    # Credentials come from the AWS_* variables through botocore's own chain and are never
+    # copied anywhere; only the endpoint is passed explicitly (older botocore ignores
+    # AWS_ENDPOINT_URL).
+    client_kwargs: dict[str, Any] = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        client_kwargs["endpoint_url"] = endpoint
+    # One try per call below us (botocore and s3fs would otherwise each retry with their
+    # own backoff, up to ~25 s per call): RetryPolicy owns retries, backoff and the budget.
+    fs = s3fs.S3FileSystem(
+        use_listings_cache=False,
+        skip_instance_cache=True,
+        client_kwargs=client_kwargs,
+        config_kwargs={"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 1, "mode": "standard"}},
+    )
+    fs.retries = 1  # a class attribute in s3fs, not a constructor argument
+    return fs, (parts.netloc + parts.path).rstrip("/")
+
+
+def _open_local(path_text: str, uri: str) -> tuple[Any, str]:
+    """A local run directory; refused when it, or the nearest part of it that exists, is no directory."""
+    path = os.path.abspath(os.path.expanduser(path_text))
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        if existing == path:
+            raise RunLocationError(f"{_shown(uri)}: exists and is not a directory; a run location is a directory")
+        raise RunLocationError(f"{_shown(uri)}: cannot be a directory, because {existing} exists and is not one")
+    return LocalFileSystem(auto_mkdir=True), path
 
 
 # --------------------------------------------------------------------------- shard map
@@ -283,8 +348,8 @@ class ShardedRunStore:
         self.display_uri = redact_uri(self.uri)
         self.retry = retry or RetryPolicy.from_env()
         try:
-            self.fs, self.root = _open_fs(self.uri)
-        except ImportError as exc:  # an fsspec protocol whose package is missing
+            self.fs, self.root = _open_fs(uri)  # the unstripped form: "s3://" is not the path "s3:"
+        except ImportError as exc:  # s3fs is not installed
             raise RunLocationError(f"{self.display_uri}: {exc}") from exc
         self.local = isinstance(self.fs, LocalFileSystem)
 
@@ -301,7 +366,13 @@ class ShardedRunStore:
         try:
             return self.retry.call(f"{what} {self.display_uri}", fn)
         except PermissionError as exc:
-            raise RunLocationError(f"{self.display_uri}: access denied ({what}); check the AWS_* credentials: {exc}") from exc
+            hint = "check the directory's permissions" if self.local else "check the AWS_* credentials"
+            raise RunLocationError(f"{self.display_uri}: access denied ({what}); {hint}: {exc}") from exc
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            if not self.local:
+                raise
+            # A directory that cannot be created where it was asked for (e.g. under /proc).
+            raise RunLocationError(f"{self.display_uri}: cannot {what} it: {exc}") from exc
 
     # -- raw objects ------------------------------------------------------------------------
 

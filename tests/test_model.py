@@ -438,12 +438,27 @@ def test_extra_body_may_not_override_reserved_keys(key: str) -> None:
         ({"temperature": float("nan")}, "temperature"),
         ({"tool_choice": ""}, "tool_choice"),
         ({"stream": "yes"}, "stream"),
+        ({"base_url": "http://user:pw@x/v1"}, "credentials; put the API key in the environment variable named by api_key_env"),
+        ({"base_url": "http://x/v1#frag"}, "fragment"),
         ({"extra_body": {"x": object()}}, "extra_body"),
     ],
 )
 def test_bad_settings_name_the_field(fields: dict[str, Any], named: str) -> None:
     with pytest.raises(ModelConfigError, match=named):
         OpenAICompatibleSettings(**{"model": "m", "base_url": "http://x/v1", **fields})
+
+
+async def test_a_query_in_base_url_stays_after_the_path(stub: OpenAIStub, make: Any, server: tuple[OpenAIStub, str]) -> None:
+    """Gateways such as Azure take ``?api-version=…``; the endpoint path goes before it."""
+    stub.queue(Reply(json=completion(tool_calls=[tool_call()])))
+    model = make(base_url=server[1] + "/?api-version=2024-06-01")
+    out = await model.generate(MESSAGES, TOOLS)
+    assert out.protocol_error is None and out.tool_calls[0].name == "search"
+    assert await model.list_models() == ["stub-model"]
+    assert [(r.method, r.path, r.query) for r in stub.requests] == [
+        ("POST", "/v1/chat/completions", "api-version=2024-06-01"),
+        ("GET", "/v1/models", "api-version=2024-06-01"),
+    ]
 
 
 def test_identity_shape() -> None:
