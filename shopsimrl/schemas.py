@@ -38,8 +38,10 @@ __all__ = [
     "fingerprint",
     "is_completed",
     "json_safe",
+    "parse_json",
     "redact_uri",
     "sha256_hex",
+    "wire_json",
 ]
 
 TRACE_SCHEMA_VERSION = "shopsimrl-episode-v4"
