@@ -26,6 +26,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from shopsimrl.exitcodes import ExitCode
+from shopsimrl.schemas import redact_uri
 
 __all__ = [
     "COMPLETION_INDEX_ANNOTATION",
@@ -385,7 +386,7 @@ def job_report(job: k8s.V1Job, pods: Iterable[k8s.V1Pod], *, max_failures: int |
         condition_reason=reason,
         indexes=tuple(states),
         failures=pod_failures(pods, limit=max_failures),
-        run_uri=annotations.get(RUN_URI_ANNOTATION),
+        run_uri=redact_uri(annotations[RUN_URI_ANNOTATION]) if annotations.get(RUN_URI_ANNOTATION) else None,
         created_at=meta.creation_timestamp if meta else None,
     )
 
