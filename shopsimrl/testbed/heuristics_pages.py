@@ -6,6 +6,7 @@ it live in :mod:`shopsimrl.testbed.heuristics`.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import unicodedata
@@ -98,8 +99,12 @@ def contains_term(haystack: str, term: str) -> bool:
     return term in haystack
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def fuzzy_ratio(left: str, right: str) -> int:
     """Token-set similarity 0-100, computed the way the shop's reward compares attributes.
+
+    Cached: the same attributes and listings come back on every page of every episode, and
+    difflib was most of the policy server's CPU (docs/benchmarks.md, "Throughput").
 
     Text is casefolded and split on non-word characters; the score is the best difflib ratio
     among the shared tokens and each side's sorted token set. Chinese without spaces is one

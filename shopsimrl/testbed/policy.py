@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -251,7 +252,7 @@ class _PolicyServer:
     async def chat_completions(self, request: Request) -> Response:
         raw = await request.body()
         try:
-            body = _validate(json.loads(raw))
+            body = _validate(orjson.loads(raw))
         except ValueError as exc:
             param = exc.param if isinstance(exc, _BadRequest) else None
             message = str(exc) if isinstance(exc, _BadRequest) else f"request body is not valid JSON: {exc}"
