@@ -396,18 +396,22 @@ def _severity(code: ExitCode) -> int:
     return {ExitCode.OK: 0, ExitCode.EPISODES_FAILED: 1, ExitCode.RETRYABLE: 2, ExitCode.BAD_INPUT: 3, ExitCode.FINGERPRINT_MISMATCH: 4}[ExitCode(code)]
 
 
-def _reduce_and_report(uri: str, *, wait: bool, timeout: float, include_uncommitted: bool) -> ExitCode:
+def _reduce_and_report(uri: str, *, wait: bool, timeout: float, include_uncommitted: bool, partial_on_timeout: bool = False) -> ExitCode:
     from shopsimrl.metrics import format_summary_table
     from shopsimrl.reduce import RunNotPlannedError, reduce_run, wait_for_markers
     from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
 
     try:
         store = ShardedRunStore(uri)
+        incomplete_reason = None
         if wait:
             pending = wait_for_markers(store, timeout=timeout, interval=min(5.0, max(0.2, timeout / 20)))
-            if pending:
+            if pending and not partial_on_timeout:
                 _fail(ExitCode.RETRYABLE, f"timed out after {timeout:g} s; shards without a commit marker: {pending[:20]}")
-        summary = reduce_run(store, include_uncommitted=include_uncommitted)
+            if pending:
+                incomplete_reason = f"the reducer stopped waiting after {timeout:g} s (--timeout) with {len(pending)} shards uncommitted"
+                typer.secho(f"warning: {incomplete_reason}: {pending[:20]}; writing a partial summary", fg=typer.colors.YELLOW, err=True)
+        summary = reduce_run(store, include_uncommitted=include_uncommitted, incomplete_reason=incomplete_reason)
     except (RunNotPlannedError, ShardMapError, RunLocationError, ManifestError) as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
     except StoreUnavailableError as exc:
@@ -422,6 +426,8 @@ def _reduce_and_report(uri: str, *, wait: bool, timeout: float, include_uncommit
     )
     for problem in report["problems"]:
         typer.secho(f"  {problem}", fg=typer.colors.YELLOW, err=True)
+    for missing in (summary.get("incomplete") or {}).get("missing_shards", [])[:20]:
+        typer.secho(f"  shard {missing['shard']} missing: {missing['why']}", fg=typer.colors.YELLOW, err=True)
     typer.echo(f"summary: {store.display_uri}/summary.json")
     counts = summary.get("counts", {})
     incomplete = report["uncommitted"] or report["corrupt"] or counts.get("failed") or counts.get("missing")
@@ -457,10 +463,18 @@ def reduce(
     wait: bool = typer.Option(False, "--wait", help="Poll until every shard has a commit marker (exit 3 on timeout)."),
     timeout: float = typer.Option(3600.0, "--timeout", min=0, help="With --wait: give up after this many seconds."),
     include_uncommitted: bool = typer.Option(False, "--include-uncommitted", help="Also read parts of shards without a commit marker (a partial summary)."),
+    partial_on_timeout: bool = typer.Option(
+        False, "--partial-on-timeout",
+        help="With --wait: at the timeout, write summary.json from the committed shards, marked incomplete, and exit 1 instead of 3.",
+    ),
 ) -> None:
     """Merge committed shards into summary.json: de-duplicated by episode_id, checksums verified."""
     configure_logging()
-    code = _reduce_and_report(run_uri, wait=wait, timeout=timeout, include_uncommitted=include_uncommitted)
+    if partial_on_timeout and not wait:
+        _fail(ExitCode.BAD_INPUT, "--partial-on-timeout needs --wait")
+    code = _reduce_and_report(
+        run_uri, wait=wait, timeout=timeout, include_uncommitted=include_uncommitted, partial_on_timeout=partial_on_timeout
+    )
     raise typer.Exit(int(code))
 
 

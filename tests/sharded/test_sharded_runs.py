@@ -7,16 +7,18 @@ from __future__ import annotations
 import json
 import random
 import signal
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from shopsimrl.reduce import reduce_run, shard_status
+from shopsimrl.schemas import fingerprint
 from shopsimrl.shardstore import ShardedRunStore
 
-from .conftest import Backend, Testbed, cli, start_worker, worker_env, write_config
-from .faultproxy import FaultPlan, FaultProxy
+from .conftest import S3_TEST_ENV, Backend, S3Server, Testbed, cli, start_worker, worker_env, write_config
+from .faultproxy import FaultPlan, FaultProxy, Scripted
 
 
 def test_sharded_run_end_to_end(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
@@ -210,3 +212,110 @@ def test_reduce_wait_times_out_with_exit_3_and_status_shows_progress(backend: Ba
     assert [row["state"] for row in report["shards"]] == ["pending", "committed"]
     partial = cli("reduce", uri, env=env)
     assert partial.returncode == 1 and "1/2 committed" in partial.stdout
+
+
+def test_a_marker_with_a_bad_checksum_is_not_trusted_and_the_shard_heals(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=4)
+    uri = backend.uri("badsum")
+    assert start_worker(backend, uri, config, 0, 1, tmp_path / "logs").wait() == 0
+    store = ShardedRunStore(uri)
+    marker = json.loads(store.read_bytes("shards/00000/_SUCCESS.json"))
+    bad_part = marker["parts"][0]["name"]
+    marker["parts"][0]["sha256"] = "0" * 64
+    store.overwrite("shards/00000/_SUCCESS.json", json.dumps(marker).encode())
+    assert reduce_run(store, write=False)["shards"]["corrupt"] == [0]
+
+    healer = start_worker(backend, uri, config, 0, 1, tmp_path / "logs")
+    assert healer.wait() == 0
+    lines = healer.log_lines()
+    events = [line.get("event") for line in lines]
+    assert "shard_already_committed" not in events and "marker_not_verified" in events and "shard_committed" in events
+    assert any(line.get("event") == "parts_not_trusted" and line.get("parts") == [bad_part] for line in lines)
+    # The part whose bytes differ from its commit is not trusted: its episodes ran again.
+    rerun = set(healer.finished_episodes())
+    distrusted = {json.loads(line)["episode_id"] for line in store.read_part(0, bad_part).splitlines()}
+    assert rerun == distrusted
+    summary = reduce_run(store)
+    assert summary["complete"] and summary["shards"]["committed"] == 1 and summary["counts"]["completed"] == 4
+    assert summary["shards"]["per_shard"][0]["ignored_markers"] == 1
+    # Healed means healed: the next worker trusts the new commit.
+    again = start_worker(backend, uri, config, 0, 1, tmp_path / "logs")
+    assert again.wait() == 0 and any(line.get("event") == "shard_already_committed" for line in again.log_lines())
+
+
+def test_failed_episodes_retried_later_are_committed(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=4)
+    config.write_text(config.read_text().replace("max_retries: 5", "max_retries: 1"))  # fail fast while the model is away
+    uri = backend.uri("recommit")
+    assert cli("plan", str(config), "--run", uri, "--shards", "2", env=worker_env(backend)).returncode == 0
+    assert start_worker(backend, uri, config, 0, None, tmp_path / "logs").wait() == 0
+    with socket.socket() as closed:  # a port nobody listens on: every model call is refused
+        closed.bind(("127.0.0.1", 0))
+        dead_model = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
+    away = start_worker(backend, uri, config, 1, None, tmp_path / "logs", env=worker_env(backend, SHOPSIMRL_MODEL_BASE_URL=dead_model))
+    assert away.wait() == 1  # committed with failures
+    assert reduce_run(ShardedRunStore(uri), write=False)["shards"]["coverage"] == 0.5
+
+    back = start_worker(backend, uri, config, 1, None, tmp_path / "logs")
+    assert back.wait() == 0, back.log_lines()[-3:]
+    assert len(back.finished_episodes()) == 2
+    summary = reduce_run(ShardedRunStore(uri))
+    assert summary["shards"]["coverage"] == 1.0 and summary["counts"]["completed"] == 4 and summary["complete"]
+    assert ShardedRunStore(uri).list_shard(1).markers == ["_SUCCESS-" + back.log_lines()[0]["writer"] + ".json", "_SUCCESS.json"]
+
+
+@pytest.mark.s3
+def test_plan_and_worker_ride_out_lost_put_responses(s3_server: S3Server, testbed: Testbed, tmp_path: Path) -> None:
+    """The answer to each create-only PUT is lost once: manifest, a part, the commit marker."""
+    script = [Scripted("PUT", r"/manifest\.json$", "lost_response"), Scripted("PUT", r"/part-00000-[0-9a-f]+\.jsonl$", "lost_response"),
+              Scripted("PUT", r"/_SUCCESS\.json$", "lost_response")]
+    proxy = FaultProxy(s3_server.endpoint, FaultPlan(script=script))
+    endpoint = proxy.start()
+    try:
+        backend = Backend(s3_server.kind, f"s3://{s3_server.bucket}/runs", {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint})
+        config = write_config(tmp_path, testbed, episodes=3)
+        uri = backend.uri("lost")
+        planned = cli("plan", str(config), "--run", uri, "--shards", "1", env=worker_env(backend))
+        assert planned.returncode == 0, planned.stderr[-2000:]
+        worker = start_worker(backend, uri, config, 0, None, tmp_path / "logs")
+        assert worker.wait() == 0, worker.log_lines()[-3:]
+    finally:
+        proxy.stop()
+    assert all(entry.fired for entry in script), script
+    summary = reduce_run(ShardedRunStore(uri), write=False)
+    assert summary["complete"] and summary["counts"]["completed"] == 3
+    assert ShardedRunStore(uri).list_shard(0).markers == ["_SUCCESS.json"]
+
+
+def _edit_json(store: ShardedRunStore, name: str, edit) -> None:  # type: ignore[no-untyped-def]
+    document = json.loads(store.read_bytes(name))
+    edit(document)
+    store.overwrite(name, json.dumps(document, indent=2).encode())
+
+
+def test_reduce_and_status_refuse_what_the_worker_refuses(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=4)
+    env = worker_env(backend)
+    for case in ("plan", "shard-map"):
+        uri = backend.uri(case)
+        assert cli("plan", str(config), "--run", uri, "--shards", "2", env=env).returncode == 0
+        store = ShardedRunStore(uri)
+        if case == "plan":
+            # The stored plan no longer matches its fingerprint (a hand edit).
+            _edit_json(store, "manifest.json", lambda m: m["plan"]["model"]["sampling"].update(temperature=0.9))
+            expected = "plan_fingerprint does not match the plan it stores"
+        else:
+            # Episodes moved between shards, with the per-shard digests recomputed to match.
+            def swap(shard_map: dict) -> None:
+                a, b = shard_map["shards"]
+                a["episode_ids"][0], b["episode_ids"][0] = b["episode_ids"][0], a["episode_ids"][0]
+                for entry in (a, b):
+                    entry["episode_ids_sha256"] = fingerprint(entry["episode_ids"])
+            _edit_json(store, "shards.json", swap)
+            expected = "assigns episodes differently"
+        worker = start_worker(backend, uri, config, 0, None, tmp_path / "logs")
+        assert worker.wait() == 2 and any(expected in str(line.get("reason")) for line in worker.log_lines())
+        for command in (("reduce", uri), ("status", uri)):
+            refused = cli(*command, env=env)
+            assert refused.returncode == 2, (command, refused.stdout[-500:], refused.stderr[-500:])
+            assert expected in refused.stderr and "Traceback" not in refused.stderr
