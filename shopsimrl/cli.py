@@ -168,7 +168,7 @@ def run(
     from shopsimrl.evaluation import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
     from shopsimrl.model import ModelConfigError
     from shopsimrl.progress import RunProgress
-    from shopsimrl.store import LocalRunStore, RunLockedError
+    from shopsimrl.store import LocalRunStore, RunLockedError, RunWriteError
 
     configure_logging()
     if shards is not None:
@@ -205,6 +205,8 @@ def run(
             _fail(ExitCode.FINGERPRINT_MISMATCH, str(exc))
         except ManifestError as exc:
             _fail(ExitCode.BAD_INPUT, str(exc))
+        except RunWriteError as exc:
+            _fail(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, str(exc))
         index = store.load_index()
         completed = {eid for eid, state in index.episodes.items() if state.completed}
         prior = {eid: state.attempts for eid, state in index.episodes.items()}
@@ -288,6 +290,7 @@ def _summarize_local(
 ) -> dict[str, Any]:
     from shopsimrl.manifest import run_identity
     from shopsimrl.metrics import SummaryAccumulator
+    from shopsimrl.store import RunWriteError
 
     accumulator = SummaryAccumulator(requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested)
     index = store.load_index()
@@ -299,7 +302,10 @@ def _summarize_local(
     summary = accumulator.result()
     summary.setdefault("counts", {})["unreadable_lines"] = index.bad_lines
     summary["run"] = run_identity(manifest, uri=str(store.run_dir.resolve()))
-    store.write_summary(summary)
+    try:
+        store.write_summary(summary)
+    except RunWriteError as exc:  # the traces are safe; only the derived summary is missing
+        _fail(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, f"{exc}; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it")
     return summary
 
 

@@ -163,8 +163,8 @@ def _is_transient(exc: BaseException) -> bool:
             return True
     if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EBUSY):
         return True
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-        return True  # a full or read-only disk may come back; give it the retry budget, then exit 3
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        return True  # a full or read-only disk (or a file size limit) may pass; give it the retry budget, then exit 3
     return bool(_TRANSIENT_TEXT.search(f"{type(exc).__name__}: {exc}"))
 
 
