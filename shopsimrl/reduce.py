@@ -21,6 +21,7 @@ Earlier failed attempts are superseded attempts, as in a local run.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ from shopsimrl.shardstore import (
     scan_shard,
 )
 
-__all__ = ["RunNotPlannedError", "reduce_run", "shard_status", "wait_for_markers"]
+__all__ = ["RunNotPlannedError", "WaitResult", "reduce_run", "shard_status", "wait_for_markers"]
 
 _SAMPLE = 20
 _IDENTITY_HEAD_BYTES = 65536
@@ -231,12 +232,18 @@ def _why_missing(result: _ShardResult) -> str:
 
 
 def reduce_run(
-    store: ShardedRunStore, *, include_uncommitted: bool = False, write: bool = True, incomplete_reason: str | None = None
+    store: ShardedRunStore,
+    *,
+    include_uncommitted: bool = False,
+    write: bool = True,
+    incomplete_reason: str | None = None,
+    missing_why: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
     """Merge the shards into the summary (with a ``shards`` report block) and write summary.json.
 
     A summary that lacks shards says so: ``complete`` false and ``incomplete`` naming every
-    missing shard and why (``incomplete_reason``: why the reducer stopped waiting, if it did)."""
+    missing shard and why (``incomplete_reason``: why the reducer stopped waiting, if it did;
+    ``missing_why``: what the scheduler knows about a shard, put before what the store shows)."""
     plan_fp, shard_map = _load_plan(store)
     accumulator = SummaryAccumulator(requested=shard_map.jobs)
     not_in_plan_sample: list[str] = []
@@ -279,7 +286,10 @@ def reduce_run(
     if missing:
         summary["incomplete"] = {
             "reason": incomplete_reason or "not every shard has a verified commit marker",
-            "missing_shards": [{"shard": r.index, "state": r.state, "why": _why_missing(r)} for r in missing],
+            "missing_shards": [
+                {"shard": r.index, "state": r.state, "why": "; ".join(filter(None, [(missing_why or {}).get(r.index), _why_missing(r)]))}
+                for r in missing
+            ],
         }
     if write:
         store.write_summary(summary)
@@ -301,15 +311,35 @@ def _identity_manifest(store: ShardedRunStore) -> dict[str, Any] | None:
     return parsed if parsed is not None else store.read_manifest()
 
 
-def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float = 5.0) -> list[int]:
-    """Poll until every shard has a marker; returns the indices still without one at the end."""
+@dataclass
+class WaitResult:
+    pending: list[int]
+    """Shards still without a commit marker when the wait ended."""
+    reason: str | None = None
+    """Why the wait ended with shards pending: the timeout, or what ``give_up`` said."""
+    why: dict[int, str] = field(default_factory=dict)
+    """Per pending shard, what is known about it (e.g. its index failed in the worker Job)."""
+
+
+GiveUp = Callable[[list[int]], tuple[str, dict[int, str]] | None]
+
+
+def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float = 5.0, give_up: GiveUp | None = None) -> WaitResult:
+    """Poll until every shard has a marker, the timeout passes, or ``give_up`` (asked with the
+    pending shards after every poll) returns a reason and per-shard notes: those shards will
+    never commit (their Job indexes failed for good)."""
     _, shard_map = _load_plan(store)
     deadline = time.monotonic() + timeout
     pending = list(range(shard_map.count))
     while True:
         pending = [i for i in pending if not store.list_shard(i).marker]
-        if not pending or time.monotonic() + interval > deadline:
-            return pending
+        if not pending:
+            return WaitResult(pending)
+        verdict = give_up(pending) if give_up is not None else None
+        if verdict is not None:
+            return WaitResult(pending, verdict[0], verdict[1])
+        if time.monotonic() + interval > deadline:
+            return WaitResult(pending, f"the reducer stopped waiting after {timeout:g} s (--timeout) with {len(pending)} shards uncommitted")
         time.sleep(interval)
 
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -319,3 +320,78 @@ def test_reduce_and_status_refuse_what_the_worker_refuses(backend: Backend, test
             refused = cli(*command, env=env)
             assert refused.returncode == 2, (command, refused.stdout[-500:], refused.stderr[-500:])
             assert expected in refused.stderr and "Traceback" not in refused.stderr
+
+
+# --------------------------------------------------------------------------- the reducer's end
+
+
+def _kube_api(job: Any, pods: list[Any]) -> Any:
+    """The two endpoints the reducer reads, serving one Job and its pods like an API server."""
+    from kubernetes import client as k8s
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    serialize = k8s.ApiClient().sanitize_for_serialization
+
+    async def read_job(request: Any) -> JSONResponse:
+        if request.path_params["name"] != job.metadata.name:
+            return JSONResponse({"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404}, status_code=404)
+        return JSONResponse(serialize(job))
+
+    async def list_pods(request: Any) -> JSONResponse:
+        return JSONResponse({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [serialize(p) for p in pods]})
+
+    return Starlette(routes=[Route("/apis/batch/v1/namespaces/{ns}/jobs/{name}", read_job),
+                             Route("/api/v1/namespaces/{ns}/pods", list_pods)])
+
+
+def _kubeconfig(path: Path, server: str) -> Path:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "stub",
+        "clusters": [{"name": "stub", "cluster": {"server": server}}],
+        "users": [{"name": "stub", "user": {}}],
+        "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub"}}],
+    }))
+    return path
+
+
+def test_the_reducer_ends_with_a_partial_summary_when_a_shard_fails_for_good(testbed: Testbed, tmp_path: Path) -> None:
+    from shopsimrl.testbed.serving import running_server
+    from tests.test_kube import make_job, make_pod, terminated
+
+    backend = Backend("local", str(tmp_path / "runs"))
+    config = write_config(tmp_path, testbed, episodes=4)
+    uri = backend.uri("partial")
+    env = worker_env(backend)
+    assert cli("plan", str(config), "--run", uri, "--shards", "2", env=env).returncode == 0
+    assert start_worker(backend, uri, config, 1, 2, tmp_path / "logs").wait() == 0
+    # Shard 0 never ran: its wait-ready init container found bad input, and FailIndex ended it.
+    job = make_job("eval-x", completions=2, completed="1", failed="0")
+    pods = [make_pod("eval-x-0-a", 0, "Failed", init=[terminated("wait-ready", 2, message="bad config")], failure_count=0)]
+    with running_server(_kube_api(job, pods)) as api:
+        kube_env = {**env, "KUBECONFIG": str(_kubeconfig(tmp_path / "kubeconfig", api))}
+        # A day-long timeout: only the Job's view can end this wait (the subprocess timeout guards it).
+        reduced = cli("reduce", uri, "--wait", "--timeout", "86400", "--worker-job", "eval-x", "--namespace", "evals", env=kube_env, timeout=120)
+    assert reduced.returncode == 1, reduced.stderr[-2000:]
+    summary = json.loads(ShardedRunStore(uri).read_bytes("summary.json"))
+    assert summary["complete"] is False and summary["counts"]["completed"] == 2 and summary["shards"]["committed"] == 1
+    assert summary["incomplete"]["reason"] == "the worker Job eval-x reports failed indexes 0; 1 shards will not commit"
+    (missing,) = summary["incomplete"]["missing_shards"]
+    assert missing["shard"] == 0 and missing["state"] == "uncommitted"
+    assert missing["why"].startswith("index 0 failed in Job eval-x; last exit 2 (bad_input) in container wait-ready; no commit marker and no parts")
+    assert "shard 0 missing: index 0 failed" in reduced.stderr
+
+    # Without access to the API the Job's view is missing: the deadline ends the wait instead.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        no_api = _kubeconfig(tmp_path / "kubeconfig-closed", f"http://127.0.0.1:{closed.getsockname()[1]}")
+    blind = {**env, "KUBECONFIG": str(no_api)}
+    timed_out = cli("reduce", uri, "--wait", "--timeout", "1", "--worker-job", "eval-x", "--namespace", "evals", env=blind)
+    assert timed_out.returncode == 3 and "cannot read Job eval-x in evals" in timed_out.stderr
+    deadline = cli("reduce", uri, "--wait", "--timeout", "1", "--partial-on-timeout", "--worker-job", "eval-x", env=blind)
+    assert deadline.returncode == 1, deadline.stderr[-2000:]
+    summary = json.loads(ShardedRunStore(uri).read_bytes("summary.json"))
+    assert summary["incomplete"]["reason"] == "the reducer stopped waiting after 1 s (--timeout) with 1 shards uncommitted"
+    assert summary["incomplete"]["missing_shards"][0]["why"].startswith("no commit marker and no parts")
+    assert "Traceback" not in timed_out.stderr + deadline.stderr
