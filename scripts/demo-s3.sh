@@ -15,7 +15,13 @@ if [ ! -x "$WEED" ]; then
   WEED=$BIN/weed
 fi
 free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-S3_PORT=$(free_port); MASTER_PORT=$(free_port); VOLUME_PORT=$(free_port); FILER_PORT=$(free_port)
+S3_PORT=$(free_port)
+# Every port explicitly: weed's defaults (9333, 8888, 23646 …) and its gRPC ports (+10000, past
+# 65535 for a high free port) would collide with a second instance, e.g. the test suite's.
+PORT_FLAGS=()
+for name in s3.port.grpc master.port master.port.grpc volume.port volume.port.grpc filer.port filer.port.grpc admin.port admin.port.grpc; do
+  PORT_FLAGS+=("-$name=$(free_port)")
+done
 DATA_DIR=${DATA_DIR:-.cache/seaweedfs}
 mkdir -p "$DATA_DIR"
 LOG=$(mktemp -t shopsimrl-weed.XXXXXX.log)
@@ -26,9 +32,9 @@ export AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-shopsimrl-demo-secret}
 export AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}
 export AWS_ENDPOINT_URL="http://127.0.0.1:$S3_PORT"
 
-"$WEED" mini -dir="$DATA_DIR" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3.port="$S3_PORT" \
-  -master.port="$MASTER_PORT" -volume.port="$VOLUME_PORT" -filer.port="$FILER_PORT" \
-  -s3.port.iceberg=0 -s3.port.lance=0 -admin.ui=false -webdav=false >"$LOG" 2>&1 &
+# -master.telemetry=false: weed reports usage to its vendor by default; nothing leaves this host.
+"$WEED" mini -dir="$DATA_DIR" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3.port="$S3_PORT" "${PORT_FLAGS[@]}" \
+  -s3.port.iceberg=0 -s3.port.lance=0 -admin.ui=false -webdav=false -master.telemetry=false >"$LOG" 2>&1 &
 WEED_PID=$!
 stop() { kill "$WEED_PID" 2>/dev/null || true; wait "$WEED_PID" 2>/dev/null || true; }
 trap stop EXIT

@@ -168,7 +168,7 @@ def run(
     from shopsimrl.evaluation import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
     from shopsimrl.model import ModelConfigError
     from shopsimrl.progress import RunProgress
-    from shopsimrl.store import LocalRunStore, RunLockedError
+    from shopsimrl.store import LocalRunStore, RunLockedError, RunWriteError
 
     configure_logging()
     if shards is not None:
@@ -205,6 +205,8 @@ def run(
             _fail(ExitCode.FINGERPRINT_MISMATCH, str(exc))
         except ManifestError as exc:
             _fail(ExitCode.BAD_INPUT, str(exc))
+        except RunWriteError as exc:
+            _fail(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, str(exc))
         index = store.load_index()
         completed = {eid for eid, state in index.episodes.items() if state.completed}
         prior = {eid: state.attempts for eid, state in index.episodes.items()}
@@ -288,6 +290,7 @@ def _summarize_local(
 ) -> dict[str, Any]:
     from shopsimrl.manifest import run_identity
     from shopsimrl.metrics import SummaryAccumulator
+    from shopsimrl.store import RunWriteError
 
     accumulator = SummaryAccumulator(requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested)
     index = store.load_index()
@@ -299,7 +302,10 @@ def _summarize_local(
     summary = accumulator.result()
     summary.setdefault("counts", {})["unreadable_lines"] = index.bad_lines
     summary["run"] = run_identity(manifest, uri=str(store.run_dir.resolve()))
-    store.write_summary(summary)
+    try:
+        store.write_summary(summary)
+    except RunWriteError as exc:  # the traces are safe; only the derived summary is missing
+        _fail(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, f"{exc}; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it")
     return summary
 
 
@@ -396,18 +402,37 @@ def _severity(code: ExitCode) -> int:
     return {ExitCode.OK: 0, ExitCode.EPISODES_FAILED: 1, ExitCode.RETRYABLE: 2, ExitCode.BAD_INPUT: 3, ExitCode.FINGERPRINT_MISMATCH: 4}[ExitCode(code)]
 
 
-def _reduce_and_report(uri: str, *, wait: bool, timeout: float, include_uncommitted: bool) -> ExitCode:
+def _reduce_and_report(
+    uri: str,
+    *,
+    wait: bool,
+    timeout: float,
+    include_uncommitted: bool,
+    partial_on_timeout: bool = False,
+    worker_job: Optional[str] = None,
+    namespace: Optional[str] = None,
+) -> ExitCode:
     from shopsimrl.metrics import format_summary_table
     from shopsimrl.reduce import RunNotPlannedError, reduce_run, wait_for_markers
     from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
 
     try:
         store = ShardedRunStore(uri)
+        waited = None
         if wait:
-            pending = wait_for_markers(store, timeout=timeout, interval=min(5.0, max(0.2, timeout / 20)))
-            if pending:
-                _fail(ExitCode.RETRYABLE, f"timed out after {timeout:g} s; shards without a commit marker: {pending[:20]}")
-        summary = reduce_run(store, include_uncommitted=include_uncommitted)
+            give_up = _failed_indexes_of(worker_job, namespace or "default") if worker_job else None
+            waited = wait_for_markers(store, timeout=timeout, interval=min(5.0, max(0.2, timeout / 20)), give_up=give_up)
+            # Shards the worker Job has given up on will never commit: waiting longer cannot help.
+            if waited.pending and not (partial_on_timeout or waited.why):
+                _fail(ExitCode.RETRYABLE, f"timed out after {timeout:g} s; shards without a commit marker: {waited.pending[:20]}")
+            if waited.pending:
+                typer.secho(f"warning: {waited.reason}: {waited.pending[:20]}; writing a partial summary", fg=typer.colors.YELLOW, err=True)
+        summary = reduce_run(
+            store,
+            include_uncommitted=include_uncommitted,
+            incomplete_reason=waited.reason if waited and waited.pending else None,
+            missing_why=waited.why if waited else None,
+        )
     except (RunNotPlannedError, ShardMapError, RunLocationError, ManifestError) as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
     except StoreUnavailableError as exc:
@@ -422,10 +447,49 @@ def _reduce_and_report(uri: str, *, wait: bool, timeout: float, include_uncommit
     )
     for problem in report["problems"]:
         typer.secho(f"  {problem}", fg=typer.colors.YELLOW, err=True)
+    for missing in (summary.get("incomplete") or {}).get("missing_shards", [])[:20]:
+        typer.secho(f"  shard {missing['shard']} missing: {missing['why']}", fg=typer.colors.YELLOW, err=True)
     typer.echo(f"summary: {store.display_uri}/summary.json")
     counts = summary.get("counts", {})
     incomplete = report["uncommitted"] or report["corrupt"] or counts.get("failed") or counts.get("missing")
     return ExitCode.EPISODES_FAILED if incomplete else ExitCode.OK
+
+
+def _failed_indexes_of(job: str, namespace: str) -> Any:
+    """A ``give_up`` for :func:`~shopsimrl.reduce.wait_for_markers`: the worker Job's own view.
+
+    Waiting ends once every pending shard is a failed index of the Job, or the Job has finished.
+    Without API access (no RBAC, no cluster) it says so once and the wait runs to its timeout.
+    """
+    from shopsimrl import kube
+
+    warned: list[str] = []
+
+    def give_up(pending: list[int]) -> tuple[str, dict[int, str]] | None:
+        try:
+            report = kube.load_job_report(namespace, job)
+        except Exception as exc:  # ApiException, no kubeconfig, connection refused: best effort only
+            if not warned:
+                warned.append(str(exc))
+                typer.secho(f"warning: cannot read Job {job} in {namespace} ({type(exc).__name__}: {str(exc)[:200]}); "
+                            "waiting for the timeout", fg=typer.colors.YELLOW, err=True)
+            return None
+        failed = set(report.failed)
+        if not (set(pending) <= failed or report.finished):
+            return None
+        last_exit = {}
+        for failure in reversed(report.failures):  # most recent last, so it wins
+            if failure.index is not None and failure.exit_code is not None:
+                last_exit[failure.index] = f"; last exit {failure.exit_code} ({failure.meaning}) in container {failure.container}"
+        why = {
+            index: (f"index {index} failed in Job {job}" if index in failed else f"Job {job} is {report.condition} without it")
+            + last_exit.get(index, "")
+            for index in pending
+        }
+        state = f"is {report.condition}" if report.finished else f"reports failed indexes {kube.format_index_ranges(sorted(failed))}"
+        return f"the worker Job {job} {state}; {len(pending)} shards will not commit", why
+
+    return give_up
 
 
 @app.command()
@@ -457,10 +521,24 @@ def reduce(
     wait: bool = typer.Option(False, "--wait", help="Poll until every shard has a commit marker (exit 3 on timeout)."),
     timeout: float = typer.Option(3600.0, "--timeout", min=0, help="With --wait: give up after this many seconds."),
     include_uncommitted: bool = typer.Option(False, "--include-uncommitted", help="Also read parts of shards without a commit marker (a partial summary)."),
+    partial_on_timeout: bool = typer.Option(
+        False, "--partial-on-timeout",
+        help="With --wait: at the timeout, write summary.json from the committed shards, marked incomplete, and exit 1 instead of 3.",
+    ),
+    worker_job: Optional[str] = typer.Option(
+        None, "--worker-job",
+        help="With --wait: the Kubernetes worker Job of this run; stop waiting (partial summary, exit 1) once its failed indexes cover every uncommitted shard or it has finished.",
+    ),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="Namespace of --worker-job (default: default)."),
 ) -> None:
     """Merge committed shards into summary.json: de-duplicated by episode_id, checksums verified."""
     configure_logging()
-    code = _reduce_and_report(run_uri, wait=wait, timeout=timeout, include_uncommitted=include_uncommitted)
+    if (partial_on_timeout or worker_job) and not wait:
+        _fail(ExitCode.BAD_INPUT, "--partial-on-timeout and --worker-job need --wait")
+    code = _reduce_and_report(
+        run_uri, wait=wait, timeout=timeout, include_uncommitted=include_uncommitted, partial_on_timeout=partial_on_timeout,
+        worker_job=worker_job, namespace=namespace,
+    )
     raise typer.Exit(int(code))
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "exit_code_meaning",
     "format_index_ranges",
     "job_report",
+    "load_job_report",
     "load_release_status",
     "parse_index_ranges",
     "pod_failures",
@@ -440,3 +441,19 @@ def load_release_status(
         reports.append(job_report(job, pods, max_failures=max_failures))
     reports.sort(key=lambda r: (r.created_at is not None, r.created_at or datetime.min), reverse=True)
     return ReleaseStatus(namespace=namespace, release=release, jobs=tuple(reports))
+
+
+def load_job_report(
+    namespace: str,
+    name: str,
+    *,
+    batch_api: k8s.BatchV1Api | None = None,
+    core_api: k8s.CoreV1Api | None = None,
+    max_failures: int | None = 10,
+) -> JobReport:
+    """Read one Job by name and its pods (the in-cluster reducer watching its worker Job)."""
+    if batch_api is None or core_api is None:
+        batch_api, core_api = api_clients()
+    job = batch_api.read_namespaced_job(name, namespace)
+    pods = core_api.list_namespaced_pod(namespace, label_selector=f"{CONTROLLER_UID_LABEL}={job.metadata.uid}").items
+    return job_report(job, pods, max_failures=max_failures)

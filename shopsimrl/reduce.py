@@ -1,8 +1,11 @@
 """``shopsimrl reduce`` and ``shopsimrl status``: shards → one ``summary.json``, and progress.
 
-The reducer trusts committed output only: a shard counts when its ``_SUCCESS.json`` belongs to
-this plan and shard map and every part it lists is present with the recorded sha256. Parts a
-marker does not list (a second writer that finished after the commit) are reported, never read.
+The reducer trusts committed output only: a shard counts when at least one of its commit
+markers (``_SUCCESS.json``, ``_SUCCESS-<writer>.json``) belongs to this plan and shard map and
+lists only parts that are present with the recorded sha256. The shard's committed parts are the
+union of the parts of every such marker, so the outcome does not depend on the order in which
+markers were written. Parts no verified marker lists (a second writer that finished after the
+commit) are reported, never read; a marker that does not verify is reported and ignored.
 
 Memory does not grow with the number of traces. Shards are reduced one at a time in two
 streaming passes over their parts: the first keeps only a small winner index per episode of
@@ -18,22 +21,25 @@ Earlier failed attempts are superseded attempts, as in a local run.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shopsimrl.manifest import manifest_head, run_identity
+from shopsimrl.manifest import ManifestError, manifest_head, run_identity
 from shopsimrl.metrics import SummaryAccumulator
-from shopsimrl.schemas import fingerprint, is_completed, sha256_hex
+from shopsimrl.schemas import EpisodeJob, TraceFormatError, is_completed, sha256_hex
 from shopsimrl.shardstore import (
-    MARKER_SCHEMA_VERSION,
     ShardedRunStore,
     ShardMap,
-    ShardMapError,
+    check_shard_map,
     iter_part_records,
+    marker_part_problems,
+    marker_problem,
+    part_order,
     scan_shard,
 )
 
-__all__ = ["RunNotPlannedError", "reduce_run", "shard_status", "wait_for_markers"]
+__all__ = ["RunNotPlannedError", "WaitResult", "reduce_run", "shard_status", "wait_for_markers"]
 
 _SAMPLE = 20
 _IDENTITY_HEAD_BYTES = 65536
@@ -48,11 +54,13 @@ class RunNotPlannedError(ValueError):
 class _ShardResult:
     index: int
     state: str = "uncommitted"
-    """``committed``, ``uncommitted`` (no marker yet), ``corrupt`` (marker does not verify)."""
+    """``committed``, ``uncommitted`` (no marker yet), ``corrupt`` (no marker verifies)."""
     jobs: int = 0
     completed: int = 0
     failed: int = 0
     parts: int = 0
+    markers: int = 0
+    ignored_markers: int = 0
     uncommitted_parts: int = 0
     temporary_objects: int = 0
     duplicates: int = 0
@@ -60,11 +68,12 @@ class _ShardResult:
     superseded: int = 0
     unreadable_lines: int = 0
     not_in_shard: int = 0
+    listed_parts: int = 0
     problems: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
-        row = {k: v for k, v in self.__dict__.items() if k not in ("problems", "foreign")}
+        row = {k: v for k, v in self.__dict__.items() if k not in ("problems", "foreign", "listed_parts")}
         if self.problems:
             row["problems"] = self.problems[:_SAMPLE]
         if self.foreign:
@@ -72,39 +81,63 @@ class _ShardResult:
         return row
 
 
-def _load_plan(store: ShardedRunStore) -> tuple[str, Any, ShardMap]:
-    identity = store.read_manifest_identity()
-    if identity is None:
+def _load_plan(store: ShardedRunStore) -> tuple[str, ShardMap]:
+    """The worker's checks, no fewer: a manifest whose stored plan matches its fingerprint, and a
+    shards.json that assigns that plan's jobs as the frozen assignment does."""
+    manifest = store.read_manifest()
+    if manifest is None:
         raise RunNotPlannedError(f"{store.display_uri} has no manifest.json; plan or start a worker first")
     shard_map = store.read_shard_map()
     if shard_map is None:
         raise RunNotPlannedError(f"{store.display_uri} has no shards.json; it is not a sharded run")
-    plan_fp, experiment = identity
-    if shard_map.plan_fingerprint != plan_fp:
-        raise ShardMapError(f"{store.display_uri}/shards.json belongs to another plan than manifest.json")
-    return plan_fp, experiment, shard_map
+    plan_fp = manifest["plan_fingerprint"]
+    try:
+        jobs = [EpisodeJob.from_dict(job) for job in manifest["plan"]["jobs"]]
+    except TraceFormatError as exc:
+        raise ManifestError(f"{store.display_uri}/manifest.json: {exc}") from None
+    check_shard_map(shard_map, jobs, plan_fp, store.display_uri)
+    return plan_fp, shard_map
 
 
-def _verified_marker(store: ShardedRunStore, index: int, plan_fp: str, shard_map: ShardMap, result: _ShardResult) -> dict[str, Any] | None:
-    marker = store.read_marker(index)
-    if marker is None:
-        return None
-    if marker.get("unreadable"):
-        result.problems.append("_SUCCESS.json is not valid JSON")
-    elif marker.get("schema_version") != MARKER_SCHEMA_VERSION:
-        result.problems.append(f"_SUCCESS.json has unknown schema_version {marker.get('schema_version')!r}")
-    elif marker.get("plan_fingerprint") != plan_fp:
-        result.problems.append("_SUCCESS.json belongs to another plan fingerprint")
-    elif marker.get("shard") != index or marker.get("episode_ids_sha256") != shard_map.ids_sha256(index):
-        result.problems.append("_SUCCESS.json belongs to another shard or shard map")
-    elif not isinstance(marker.get("parts"), list) or not all(
-        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("sha256"), str) for p in marker["parts"]
-    ):
-        result.problems.append("_SUCCESS.json has no valid 'parts' list")
-    else:
-        return marker
-    result.state = "corrupt"
-    return None
+@dataclass
+class _Index:
+    """Pass 1 over a set of parts: the winner location per episode, and what the bytes were."""
+
+    winners: dict[str, tuple[tuple[Any, ...], tuple[int, int]]] = field(default_factory=dict)
+    completed_records: dict[str, int] = field(default_factory=dict)
+    sha256: dict[str, str | None] = field(default_factory=dict)
+    unreadable_lines: int = 0
+    not_in_shard: int = 0
+    not_in_plan_sample: list[str] = field(default_factory=list)
+
+
+def _index_parts(store: ShardedRunStore, index: int, names: list[str], shard_ids: set[str]) -> _Index:
+    found = _Index()
+    for part_index, name in enumerate(names):
+        data = store.read_part(index, name)
+        found.sha256[name] = None if data is None else sha256_hex(data)
+        if data is None:
+            continue
+        for line_index, record in enumerate(iter_part_records(data)):
+            if record is None:
+                found.unreadable_lines += 1
+                continue
+            episode_id = record["episode_id"]
+            if episode_id not in shard_ids:
+                found.not_in_shard += 1
+                if len(found.not_in_plan_sample) < _SAMPLE:
+                    found.not_in_plan_sample.append(episode_id)
+                continue
+            if is_completed(record):
+                found.completed_records[episode_id] = found.completed_records.get(episode_id, 0) + 1
+                rank: tuple[Any, ...] = (1, -part_index, -line_index)
+            else:
+                attempt = record.get("attempt")
+                rank = (0, attempt if isinstance(attempt, int) else 0, str(record.get("ended_at") or ""), part_index, line_index)
+            current = found.winners.get(episode_id)
+            if current is None or rank > current[0]:
+                found.winners[episode_id] = (rank, (part_index, line_index))
+    return found
 
 
 def _reduce_shard(
@@ -121,65 +154,60 @@ def _reduce_shard(
     listing = store.list_shard(index)
     result.foreign = listing.foreign
     result.temporary_objects = len(listing.temporary)
-    marker = _verified_marker(store, index, plan_fp, shard_map, result) if listing.marker else None
-    expected: dict[str, str | None]
-    if marker is not None:
-        expected = {p["name"]: p["sha256"] for p in marker["parts"]}
-        result.state = "committed"
-        result.uncommitted_parts = sum(1 for name in listing.parts if name not in expected)
-    elif include_uncommitted and result.state != "corrupt":
-        expected = {name: None for name in listing.parts}
-    else:
-        result.failed = 0
-        return result
-    names = list(expected)
-    result.parts = len(names)
+    result.listed_parts = len(listing.parts)
     shard_ids = set(ids)
 
-    # Pass 1: verify checksums, pick a winner location per episode.
-    winners: dict[str, tuple[tuple[Any, ...], tuple[int, int]]] = {}
-    completed_records: dict[str, int] = {}
-    for part_index, name in enumerate(names):
-        data = store.read_part(index, name)
-        if data is None:
-            result.problems.append(f"{name}: listed in _SUCCESS.json but missing")
-            continue
-        if expected[name] is not None and sha256_hex(data) != expected[name]:
-            result.problems.append(f"{name}: sha256 differs from _SUCCESS.json")
-            continue
-        for line_index, record in enumerate(iter_part_records(data)):
-            if record is None:
-                result.unreadable_lines += 1
-                continue
-            episode_id = record["episode_id"]
-            if episode_id not in shard_ids:
-                result.not_in_shard += 1
-                if len(not_in_plan_sample) < _SAMPLE:
-                    not_in_plan_sample.append(episode_id)
-                continue
-            done = is_completed(record)
-            if done:
-                completed_records[episode_id] = completed_records.get(episode_id, 0) + 1
-                rank: tuple[Any, ...] = (1, -part_index, -line_index)
+    candidates: list[tuple[str, dict[str, Any]]] = []
+    for name, marker in store.read_markers(index, listing.markers):
+        problem = marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index))
+        if problem is None:
+            candidates.append((name, marker))
+        else:
+            result.problems.append(f"{name} {problem}")
+    names: list[str]
+    if candidates:
+        names = sorted({part["name"] for _, marker in candidates for part in marker["parts"]}, key=part_order)
+        found = _index_parts(store, index, names, shard_ids)
+        verified = []
+        for name, marker in candidates:
+            problems = marker_part_problems(marker, found.sha256)
+            if problems:
+                result.problems.extend(f"{name} does not verify, ignored: {problem}" for problem in problems)
             else:
-                attempt = record.get("attempt")
-                rank = (0, attempt if isinstance(attempt, int) else 0, str(record.get("ended_at") or ""), part_index, line_index)
-            current = winners.get(episode_id)
-            if current is None or rank > current[0]:
-                winners[episode_id] = (rank, (part_index, line_index))
-    if marker is not None and result.problems:
-        result.state = "corrupt"  # committed output that does not verify is not trusted at all
+                verified.append(marker)
+        result.markers, result.ignored_markers = len(verified), len(candidates) - len(verified)
+        if not verified:
+            result.state = "corrupt"  # committed output that does not verify is not trusted at all
+            return result
+        committed = {part["name"] for marker in verified for part in marker["parts"]}
+        if committed != set(names):  # a marker was ignored: index only what the others verify
+            names = [name for name in names if name in committed]
+            found = _index_parts(store, index, names, shard_ids)
+        result.state = "committed"
+        result.uncommitted_parts = sum(1 for name in listing.parts if name not in committed)
+    elif listing.markers:
+        result.state = "corrupt"
         return result
+    elif include_uncommitted:
+        names = list(listing.parts)
+        found = _index_parts(store, index, names, shard_ids)
+    else:
+        return result
+    result.parts = len(names)
+    result.unreadable_lines, result.not_in_shard = found.unreadable_lines, found.not_in_shard
+    not_in_plan_sample.extend(found.not_in_plan_sample[: _SAMPLE - len(not_in_plan_sample)])
 
-    # Pass 2: stream again and feed the accumulator.
+    # Pass 2: stream again and feed the accumulator the winners.
     for part_index, name in enumerate(names):
         data = store.read_part(index, name)
-        if data is None or (expected[name] is not None and sha256_hex(data) != expected[name]):
+        if data is None or sha256_hex(data) != found.sha256[name]:
+            if found.sha256[name] is not None:
+                result.problems.append(f"{name}: changed or vanished while the shard was being reduced")
             continue
         for line_index, record in enumerate(iter_part_records(data)):
             if record is None or record["episode_id"] not in shard_ids:
                 continue
-            winner = winners[record["episode_id"]]
+            winner = found.winners[record["episode_id"]]
             if winner[1] == (part_index, line_index):
                 accumulator.add(record)
                 if is_completed(record):
@@ -191,13 +219,32 @@ def _reduce_shard(
             else:
                 result.superseded += 1
                 accumulator.note_superseded_attempt(record)
-    result.episodes_rerun = sum(1 for count in completed_records.values() if count > 1)
+    result.episodes_rerun = sum(1 for count in found.completed_records.values() if count > 1)
     return result
 
 
-def reduce_run(store: ShardedRunStore, *, include_uncommitted: bool = False, write: bool = True) -> dict[str, Any]:
-    """Merge the shards into the summary (with a ``shards`` report block) and write summary.json."""
-    plan_fp, _, shard_map = _load_plan(store)
+def _why_missing(result: _ShardResult) -> str:
+    if result.state == "corrupt":
+        return "no commit marker verifies: " + (result.problems[0] if result.problems else "unknown")
+    if result.listed_parts:
+        return f"no commit marker; {result.listed_parts} parts written: the worker did not finish (still running, crashed or interrupted)"
+    return "no commit marker and no parts: the worker never wrote an episode (not started, or it failed before, e.g. in wait-ready)"
+
+
+def reduce_run(
+    store: ShardedRunStore,
+    *,
+    include_uncommitted: bool = False,
+    write: bool = True,
+    incomplete_reason: str | None = None,
+    missing_why: Mapping[int, str] | None = None,
+) -> dict[str, Any]:
+    """Merge the shards into the summary (with a ``shards`` report block) and write summary.json.
+
+    A summary that lacks shards says so: ``complete`` false and ``incomplete`` naming every
+    missing shard and why (``incomplete_reason``: why the reducer stopped waiting, if it did;
+    ``missing_why``: what the scheduler knows about a shard, put before what the store shows)."""
+    plan_fp, shard_map = _load_plan(store)
     accumulator = SummaryAccumulator(requested=shard_map.jobs)
     not_in_plan_sample: list[str] = []
     results = [
@@ -234,6 +281,16 @@ def reduce_run(store: ShardedRunStore, *, include_uncommitted: bool = False, wri
         "problems": [f"shard {r.index}: {p}" for r in results for p in r.problems][:_SAMPLE],
         "per_shard": [r.row() for r in results],
     }
+    missing = [r for r in results if r.state != "committed"]
+    summary["complete"] = not missing
+    if missing:
+        summary["incomplete"] = {
+            "reason": incomplete_reason or "not every shard has a verified commit marker",
+            "missing_shards": [
+                {"shard": r.index, "state": r.state, "why": "; ".join(filter(None, [(missing_why or {}).get(r.index), _why_missing(r)]))}
+                for r in missing
+            ],
+        }
     if write:
         store.write_summary(summary)
     return summary
@@ -254,30 +311,68 @@ def _identity_manifest(store: ShardedRunStore) -> dict[str, Any] | None:
     return parsed if parsed is not None else store.read_manifest()
 
 
-def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float = 5.0) -> list[int]:
-    """Poll until every shard has a marker; returns the indices still without one at the end."""
-    _, _, shard_map = _load_plan(store)
+@dataclass
+class WaitResult:
+    pending: list[int]
+    """Shards still without a commit marker when the wait ended."""
+    reason: str | None = None
+    """Why the wait ended with shards pending: the timeout, or what ``give_up`` said."""
+    why: dict[int, str] = field(default_factory=dict)
+    """Per pending shard, what is known about it (e.g. its index failed in the worker Job)."""
+
+
+GiveUp = Callable[[list[int]], tuple[str, dict[int, str]] | None]
+
+
+def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float = 5.0, give_up: GiveUp | None = None) -> WaitResult:
+    """Poll until every shard has a marker, the timeout passes, or ``give_up`` (asked with the
+    pending shards after every poll) returns a reason and per-shard notes: those shards will
+    never commit (their Job indexes failed for good)."""
+    _, shard_map = _load_plan(store)
     deadline = time.monotonic() + timeout
     pending = list(range(shard_map.count))
     while True:
         pending = [i for i in pending if not store.list_shard(i).marker]
-        if not pending or time.monotonic() + interval > deadline:
-            return pending
+        if not pending:
+            return WaitResult(pending)
+        verdict = give_up(pending) if give_up is not None else None
+        if verdict is not None:
+            return WaitResult(pending, verdict[0], verdict[1])
+        if time.monotonic() + interval > deadline:
+            return WaitResult(pending, f"the reducer stopped waiting after {timeout:g} s (--timeout) with {len(pending)} shards uncommitted")
         time.sleep(interval)
+
+
+def _claimed(marker: dict[str, Any], key: str) -> int:
+    episodes = marker.get("episodes")
+    value = episodes.get(key) if isinstance(episodes, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def shard_status(store: ShardedRunStore) -> dict[str, Any]:
     """Per-shard progress from markers (committed shards) and parts (running ones)."""
-    plan_fp, _, shard_map = _load_plan(store)
+    plan_fp, shard_map = _load_plan(store)
     rows = []
     for index in range(shard_map.count):
         ids = shard_map.episode_ids[index]
         listing = store.list_shard(index)
         row: dict[str, Any] = {"shard": index, "jobs": len(ids), "parts": len(listing.parts)}
-        marker = store.read_marker(index) if listing.marker else None
-        if marker and marker.get("plan_fingerprint") == plan_fp and marker.get("episode_ids_sha256") == fingerprint(ids):
-            episodes = marker.get("episodes") or {}
-            row.update(state="committed", completed=episodes.get("completed"), failed=episodes.get("failed"), written_at=marker.get("written_at"))
+        markers = [
+            marker
+            for _, marker in store.read_markers(index, listing.markers)
+            if marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index)) is None
+        ]
+        if markers:
+            # Progress from the markers' own counts (the reducer verifies the parts): the one
+            # with the most completed episodes, then the most parts.
+            best = max(markers, key=lambda m: (_claimed(m, "completed"), len(m["parts"])))
+            row.update(
+                state="committed",
+                completed=_claimed(best, "completed"),
+                failed=_claimed(best, "failed"),
+                written_at=best.get("written_at"),
+                markers=len(markers),
+            )
         else:
             state = scan_shard(store, index, set(ids))
             row.update(
@@ -286,7 +381,7 @@ def shard_status(store: ShardedRunStore) -> dict[str, Any]:
                 attempted=len(state.attempts),
                 unreadable_lines=state.unreadable_lines,
             )
-            if marker is not None:
+            if listing.markers:
                 row["state"] = "corrupt-marker"
         if listing.foreign:
             row["foreign_objects"] = len(listing.foreign)

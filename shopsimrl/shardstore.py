@@ -6,7 +6,8 @@ Layout (every object is written once, except ``summary.json`` which ``reduce`` r
     jobs.jsonl                             one job per line with its shard (create-only)
     shards.json                            the frozen shard map (create-only)
     shards/00007/part-00003-1a2b3c4d.jsonl trace parts: sequence number, then the writer id
-    shards/00007/_SUCCESS.json             commit marker, written after the last part
+    shards/00007/_SUCCESS.json             the shard's first commit marker (create-only)
+    shards/00007/_SUCCESS-1a2b3c4d.json    a later commit of the shard by writer 1a2b3c4d (create-only)
     summary.json                           written by ``shopsimrl reduce``
 
 Object storage has neither append nor atomic rename, so traces are buffered and written as
@@ -15,6 +16,11 @@ every part name, so two writers on one shard (a replaced pod that is not quite d
 never overwrite each other's parts. Writes are create-only where the store supports it
 (``O_EXCL``-style hard link locally, ``If-None-Match: *`` on S3); a retried write whose first
 try did land is recognised by comparing the bytes, so a lost response is not an error.
+
+Commit markers are never replaced either: every commit adds one, and what a shard has
+committed is the union of the parts listed by the markers that verify (each listed part present
+with the recorded sha256). Adding a marker can only add verified parts, so the outcome does not
+depend on the order in which concurrent committers write.
 
 S3 goes through s3fs with the standard ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for MinIO or
 SeaweedFS). ``region_name`` is deliberately never passed in ``client_kwargs``: s3fs would send
@@ -33,7 +39,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -42,9 +48,8 @@ from urllib.parse import unquote, urlsplit
 from fsspec.implementations.local import LocalFileSystem
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
-from shopsimrl.planning import SHARD_ASSIGNMENT, shard_jobs
+from shopsimrl.planning import SHARD_ASSIGNMENT, PlanError, shard_jobs
 from shopsimrl.schemas import (
-    MANIFEST_SCHEMA_VERSIONS,
     EpisodeJob,
     canonical_json,
     fingerprint,
@@ -56,6 +61,7 @@ from shopsimrl.store import parse_trace_line
 
 __all__ = [
     "MARKER_NAME",
+    "MARKER_PATTERN",
     "MARKER_SCHEMA_VERSION",
     "PART_PATTERN",
     "SHARD_MAP_SCHEMA_VERSION",
@@ -67,10 +73,15 @@ __all__ = [
     "ShardState",
     "ShardedRunStore",
     "StoreUnavailableError",
+    "check_shard_map",
+    "is_create_conflict",
     "iter_part_records",
     "marker_document",
+    "marker_part_problems",
+    "marker_problem",
     "part_entry",
     "part_name",
+    "part_order",
     "redact_uri",
     "scan_shard",
 ]
@@ -78,6 +89,7 @@ __all__ = [
 SHARD_MAP_SCHEMA_VERSION = "shopsimrl-shard-map-v1"
 MARKER_SCHEMA_VERSION = "shopsimrl-shard-commit-v1"
 MARKER_NAME = "_SUCCESS.json"
+MARKER_PATTERN = re.compile(r"^_SUCCESS(?:-([0-9a-f]{8,32}))?\.json$")
 PART_PATTERN = re.compile(r"^part-(\d{5,})-([0-9a-f]{8,32})\.jsonl$")
 _TEMP_PREFIX = ".tmp-"
 
@@ -88,11 +100,12 @@ class StoreUnavailableError(RuntimeError):
     """The object store kept failing after every retry; the work is safe to retry later (exit 3)."""
 
 
+class ConcurrentCreateError(RuntimeError):
+    """A create-only write lost to another conditional write that has not landed yet (retried)."""
+
+
 class RunLocationError(ValueError):
     """The run location cannot be used as given: no bucket, access denied, not a run (exit 2)."""
-
-
-_MANIFEST_HEAD_BYTES = 16384
 
 
 class ShardMapError(ValueError):
@@ -115,7 +128,34 @@ _TRANSIENT_NAMES = {
 _TRANSIENT_TEXT = re.compile(r"SlowDown|Throttl|ServiceUnavailable|\b50[0234]\b|InternalError|RequestTimeout|reduce your request rate", re.I)
 
 
+# How each backend answers a create-only write (``If-None-Match: *``) whose key exists, as s3fs
+# hands it to us: AWS and moto send 412 PreconditionFailed with <Condition>If-None-Match</Condition>
+# (s3fs: FileExistsError); SeaweedFS sends the 412 without the Condition element (s3fs:
+# OSError(EINVAL)); AWS answers 409 ConditionalRequestConflict while another conditional write
+# of the key is in flight (s3fs: OSError(EIO), which would otherwise look transient).
+_CREATE_CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
+
+
+def is_create_conflict(exc: BaseException) -> bool:
+    """True when a create-only write failed because the object exists (or is being created)."""
+    if isinstance(exc, FileExistsError):
+        return True
+    cause = exc.__cause__
+    for _ in range(4):  # the botocore ClientError is the direct cause; a short chain is enough
+        if cause is None:
+            return False
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return code in _CREATE_CONFLICT_CODES or (not code and status == 412)
+        cause = cause.__cause__
+    return False
+
+
 def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, ConcurrentCreateError):
+        return True
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     for klass in type(exc).__mro__:
@@ -123,8 +163,8 @@ def _is_transient(exc: BaseException) -> bool:
             return True
     if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EBUSY):
         return True
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-        return True  # a full or read-only disk may come back; give it the retry budget, then exit 3
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        return True  # a full or read-only disk (or a file size limit) may pass; give it the retry budget, then exit 3
     return bool(_TRANSIENT_TEXT.search(f"{type(exc).__name__}: {exc}"))
 
 
@@ -327,12 +367,17 @@ class ShardListing:
 
     parts: list[str] = field(default_factory=list)
     """Part names, in write order (sequence number, then writer)."""
-    marker: bool = False
+    markers: list[str] = field(default_factory=list)
+    """Commit marker names, sorted."""
     temporary: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
 
+    @property
+    def marker(self) -> bool:
+        return bool(self.markers)
 
-def _part_order(name: str) -> tuple[int, str]:
+
+def part_order(name: str) -> tuple[int, str]:
     match = PART_PATTERN.match(name)
     return (int(match.group(1)), match.group(2)) if match else (1 << 62, name)
 
@@ -388,38 +433,6 @@ class ShardedRunStore:
 
         return self._call(f"read {rel} in", read)
 
-    def read_manifest_identity(self) -> tuple[str, Any] | None:
-        """``(plan_fingerprint, experiment)`` from the head of manifest.json, or None if absent.
-
-        The reducer needs only these two; parsing the whole plan would make its memory grow with
-        the job count. The manifest writer puts both before the job list; a manifest written by
-        other tooling falls back to a full, validated read.
-        """
-        path = self.path("manifest.json")
-
-        def head() -> bytes | None:
-            try:
-                return bytes(self.fs.cat_file(path, start=0, end=_MANIFEST_HEAD_BYTES))
-            except FileNotFoundError:
-                return None
-
-        data = self._call("read manifest.json in", head)
-        if data is None:
-            return None
-        text = data.decode("utf-8", errors="ignore")
-        found_version = re.search(r'"schema_version"\s*:\s*"([^"]*)"', text)  # the first key of the manifest
-        if found_version and found_version.group(1) not in MANIFEST_SCHEMA_VERSIONS:
-            raise ManifestError(
-                f"{self.display_uri}/manifest.json has unsupported schema_version {found_version.group(1)!r}; "
-                f"this shopsimrl reads {', '.join(MANIFEST_SCHEMA_VERSIONS)}"
-            )
-        found_fp = re.search(r'"plan_fingerprint"\s*:\s*"([0-9a-f]{64})"', text)
-        found_experiment = re.search(r'"experiment"\s*:\s*("(?:[^"\\]|\\.)*")', text)
-        if found_fp and found_experiment:
-            return found_fp.group(1), json.loads(found_experiment.group(1))
-        manifest = self.read_manifest()
-        return None if manifest is None else (manifest["plan_fingerprint"], manifest["plan"].get("experiment"))
-
     def read_json(self, rel: str) -> Any | None:
         data = self.read_bytes(rel)
         if data is None:
@@ -451,9 +464,15 @@ class ShardedRunStore:
             try:
                 self._create_once(path, data)
                 return True
-            except FileExistsError:
-                existing = self.fs.cat_file(path)
-                return bytes(existing) == data
+            except Exception as exc:
+                if not is_create_conflict(exc):
+                    raise
+            try:
+                existing = bytes(self.fs.cat_file(path))
+            except FileNotFoundError:
+                # A 409 for a conditional write still in flight, which may yet fail: ask again.
+                raise ConcurrentCreateError(f"{rel} is being created by another writer") from None
+            return existing == data
 
         return self._call(f"write {rel} in", attempt)
 
@@ -490,6 +509,7 @@ class ShardedRunStore:
             raise FileExistsError(path)
 
     def overwrite(self, rel: str, data: bytes) -> None:
+        """Replace the object whole (only summary.json, which is derived data, is ever replaced)."""
         path = self.path(rel)
 
         def put() -> None:
@@ -497,11 +517,17 @@ class ShardedRunStore:
                 directory = os.path.dirname(path)
                 os.makedirs(directory, exist_ok=True)
                 tmp = os.path.join(directory, f"{_TEMP_PREFIX}{os.getpid()}-{random.getrandbits(48):012x}")
-                with open(tmp, "wb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(tmp, path)
+                try:
+                    with open(tmp, "wb") as handle:
+                        handle.write(data)
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                    os.replace(tmp, path)
+                except BaseException:
+                    # A full disk must not leave a temporary file behind on every retry.
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
             else:
                 try:
                     self.fs.pipe_file(path, data)
@@ -569,11 +595,7 @@ class ShardedRunStore:
                         f"{self.display_uri} is frozen with {existing.count} shards, not {count}; "
                         f"use --shards {existing.count} (or SHOPSIMRL_SHARDS={existing.count}) or another run location"
                     )
-                if existing.plan_fingerprint != plan_fingerprint:
-                    raise ShardMapError(f"{self.display_uri}/shards.json belongs to plan {existing.plan_fingerprint[:12]}…, not {plan_fingerprint[:12]}…")
-                expected = ShardMap.build(jobs, count, plan_fingerprint)
-                if expected.episode_ids != existing.episode_ids:
-                    raise ShardMapError(f"{self.display_uri}/shards.json assigns episodes differently from {SHARD_ASSIGNMENT}")
+                check_shard_map(existing, jobs, plan_fingerprint, self.display_uri)
                 return existing
             shard_map = ShardMap.build(jobs, count, plan_fingerprint)
             lines = "".join(
@@ -598,13 +620,14 @@ class ShardedRunStore:
         for name in self.listdir(self.shard_dir(index)):
             if PART_PATTERN.match(name):
                 listing.parts.append(name)
-            elif name == MARKER_NAME:
-                listing.marker = True
+            elif MARKER_PATTERN.match(name):
+                listing.markers.append(name)
             elif name.startswith(_TEMP_PREFIX):
                 listing.temporary.append(name)
             else:
                 listing.foreign.append(name)
-        listing.parts.sort(key=_part_order)
+        listing.parts.sort(key=part_order)
+        listing.markers.sort()
         return listing
 
     def read_part(self, index: int, name: str) -> bytes | None:
@@ -619,18 +642,31 @@ class ShardedRunStore:
             seq += 1  # only reachable if two processes share a writer id
         raise StoreUnavailableError(f"{self.display_uri}: cannot find a free part name in shard {index}")
 
-    def read_marker(self, index: int) -> dict[str, Any] | None:
-        rel = f"{self.shard_dir(index)}/{MARKER_NAME}"
+    def read_marker(self, index: int, name: str = MARKER_NAME) -> dict[str, Any] | None:
+        """The marker document, None when absent, ``{"unreadable": True}`` when it is not JSON."""
+        rel = f"{self.shard_dir(index)}/{name}"
         try:
             return self.read_json(rel)
         except ManifestError:
             return {"unreadable": True}
 
-    def create_marker(self, index: int, marker: dict[str, Any]) -> bool:
-        return self.create(f"{self.shard_dir(index)}/{MARKER_NAME}", _json_bytes(marker))
+    def read_markers(self, index: int, names: Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """Every commit marker of the shard (listed now, or ``names``), by name."""
+        found = []
+        for name in self.list_shard(index).markers if names is None else names:
+            marker = self.read_marker(index, name)
+            if marker is not None:  # listed, then gone
+                found.append((name, marker))
+        return found
 
-    def replace_marker(self, index: int, marker: dict[str, Any]) -> None:
-        self.overwrite(f"{self.shard_dir(index)}/{MARKER_NAME}", _json_bytes(marker))
+    def create_marker(self, index: int, marker: dict[str, Any]) -> str:
+        """Add a commit marker; returns its name. Markers are never replaced: the first commit
+        of a shard is ``_SUCCESS.json``, every later one ``_SUCCESS-<writer>.json``."""
+        data = _json_bytes(marker)
+        for name in (MARKER_NAME, f"_SUCCESS-{marker['writer']}.json"):
+            if self.create(f"{self.shard_dir(index)}/{name}", data):
+                return name
+        raise StoreUnavailableError(f"{self.display_uri}: shard {index} already has a marker of writer {marker['writer']}")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         canonical_json(summary)  # refuse NaN before touching the store
@@ -644,25 +680,44 @@ class ShardState:
     parts: dict[str, dict[str, Any]] = field(default_factory=dict)
     completed: set[str] = field(default_factory=set)
     attempts: dict[str, int] = field(default_factory=dict)
+    part_completed: dict[str, set[str]] = field(default_factory=dict)
+    """Per part read: the episodes it holds a completed record of."""
     completed_records: int = 0
     unreadable_lines: int = 0
     not_in_shard: int = 0
     next_seq: int = 0
 
 
-def scan_shard(store: ShardedRunStore, index: int, shard_ids: set[str], state: ShardState | None = None) -> ShardState:
-    """Read the parts not yet in ``state`` (all of them the first time) and fold them in."""
+def scan_shard(
+    store: ShardedRunStore,
+    index: int,
+    shard_ids: set[str],
+    state: ShardState | None = None,
+    *,
+    exclude: Collection[str] = (),
+    written: Collection[str] = (),
+) -> ShardState:
+    """Read the parts not yet in ``state`` (all of them the first time) and fold them in.
+
+    ``exclude``: parts not to trust (their records are ignored). ``written``: parts this process
+    wrote; they are read by name even when a listing does not show them yet, and one that cannot
+    be read back is a store failure, never silently left out.
+    """
     state = state or ShardState()
-    for name in store.list_shard(index).parts:
+    listed = store.list_shard(index).parts
+    for name in [*listed, *(name for name in written if name not in listed)]:
         match = PART_PATTERN.match(name)
         if match:
             state.next_seq = max(state.next_seq, int(match.group(1)) + 1)
-        if name in state.parts:
+        if name in state.parts or name in exclude:
             continue
         data = store.read_part(index, name)
-        if data is None:  # listed, then gone: nothing to account for
-            continue
+        if data is None:
+            if name in written:
+                raise StoreUnavailableError(f"{store.display_uri}: part {name} of shard {index} was written but cannot be read back")
+            continue  # listed, then gone: nothing to account for
         records = 0
+        completed: set[str] = set()
         for record in iter_part_records(data):
             if record is None:
                 state.unreadable_lines += 1
@@ -675,9 +730,53 @@ def scan_shard(store: ShardedRunStore, index: int, shard_ids: set[str], state: S
             state.attempts[episode_id] = state.attempts.get(episode_id, 0) + 1
             if is_completed(record):
                 state.completed_records += 1
-                state.completed.add(episode_id)
+                completed.add(episode_id)
+        state.completed |= completed
+        state.part_completed[name] = completed
         state.parts[name] = part_entry(name, data, records)
     return state
+
+
+def check_shard_map(shard_map: ShardMap, jobs: Sequence[EpisodeJob], plan_fingerprint: str, where: str) -> None:
+    """The one check that shards.json is the plan's shard map (worker, reducer and status)."""
+    if shard_map.plan_fingerprint != plan_fingerprint:
+        raise ShardMapError(f"{where}/shards.json belongs to plan {shard_map.plan_fingerprint[:12]}…, not {plan_fingerprint[:12]}…")
+    try:
+        expected = [[job.episode_id for job in shard] for shard in shard_jobs(jobs, shard_map.count)]
+    except PlanError as exc:
+        raise ShardMapError(f"{where}/shards.json: {exc}") from None
+    if expected != shard_map.episode_ids:
+        raise ShardMapError(f"{where}/shards.json assigns episodes differently from {SHARD_ASSIGNMENT}")
+
+
+def marker_problem(marker: dict[str, Any], *, index: int, plan_fingerprint: str, episode_ids_sha256: str) -> str | None:
+    """Why ``marker`` is not a commit of this shard of this plan, or None when it is one."""
+    if marker.get("unreadable"):
+        return "not valid JSON"
+    if marker.get("schema_version") != MARKER_SCHEMA_VERSION:
+        return f"unknown schema_version {marker.get('schema_version')!r}"
+    if marker.get("plan_fingerprint") != plan_fingerprint:
+        return "belongs to another plan fingerprint"
+    if marker.get("shard") != index or marker.get("episode_ids_sha256") != episode_ids_sha256:
+        return "belongs to another shard or shard map"
+    parts = marker.get("parts")
+    if not isinstance(parts, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("sha256"), str) for p in parts
+    ):
+        return "has no valid 'parts' list"
+    return None
+
+
+def marker_part_problems(marker: dict[str, Any], actual_sha256: Mapping[str, str | None]) -> list[str]:
+    """The listed parts that are missing or whose bytes differ from the marker's sha256."""
+    problems = []
+    for part in marker["parts"]:
+        sha = actual_sha256.get(part["name"])
+        if sha is None:
+            problems.append(f"{part['name']}: listed but missing")
+        elif sha != part["sha256"]:
+            problems.append(f"{part['name']}: sha256 differs from the marker")
+    return problems
 
 
 def _json_bytes(value: Any) -> bytes:

@@ -11,13 +11,15 @@ Durability rules:
 - the first completed record of an episode wins (as in the sharded reducer); without one, the
   latest failed attempt; every other record is a superseded attempt;
 - ``manifest.json`` and ``summary.json`` are written to a temp file, fsynced, renamed, and the
-  directory fsynced;
+  directory fsynced; a write that fails (full disk, quota, file size limit) removes its temp
+  file, leaves the previous file as it was and raises :class:`RunWriteError`;
 - one process at a time holds the run (``flock`` on ``.lock``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -37,6 +39,7 @@ __all__ = [
     "LocalRunStore",
     "ResumeIndex",
     "RunLockedError",
+    "RunWriteError",
     "atomic_write_json",
     "encode_trace_line",
     "parse_trace_line",
@@ -46,6 +49,16 @@ __all__ = [
 
 class RunLockedError(RuntimeError):
     """Another process holds the run directory."""
+
+
+class RunWriteError(RuntimeError):
+    """A file of the run directory could not be written. ``retryable``: the cause may pass (a full
+    disk, a quota, an I/O error: exit 3); otherwise it is the location's permissions (exit 2)."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        self.retryable = exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS)
+        hint = "free space and run the command again" if self.retryable else "the location is not writable"
+        super().__init__(f"cannot write {path}: {exc.strerror or exc} (errno {errno.errorcode.get(exc.errno or 0, exc.errno)}); {hint}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -58,18 +71,24 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write_json(path: Path, value: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Replace ``path`` whole or not at all; raises :class:`RunWriteError` when it cannot be written."""
     data = (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise RunWriteError(path, exc) from exc
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise RunWriteError(path, exc) from exc
         raise
     _fsync_dir(path.parent)
 

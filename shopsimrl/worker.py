@@ -22,7 +22,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,6 @@ from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.shardstore import (
-    MARKER_SCHEMA_VERSION,
     PART_PATTERN,
     RunLocationError,
     ShardedRunStore,
@@ -43,12 +42,15 @@ from shopsimrl.shardstore import (
     ShardState,
     StoreUnavailableError,
     marker_document,
+    marker_part_problems,
+    marker_problem,
     part_entry,
+    part_order,
     scan_shard,
 )
 from shopsimrl.store import encode_trace_line
 
-__all__ = ["PartSink", "WorkerOptions", "plan_run", "run_worker"]
+__all__ = ["PartSink", "WorkerOptions", "commit_shard", "plan_run", "run_worker"]
 
 log = structlog.get_logger("shopsimrl.worker")
 
@@ -239,17 +241,25 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
     jobs = [by_id[eid] for eid in shard_map.episode_ids[index]]
     shard_ids = set(shard_map.episode_ids[index])
 
-    marker = store.read_marker(index)
-    if marker and marker.get("schema_version") == MARKER_SCHEMA_VERSION and marker.get("plan_fingerprint") == plan_fp:
-        failed = int((marker.get("episodes") or {}).get("failed", 0))
-        if failed == 0:
+    ids_sha = fingerprint(shard_map.episode_ids[index])
+    # A commit is trusted only once checked against the parts themselves.
+    state = scan_shard(store, index, shard_ids)
+    check = _check_markers(store, index, plan_fp, ids_sha, state)
+    for name, problem in check.ignored:
+        log.warning("marker_not_verified", marker=name, problem=problem)
+    if check.distrusted:
+        # Bytes that differ from what a commit recorded: their episodes run again.
+        log.warning("parts_not_trusted", parts=sorted(check.distrusted))
+        state = scan_shard(store, index, shard_ids, exclude=check.distrusted)
+    if check.verified:
+        committed = {eid for marker in check.verified for part in marker["parts"] for eid in state.part_completed.get(part["name"], ())}
+        if committed >= shard_ids:
             log.info("shard_already_committed", completed=len(jobs))
             return ExitCode.OK
         if not options.retry_failed:
-            log.info("shard_committed_with_failures", failed=failed)
+            log.info("shard_committed_with_failures", failed=len(shard_ids - committed))
             return ExitCode.EPISODES_FAILED
 
-    state = scan_shard(store, index, shard_ids)
     log.info(
         "shard_resumed",
         jobs=len(jobs),
@@ -266,31 +276,69 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
     if outcome == "interrupted":
         raise _Stop(ExitCode.RETRYABLE, f"interrupted; finished episodes are saved in {store.display_uri}, restart to resume")
 
-    # Commit: fold in every part now present (ours and any concurrent writer's).
-    state = scan_shard(store, index, shard_ids, state)
+    marker, completed = commit_shard(
+        store, index, shard_map.episode_ids[index], plan_fp=plan_fp, writer=writer, state=state, exclude=check.distrusted,
+        written=[entry["name"] for entry in sink.written],
+    )
+    log.info("shard_committed", marker=marker, completed=completed, failed=len(jobs) - completed, config=config.name)
+    return ExitCode.OK if completed == len(jobs) else ExitCode.EPISODES_FAILED
+
+
+def commit_shard(
+    store: ShardedRunStore,
+    index: int,
+    episode_ids: list[str],
+    *,
+    plan_fp: str,
+    writer: str,
+    state: ShardState | None = None,
+    exclude: Collection[str] = (),
+    written: Collection[str] = (),
+) -> tuple[str, int]:
+    """Add a commit marker for the shard; returns its name and the completed episode count.
+
+    The marker lists exactly the parts read and hashed here: every part now listed (ours and any
+    concurrent writer's, less ``exclude``) and every part this process wrote (``written``), read
+    back by name even when a listing does not show it yet. It is a new object, never a
+    replacement: the reducer takes the union of the verified markers, whatever order they were
+    written in.
+    """
+    state = scan_shard(store, index, set(episode_ids), state, exclude=exclude, written=written)
     completed = len(state.completed)
-    entries = [state.parts[name] for name in store.list_shard(index).parts if name in state.parts]
     document = marker_document(
         shard=index,
         plan_fingerprint=plan_fp,
         completed=completed,
-        failed=len(jobs) - completed,
-        episode_ids_sha256=fingerprint(shard_map.episode_ids[index]),
-        parts=entries,
+        failed=len(episode_ids) - completed,
+        episode_ids_sha256=fingerprint(episode_ids),
+        parts=[state.parts[name] for name in sorted(state.parts, key=part_order)],
         writer=writer,
     )
-    if not store.create_marker(index, document):
-        existing = store.read_marker(index) or {}
-        existing_completed = int((existing.get("episodes") or {}).get("completed", -1)) if existing.get("plan_fingerprint") == plan_fp else -1
-        existing_parts = {p.get("name") for p in existing.get("parts") or [] if isinstance(p, dict)}
-        # A marker is a consistent snapshot; only one that accounts for more completed episodes
-        # (a later retry of failed ones), or for the same episodes and more attempts, replaces it.
-        if completed > existing_completed or (completed == existing_completed and existing_parts < {e["name"] for e in entries}):
-            store.replace_marker(index, document)
-        else:
-            log.info("marker_kept", existing_completed=existing_completed)
-    log.info("shard_committed", completed=completed, failed=len(jobs) - completed, parts=len(entries), config=config.name)
-    return ExitCode.OK if completed == len(jobs) else ExitCode.EPISODES_FAILED
+    return store.create_marker(index, document), completed
+
+
+@dataclass
+class _MarkerCheck:
+    verified: list[dict[str, Any]] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+    distrusted: set[str] = field(default_factory=set)
+    """Parts whose bytes differ from the sha256 a marker recorded for them."""
+
+
+def _check_markers(store: ShardedRunStore, index: int, plan_fp: str, ids_sha: str, state: ShardState) -> _MarkerCheck:
+    """The shard's markers against the parts as read: the same rules as the reducer's."""
+    check = _MarkerCheck()
+    actual = {name: entry["sha256"] for name, entry in state.parts.items()}
+    for name, marker in store.read_markers(index):
+        problem = marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=ids_sha)
+        problems = [problem] if problem else marker_part_problems(marker, actual)
+        if not problems:
+            check.verified.append(marker)
+            continue
+        check.ignored.append((name, "; ".join(problems[:5])))
+        if problem is None:
+            check.distrusted |= {p["name"] for p in marker["parts"] if actual.get(p["name"]) not in (None, p["sha256"])}
+    return check
 
 
 async def _evaluate(

@@ -226,10 +226,11 @@ def test_worker_job_is_an_indexed_job_with_the_agreed_policy(matrix: dict[str, l
     rules = spec["podFailurePolicy"]["rules"]
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
-    (fail_index,) = [r for r in rules if r["action"] == "FailIndex"]
-    assert fail_index["onExitCodes"]["operator"] == "In"
-    assert fail_index["onExitCodes"]["values"] == [ExitCode.BAD_INPUT, ExitCode.FINGERPRINT_MISMATCH]
-    assert fail_index["onExitCodes"]["containerName"] == "worker"
+    fail_index = [r for r in rules if r["action"] == "FailIndex"]
+    assert [r["onExitCodes"]["containerName"] for r in fail_index] == ["wait-ready", "worker"]
+    for rule in fail_index:
+        assert rule["onExitCodes"]["operator"] == "In"
+        assert rule["onExitCodes"]["values"] == [ExitCode.BAD_INPUT, ExitCode.FINGERPRINT_MISMATCH]
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     assert spec["template"]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
@@ -270,6 +271,62 @@ def test_readiness_init_container_is_bounded(matrix: dict[str, list[Doc]]) -> No
     assert env_of(init)["SHOPSIMRL_MODEL_BASE_URL"] == env_of(container(pod, "worker"))["SHOPSIMRL_MODEL_BASE_URL"]
 
 
+def test_fail_index_covers_every_container_that_reads_the_config(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    """wait-ready exits 2 on the same bad input as the worker; a rule names one container, and
+    the API server refuses a containerName that is not in the pod template."""
+    renders = {**matrix, "readiness off": helm.render(CHART / "ci" / "default-values.yaml", sets={"readiness.enabled": "false"})}
+    for name, docs in renders.items():
+        spec = only(docs, "Job", "job-worker.yaml")["spec"]
+        pod = spec["template"]["spec"]
+        containers = {c["name"] for c in [*pod.get("initContainers", []), *pod["containers"]]}
+        named = {r["onExitCodes"]["containerName"] for r in spec["podFailurePolicy"]["rules"] if r["action"] == "FailIndex"}
+        assert named == containers, name
+        assert ("wait-ready" in named) is (name != "readiness off"), name
+
+
+def test_reducer_ends_with_a_partial_summary_and_is_not_retried_once_it_wrote_one(matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["vllm-values.yaml"]
+    job = only(docs, "Job", "job-reducer.yaml")
+    pod = job["spec"]["template"]["spec"]
+    args = container(pod, "reducer")["args"]
+    assert args[:3] == ["reduce", "$(SHOPSIMRL_RUN)", "--wait"] and "--partial-on-timeout" in args
+    assert "--worker-job" not in args and pod["automountServiceAccountToken"] is False
+    assert not [d for d in docs if d.kind in ("Role", "RoleBinding")]  # no API access unless asked
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    (fail_job,) = [r for r in rules if r["action"] == "FailJob"]
+    assert fail_job["onExitCodes"] == {
+        "containerName": "reducer", "operator": "In",
+        "values": [ExitCode.EPISODES_FAILED, ExitCode.BAD_INPUT, ExitCode.FINGERPRINT_MISMATCH],
+    }
+    assert ExitCode.RETRYABLE not in fail_job["onExitCodes"]["values"]
+
+
+def test_reducer_may_watch_its_worker_job_with_the_least_rights(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["testbed-smoke-values.yaml"]
+    worker_job = only(docs, "Job", "job-worker.yaml")
+    reducer = only(docs, "Job", "job-reducer.yaml")["spec"]["template"]["spec"]
+    args = container(reducer, "reducer")["args"]
+    assert args[args.index("--worker-job") + 1] == worker_job["metadata"]["name"]
+    assert args[args.index("--namespace") + 1] == "evals"
+    assert reducer["automountServiceAccountToken"] is True  # the reducer only: workers never get a token
+    assert worker_job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    role = only(docs, "Role")
+    assert role["rules"] == [
+        {"apiGroups": ["batch"], "resources": ["jobs"], "resourceNames": [worker_job["metadata"]["name"]], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    ]
+    binding = only(docs, "RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "default", "namespace": "evals"}]
+    # Bound to the ServiceAccount the reducer runs as (e.g. one with an IRSA role for S3).
+    irsa = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"worker.serviceAccountName": "evals-s3"})
+    assert only(irsa, "RoleBinding")["subjects"][0]["name"] == "evals-s3"
+    assert only(irsa, "Job", "job-reducer.yaml")["spec"]["template"]["spec"]["serviceAccountName"] == "evals-s3"
+    # Without the reducer there is nothing to grant.
+    off = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"reducer.enabled": "false"})
+    assert not [d for d in off if d.kind in ("Role", "RoleBinding")]
+
+
 def test_pod_hardening(matrix: dict[str, list[Doc]]) -> None:
     for name, docs in matrix.items():
         for doc in docs:
@@ -281,7 +338,8 @@ def test_pod_hardening(matrix: dict[str, list[Doc]]) -> None:
             assert pod["securityContext"]["runAsNonRoot"] is True, (name, doc.source)
             assert pod["securityContext"]["runAsUser"] == 10001
             assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-            assert pod["automountServiceAccountToken"] is False
+            watching = doc.source == "job-reducer.yaml" and "--worker-job" in pod["containers"][0]["args"]
+            assert pod["automountServiceAccountToken"] is watching, (name, doc.source)
             mounts_tmp = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
             assert "tmp" in mounts_tmp
             for c in [*pod.get("initContainers", []), *pod["containers"]]:

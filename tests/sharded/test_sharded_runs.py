@@ -7,16 +7,19 @@ from __future__ import annotations
 import json
 import random
 import signal
+import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from shopsimrl.reduce import reduce_run, shard_status
+from shopsimrl.schemas import fingerprint
 from shopsimrl.shardstore import ShardedRunStore
 
-from .conftest import Backend, Testbed, cli, start_worker, worker_env, write_config
-from .faultproxy import FaultPlan, FaultProxy
+from .conftest import S3_TEST_ENV, Backend, S3Server, Testbed, cli, start_worker, worker_env, write_config
+from .faultproxy import FaultPlan, FaultProxy, Scripted
 
 
 def test_sharded_run_end_to_end(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
@@ -210,3 +213,185 @@ def test_reduce_wait_times_out_with_exit_3_and_status_shows_progress(backend: Ba
     assert [row["state"] for row in report["shards"]] == ["pending", "committed"]
     partial = cli("reduce", uri, env=env)
     assert partial.returncode == 1 and "1/2 committed" in partial.stdout
+
+
+def test_a_marker_with_a_bad_checksum_is_not_trusted_and_the_shard_heals(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=4)
+    uri = backend.uri("badsum")
+    assert start_worker(backend, uri, config, 0, 1, tmp_path / "logs").wait() == 0
+    store = ShardedRunStore(uri)
+    marker = json.loads(store.read_bytes("shards/00000/_SUCCESS.json"))
+    bad_part = marker["parts"][0]["name"]
+    marker["parts"][0]["sha256"] = "0" * 64
+    store.overwrite("shards/00000/_SUCCESS.json", json.dumps(marker).encode())
+    assert reduce_run(store, write=False)["shards"]["corrupt"] == [0]
+
+    healer = start_worker(backend, uri, config, 0, 1, tmp_path / "logs")
+    assert healer.wait() == 0
+    lines = healer.log_lines()
+    events = [line.get("event") for line in lines]
+    assert "shard_already_committed" not in events and "marker_not_verified" in events and "shard_committed" in events
+    assert any(line.get("event") == "parts_not_trusted" and line.get("parts") == [bad_part] for line in lines)
+    # The part whose bytes differ from its commit is not trusted: its episodes ran again.
+    rerun = set(healer.finished_episodes())
+    distrusted = {json.loads(line)["episode_id"] for line in store.read_part(0, bad_part).splitlines()}
+    assert rerun == distrusted
+    summary = reduce_run(store)
+    assert summary["complete"] and summary["shards"]["committed"] == 1 and summary["counts"]["completed"] == 4
+    assert summary["shards"]["per_shard"][0]["ignored_markers"] == 1
+    # Healed means healed: the next worker trusts the new commit.
+    again = start_worker(backend, uri, config, 0, 1, tmp_path / "logs")
+    assert again.wait() == 0 and any(line.get("event") == "shard_already_committed" for line in again.log_lines())
+
+
+def test_failed_episodes_retried_later_are_committed(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=4)
+    config.write_text(config.read_text().replace("max_retries: 5", "max_retries: 1"))  # fail fast while the model is away
+    uri = backend.uri("recommit")
+    assert cli("plan", str(config), "--run", uri, "--shards", "2", env=worker_env(backend)).returncode == 0
+    assert start_worker(backend, uri, config, 0, None, tmp_path / "logs").wait() == 0
+    with socket.socket() as closed:  # a port nobody listens on: every model call is refused
+        closed.bind(("127.0.0.1", 0))
+        dead_model = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
+    away = start_worker(backend, uri, config, 1, None, tmp_path / "logs", env=worker_env(backend, SHOPSIMRL_MODEL_BASE_URL=dead_model))
+    assert away.wait() == 1  # committed with failures
+    assert reduce_run(ShardedRunStore(uri), write=False)["shards"]["coverage"] == 0.5
+
+    back = start_worker(backend, uri, config, 1, None, tmp_path / "logs")
+    assert back.wait() == 0, back.log_lines()[-3:]
+    assert len(back.finished_episodes()) == 2
+    summary = reduce_run(ShardedRunStore(uri))
+    assert summary["shards"]["coverage"] == 1.0 and summary["counts"]["completed"] == 4 and summary["complete"]
+    assert ShardedRunStore(uri).list_shard(1).markers == ["_SUCCESS-" + back.log_lines()[0]["writer"] + ".json", "_SUCCESS.json"]
+
+
+@pytest.mark.s3
+def test_plan_and_worker_ride_out_lost_put_responses(s3_server: S3Server, testbed: Testbed, tmp_path: Path) -> None:
+    """The answer to each create-only PUT is lost once: manifest, a part, the commit marker."""
+    script = [Scripted("PUT", r"/manifest\.json$", "lost_response"), Scripted("PUT", r"/part-00000-[0-9a-f]+\.jsonl$", "lost_response"),
+              Scripted("PUT", r"/_SUCCESS\.json$", "lost_response")]
+    proxy = FaultProxy(s3_server.endpoint, FaultPlan(script=script))
+    endpoint = proxy.start()
+    try:
+        backend = Backend(s3_server.kind, f"s3://{s3_server.bucket}/runs", {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint})
+        config = write_config(tmp_path, testbed, episodes=3)
+        uri = backend.uri("lost")
+        planned = cli("plan", str(config), "--run", uri, "--shards", "1", env=worker_env(backend))
+        assert planned.returncode == 0, planned.stderr[-2000:]
+        worker = start_worker(backend, uri, config, 0, None, tmp_path / "logs")
+        assert worker.wait() == 0, worker.log_lines()[-3:]
+    finally:
+        proxy.stop()
+    assert all(entry.fired for entry in script), script
+    summary = reduce_run(ShardedRunStore(uri), write=False)
+    assert summary["complete"] and summary["counts"]["completed"] == 3
+    assert ShardedRunStore(uri).list_shard(0).markers == ["_SUCCESS.json"]
+
+
+def _edit_json(store: ShardedRunStore, name: str, edit) -> None:  # type: ignore[no-untyped-def]
+    document = json.loads(store.read_bytes(name))
+    edit(document)
+    store.overwrite(name, json.dumps(document, indent=2).encode())
+
+
+def test_reduce_and_status_refuse_what_the_worker_refuses(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=4)
+    env = worker_env(backend)
+    for case in ("plan", "shard-map"):
+        uri = backend.uri(case)
+        assert cli("plan", str(config), "--run", uri, "--shards", "2", env=env).returncode == 0
+        store = ShardedRunStore(uri)
+        if case == "plan":
+            # The stored plan no longer matches its fingerprint (a hand edit).
+            _edit_json(store, "manifest.json", lambda m: m["plan"]["model"]["sampling"].update(temperature=0.9))
+            expected = "plan_fingerprint does not match the plan it stores"
+        else:
+            # Episodes moved between shards, with the per-shard digests recomputed to match.
+            def swap(shard_map: dict) -> None:
+                a, b = shard_map["shards"]
+                a["episode_ids"][0], b["episode_ids"][0] = b["episode_ids"][0], a["episode_ids"][0]
+                for entry in (a, b):
+                    entry["episode_ids_sha256"] = fingerprint(entry["episode_ids"])
+            _edit_json(store, "shards.json", swap)
+            expected = "assigns episodes differently"
+        worker = start_worker(backend, uri, config, 0, None, tmp_path / "logs")
+        assert worker.wait() == 2 and any(expected in str(line.get("reason")) for line in worker.log_lines())
+        for command in (("reduce", uri), ("status", uri)):
+            refused = cli(*command, env=env)
+            assert refused.returncode == 2, (command, refused.stdout[-500:], refused.stderr[-500:])
+            assert expected in refused.stderr and "Traceback" not in refused.stderr
+
+
+# --------------------------------------------------------------------------- the reducer's end
+
+
+def _kube_api(job: Any, pods: list[Any]) -> Any:
+    """The two endpoints the reducer reads, serving one Job and its pods like an API server."""
+    from kubernetes import client as k8s
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    serialize = k8s.ApiClient().sanitize_for_serialization
+
+    async def read_job(request: Any) -> JSONResponse:
+        if request.path_params["name"] != job.metadata.name:
+            return JSONResponse({"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404}, status_code=404)
+        return JSONResponse(serialize(job))
+
+    async def list_pods(request: Any) -> JSONResponse:
+        return JSONResponse({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [serialize(p) for p in pods]})
+
+    return Starlette(routes=[Route("/apis/batch/v1/namespaces/{ns}/jobs/{name}", read_job),
+                             Route("/api/v1/namespaces/{ns}/pods", list_pods)])
+
+
+def _kubeconfig(path: Path, server: str) -> Path:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "stub",
+        "clusters": [{"name": "stub", "cluster": {"server": server}}],
+        "users": [{"name": "stub", "user": {}}],
+        "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub"}}],
+    }))
+    return path
+
+
+def test_the_reducer_ends_with_a_partial_summary_when_a_shard_fails_for_good(testbed: Testbed, tmp_path: Path) -> None:
+    from shopsimrl.testbed.serving import running_server
+    from tests.test_kube import make_job, make_pod, terminated
+
+    backend = Backend("local", str(tmp_path / "runs"))
+    config = write_config(tmp_path, testbed, episodes=4)
+    uri = backend.uri("partial")
+    env = worker_env(backend)
+    assert cli("plan", str(config), "--run", uri, "--shards", "2", env=env).returncode == 0
+    assert start_worker(backend, uri, config, 1, 2, tmp_path / "logs").wait() == 0
+    # Shard 0 never ran: its wait-ready init container found bad input, and FailIndex ended it.
+    job = make_job("eval-x", completions=2, completed="1", failed="0")
+    pods = [make_pod("eval-x-0-a", 0, "Failed", init=[terminated("wait-ready", 2, message="bad config")], failure_count=0)]
+    with running_server(_kube_api(job, pods)) as api:
+        kube_env = {**env, "KUBECONFIG": str(_kubeconfig(tmp_path / "kubeconfig", api))}
+        # A day-long timeout: only the Job's view can end this wait (the subprocess timeout guards it).
+        reduced = cli("reduce", uri, "--wait", "--timeout", "86400", "--worker-job", "eval-x", "--namespace", "evals", env=kube_env, timeout=120)
+    assert reduced.returncode == 1, reduced.stderr[-2000:]
+    summary = json.loads(ShardedRunStore(uri).read_bytes("summary.json"))
+    assert summary["complete"] is False and summary["counts"]["completed"] == 2 and summary["shards"]["committed"] == 1
+    assert summary["incomplete"]["reason"] == "the worker Job eval-x reports failed indexes 0; 1 shards will not commit"
+    (missing,) = summary["incomplete"]["missing_shards"]
+    assert missing["shard"] == 0 and missing["state"] == "uncommitted"
+    assert missing["why"].startswith("index 0 failed in Job eval-x; last exit 2 (bad_input) in container wait-ready; no commit marker and no parts")
+    assert "shard 0 missing: index 0 failed" in reduced.stderr
+
+    # Without access to the API the Job's view is missing: the deadline ends the wait instead.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        no_api = _kubeconfig(tmp_path / "kubeconfig-closed", f"http://127.0.0.1:{closed.getsockname()[1]}")
+    blind = {**env, "KUBECONFIG": str(no_api)}
+    timed_out = cli("reduce", uri, "--wait", "--timeout", "1", "--worker-job", "eval-x", "--namespace", "evals", env=blind)
+    assert timed_out.returncode == 3 and "cannot read Job eval-x in evals" in timed_out.stderr
+    deadline = cli("reduce", uri, "--wait", "--timeout", "1", "--partial-on-timeout", "--worker-job", "eval-x", env=blind)
+    assert deadline.returncode == 1, deadline.stderr[-2000:]
+    summary = json.loads(ShardedRunStore(uri).read_bytes("summary.json"))
+    assert summary["incomplete"]["reason"] == "the reducer stopped waiting after 1 s (--timeout) with 1 shards uncommitted"
+    assert summary["incomplete"]["missing_shards"][0]["why"].startswith("no commit marker and no parts")
+    assert "Traceback" not in timed_out.stderr + deadline.stderr
