@@ -106,6 +106,16 @@ class PartSink:
             if self._buffer and time.monotonic() - self._oldest >= self.flush_seconds:
                 self._flush_locked()
 
+    async def flush_stale_parts(self) -> None:
+        """Flush a buffer older than ``flush_seconds``, until cancelled. A failed write is logged
+        and tried again: the buffer stays until a part holds it (this one, or the final flush)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.flush_seconds / 4))
+            try:
+                await asyncio.to_thread(self.flush_if_stale)
+            except Exception as exc:
+                log.warning("part_flush_failed", error=f"{type(exc).__name__}: {exc}", buffered=self.buffered)
+
     @property
     def buffered(self) -> int:
         return len(self._buffer)
@@ -379,14 +389,6 @@ async def _evaluate(
             will_retry=will_retry,
         )
 
-    async def flush_timer() -> None:
-        while True:
-            await asyncio.sleep(min(1.0, settings.flush_seconds / 4))
-            try:
-                await asyncio.to_thread(sink.flush_if_stale)
-            except Exception as exc:  # the buffer is kept; the next flush (or the final one) retries
-                log.warning("part_flush_failed", error=f"{type(exc).__name__}: {exc}", buffered=sink.buffered)
-
     evaluation: asyncio.Task[Any] | None = None
     early_flush: list[asyncio.Future[None]] = []
 
@@ -398,7 +400,7 @@ async def _evaluate(
     grace = config.environment.cleanup_grace_seconds
     cleanup = f"saving finished episodes and releasing leases (up to {grace:g} s)"
     with GracefulStop(stop_now, cleanup=cleanup) as stop:
-        timer = asyncio.ensure_future(flush_timer())
+        timer = asyncio.ensure_future(sink.flush_stale_parts())
         try:
             await start_lease_tracking(
                 environment, journal, concurrency=config.experiment.concurrency, processes=processes,

@@ -117,3 +117,36 @@ async def test_a_failing_progress_callback_never_stalls_the_run(tmp_path: Path) 
     evaluator = Evaluator(ScriptedRuntime({}), LocalRunStore(tmp_path), concurrency=2, on_trace=broken)
     outcome = await asyncio.wait_for(evaluator.run(JOBS), timeout=30)
     assert outcome.completed == 3
+
+
+class BlockingSink:
+    """A trace sink whose save blocks (in its worker thread) until the test lets it go."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.saved: list[str] = []
+
+    def save_trace(self, record: dict) -> None:
+        self.entered.set()
+        assert self.release.wait(30), "the test never let the save finish"
+        self.saved.append(record["episode_id"])
+
+
+async def test_a_save_in_progress_when_the_run_is_stopped_is_finished_before_run_returns() -> None:
+    """The final flush of a stopping worker runs after Evaluator.run returns: a record whose save
+    was in flight at the stop must be in the sink by then (it used to land after, and be lost)."""
+    sink = BlockingSink()
+    evaluator = Evaluator(ScriptedRuntime({}), sink, concurrency=1, retry_backoff_seconds=0.0)
+    running = asyncio.ensure_future(evaluator.run(JOBS[:1]))
+    await asyncio.to_thread(sink.entered.wait, 30)  # the episode ended; its save is in the thread
+    running.cancel()  # the stop arrives while the save is in flight
+    seen_at_return: list[list[str]] = []
+    running.add_done_callback(lambda _: seen_at_return.append(list(sink.saved)))
+    await asyncio.wait({running}, timeout=0.5)  # give a run() that does not wait the time to return
+    sink.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert seen_at_return == [[JOBS[0].episode_id]]  # the record was saved before run() returned

@@ -1,0 +1,159 @@
+"""How a shard worker stops: finished traces are saved before the (possibly slow) lease cleanup,
+a failing flush loses nothing, and workers never outlive a killed `run --shards` coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from shopsimrl.shardstore import ShardedRunStore, StoreUnavailableError
+from shopsimrl.testbed.serving import running_server
+from shopsimrl.worker import PartSink
+from tests.sharded.conftest import REPO, Backend, Testbed, start_worker, worker_env, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@contextmanager
+def release_holding_proxy(upstream: str) -> Iterator[tuple[str, threading.Event, threading.Event]]:
+    """A reverse proxy in front of the shop that, once ``hold`` is set, keeps every
+    ``release_one`` waiting until ``let_go`` is set (a shop that stalls on releases)."""
+    hold, let_go = threading.Event(), threading.Event()
+    client = httpx.AsyncClient(base_url=upstream, timeout=60)
+
+    async def forward(request: Request) -> Response:
+        body = await request.body()
+        if hold.is_set() and b'"release_one"' in body:
+            await asyncio.to_thread(let_go.wait, 120)
+        upstream_reply = await client.request(request.method, request.url.path, content=body, headers={"content-type": "application/json"})
+        return Response(upstream_reply.content, status_code=upstream_reply.status_code, media_type="application/json")
+
+    app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
+    with running_server(app) as url:
+        try:
+            yield url, hold, let_go
+        finally:
+            let_go.set()
+
+
+def test_stop_saves_finished_traces_before_the_lease_cleanup(testbed: Testbed, tmp_path: Path) -> None:
+    backend = Backend("local", str(tmp_path / "runs"))
+    config = write_config(tmp_path, testbed, episodes=40)
+    uri = backend.uri("stall")
+    with release_holding_proxy(testbed.shop_url) as (proxy, hold, let_go):
+        # No flush by count or age: whatever is saved, the stop saved.
+        env = worker_env(backend, SHOPSIMRL_FLUSH_EPISODES="1000", SHOPSIMRL_FLUSH_SECONDS="600", SHOPSIMRL_ENV_BASE_URL=proxy)
+        worker = start_worker(backend, uri, config, 0, 1, tmp_path / "logs", env=env)
+        deadline = time.monotonic() + 90
+        while len(worker.finished_episodes()) < 2:
+            assert time.monotonic() < deadline and worker.process.poll() is None, worker.log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        hold.set()  # from now on every lease release stalls at the shop
+        worker.process.send_signal(signal.SIGTERM)
+        store = ShardedRunStore(uri)
+        deadline = time.monotonic() + 60
+        while not store.list_shard(0).parts:  # saved while the releases still hang
+            assert time.monotonic() < deadline, "nothing was saved before the lease cleanup ended"
+            assert worker.process.poll() is None, worker.log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        let_go.set()
+        assert worker.wait() == 3
+    saved = {line for line in store.read_part(0, store.list_shard(0).parts[0]).splitlines() if line.strip()}
+    assert len(saved) >= 2
+
+
+async def test_a_failing_flush_is_retried_and_loses_nothing(tmp_path: Path) -> None:
+    store = ShardedRunStore(str(tmp_path / "run"))
+    failures = {"left": 2}
+    write_part = store.write_part
+
+    def flaky(index: int, seq: int, writer: str, data: bytes) -> str:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise StoreUnavailableError("object store still failing after 8 attempts (injected)")
+        return write_part(index, seq, writer, data)
+
+    store.write_part = flaky  # type: ignore[method-assign]
+    sink = PartSink(store, 0, "feedbeef", 0, flush_episodes=1000, flush_seconds=0.05)
+    sink.save_trace({"episode_id": "task-000001__sample-000", "status": "completed"})
+    timer = asyncio.ensure_future(sink.flush_stale_parts())
+    deadline = time.monotonic() + 30
+    while sink.buffered:  # two failed flushes, then a part
+        assert time.monotonic() < deadline and not timer.done()
+        await asyncio.sleep(0.02)
+    timer.cancel()
+    assert failures["left"] == 0 and [e["records"] for e in sink.written] == [1]
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+def test_workers_stop_when_the_coordinator_is_killed(testbed: Testbed, tmp_path: Path) -> None:
+    config = write_config(tmp_path, testbed, episodes=200)
+    env = {**worker_env(Backend("local", "")), "SHOPSIMRL_ENV_BASE_URL": testbed.shop_url}
+    log_path = tmp_path / "run.log"  # the workers inherit the coordinator's stderr
+    with log_path.open("wb") as log:
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "run", str(config), "--shards", "2", "--run", str(tmp_path / "run"), "--no-progress"],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
+        )
+    deadline = time.monotonic() + 60
+    while len(workers := _children(coordinator.pid)) < 2:
+        assert time.monotonic() < deadline and coordinator.poll() is None
+        time.sleep(0.05)
+    while testbed.healthz()["free_slots"] == testbed.healthz()["environment_slots"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    coordinator.kill()
+    coordinator.wait()
+    deadline = time.monotonic() + 90
+    while alive := [pid for pid in workers if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]:
+        assert time.monotonic() < deadline, f"workers {alive} outlived their coordinator"
+        time.sleep(0.1)
+    events = [line.get("event", "") for line in map(_json_or_empty, log_path.read_text().splitlines())]
+    # Stopped by the signal the coordinator's death sent, not by running out of episodes.
+    assert sum(e.startswith("SIGTERM: stopping") for e in events) == 2 and "shard_committed" not in events
+    health = testbed.healthz()
+    assert health["free_slots"] == health["environment_slots"]  # they stopped gracefully
+
+
+def _json_or_empty(line: str) -> dict:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _state(pid: int) -> str:
+    try:
+        return {"Z": "zombie", "X": "dead"}.get(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0], "alive")
+    except OSError:
+        return "dead"
