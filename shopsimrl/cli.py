@@ -500,11 +500,17 @@ def worker(
     shards: Optional[int] = typer.Option(None, "--shards", envvar="SHOPSIMRL_SHARDS", min=1, help="Shard count (default: the frozen shards.json)."),
     final_test: bool = FINAL_TEST,
     retry_failed: bool = typer.Option(True, "--retry-failed/--no-retry-failed", help="Give failed episodes a fresh set of attempts."),
+    processes: Optional[int] = typer.Option(
+        None, "--processes", min=1, max=256,
+        help="Event-loop processes over the shard's jobs (default SHOPSIMRL_PROCESSES, else 1): use the pod's cores.",
+    ),
 ) -> None:
     """Run one shard of a sharded run into write-once parts and commit it (one pod of an Indexed Job)."""
     from shopsimrl.worker import WorkerOptions, run_worker
 
     settings = worker_settings()
+    if processes is not None:
+        settings = settings.model_copy(update={"processes": processes})
     configure_logging(settings.log_format)
     index = shard_index if shard_index is not None else settings.shard_index
     if run_uri is None or config_path is None or index is None:

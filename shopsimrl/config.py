@@ -283,6 +283,9 @@ class WorkerSettings(BaseSettings):
     parallelism: int | None = Field(default=None, ge=1)
     """Shard workers running at once (the Job's parallelism); default: the shard count. Each
     gets an equal share of the shop's slots."""
+    processes: int | None = Field(default=None, ge=1, le=256)
+    """Processes (event loops) one shard worker runs its episodes in; default 1. Each takes its
+    own share of the jobs, parts and leases; the worker commits the shard once all are done."""
     flush_episodes: int = Field(default=10, ge=1)
     flush_seconds: float = Field(default=10.0, gt=0)
 

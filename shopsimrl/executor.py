@@ -17,7 +17,6 @@ worker outlives it holding leases.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 import structlog
 
 from shopsimrl.exitcodes import ExitCode
+from shopsimrl.stopping import die_with_parent
 
 __all__ = ["IndexOutcome", "ShardedRunResult", "run_indexed"]
 
@@ -76,25 +76,12 @@ def _worker_command(run: str, config: Path, shards: int, final_test: bool, retry
     return command
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive SIGTERM when this process dies (Linux)."""
+    """A ``preexec_fn`` for subprocesses of this process (see ``stopping.die_with_parent``)."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
     parent = os.getpid()
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
+    return lambda: die_with_parent(parent)
 
 
 def run_indexed(

@@ -4,19 +4,23 @@ A stopping run still has work that must not be cut short: releasing ShopSimulato
 never expire) and saving finished traces. That work is bounded by its own grace periods, so a
 second Ctrl-C, or the SIGTERM a Job controller sends after the terminal's SIGINT, is logged and
 ignored instead of cancelling the cleanup. kill -9 stays the way to end a process at once; the
-lease journal covers that case.
+lease journal covers that case. :func:`die_with_parent` makes a child process (a shard worker
+of ``run --shards``, an event-loop process of a worker) stop when its parent dies, even by kill -9.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
-__all__ = ["GracefulStop"]
+__all__ = ["GracefulStop", "die_with_parent"]
 
 log = structlog.get_logger("shopsimrl.stopping")
 
@@ -67,3 +71,20 @@ class GracefulStop:
             previous = self._previous[signum]
             if previous is not None:
                 signal.signal(signum, previous)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """In a child process: receive SIGTERM when the parent process dies (Linux; elsewhere a
+    no-op). ``parent`` is the parent's pid as the parent saw it before starting the child."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -18,6 +18,8 @@ One worker = one shard = one process (a local subprocess or a pod of an Indexed 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
 import secrets
 import signal
 import threading
@@ -278,20 +280,138 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
         unreadable_lines=state.unreadable_lines,
     )
     config = prepared.config
-    sink = PartSink(
-        store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds
-    )
-    processes = min(settings.parallelism or shard_map.count, shard_map.count)
-    outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, processes))
+    loops = settings.processes or 1
+    # Each event loop of each worker running at once gets an equal share of the shop's slots.
+    sharing = min(settings.parallelism or shard_map.count, shard_map.count) * loops
+    pending = [job for job in jobs if job.episode_id not in state.completed]
+    if loops > 1 and len(pending) > 1:
+        outcome, written = _evaluate_in_processes(options, index, pending, state, loops, sharing)
+    else:
+        sink = PartSink(
+            store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds
+        )
+        outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, sharing))
+        written = sink.written
     if outcome == "interrupted":
         raise _Stop(ExitCode.RETRYABLE, f"interrupted; finished episodes are saved in {store.display_uri}, restart to resume")
 
     marker, completed = commit_shard(
         store, index, shard_map.episode_ids[index], plan_fp=plan_fp, writer=writer, state=state, exclude=check.distrusted,
-        written=[entry["name"] for entry in sink.written],
+        written=[entry["name"] for entry in written],
     )
     log.info("shard_committed", marker=marker, completed=completed, failed=len(jobs) - completed, config=config.name)
     return ExitCode.OK if completed == len(jobs) else ExitCode.EPISODES_FAILED
+
+
+@dataclass(frozen=True)
+class _SliceSpec:
+    """What one event-loop process of a worker needs: everything but the plan, which it rebuilds
+    from the config (planning is deterministic) instead of receiving it."""
+
+    options: WorkerOptions
+    shard: int
+    episode_ids: list[str]
+    prior_attempts: dict[str, int]
+    writer: str
+    first_seq: int
+    sharing: int
+    log_format: str
+    parent: int
+
+
+def _evaluate_in_processes(
+    options: WorkerOptions, shard: int, pending: list[EpisodeJob], state: ShardState, loops: int, sharing: int
+) -> tuple[str, list[dict[str, Any]]]:
+    """Run ``pending`` in ``loops`` processes, job k in process k mod loops; each writes its own
+    parts (its own writer id) and journals its own leases. Returns the combined outcome and the
+    parts written, for the commit. SIGTERM/SIGINT are passed on once; a process that dies
+    makes the outcome "interrupted" (its saved parts stay; a restart resumes the rest)."""
+    context = multiprocessing.get_context("spawn")  # no fork: the parent may hold threads (s3fs)
+    children: list[tuple[Any, Any]] = []
+    for k in range(loops):
+        ids = [job.episode_id for job in pending[k::loops]]
+        if not ids:
+            continue
+        spec = _SliceSpec(
+            options=options, shard=shard, episode_ids=ids,
+            prior_attempts={eid: state.attempts[eid] for eid in ids if eid in state.attempts},
+            writer=secrets.token_hex(4), first_seq=state.next_seq, sharing=sharing,
+            log_format=options.settings.log_format, parent=os.getpid(),
+        )
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=_slice_main, args=(spec, send), name=f"shard-{shard}-loop-{k}", daemon=False)
+        process.start()
+        send.close()
+        children.append((process, receive))
+    log.info("worker_processes_started", processes=len(children), jobs=len(pending))
+
+    stopping = False
+
+    def pass_on(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        log.warning(f"{signal.Signals(signum).name}: stopping the worker's processes")
+        for process, _ in children:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+
+    previous = {signum: signal.signal(signum, pass_on) for signum in _STOP_SIGNALS}
+    outcomes: list[str] = []
+    written: list[dict[str, Any]] = []
+    try:
+        for process, receive in children:
+            try:
+                result = receive.recv()  # sent just before the process exits
+            except EOFError:  # it died without reporting (kill -9, a crash)
+                result = {"outcome": "interrupted", "written": []}
+            process.join()
+            outcomes.append(result["outcome"])
+            written.extend(result["written"])
+            if process.exitcode:
+                log.warning("worker_process_failed", process=process.name, exit_code=process.exitcode)
+                outcomes.append("interrupted")
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return ("interrupted" if stopping or "interrupted" in outcomes else "done"), written
+
+
+def _slice_main(spec: _SliceSpec, send: Any) -> None:
+    """Entry point of one event-loop process of a worker."""
+    from shopsimrl.logs import configure_logging
+    from shopsimrl.stopping import die_with_parent
+
+    die_with_parent(spec.parent)
+    for signum in _STOP_SIGNALS:  # until _evaluate's graceful stop takes over
+        signal.signal(signum, _terminated)
+    configure_logging(spec.log_format)  # type: ignore[arg-type]
+    options = spec.options
+    store = ShardedRunStore(options.run)
+    structlog.contextvars.bind_contextvars(run=store.display_uri, shard=spec.shard, writer=spec.writer)
+    outcome, written = "interrupted", []
+    try:
+        prepared = _prepare(options.config, options.settings, options.final_test)
+        by_id = {job.episode_id: job for job in prepared.jobs}
+        jobs = [by_id[eid] for eid in spec.episode_ids]
+        state = ShardState(attempts=dict(spec.prior_attempts))
+        settings = options.settings
+        sink = PartSink(
+            store, spec.shard, spec.writer, spec.first_seq,
+            flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds,
+        )
+        try:
+            outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, spec.sharing))
+        finally:
+            written = sink.written
+    except _Stop as stop:
+        log.warning("worker_process_stopped", reason=str(stop))
+    finally:
+        for signum in _STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        send.send({"outcome": outcome, "written": written})
+        send.close()
 
 
 def commit_shard(

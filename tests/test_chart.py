@@ -654,6 +654,8 @@ def test_schema_rejects_bad_values(helm: Helm, sets: dict[str, str], message: st
         ({"environment.slots": "64"}, "8 worker pods at once × concurrency 32 = 256 episodes in flight exceed the 64 "
                                        "ShopSimulator slots (environment.slots)"),
         ({"environment.slots": "64", "worker.concurrency": "16"}, "8 worker pods at once × concurrency 16 = 128"),
+        ({"environment.slots": "256", "worker.processes": "2"},
+         "8 worker pods at once × 2 processes × concurrency 32 = 512 episodes in flight exceed the 256"),
         ({"shopsimulator.enabled": "true", "shopsimulator.image.repository": "s", "shopsimulator.image.tag": "v8",
           "shopsimulator.slots": "100"}, "= 256 episodes in flight exceed the 100 ShopSimulator slots (shopsimulator.slots)"),
         ({"testbed.enabled": "true", "testbed.shop.slots": "20", "job.parallelism": "2"},

@@ -412,9 +412,12 @@ Usage: include "shopsimrl.validate" .
 {{- $slots := include "shopsimrl.shopSlots" . -}}
 {{- if $slots -}}
 {{- $pods := int (include "shopsimrl.podsAtOnce" .) -}}
+{{- $loops := int .Values.worker.processes -}}
 {{- $concurrency := int (include "shopsimrl.concurrency" .) -}}
-{{- if gt (mul $pods $concurrency) (int $slots) -}}
-{{- fail (printf "%d worker pods at once × concurrency %d = %d episodes in flight exceed the %s ShopSimulator slots (%s): raise the slots, lower worker.concurrency (or config experiment.concurrency), or set job.parallelism" $pods $concurrency (mul $pods $concurrency) $slots (include "shopsimrl.shopSlotsKey" .)) -}}
+{{- $inFlight := mul $pods $loops $concurrency -}}
+{{- if gt $inFlight (int $slots) -}}
+{{- $what := ternary (printf "%d worker pods at once × concurrency %d" $pods $concurrency) (printf "%d worker pods at once × %d processes × concurrency %d" $pods $loops $concurrency) (eq $loops 1) -}}
+{{- fail (printf "%s = %d episodes in flight exceed the %s ShopSimulator slots (%s): raise the slots, lower worker.concurrency (or config experiment.concurrency), worker.processes, or set job.parallelism" $what $inFlight $slots (include "shopsimrl.shopSlotsKey" .)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
