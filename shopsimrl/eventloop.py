@@ -19,6 +19,8 @@ import gc
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from shopsimrl.stopping import hold_signals
+
 __all__ = ["run"]
 
 T = TypeVar("T")
@@ -36,12 +38,15 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` with uvloop's event loop when available and the collector tuned."""
+    """``asyncio.run`` with uvloop's event loop when available and the collector tuned.
+
+    SIGTERM/SIGINT are held while the loop runs (``stopping.hold_signals``): a handler that
+    raises must never run inside the loop, where the exception would be lost."""
     thresholds = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with hold_signals(), asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return runner.run(coroutine)
     finally:
         gc.set_threshold(*thresholds)

@@ -20,11 +20,47 @@ from typing import Any
 
 import structlog
 
-__all__ = ["GracefulStop", "die_with_parent"]
+__all__ = ["STOP_SIGNALS", "GracefulStop", "die_with_parent", "hold_signals"]
 
 log = structlog.get_logger("shopsimrl.stopping")
 
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_held: list[int] = []
+"""Signals received inside an event loop before a GracefulStop took over (see hold_signals)."""
+_stopped = False
+"""A graceful stop happened in this process: from then on it is on its way out."""
+
+
+def _hold(signum: int, frame: object) -> None:
+    _held.append(signum)
+
+
+class hold_signals:
+    """For the life of an event loop: a signal is recorded, never raised inside the loop.
+
+    An event loop must not see a Python signal handler raise (uvloop logs the exception and
+    carries on; the stop would be lost). Inside the block, SIGTERM/SIGINT are only recorded; a
+    :class:`GracefulStop` entered in the loop acts on the recorded ones at once. On exit, after a
+    graceful stop the signals stay ignored; otherwise the handlers from before come back and a
+    signal no GracefulStop took is passed to them (a command with no stop handling of its own
+    ends as it would have)."""
+
+    def __enter__(self) -> hold_signals:
+        self._previous = {signum: signal.signal(signum, _hold) for signum in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pending = list(_held)
+        _held.clear()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_IGN if _stopped else handler)
+        if pending and not _stopped:
+            handler = self._previous[pending[0]]
+            if callable(handler):
+                handler(pending[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(pending[0])
 
 
 class GracefulStop:
@@ -54,17 +90,21 @@ class GracefulStop:
 
     def __enter__(self) -> GracefulStop:
         self._loop = asyncio.get_running_loop()
-        self._previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
-        for signum in _SIGNALS:
+        self._previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+        for signum in STOP_SIGNALS:
             self._loop.add_signal_handler(signum, self._handle, signum)
+        while _held:  # arrived in this loop before the handlers above were installed
+            self._handle(_held.pop(0))
         return self
 
     def __exit__(self, *exc: object) -> None:
+        global _stopped
         assert self._loop is not None
-        for signum in _SIGNALS:
+        for signum in STOP_SIGNALS:
             self._loop.remove_signal_handler(signum)
             if self.requested:
                 # On its way out after a stop: a late signal must not turn the exit into a traceback.
+                _stopped = True
                 signal.signal(signum, signal.SIG_IGN)
                 continue
             # remove_signal_handler leaves the default behind; put back what was there before.

@@ -50,6 +50,7 @@ from shopsimrl.shardstore import (
     part_order,
     scan_shard,
 )
+from shopsimrl.stopping import STOP_SIGNALS
 from shopsimrl.store import encode_trace_line
 
 __all__ = ["PartSink", "WorkerOptions", "commit_shard", "plan_run", "run_worker"]
@@ -188,14 +189,11 @@ def _terminated(signum: int, frame: object) -> None:
     raise _Stop(ExitCode.RETRYABLE, f"signal {signum} while planning or committing; finished episodes are saved, restart to resume")
 
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
 def run_worker(options: WorkerOptions) -> ExitCode:
     """Run one shard; every failure is mapped to an exit code and logged (never a traceback).
 
     The process exits with the returned code: once it is known, later signals are ignored."""
-    for signum in _STOP_SIGNALS:
+    for signum in STOP_SIGNALS:
         signal.signal(signum, _terminated)
     try:
         return _exit_code(options)
@@ -207,7 +205,7 @@ def run_worker(options: WorkerOptions) -> ExitCode:
 
 
 def _ignore_signals() -> None:
-    for signum in _STOP_SIGNALS:
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 
@@ -357,7 +355,7 @@ def _evaluate_in_processes(
             if process.is_alive():
                 os.kill(process.pid, signal.SIGTERM)
 
-    previous = {signum: signal.signal(signum, pass_on) for signum in _STOP_SIGNALS}
+    previous = {signum: signal.signal(signum, pass_on) for signum in STOP_SIGNALS}
     outcomes: list[str] = []
     written: list[dict[str, Any]] = []
     try:
@@ -384,7 +382,7 @@ def _slice_main(spec: _SliceSpec, send: Any) -> None:
     from shopsimrl.stopping import die_with_parent
 
     die_with_parent(spec.parent)
-    for signum in _STOP_SIGNALS:  # until _evaluate's graceful stop takes over
+    for signum in STOP_SIGNALS:  # until _evaluate's graceful stop takes over
         signal.signal(signum, _terminated)
     configure_logging(spec.log_format)  # type: ignore[arg-type]
     options = spec.options
@@ -408,7 +406,7 @@ def _slice_main(spec: _SliceSpec, send: Any) -> None:
     except _Stop as stop:
         log.warning("worker_process_stopped", reason=str(stop))
     finally:
-        for signum in _STOP_SIGNALS:
+        for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
         send.send({"outcome": outcome, "written": written})
         send.close()
