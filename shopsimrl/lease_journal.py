@@ -13,8 +13,8 @@ Where and how the journals are kept:
   released), written with one ``write()`` before the adapter goes on: a reset is journaled as in
   flight before it is sent. It is compacted when it grows, and deleted when nothing is held;
 - on an object store (``s3://…/leases/<shard>/``), ``<writer>.json`` is a snapshot of the state,
-  replaced by a writer task at most every ``min_interval`` seconds (every PUT is billed), so
-  bursts of changes coalesce.
+  replaced by a writer task at most every ``min_interval`` seconds (0.2 s; every PUT is billed),
+  so bursts of changes coalesce.
 
 Which journals are released: those of processes that are provably gone — on this host (same
 hostname and PID namespace) when the PID is dead or belongs to a newer process; on another host
@@ -338,7 +338,7 @@ class LeaseJournal:
     """Event lines before a local log is rewritten as its current state (and per lease held)."""
 
     def __init__(
-        self, storage: JournalStorage, *, environment_url: str, writer: str | None = None, min_interval: float = 1.0
+        self, storage: JournalStorage, *, environment_url: str, writer: str | None = None, min_interval: float = 0.2
     ) -> None:
         self.storage = storage
         self.min_interval = min_interval

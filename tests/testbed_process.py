@@ -28,6 +28,9 @@ class LocalTestbed:
     def healthz(self) -> dict:
         return httpx.get(f"{self.shop_url}/healthz", timeout=10).json()
 
+    def release_all(self) -> None:
+        httpx.post(f"{self.shop_url}/api/shop_agent", json={"action": "release_all"}, timeout=10).raise_for_status()
+
     def env(self, **extra: str) -> dict[str, str]:
         """Environment for a `shopsimrl` subprocess pointed at this testbed."""
         env = {**os.environ, "SHOPSIMRL_MODEL_BASE_URL": self.model_url, "SHOPSIMRL_ENV_BASE_URL": self.shop_url}

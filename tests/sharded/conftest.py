@@ -306,3 +306,4 @@ def s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     for name, value in {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint}.items():
         monkeypatch.setenv(name, value)
     return S3Server(request.param, endpoint, _make_bucket(endpoint, S3_TEST_ENV["AWS_ACCESS_KEY_ID"], S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"]))
+

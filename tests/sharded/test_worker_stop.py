@@ -124,12 +124,14 @@ def test_workers_stop_when_the_coordinator_is_killed(testbed: Testbed, tmp_path:
             [sys.executable, "-m", "shopsimrl", "run", str(config), "--shards", "2", "--run", str(tmp_path / "run"), "--no-progress"],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
         )
+    free_before = testbed.healthz()["free_slots"]
     deadline = time.monotonic() + 60
     while len(workers := _children(coordinator.pid)) < 2:
         assert time.monotonic() < deadline and coordinator.poll() is None
         time.sleep(0.05)
-    while testbed.healthz()["free_slots"] == testbed.healthz()["environment_slots"]:
-        assert time.monotonic() < deadline
+    # Both workers are playing episodes (past planning, their graceful stop installed).
+    while sum(line.get("event") == "lease budget" for line in map(_json_or_empty, log_path.read_text().splitlines())) < 2:
+        assert time.monotonic() < deadline and coordinator.poll() is None, log_path.read_text()[-3000:]
         time.sleep(0.05)
     coordinator.kill()
     coordinator.wait()
@@ -140,8 +142,7 @@ def test_workers_stop_when_the_coordinator_is_killed(testbed: Testbed, tmp_path:
     events = [line.get("event", "") for line in map(_json_or_empty, log_path.read_text().splitlines())]
     # Stopped by the signal the coordinator's death sent, not by running out of episodes.
     assert sum(e.startswith("SIGTERM: stopping") for e in events) == 2 and "shard_committed" not in events
-    health = testbed.healthz()
-    assert health["free_slots"] == health["environment_slots"]  # they stopped gracefully
+    assert testbed.healthz()["free_slots"] == free_before  # they stopped gracefully, leases released
 
 
 def _json_or_empty(line: str) -> dict:
