@@ -94,6 +94,7 @@ __all__ = [
     "pass_hat_k",
     "student_t_quantile",
     "summarize_traces",
+    "summary_view",
     "wilson_interval",
 ]
 
@@ -484,6 +485,91 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 def _count_value(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+# --------------------------------------------------------------------------- compact records
+
+# The top-level keys of a trace that SummaryAccumulator reads as they are (scalars).
+_VIEW_KEYS = ("schema_version", "episode_id", "status", "attempt", "started_at", "ended_at", "duration_ms", "failure_class")
+
+
+def summary_view(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a trace record that :class:`SummaryAccumulator` reads, a small fraction of it.
+
+    ``accumulator.add(summary_view(r))`` counts exactly what ``accumulator.add(r)`` counts (and
+    likewise ``note_superseded_attempt``): observations, the conversation and model text are
+    left out; a key's presence is kept wherever the accumulator tests it. A reducer holds views,
+    not records, while it decides which record of an episode wins. Keep it in step with
+    :meth:`SummaryAccumulator.add` (tests/test_metrics.py compares the two on every fixture).
+    """
+    view = {key: record[key] for key in _VIEW_KEYS if key in record}
+    job = record.get("job")
+    if isinstance(job, Mapping):
+        view["job"] = {"task_id": job.get("task_id")}
+    error = record.get("error")
+    if isinstance(error, Mapping):
+        view["error"] = {"type": error.get("type")}
+    final = record.get("final")
+    if isinstance(final, dict):
+        view["final"] = {key: final[key] for key in ("done", "reward", "termination_reason") if key in final}
+        detail = final.get("reward_detail")
+        if isinstance(detail, Mapping):
+            view["final"]["reward_detail"] = {key: value for key, value in detail.items() if isinstance(key, str) and key.startswith("r_")}
+    steps = record.get("steps")
+    if isinstance(steps, list):
+        view["steps"] = [_step_view(step) if isinstance(step, Mapping) else None for step in steps]
+    return view
+
+
+def _marker(value: Any) -> dict[str, Any] | None:
+    """What is left of a protocol error: whether it is an object."""
+    return {} if isinstance(value, Mapping) else None
+
+
+def _policy_view(value: Any) -> dict[str, Any] | None:
+    return {"code": value.get("code")} if isinstance(value, Mapping) else None
+
+
+def _model_view(model: Mapping[str, Any]) -> dict[str, Any]:
+    view: dict[str, Any] = {}
+    if "protocol_error" in model:
+        view["protocol_error"] = _marker(model["protocol_error"])
+    if "policy_failure" in model:
+        view["policy_failure"] = _policy_view(model["policy_failure"])
+    usage = model.get("usage")
+    if isinstance(usage, Mapping):
+        view["usage"] = {key: usage[key] for key in _TOKEN_KEYS if key in usage}
+        details = usage.get("completion_tokens_details")
+        if isinstance(details, Mapping) and "reasoning_tokens" in details:
+            view["usage"]["completion_tokens_details"] = {"reasoning_tokens": details["reasoning_tokens"]}
+    for key in ("latency_ms", "attempt_count"):
+        if key in model:
+            view[key] = model[key]
+    if "attempts" in model:
+        attempts = model["attempts"]
+        view["attempts"] = [None] * len(attempts) if isinstance(attempts, list) else None
+    return view
+
+
+def _step_view(step: Mapping[str, Any]) -> dict[str, Any]:
+    view: dict[str, Any] = {}
+    if "protocol_error" in step:
+        view["protocol_error"] = _marker(step["protocol_error"])
+    if "policy_failure" in step:
+        view["policy_failure"] = _policy_view(step["policy_failure"])
+    environment = step.get("environment")
+    if isinstance(environment, Mapping):
+        feedback = environment.get("action_feedback")
+        view["environment"] = {"action_feedback": {"valid": feedback.get("valid")}} if isinstance(feedback, Mapping) and feedback else {}
+    model = step.get("model")
+    if isinstance(model, Mapping):
+        view["model"] = _model_view(model)
+    if "attempt_count" in step:
+        view["attempt_count"] = step["attempt_count"]
+    if "attempts" in step:
+        attempts = step["attempts"]
+        view["attempts"] = [None] * len(attempts) if isinstance(attempts, list) else None
+    return view
 
 
 # --------------------------------------------------------------------------- accumulator

@@ -7,10 +7,12 @@ union of the parts of every such marker, so the outcome does not depend on the o
 markers were written. Parts no verified marker lists (a second writer that finished after the
 commit) are reported, never read; a marker that does not verify is reported and ignored.
 
-Memory does not grow with the number of traces. Shards are reduced one at a time in two
-streaming passes over their parts: the first keeps only a small winner index per episode of
-that shard (part and line number), the second feeds the winners to the streaming
-:class:`~shopsimrl.metrics.SummaryAccumulator`. At most one part's bytes are held at once.
+Every stored byte is read once. Shards are reduced one at a time in a single pass over their
+parts: each part is hashed (for the markers) and its records reduced to compact views
+(:func:`~shopsimrl.metrics.summary_view`: what the summary reads, without observations or
+text); once the shard's markers are verified, the winners' views go to the streaming
+:class:`~shopsimrl.metrics.SummaryAccumulator`. At most one part's bytes and one shard's views
+are held at once, so memory follows the largest shard, not the run.
 
 Winner per ``episode_id``: the first completed record in part order (sequence number, writer);
 if none completed, the latest failed attempt (highest ``attempt``, then ``ended_at``). Further
@@ -23,20 +25,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from shopsimrl.manifest import ManifestError, manifest_head, run_identity
-from shopsimrl.metrics import SummaryAccumulator
+from shopsimrl.metrics import SummaryAccumulator, summary_view
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, is_completed, sha256_hex
 from shopsimrl.shardstore import (
     ShardedRunStore,
+    ShardListing,
     ShardMap,
     check_shard_map,
     iter_part_records,
     marker_part_problems,
     marker_problem,
     part_order,
-    scan_shard,
 )
 
 __all__ = ["RunNotPlannedError", "WaitResult", "reduce_run", "shard_status", "wait_for_markers"]
@@ -99,45 +102,84 @@ def _load_plan(store: ShardedRunStore) -> tuple[str, ShardMap]:
     return plan_fp, shard_map
 
 
-@dataclass
-class _Index:
-    """Pass 1 over a set of parts: the winner location per episode, and what the bytes were."""
+@dataclass(slots=True)
+class _Record:
+    """One valid record of the shard, reduced to what choosing the winner and the summary need."""
 
-    winners: dict[str, tuple[tuple[Any, ...], tuple[int, int]]] = field(default_factory=dict)
-    completed_records: dict[str, int] = field(default_factory=dict)
-    sha256: dict[str, str | None] = field(default_factory=dict)
+    episode_id: str
+    completed: bool
+    attempt: int
+    ended_at: str
+    view: dict[str, Any]
+
+
+@dataclass
+class _Part:
+    """One part as read: its sha256 and its records of this shard, in order."""
+
+    sha256: str
+    records: list[_Record] = field(default_factory=list)
     unreadable_lines: int = 0
     not_in_shard: int = 0
     not_in_plan_sample: list[str] = field(default_factory=list)
 
 
-def _index_parts(store: ShardedRunStore, index: int, names: list[str], shard_ids: set[str]) -> _Index:
-    found = _Index()
-    for part_index, name in enumerate(names):
+def _read_parts(store: ShardedRunStore, index: int, names: list[str], shard_ids: set[str]) -> dict[str, _Part | None]:
+    """Read each part once: its sha256 and compact records (None: the part is missing)."""
+    parts: dict[str, _Part | None] = {}
+    for name in names:
         data = store.read_part(index, name)
-        found.sha256[name] = None if data is None else sha256_hex(data)
         if data is None:
+            parts[name] = None
             continue
-        for line_index, record in enumerate(iter_part_records(data)):
+        part = parts[name] = _Part(sha256_hex(data))
+        for record in iter_part_records(name, data):
             if record is None:
-                found.unreadable_lines += 1
+                part.unreadable_lines += 1
                 continue
             episode_id = record["episode_id"]
             if episode_id not in shard_ids:
-                found.not_in_shard += 1
-                if len(found.not_in_plan_sample) < _SAMPLE:
-                    found.not_in_plan_sample.append(episode_id)
+                part.not_in_shard += 1
+                if len(part.not_in_plan_sample) < _SAMPLE:
+                    part.not_in_plan_sample.append(episode_id)
                 continue
-            if is_completed(record):
-                found.completed_records[episode_id] = found.completed_records.get(episode_id, 0) + 1
+            attempt = record.get("attempt")
+            part.records.append(_Record(
+                episode_id, is_completed(record), attempt if isinstance(attempt, int) else 0, str(record.get("ended_at") or ""),
+                summary_view(record),
+            ))
+    return parts
+
+
+def _tally(parts: list[_Part], accumulator: SummaryAccumulator, result: _ShardResult) -> None:
+    """Choose the winner per episode among ``parts`` (in part order) and feed the accumulator."""
+    winners: dict[str, tuple[tuple[Any, ...], tuple[int, int]]] = {}
+    completed_records: dict[str, int] = {}
+    for part_index, part in enumerate(parts):
+        for line_index, record in enumerate(part.records):
+            episode_id = record.episode_id
+            if record.completed:
+                completed_records[episode_id] = completed_records.get(episode_id, 0) + 1
                 rank: tuple[Any, ...] = (1, -part_index, -line_index)
             else:
-                attempt = record.get("attempt")
-                rank = (0, attempt if isinstance(attempt, int) else 0, str(record.get("ended_at") or ""), part_index, line_index)
-            current = found.winners.get(episode_id)
+                rank = (0, record.attempt, record.ended_at, part_index, line_index)
+            current = winners.get(episode_id)
             if current is None or rank > current[0]:
-                found.winners[episode_id] = (rank, (part_index, line_index))
-    return found
+                winners[episode_id] = (rank, (part_index, line_index))
+    for part_index, part in enumerate(parts):
+        for line_index, record in enumerate(part.records):
+            if winners[record.episode_id][1] == (part_index, line_index):
+                accumulator.add(record.view)
+                if record.completed:
+                    result.completed += 1
+                else:
+                    result.failed += 1
+            elif record.completed:
+                result.duplicates += 1
+            else:
+                result.superseded += 1
+                accumulator.note_superseded_attempt(record.view)
+    result.episodes_rerun = sum(1 for count in completed_records.values() if count > 1)
 
 
 def _reduce_shard(
@@ -167,10 +209,11 @@ def _reduce_shard(
     names: list[str]
     if candidates:
         names = sorted({part["name"] for _, marker in candidates for part in marker["parts"]}, key=part_order)
-        found = _index_parts(store, index, names, shard_ids)
+        parts = _read_parts(store, index, names, shard_ids)
+        actual = {name: None if part is None else part.sha256 for name, part in parts.items()}
         verified = []
         for name, marker in candidates:
-            problems = marker_part_problems(marker, found.sha256)
+            problems = marker_part_problems(marker, actual)
             if problems:
                 result.problems.extend(f"{name} does not verify, ignored: {problem}" for problem in problems)
             else:
@@ -180,9 +223,7 @@ def _reduce_shard(
             result.state = "corrupt"  # committed output that does not verify is not trusted at all
             return result
         committed = {part["name"] for marker in verified for part in marker["parts"]}
-        if committed != set(names):  # a marker was ignored: index only what the others verify
-            names = [name for name in names if name in committed]
-            found = _index_parts(store, index, names, shard_ids)
+        names = [name for name in names if name in committed]  # a marker was ignored: only what the others verify
         result.state = "committed"
         result.uncommitted_parts = sum(1 for name in listing.parts if name not in committed)
     elif listing.markers:
@@ -190,36 +231,16 @@ def _reduce_shard(
         return result
     elif include_uncommitted:
         names = list(listing.parts)
-        found = _index_parts(store, index, names, shard_ids)
+        parts = _read_parts(store, index, names, shard_ids)
     else:
         return result
     result.parts = len(names)
-    result.unreadable_lines, result.not_in_shard = found.unreadable_lines, found.not_in_shard
-    not_in_plan_sample.extend(found.not_in_plan_sample[: _SAMPLE - len(not_in_plan_sample)])
-
-    # Pass 2: stream again and feed the accumulator the winners.
-    for part_index, name in enumerate(names):
-        data = store.read_part(index, name)
-        if data is None or sha256_hex(data) != found.sha256[name]:
-            if found.sha256[name] is not None:
-                result.problems.append(f"{name}: changed or vanished while the shard was being reduced")
-            continue
-        for line_index, record in enumerate(iter_part_records(data)):
-            if record is None or record["episode_id"] not in shard_ids:
-                continue
-            winner = found.winners[record["episode_id"]]
-            if winner[1] == (part_index, line_index):
-                accumulator.add(record)
-                if is_completed(record):
-                    result.completed += 1
-                else:
-                    result.failed += 1
-            elif is_completed(record):
-                result.duplicates += 1
-            else:
-                result.superseded += 1
-                accumulator.note_superseded_attempt(record)
-    result.episodes_rerun = sum(1 for count in found.completed_records.values() if count > 1)
+    used = [part for part in (parts[name] for name in names) if part is not None]
+    result.unreadable_lines = sum(part.unreadable_lines for part in used)
+    result.not_in_shard = sum(part.not_in_shard for part in used)
+    for part in used:
+        not_in_plan_sample.extend(part.not_in_plan_sample[: _SAMPLE - len(not_in_plan_sample)])
+    _tally(used, accumulator, result)
     return result
 
 
@@ -349,9 +370,27 @@ def _claimed(marker: dict[str, Any], key: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def shard_status(store: ShardedRunStore) -> dict[str, Any]:
-    """Per-shard progress from markers (committed shards) and parts (running ones)."""
+_STALE_BEATS = 3
+"""A running shard whose newest heartbeat is older than this many of its intervals is shown as
+possibly stopped."""
+
+
+def _age_seconds(stamp: Any, now: datetime) -> float | None:
+    try:
+        when = datetime.fromisoformat(str(stamp))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (now - when).total_seconds())
+
+
+def shard_status(store: ShardedRunStore, *, now: datetime | None = None) -> dict[str, Any]:
+    """Per-shard progress from commit markers (committed shards) and the writers' progress
+    objects (running ones). Never reads a part: a status call costs a listing and a few small
+    objects per shard, whatever the size of the run."""
     plan_fp, shard_map = _load_plan(store)
+    now = now or datetime.now(timezone.utc)
     rows = []
     for index in range(shard_map.count):
         ids = shard_map.episode_ids[index]
@@ -374,13 +413,7 @@ def shard_status(store: ShardedRunStore) -> dict[str, Any]:
                 markers=len(markers),
             )
         else:
-            state = scan_shard(store, index, set(ids))
-            row.update(
-                state="running" if listing.parts else "pending",
-                completed=len(state.completed),
-                attempted=len(state.attempts),
-                unreadable_lines=state.unreadable_lines,
-            )
+            row.update(_running_row(store, index, listing, plan_fp, now))
             if listing.markers:
                 row["state"] = "corrupt-marker"
         if listing.foreign:
@@ -395,3 +428,39 @@ def shard_status(store: ShardedRunStore) -> dict[str, Any]:
         "committed_shards": sum(r["state"] == "committed" for r in rows),
         "shards": rows,
     }
+
+
+def _running_row(store: ShardedRunStore, index: int, listing: ShardListing, plan_fp: str, now: datetime) -> dict[str, Any]:
+    """An uncommitted shard as its writers' progress objects tell it: the newest one's state and
+    heartbeat age, and the completed episodes of the session that has seen the most."""
+    progress = [p for p in store.read_progress(index, listing.progress) if p.get("plan_fingerprint") == plan_fp]
+    if not progress:
+        # No progress object: nothing started, or parts of a worker that wrote none (an earlier version).
+        return {"state": "running?" if listing.parts else "pending", "completed": None}
+    newest = max(progress, key=lambda p: str(p.get("updated_at")))
+    age = _age_seconds(newest.get("updated_at"), now)
+    interval = newest.get("heartbeat_seconds")
+    # A worker's processes share a session and the episodes completed when it started; a later
+    # worker (a restarted pod) starts from what earlier ones saved: the best session counts.
+    sessions: dict[str, list[dict[str, Any]]] = {}
+    for p in progress:
+        sessions.setdefault(str(p.get("session") or p.get("writer")), []).append(p)
+    row: dict[str, Any] = {
+        "state": str(newest.get("state") or "running"),
+        "completed": max(
+            max(_count(p.get("resumed")) for p in members) + sum(_count(p.get("completed")) for p in members)
+            for members in sessions.values()
+        ),
+        "failed_attempts": sum(_count(p.get("failed_attempts")) for p in progress),
+        "writers": len(progress),
+        "heartbeat_age_s": None if age is None else round(age, 1),
+        "heartbeat_seconds": interval,
+    }
+    if row["state"] == "running" and age is not None and isinstance(interval, (int, float)) and age > _STALE_BEATS * interval:
+        row["state"] = "running?"
+        row["stale"] = True
+    return row
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0

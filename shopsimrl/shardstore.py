@@ -5,9 +5,11 @@ Layout (every object is written once, except ``summary.json`` which ``reduce`` r
     manifest.json                          frozen plan + fingerprint (create-only)
     jobs.jsonl                             one job per line with its shard (create-only)
     shards.json                            the frozen shard map (create-only)
-    shards/00007/part-00003-1a2b3c4d.jsonl trace parts: sequence number, then the writer id
+    shards/00007/part-00003-1a2b3c4d.jsonl.zst  trace parts (zstd; plain .jsonl from earlier
+                                           versions is read too): sequence number, then the writer id
     shards/00007/_SUCCESS.json             the shard's first commit marker (create-only)
     shards/00007/_SUCCESS-1a2b3c4d.json    a later commit of the shard by writer 1a2b3c4d (create-only)
+    shards/00007/_PROGRESS-1a2b3c4d.json   writer 1a2b3c4d's progress and heartbeat (rewritten; for status)
     summary.json                           written by ``shopsimrl reduce``
 
 Object storage has neither append nor atomic rename, so traces are buffered and written as
@@ -38,13 +40,16 @@ import math
 import os
 import random
 import re
+import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
+import orjson
+import zstandard
 from fsspec.implementations.local import LocalFileSystem
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
@@ -64,6 +69,8 @@ __all__ = [
     "MARKER_PATTERN",
     "MARKER_SCHEMA_VERSION",
     "PART_PATTERN",
+    "PROGRESS_PATTERN",
+    "PROGRESS_SCHEMA_VERSION",
     "SHARD_MAP_SCHEMA_VERSION",
     "RetryPolicy",
     "RunLocationError",
@@ -73,13 +80,16 @@ __all__ = [
     "ShardState",
     "ShardedRunStore",
     "StoreUnavailableError",
+    "WrittenPart",
     "check_shard_map",
     "is_create_conflict",
     "iter_part_records",
     "marker_document",
     "marker_part_problems",
     "marker_problem",
+    "encode_part",
     "part_entry",
+    "part_lines",
     "part_name",
     "part_order",
     "redact_uri",
@@ -90,8 +100,14 @@ SHARD_MAP_SCHEMA_VERSION = "shopsimrl-shard-map-v1"
 MARKER_SCHEMA_VERSION = "shopsimrl-shard-commit-v1"
 MARKER_NAME = "_SUCCESS.json"
 MARKER_PATTERN = re.compile(r"^_SUCCESS(?:-([0-9a-f]{8,32}))?\.json$")
-PART_PATTERN = re.compile(r"^part-(\d{5,})-([0-9a-f]{8,32})\.jsonl$")
+PART_PATTERN = re.compile(r"^part-(\d{5,})-([0-9a-f]{8,32})\.jsonl(\.zst)?$")
+"""Trace parts: ``.jsonl.zst`` as written now, plain ``.jsonl`` as written before (both are read)."""
+PROGRESS_SCHEMA_VERSION = "shopsimrl-shard-progress-v1"
+PROGRESS_PATTERN = re.compile(r"^_PROGRESS-([0-9a-f]{8,32})\.json$")
 _TEMP_PREFIX = ".tmp-"
+_ZSTD_LEVEL = 3
+"""zstd level of the parts: ratio 15 on testbed traces at ~350 MB/s to compress and ~1 GB/s to
+read back; higher levels gain little ratio for a fraction of the speed (docs/benchmarks.md)."""
 
 T = TypeVar("T")
 
@@ -112,8 +128,36 @@ class ShardMapError(ValueError):
     """shards.json is unreadable or disagrees with the requested shard count (exit 2)."""
 
 
-def part_name(seq: int, writer: str) -> str:
-    return f"part-{seq:05d}-{writer}.jsonl"
+def part_name(seq: int, writer: str, *, compressed: bool = True) -> str:
+    return f"part-{seq:05d}-{writer}.jsonl" + (".zst" if compressed else "")
+
+
+# A compressor is not safe for concurrent use; one per thread (the sinks flush from worker threads).
+_codecs = threading.local()
+
+
+def encode_part(lines: bytes) -> bytes:
+    """The stored bytes of a compressed part: one zstd frame with the content size and checksum."""
+    compressor = getattr(_codecs, "compressor", None)
+    if compressor is None:
+        compressor = _codecs.compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_checksum=True)
+    return compressor.compress(lines)
+
+
+def part_lines(name: str, data: bytes) -> tuple[bytes, bool]:
+    """The JSONL bytes of a stored part, and whether they are whole.
+
+    A compressed part cut short (a copy that stopped half-way) gives the lines decoded before
+    the cut and False; bytes that are not a zstd frame give nothing and False. Plain parts are
+    their own lines."""
+    if not name.endswith(".zst"):
+        return data, True
+    decoder = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        lines = decoder.decompress(data)
+    except zstandard.ZstdError:
+        return b"", False
+    return lines, decoder.eof and not decoder.unused_data
 
 
 # --------------------------------------------------------------------------- retries
@@ -369,6 +413,8 @@ class ShardListing:
     """Part names, in write order (sequence number, then writer)."""
     markers: list[str] = field(default_factory=list)
     """Commit marker names, sorted."""
+    progress: list[str] = field(default_factory=list)
+    """Progress objects, one per writer (read by ``status`` only)."""
     temporary: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
 
@@ -455,14 +501,18 @@ class ShardedRunStore:
 
         return self._call(f"list {rel} in", ls)
 
-    def create(self, rel: str, data: bytes) -> bool:
+    def create(self, rel: str, data: bytes, *, read_back: bool = True) -> bool:
         """Write ``data`` unless the object exists. True: written (or an identical copy was
-        already there from a retried write). False: another object is already there."""
+        already there from a retried write). False: another object is already there.
+
+        ``read_back=False``: skip reading the object back after an S3 write. The read-back only
+        matters on stores that ignore ``If-None-Match`` and for names that two writers may
+        create; a part's name carries its writer's random id, so no one else writes it."""
         path = self.path(rel)
 
         def attempt() -> bool:
             try:
-                self._create_once(path, data)
+                self._create_once(path, data, read_back=read_back)
                 return True
             except Exception as exc:
                 if not is_create_conflict(exc):
@@ -476,7 +526,7 @@ class ShardedRunStore:
 
         return self._call(f"write {rel} in", attempt)
 
-    def _create_once(self, path: str, data: bytes) -> None:
+    def _create_once(self, path: str, data: bytes, *, read_back: bool) -> None:
         if self.local:
             # A hard link is the local create-only primitive that also never exposes a torn
             # object: the data is complete and fsynced before the final name appears.
@@ -505,11 +555,12 @@ class ShardedRunStore:
             raise RunLocationError(f"{self.display_uri}: the bucket does not exist ({exc})") from exc
         # Stores that ignore If-None-Match overwrite silently: read back, and if the bytes are
         # not ours a concurrent writer won the race.
-        if bytes(self.fs.cat_file(path)) != data:
+        if read_back and bytes(self.fs.cat_file(path)) != data:
             raise FileExistsError(path)
 
-    def overwrite(self, rel: str, data: bytes) -> None:
-        """Replace the object whole (only summary.json, which is derived data, is ever replaced)."""
+    def overwrite(self, rel: str, data: bytes, *, retry: bool = True) -> None:
+        """Replace the object whole (only derived data is ever replaced: summary.json and the
+        progress objects). ``retry=False``: one try, for objects that the next write replaces."""
         path = self.path(rel)
 
         def put() -> None:
@@ -534,7 +585,10 @@ class ShardedRunStore:
                 except FileNotFoundError as exc:
                     raise RunLocationError(f"{self.display_uri}: the bucket does not exist ({exc})") from exc
 
-        self._call(f"write {rel} in", put)
+        if retry:
+            self._call(f"write {rel} in", put)
+        else:
+            put()
 
     def delete(self, rel: str) -> None:
         """Remove one object; a missing object is not an error."""
@@ -622,6 +676,8 @@ class ShardedRunStore:
                 listing.parts.append(name)
             elif MARKER_PATTERN.match(name):
                 listing.markers.append(name)
+            elif PROGRESS_PATTERN.match(name):
+                listing.progress.append(name)
             elif name.startswith(_TEMP_PREFIX):
                 listing.temporary.append(name)
             else:
@@ -633,14 +689,33 @@ class ShardedRunStore:
     def read_part(self, index: int, name: str) -> bytes | None:
         return self.read_bytes(f"{self.shard_dir(index)}/{name}")
 
-    def write_part(self, index: int, seq: int, writer: str, data: bytes) -> str:
-        """Write one immutable part; the name is unique to this writer, so it never collides."""
+    def write_part(self, index: int, seq: int, writer: str, lines: bytes, *, compressed: bool = True) -> tuple[str, bytes]:
+        """Write one immutable part of JSONL ``lines`` (zstd-compressed unless told otherwise);
+        returns its name and the bytes stored. The name is unique to this writer, so it never
+        collides, and it is not read back."""
+        data = encode_part(lines) if compressed else lines
         for _ in range(100):
-            name = part_name(seq, writer)
-            if self.create(f"{self.shard_dir(index)}/{name}", data):
-                return name
+            name = part_name(seq, writer, compressed=compressed)
+            if self.create(f"{self.shard_dir(index)}/{name}", data, read_back=False):
+                return name, data
             seq += 1  # only reachable if two processes share a writer id
         raise StoreUnavailableError(f"{self.display_uri}: cannot find a free part name in shard {index}")
+
+    def write_progress(self, index: int, progress: dict[str, Any]) -> None:
+        """Replace writer ``progress["writer"]``'s progress object of the shard (for ``status``)."""
+        self.overwrite(f"{self.shard_dir(index)}/_PROGRESS-{progress['writer']}.json", orjson.dumps(progress), retry=False)
+
+    def read_progress(self, index: int, names: Sequence[str]) -> list[dict[str, Any]]:
+        """The shard's progress objects (listed as ``names``) that are readable and of this version."""
+        found = []
+        for name in names:
+            try:
+                progress = self.read_json(f"{self.shard_dir(index)}/{name}")
+            except ManifestError:
+                continue  # a torn or foreign object: progress is advisory, markers are the truth
+            if isinstance(progress, dict) and progress.get("schema_version") == PROGRESS_SCHEMA_VERSION:
+                found.append(progress)
+        return found
 
     def read_marker(self, index: int, name: str = MARKER_NAME) -> dict[str, Any] | None:
         """The marker document, None when absent, ``{"unreadable": True}`` when it is not JSON."""
@@ -687,6 +762,33 @@ class ShardState:
     not_in_shard: int = 0
     next_seq: int = 0
 
+    def fold(self, entry: dict[str, Any], outcomes: Iterable[tuple[str, bool]], shard_ids: Collection[str]) -> None:
+        """Add one part: its marker entry and ``(episode_id, completed)`` per valid record."""
+        records = 0
+        completed: set[str] = set()
+        for episode_id, done in outcomes:
+            if episode_id not in shard_ids:
+                self.not_in_shard += 1
+                continue
+            records += 1
+            self.attempts[episode_id] = self.attempts.get(episode_id, 0) + 1
+            if done:
+                self.completed_records += 1
+                completed.add(episode_id)
+        self.completed |= completed
+        self.part_completed[entry["name"]] = completed
+        self.parts[entry["name"]] = {**entry, "records": records}
+
+
+@dataclass(frozen=True)
+class WrittenPart:
+    """A part this process wrote: what a scan of it would find, known without reading it back."""
+
+    entry: dict[str, Any]
+    """``{name, sha256, records}`` as the commit marker lists it."""
+    outcomes: tuple[tuple[str, bool], ...]
+    """``(episode_id, completed)`` per record, in order."""
+
 
 def scan_shard(
     store: ShardedRunStore,
@@ -695,45 +797,36 @@ def scan_shard(
     state: ShardState | None = None,
     *,
     exclude: Collection[str] = (),
-    written: Collection[str] = (),
+    written: Sequence[WrittenPart] = (),
 ) -> ShardState:
     """Read the parts not yet in ``state`` (all of them the first time) and fold them in.
 
     ``exclude``: parts not to trust (their records are ignored). ``written``: parts this process
-    wrote; they are read by name even when a listing does not show them yet, and one that cannot
-    be read back is a store failure, never silently left out.
+    wrote; they are folded in from what the writer knows, never read back, and included by name
+    even when a listing does not show them yet.
     """
     state = state or ShardState()
     listed = store.list_shard(index).parts
-    for name in [*listed, *(name for name in written if name not in listed)]:
+    ours = {part.entry["name"]: part for part in written}
+    for name in [*listed, *(name for name in ours if name not in listed)]:
         match = PART_PATTERN.match(name)
         if match:
             state.next_seq = max(state.next_seq, int(match.group(1)) + 1)
         if name in state.parts or name in exclude:
             continue
+        if name in ours:
+            state.fold(ours[name].entry, ours[name].outcomes, shard_ids)
+            continue
         data = store.read_part(index, name)
         if data is None:
-            if name in written:
-                raise StoreUnavailableError(f"{store.display_uri}: part {name} of shard {index} was written but cannot be read back")
             continue  # listed, then gone: nothing to account for
-        records = 0
-        completed: set[str] = set()
-        for record in iter_part_records(data):
+        outcomes = []
+        for record in iter_part_records(name, data):
             if record is None:
                 state.unreadable_lines += 1
-                continue
-            episode_id = record["episode_id"]
-            if episode_id not in shard_ids:
-                state.not_in_shard += 1
-                continue
-            records += 1
-            state.attempts[episode_id] = state.attempts.get(episode_id, 0) + 1
-            if is_completed(record):
-                state.completed_records += 1
-                completed.add(episode_id)
-        state.completed |= completed
-        state.part_completed[name] = completed
-        state.parts[name] = part_entry(name, data, records)
+            else:
+                outcomes.append((record["episode_id"], is_completed(record)))
+        state.fold(part_entry(name, data, len(outcomes)), outcomes, shard_ids)
     return state
 
 
@@ -805,12 +898,16 @@ def marker_document(
     }
 
 
-def iter_part_records(data: bytes) -> Iterator[dict[str, Any] | None]:
-    """Every non-blank line of a part: the record, or None for a torn/garbled/foreign line."""
-    for raw in data.split(b"\n"):
+def iter_part_records(name: str, data: bytes) -> Iterator[dict[str, Any] | None]:
+    """Every non-blank line of a stored part: the record, or None for a torn/garbled/foreign
+    line. A compressed part that is not whole ends with one None more (its torn tail)."""
+    lines, whole = part_lines(name, data)
+    for raw in lines.split(b"\n"):
         line = raw.strip()
         if line:
             yield parse_trace_line(line)
+    if not whole and (not lines or lines.endswith(b"\n")):
+        yield None  # the cut fell on a line boundary (or nothing decoded): still a torn part
 
 
 def part_entry(name: str, data: bytes, records: int) -> dict[str, Any]:
