@@ -357,26 +357,55 @@ class ShardMap:
     plan_fingerprint: str
     episode_ids: list[list[str]]
     assignment: str = SHARD_ASSIGNMENT
+    manifest_sha256: str | None = None
+    """sha256 of the manifest.json bytes this map was frozen with (None: not recorded, as before)."""
+    plan_ids_sha256: str | None = None
+    """As recorded in shards.json: the digest of the plan's episode ids in plan order."""
 
     @property
     def jobs(self) -> int:
         return sum(len(ids) for ids in self.episode_ids)
+
+    def plan_order_ids(self) -> list[str] | None:
+        """The episode ids in plan order, undoing the round-robin; None when the shard sizes
+        cannot come from it."""
+        ids: list[Any] = [None] * self.jobs
+        try:
+            for index, shard in enumerate(self.episode_ids):
+                ids[index :: self.count] = shard
+        except ValueError:  # extended slice of another length
+            return None
+        return ids
+
+    def matches_frozen_plan(self, manifest_sha256: str) -> bool:
+        """True when this map was frozen beside exactly these manifest bytes and still assigns
+        the plan's episodes as it did then: what the freezer checked need not be checked again."""
+        if self.manifest_sha256 is None or self.plan_ids_sha256 is None or self.manifest_sha256 != manifest_sha256:
+            return False
+        ids = self.plan_order_ids()
+        return ids is not None and fingerprint(ids) == self.plan_ids_sha256
 
     def ids_sha256(self, index: int) -> str:
         return fingerprint(self.episode_ids[index])
 
     @classmethod
     def build(cls, jobs: Sequence[EpisodeJob], count: int, plan_fingerprint: str) -> ShardMap:
-        return cls(count, plan_fingerprint, [[job.episode_id for job in shard] for shard in shard_jobs(jobs, count)])
+        return cls(count, plan_fingerprint, _assign([job.episode_id for job in jobs], count))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        head: dict[str, Any] = {
             "schema_version": SHARD_MAP_SCHEMA_VERSION,
             "plan_fingerprint": self.plan_fingerprint,
             "assignment": self.assignment,
             "count": self.count,
             "jobs": self.jobs,
             "created_at": datetime.now(timezone.utc).isoformat(),
+        }
+        if self.manifest_sha256 is not None:
+            head["manifest_sha256"] = self.manifest_sha256
+            head["episode_ids_sha256"] = fingerprint(self.plan_order_ids())
+        return {
+            **head,
             "shards": [
                 {"index": i, "jobs": len(ids), "episode_ids_sha256": self.ids_sha256(i), "episode_ids": ids}
                 for i, ids in enumerate(self.episode_ids)
@@ -402,7 +431,11 @@ class ShardMap:
             if fingerprint(episode_ids) != entry.get("episode_ids_sha256"):
                 raise ShardMapError(f"{where}: shards[{i}].episode_ids_sha256 does not match its episode ids; the file was edited")
             ids.append(episode_ids)
-        return cls(count, str(data.get("plan_fingerprint")), ids, data["assignment"])
+        manifest_sha, plan_ids_sha = data.get("manifest_sha256"), data.get("episode_ids_sha256")
+        return cls(
+            count, str(data.get("plan_fingerprint")), ids, data["assignment"],
+            manifest_sha if isinstance(manifest_sha, str) else None, plan_ids_sha if isinstance(plan_ids_sha, str) else None,
+        )
 
 
 @dataclass
@@ -443,6 +476,8 @@ class ShardedRunStore:
         except ImportError as exc:  # s3fs is not installed
             raise RunLocationError(f"{self.display_uri}: {exc}") from exc
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.manifest_sha256: str | None = None
+        """sha256 of manifest.json as last read or written here."""
 
     # -- paths ------------------------------------------------------------------------------
 
@@ -481,8 +516,13 @@ class ShardedRunStore:
 
     def read_json(self, rel: str) -> Any | None:
         data = self.read_bytes(rel)
-        if data is None:
-            return None
+        return None if data is None else self._parse_json(rel, data)
+
+    def _parse_json(self, rel: str, data: bytes) -> Any:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass  # orjson refuses what json reads (NaN): the standard parser decides, and words the error
         try:
             return json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -605,8 +645,15 @@ class ShardedRunStore:
     # -- manifest and plan ------------------------------------------------------------------
 
     def read_manifest(self) -> dict[str, Any] | None:
-        manifest = self.read_json("manifest.json")
-        return None if manifest is None else validate_manifest(manifest, f"{self.display_uri}/manifest.json")
+        data = self.read_bytes("manifest.json")
+        return None if data is None else self.parse_manifest(data)
+
+    def parse_manifest(self, data: bytes) -> dict[str, Any]:
+        """manifest.json's bytes, checked: valid JSON, a known version, the plan matching its
+        fingerprint. Remembers their sha256 (``manifest_sha256``) for the shard map."""
+        manifest = validate_manifest(self._parse_json("manifest.json", data), f"{self.display_uri}/manifest.json")
+        self.manifest_sha256 = sha256_hex(data)
+        return manifest
 
     def initialize(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
         """Create manifest.json, or verify that the one there freezes the same plan.
@@ -630,8 +677,10 @@ class ShardedRunStore:
                         self.display_uri, existing["plan_fingerprint"], new_fp, plan_diff(existing["plan"], plan)
                     )
                 return existing
-            manifest = build_manifest(plan, execution)
-            if self.create("manifest.json", _json_bytes(manifest)):
+            manifest = build_manifest(plan, execution, plan_fingerprint=new_fp)
+            data = _json_bytes(manifest)
+            if self.create("manifest.json", data):
+                self.manifest_sha256 = sha256_hex(data)
                 return manifest
         raise StoreUnavailableError(f"{self.display_uri}/manifest.json keeps changing under us")
 
@@ -651,14 +700,11 @@ class ShardedRunStore:
                     )
                 check_shard_map(existing, jobs, plan_fingerprint, self.display_uri)
                 return existing
-            shard_map = ShardMap.build(jobs, count, plan_fingerprint)
-            lines = "".join(
-                canonical_json({**job.to_dict(), "episode_id": job.episode_id, "shard": i % count}) + "\n"
-                for i, job in enumerate(jobs)
-            )
+            ids = [job.episode_id for job in jobs]
+            shard_map = ShardMap(count, plan_fingerprint, _assign(ids, count), manifest_sha256=self.manifest_sha256)
             # jobs.jsonl first: a reader that finds shards.json can rely on it. One left by a
             # planner that crashed with another shard count must not stand beside a new map.
-            data = lines.encode("utf-8")
+            data = _jobs_jsonl(jobs, ids, count)
             if not self.create("jobs.jsonl", data):  # False: different bytes are already there
                 raise ShardMapError(
                     f"{self.display_uri}/jobs.jsonl was frozen for another shard count or plan; remove it or use another run location"
@@ -835,7 +881,7 @@ def check_shard_map(shard_map: ShardMap, jobs: Sequence[EpisodeJob], plan_finger
     if shard_map.plan_fingerprint != plan_fingerprint:
         raise ShardMapError(f"{where}/shards.json belongs to plan {shard_map.plan_fingerprint[:12]}…, not {plan_fingerprint[:12]}…")
     try:
-        expected = [[job.episode_id for job in shard] for shard in shard_jobs(jobs, shard_map.count)]
+        expected = _assign([job.episode_id for job in jobs], shard_map.count)
     except PlanError as exc:
         raise ShardMapError(f"{where}/shards.json: {exc}") from None
     if expected != shard_map.episode_ids:
@@ -873,7 +919,32 @@ def marker_part_problems(marker: dict[str, Any], actual_sha256: Mapping[str, str
 
 
 def _json_bytes(value: Any) -> bytes:
-    return (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    """A document as stored: indented UTF-8 JSON. orjson writes a 100,000-job manifest in a few
+    dozen ms where the standard library's indenting encoder (pure Python) takes seconds; values
+    it does not take (integers beyond 64 bits) go through the standard library."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
+
+
+def _assign(ids: list[str], count: int) -> list[list[str]]:
+    """The round-robin assignment of episode ids in plan order (``planning.shard_jobs``)."""
+    shard_jobs(ids, count)  # the same refusals (bad count, empty shards)
+    return [ids[index::count] for index in range(count)]
+
+
+def _jobs_jsonl(jobs: Sequence[EpisodeJob], ids: list[str], count: int) -> bytes:
+    """jobs.jsonl: per job the canonical JSON (sorted keys, compact) of its fields, episode id
+    and shard. Every key is fixed and every value an integer but the split name (JSON-encoded
+    once per split) and the episode id (``task-000001__sample-000``, nothing to escape), so the
+    lines are formatted directly: byte for byte ``canonical_json`` (tested), 20x faster."""
+    splits = {split: canonical_json(split).encode("utf-8") for split in {job.split for job in jobs}}
+    line = b'{"episode_id":"%s","sample_id":%d,"seed":%d,"shard":%d,"split":%s,"task_id":%d}\n'
+    return b"".join(
+        line % (episode_id.encode("ascii"), job.sample_id, job.seed, position % count, splits[job.split], job.task_id)
+        for position, (job, episode_id) in enumerate(zip(jobs, ids, strict=True))
+    )
 
 
 def marker_document(
