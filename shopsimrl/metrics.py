@@ -94,7 +94,7 @@ __all__ = [
     "pass_hat_k",
     "student_t_quantile",
     "summarize_traces",
-    "summary_view",
+    "unfinished_view",
     "wilson_interval",
 ]
 
@@ -479,8 +479,14 @@ def _parse_time(value: Any) -> datetime | None:
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
 
 
+def _is_map(value: Any) -> bool:
+    """``isinstance(value, Mapping)``, decided at once for the dicts that JSON gives (the ABC
+    check costs about a microsecond, and the reducer makes a dozen per step)."""
+    return type(value) is dict or isinstance(value, Mapping)
+
+
 def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
+    return value if _is_map(value) else {}
 
 
 def _count_value(value: Any) -> int | None:
@@ -489,86 +495,16 @@ def _count_value(value: Any) -> int | None:
 
 # --------------------------------------------------------------------------- compact records
 
-# The top-level keys of a trace that SummaryAccumulator reads as they are (scalars).
-_VIEW_KEYS = ("schema_version", "episode_id", "status", "attempt", "started_at", "ended_at", "duration_ms", "failure_class")
 
-
-def summary_view(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a trace record that :class:`SummaryAccumulator` reads, a small fraction of it.
-
-    ``accumulator.add(summary_view(r))`` counts exactly what ``accumulator.add(r)`` counts (and
-    likewise ``note_superseded_attempt``): observations, the conversation and model text are
-    left out; a key's presence is kept wherever the accumulator tests it. A reducer holds views,
-    not records, while it decides which record of an episode wins. Keep it in step with
-    :meth:`SummaryAccumulator.add` (tests/test_metrics.py compares the two on every fixture).
-    """
-    view = {key: record[key] for key in _VIEW_KEYS if key in record}
-    job = record.get("job")
-    if isinstance(job, Mapping):
-        view["job"] = {"task_id": job.get("task_id")}
-    error = record.get("error")
-    if isinstance(error, Mapping):
-        view["error"] = {"type": error.get("type")}
-    final = record.get("final")
-    if isinstance(final, dict):
-        view["final"] = {key: final[key] for key in ("done", "reward", "termination_reason") if key in final}
-        detail = final.get("reward_detail")
-        if isinstance(detail, Mapping):
-            view["final"]["reward_detail"] = {key: value for key, value in detail.items() if isinstance(key, str) and key.startswith("r_")}
-    steps = record.get("steps")
-    if isinstance(steps, list):
-        view["steps"] = [_step_view(step) if isinstance(step, Mapping) else None for step in steps]
-    return view
-
-
-def _marker(value: Any) -> dict[str, Any] | None:
-    """What is left of a protocol error: whether it is an object."""
-    return {} if isinstance(value, Mapping) else None
-
-
-def _policy_view(value: Any) -> dict[str, Any] | None:
-    return {"code": value.get("code")} if isinstance(value, Mapping) else None
-
-
-def _model_view(model: Mapping[str, Any]) -> dict[str, Any]:
-    view: dict[str, Any] = {}
-    if "protocol_error" in model:
-        view["protocol_error"] = _marker(model["protocol_error"])
-    if "policy_failure" in model:
-        view["policy_failure"] = _policy_view(model["policy_failure"])
-    usage = model.get("usage")
-    if isinstance(usage, Mapping):
-        view["usage"] = {key: usage[key] for key in _TOKEN_KEYS if key in usage}
-        details = usage.get("completion_tokens_details")
-        if isinstance(details, Mapping) and "reasoning_tokens" in details:
-            view["usage"]["completion_tokens_details"] = {"reasoning_tokens": details["reasoning_tokens"]}
-    for key in ("latency_ms", "attempt_count"):
-        if key in model:
-            view[key] = model[key]
-    if "attempts" in model:
-        attempts = model["attempts"]
-        view["attempts"] = [None] * len(attempts) if isinstance(attempts, list) else None
-    return view
-
-
-def _step_view(step: Mapping[str, Any]) -> dict[str, Any]:
-    view: dict[str, Any] = {}
-    if "protocol_error" in step:
-        view["protocol_error"] = _marker(step["protocol_error"])
-    if "policy_failure" in step:
-        view["policy_failure"] = _policy_view(step["policy_failure"])
-    environment = step.get("environment")
-    if isinstance(environment, Mapping):
-        feedback = environment.get("action_feedback")
-        view["environment"] = {"action_feedback": {"valid": feedback.get("valid")}} if isinstance(feedback, Mapping) and feedback else {}
-    model = step.get("model")
-    if isinstance(model, Mapping):
-        view["model"] = _model_view(model)
-    if "attempt_count" in step:
-        view["attempt_count"] = step["attempt_count"]
-    if "attempts" in step:
-        attempts = step["attempts"]
-        view["attempts"] = [None] * len(attempts) if isinstance(attempts, list) else None
+def unfinished_view(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What :meth:`SummaryAccumulator.add` and :meth:`~SummaryAccumulator.note_superseded_attempt`
+    read of a record that is not completed: a few scalars instead of a partial episode's steps
+    and observations. A reducer holds these while it waits to see whether a later attempt of
+    the episode completed. Keep it in step with the failed branch of ``add`` (tests/test_metrics.py
+    compares the two)."""
+    view = {key: record[key] for key in ("episode_id", "started_at", "ended_at", "failure_class") if key in record}
+    view["job"] = {"task_id": _mapping(record.get("job")).get("task_id")}
+    view["error"] = {"type": _mapping(record.get("error")).get("type")}
     return view
 
 
@@ -635,7 +571,7 @@ class SummaryAccumulator:
     # ------------------------------------------------------------------ input
 
     def _in_plan(self, record: Mapping[str, Any]) -> bool:
-        if not isinstance(record, Mapping):
+        if not _is_map(record):
             raise TypeError(f"a trace record must be a JSON object, got {type(record).__name__}")
         if self._plan_ids is None:
             return True
@@ -715,25 +651,25 @@ class SummaryAccumulator:
         if isinstance(steps, list):
             self._steps += len(steps)
             for step in steps:
-                if isinstance(step, Mapping):
+                if _is_map(step):
                     self._add_step(step)
 
     def _add_step(self, step: Mapping[str, Any]) -> None:
         model = _mapping(step.get("model"))
         # The step-level objects are authoritative; the model's copies cover writers that omit them.
-        if isinstance(step.get("protocol_error"), Mapping) or (
-            "protocol_error" not in step and isinstance(model.get("protocol_error"), Mapping)
+        if _is_map(step.get("protocol_error")) or (
+            "protocol_error" not in step and _is_map(model.get("protocol_error"))
         ):
             self._protocol_errors += 1
         policy_failure = step.get("policy_failure") if "policy_failure" in step else model.get("policy_failure")
-        if isinstance(policy_failure, Mapping):
+        if _is_map(policy_failure):
             self._policy_failures += 1
             self._policy_codes.add(str(policy_failure.get("code") or "unknown"))
         environment = step.get("environment")
-        if isinstance(environment, Mapping):
+        if _is_map(environment):
             self._actions += 1
             feedback = environment.get("action_feedback")
-            if isinstance(feedback, Mapping) and feedback and feedback.get("valid") is False:
+            if _is_map(feedback) and feedback and feedback.get("valid") is False:
                 self._invalid_actions += 1
         usage = _mapping(model.get("usage"))
         for key in _TOKEN_KEYS:

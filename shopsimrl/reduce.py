@@ -7,12 +7,13 @@ union of the parts of every such marker, so the outcome does not depend on the o
 markers were written. Parts no verified marker lists (a second writer that finished after the
 commit) are reported, never read; a marker that does not verify is reported and ignored.
 
-Every stored byte is read once. Shards are reduced one at a time in a single pass over their
-parts: each part is hashed (for the markers) and its records reduced to compact views
-(:func:`~shopsimrl.metrics.summary_view`: what the summary reads, without observations or
-text); once the shard's markers are verified, the winners' views go to the streaming
-:class:`~shopsimrl.metrics.SummaryAccumulator`. At most one part's bytes and one shard's views
-are held at once, so memory follows the largest shard, not the run.
+Every stored byte is read once. Shards are reduced one at a time: each part is read and hashed
+(for the markers) and held compressed, as stored (a plain part of an earlier version is
+compressed in memory); once the shard's markers are verified, one pass over its committed
+parts parses each record once and feeds the winners to the streaming
+:class:`~shopsimrl.metrics.SummaryAccumulator`. Held per shard: its compressed parts, the ids
+of its completed episodes and a small view of each unfinished attempt still waiting for a
+later one, so memory follows the largest shard's stored bytes, not the run.
 
 Winner per ``episode_id``: the first completed record in part order (sequence number, writer);
 if none completed, the latest failed attempt (highest ``attempt``, then ``ended_at``). Further
@@ -29,13 +30,14 @@ from datetime import datetime, timezone
 from typing import Any
 
 from shopsimrl.manifest import ManifestError, manifest_head, run_identity
-from shopsimrl.metrics import SummaryAccumulator, summary_view
+from shopsimrl.metrics import SummaryAccumulator, unfinished_view
 from shopsimrl.schemas import MANIFEST_SCHEMA_VERSIONS, EpisodeJob, TraceFormatError, is_completed, sha256_hex
 from shopsimrl.shardstore import (
     ShardedRunStore,
     ShardListing,
     ShardMap,
     check_shard_map,
+    encode_part,
     iter_part_records,
     marker_part_problems,
     marker_problem,
@@ -45,6 +47,8 @@ from shopsimrl.shardstore import (
 __all__ = ["RunNotPlannedError", "WaitResult", "reduce_run", "shard_status", "wait_for_markers"]
 
 _SAMPLE = 20
+_HELD_NAME = "held.jsonl.zst"
+"""How held part bytes are decoded: the reducer holds every part compressed."""
 _IDENTITY_HEAD_BYTES = 65536
 """Bytes of manifest.json parsed for the summary's identity; the job list comes after it."""
 
@@ -125,84 +129,77 @@ def _load_plan(store: ShardedRunStore) -> _Plan:
     return _Plan(plan_fp, shard_map, head or manifest)
 
 
-@dataclass(slots=True)
-class _Record:
-    """One valid record of the shard, reduced to what choosing the winner and the summary need."""
-
-    episode_id: str
-    completed: bool
-    attempt: int
-    ended_at: str
-    view: dict[str, Any]
+def _read_parts(store: ShardedRunStore, index: int, names: list[str]) -> dict[str, tuple[str, bytes] | None]:
+    """Read each part once: its sha256 and its bytes as held until the shard is tallied
+    (compressed: a plain part of an earlier version is compressed here), None when missing."""
+    held: dict[str, tuple[str, bytes] | None] = {}
+    for name in names:
+        data = store.read_part(index, name)
+        held[name] = None if data is None else (sha256_hex(data), data if name.endswith(".zst") else encode_part(data))
+    return held
 
 
 @dataclass
-class _Part:
-    """One part as read: its sha256 and its records of this shard, in order."""
+class _Pending:
+    """The best unfinished attempt of an episode with no completed record so far."""
 
-    sha256: str
-    records: list[_Record] = field(default_factory=list)
-    unreadable_lines: int = 0
-    not_in_shard: int = 0
-    not_in_plan_sample: list[str] = field(default_factory=list)
+    rank: tuple[Any, ...]
+    position: tuple[int, int]
+    view: dict[str, Any]
 
 
-def _read_parts(store: ShardedRunStore, index: int, names: list[str], shard_ids: set[str]) -> dict[str, _Part | None]:
-    """Read each part once: its sha256 and compact records (None: the part is missing)."""
-    parts: dict[str, _Part | None] = {}
-    for name in names:
-        data = store.read_part(index, name)
-        if data is None:
-            parts[name] = None
-            continue
-        part = parts[name] = _Part(sha256_hex(data))
-        for record in iter_part_records(name, data):
+def _tally(parts: list[bytes], shard_ids: set[str], accumulator: SummaryAccumulator, result: _ShardResult,
+           not_in_plan_sample: list[str]) -> None:
+    """One pass over the committed parts, in part order: the first completed record of an
+    episode wins and is counted at once; further completed records are duplicates. An
+    unfinished attempt waits (as a small view) until a completed record or a later attempt
+    (by ``attempt``, then ``ended_at``) supersedes it; those still waiting at the end win."""
+    completed: set[str] = set()
+    rerun: set[str] = set()
+    pending: dict[str, _Pending] = {}
+    for part_index, data in enumerate(parts):
+        for line_index, record in enumerate(iter_part_records(_HELD_NAME, data)):
             if record is None:
-                part.unreadable_lines += 1
+                result.unreadable_lines += 1
                 continue
             episode_id = record["episode_id"]
             if episode_id not in shard_ids:
-                part.not_in_shard += 1
-                if len(part.not_in_plan_sample) < _SAMPLE:
-                    part.not_in_plan_sample.append(episode_id)
+                result.not_in_shard += 1
+                if len(not_in_plan_sample) < _SAMPLE:
+                    not_in_plan_sample.append(episode_id)
+                continue
+            if is_completed(record):
+                if episode_id in completed:
+                    result.duplicates += 1
+                    rerun.add(episode_id)
+                    continue
+                completed.add(episode_id)
+                accumulator.add(record)
+                result.completed += 1
+                waiting = pending.pop(episode_id, None)
+                if waiting is not None:
+                    result.superseded += 1
+                    accumulator.note_superseded_attempt(waiting.view)
+                continue
+            view = unfinished_view(record)
+            if episode_id in completed:
+                result.superseded += 1
+                accumulator.note_superseded_attempt(view)
                 continue
             attempt = record.get("attempt")
-            part.records.append(_Record(
-                episode_id, is_completed(record), attempt if isinstance(attempt, int) else 0, str(record.get("ended_at") or ""),
-                summary_view(record),
-            ))
-    return parts
-
-
-def _tally(parts: list[_Part], accumulator: SummaryAccumulator, result: _ShardResult) -> None:
-    """Choose the winner per episode among ``parts`` (in part order) and feed the accumulator."""
-    winners: dict[str, tuple[tuple[Any, ...], tuple[int, int]]] = {}
-    completed_records: dict[str, int] = {}
-    for part_index, part in enumerate(parts):
-        for line_index, record in enumerate(part.records):
-            episode_id = record.episode_id
-            if record.completed:
-                completed_records[episode_id] = completed_records.get(episode_id, 0) + 1
-                rank: tuple[Any, ...] = (1, -part_index, -line_index)
-            else:
-                rank = (0, record.attempt, record.ended_at, part_index, line_index)
-            current = winners.get(episode_id)
-            if current is None or rank > current[0]:
-                winners[episode_id] = (rank, (part_index, line_index))
-    for part_index, part in enumerate(parts):
-        for line_index, record in enumerate(part.records):
-            if winners[record.episode_id][1] == (part_index, line_index):
-                accumulator.add(record.view)
-                if record.completed:
-                    result.completed += 1
-                else:
-                    result.failed += 1
-            elif record.completed:
-                result.duplicates += 1
-            else:
+            candidate = _Pending((attempt if isinstance(attempt, int) else 0, str(record.get("ended_at") or "")),
+                                 (part_index, line_index), view)
+            waiting = pending.get(episode_id)
+            if waiting is not None and waiting.rank > candidate.rank:  # ties: the later record wins
+                candidate, waiting = waiting, candidate
+            pending[episode_id] = candidate
+            if waiting is not None:
                 result.superseded += 1
-                accumulator.note_superseded_attempt(record.view)
-    result.episodes_rerun = sum(1 for count in completed_records.values() if count > 1)
+                accumulator.note_superseded_attempt(waiting.view)
+    for waiting in sorted(pending.values(), key=lambda p: p.position):
+        accumulator.add(waiting.view)
+        result.failed += 1
+    result.episodes_rerun = len(rerun)
 
 
 def _reduce_shard(
@@ -232,8 +229,8 @@ def _reduce_shard(
     names: list[str]
     if candidates:
         names = sorted({part["name"] for _, marker in candidates for part in marker["parts"]}, key=part_order)
-        parts = _read_parts(store, index, names, shard_ids)
-        actual = {name: None if part is None else part.sha256 for name, part in parts.items()}
+        held = _read_parts(store, index, names)
+        actual = {name: None if part is None else part[0] for name, part in held.items()}
         verified = []
         for name, marker in candidates:
             problems = marker_part_problems(marker, actual)
@@ -254,16 +251,11 @@ def _reduce_shard(
         return result
     elif include_uncommitted:
         names = list(listing.parts)
-        parts = _read_parts(store, index, names, shard_ids)
+        held = _read_parts(store, index, names)
     else:
         return result
     result.parts = len(names)
-    used = [part for part in (parts[name] for name in names) if part is not None]
-    result.unreadable_lines = sum(part.unreadable_lines for part in used)
-    result.not_in_shard = sum(part.not_in_shard for part in used)
-    for part in used:
-        not_in_plan_sample.extend(part.not_in_plan_sample[: _SAMPLE - len(not_in_plan_sample)])
-    _tally(used, accumulator, result)
+    _tally([part[1] for part in (held[name] for name in names) if part is not None], shard_ids, accumulator, result, not_in_plan_sample)
     return result
 
 
