@@ -168,7 +168,7 @@ def test_status_reads_progress_objects_never_parts_and_shows_a_stale_heartbeat(b
     store, shard_ids = planned(uri, shards=2)
     jobs = [job for job in JOBS if job.episode_id in shard_ids[0]]
     sink = PartSink(store, 0, "5eed5eed", 0, flush_episodes=2, flush_seconds=60, plan_fingerprint=fingerprint(PLAN),
-                    jobs=len(jobs), heartbeat_seconds=30)
+                    heartbeat_seconds=30)
     sink.report_progress()  # as a worker does when it starts
     sink.save_trace(trace(jobs[0]))
     sink.save_trace(trace(jobs[1], "failed"))  # the second record fills the buffer: a part, then progress
@@ -202,7 +202,7 @@ def test_a_finished_interval_beats_again_from_the_flush_timer(tmp_path: Path) ->
     not before."""
     store, (ids,) = planned(str(tmp_path / "run"))
     sink = PartSink(store, 0, "abcdabcd", 0, flush_episodes=10, flush_seconds=60, plan_fingerprint=fingerprint(PLAN),
-                    jobs=len(ids), heartbeat_seconds=0.05)
+                    heartbeat_seconds=0.05)
     path = tmp_path / "run" / "shards" / "00000" / "_PROGRESS-abcdabcd.json"
     sink.flush_if_stale()
     first = path.read_bytes()
@@ -233,3 +233,23 @@ def test_reduce_loads_a_frozen_plan_without_parsing_its_job_list(backend: Backen
     store.overwrite("shards.json", json.dumps(raw, indent=2).encode())
     assert reduce._load_plan(ShardedRunStore(backend.uri("bound"))).fingerprint == fingerprint(PLAN)
     assert len(parsed) == len(JOBS)
+
+
+def test_status_adds_up_the_processes_of_one_worker(tmp_path: Path) -> None:
+    """A worker's event-loop processes (--processes) share its session: their completions add up
+    on top of what the shard held when the worker started; a later worker's session does not."""
+    uri = str(tmp_path / "run")
+    store, (ids,) = planned(uri)
+    jobs = [job for job in JOBS if job.episode_id in ids]
+    resumed = {jobs[0].episode_id}
+    for writer, job in (("1111aaaa", jobs[1]), ("2222bbbb", jobs[2])):
+        sink = PartSink(store, 0, writer, 1, flush_episodes=1, flush_seconds=60, plan_fingerprint=fingerprint(PLAN),
+                        resumed=resumed, session="0000ffff", heartbeat_seconds=30)
+        sink.save_trace(trace(job))
+    row = shard_status(NoPartReads(uri))["shards"][0]
+    assert row["completed"] == 3 and row["writers"] == 2
+    # A later worker that found those 3 and completed 1 more: 4, not 3 + 4.
+    later = PartSink(store, 0, "3333cccc", 3, flush_episodes=1, flush_seconds=60, plan_fingerprint=fingerprint(PLAN),
+                     resumed={j.episode_id for j in jobs[:3]}, heartbeat_seconds=30)
+    later.save_trace(trace(jobs[3]))
+    assert shard_status(NoPartReads(uri))["shards"][0]["completed"] == 4
