@@ -4,6 +4,7 @@ workers' heartbeats, and the frozen plan loaded without its job list."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from datetime import datetime, timedelta, timezone
@@ -13,7 +14,7 @@ import pytest
 
 from shopsimrl import reduce
 from shopsimrl.reduce import reduce_run, shard_status
-from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint, is_completed
+from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint
 from shopsimrl.shardstore import ShardedRunStore, encode_part, iter_part_records, scan_shard
 from shopsimrl.store import encode_trace_line
 from shopsimrl.worker import PartSink, commit_shard
@@ -67,7 +68,7 @@ def test_parts_are_zstd_and_a_shard_mixing_plain_and_compressed_parts_reduces_wh
     assert completed == len(ids)
     listed = json.loads(store.read_bytes(f"shards/00000/{marker}"))["parts"]
     assert [(p["name"], p["records"]) for p in listed] == [(old, 3), (new, len(jobs) - 3)]
-    assert listed[1]["sha256"] == __import__("hashlib").sha256(new_bytes).hexdigest() != __import__("hashlib").sha256(new_lines).hexdigest()
+    assert listed[1]["sha256"] == hashlib.sha256(new_bytes).hexdigest() != hashlib.sha256(new_lines).hexdigest()
     summary = reduce_run(store, write=False)
     assert summary["complete"] and summary["counts"]["completed"] == len(ids) and summary["shards"]["unreadable_lines"] == 0
     assert summary["primary"]["reward_mean"] == 0.5 and old_bytes == lines(*[trace(j) for j in jobs[:3]])
@@ -173,7 +174,7 @@ def test_status_reads_progress_objects_never_parts_and_shows_a_stale_heartbeat(b
     sink.save_trace(trace(jobs[0]))
     sink.save_trace(trace(jobs[1], "failed"))  # the second record fills the buffer: a part, then progress
     sink.save_trace(trace(jobs[2]))  # buffered, not yet in a part
-    assert len(sink.written) == 1 and [is_completed(trace(jobs[0])), is_completed(trace(jobs[1], "failed"))] == [True, False]
+    assert len(sink.written) == 1 and sink.written[0].outcomes == ((jobs[0].episode_id, True), (jobs[1].episode_id, False))
     store.write_part(1, 0, "01d01d00", lines(trace(JOBS[1])), compressed=False)  # a worker that writes no progress
 
     report = shard_status(NoPartReads(uri))
@@ -220,7 +221,7 @@ def test_a_finished_interval_beats_again_from_the_flush_timer(tmp_path: Path) ->
 def test_reduce_loads_a_frozen_plan_without_parsing_its_job_list(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     store, _ = planned(backend.uri("bound"), shards=3)
     raw = json.loads(store.read_bytes("shards.json"))
-    assert raw["manifest_sha256"] == __import__("hashlib").sha256(store.read_bytes("manifest.json")).hexdigest()
+    assert raw["manifest_sha256"] == hashlib.sha256(store.read_bytes("manifest.json")).hexdigest()
     parsed: list[int] = []
     original = EpisodeJob.from_dict
     monkeypatch.setattr(EpisodeJob, "from_dict", classmethod(lambda cls, data: parsed.append(1) or original(data)))
