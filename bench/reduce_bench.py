@@ -1,20 +1,25 @@
 """Reducer throughput and memory: N realistic traces over 64 shards on a local dir, then 2N.
 
     .venv/bin/python bench/reduce_bench.py [--episodes 20000] [--shards 64] [--dir DIR]
+                                           [--traces runs/x/traces.jsonl] [--plain]
 
 Traces are shaped like the testbed's (v4 records: reset, conversation, 4 steps with Chinese
-observation text, tool calls, usage, final reward detail), about 7 KB each, written as
-committed shards (10 records per part, a commit marker per shard) plus a sprinkling of failed
-attempts and duplicates so the de-duplication path is exercised. Each reduce runs in a fresh
-process, so its peak RSS (VmHWM) is the reducer's own. Prints episodes/s, MB/s, peak RSS
-and the ratios between N and 2N: memory must stay flat while the time grows linearly.
+observation text, tool calls, usage, final reward detail), about 8 KB each; with ``--traces``
+the records of a real run are used instead (re-keyed to the bench's jobs, in turn), e.g. the
+~70 KB traces of ``make demo``. They are written as committed shards the way a worker writes
+them (10 records per part, zstd unless ``--plain``, a commit marker per shard) plus a
+sprinkling of failed attempts and duplicates so the de-duplication path is exercised. Each
+reduce runs in a fresh process, so its peak RSS (VmHWM) is the reducer's own. Prints
+episodes/s and MB/s of uncompressed trace bytes (per wall-clock and per CPU second: on a shared
+machine the CPU figure is the one to compare), bytes stored per episode against the
+uncompressed JSONL, part bytes read per part byte stored, peak RSS, and the ratios between N
+and 2N: memory must stay flat while the time grows linearly.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import shutil
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shopsimrl.schemas import EpisodeJob, fingerprint  # noqa: E402
 from shopsimrl.shardstore import ShardedRunStore, marker_document, part_entry  # noqa: E402
+from shopsimrl.store import encode_trace_line  # noqa: E402
 
 OBSERVATION = "搜索结果：第1页，共20页。\n" + "".join(f"[{i}] 商品{i}：简约玻璃水杯 大容量 耐热 带盖 ￥{10 + i}.90\n" for i in range(12))
 
@@ -60,34 +66,56 @@ def make_trace(job: EpisodeJob, rng: random.Random, status: str = "completed", a
     }
 
 
-def build_run(root: Path, episodes: int, shards: int, seed: int = 7) -> tuple[int, int]:
+class Templates:
+    """Records of a real run, handed out in turn and re-keyed to the bench's job."""
+
+    def __init__(self, path: Path) -> None:
+        self.records = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+        self.completed = [r for r in self.records if r.get("status") == "completed"]
+        self.next = 0
+
+    def make(self, job: EpisodeJob, rng: random.Random, status: str = "completed", attempt: int = 1) -> dict:
+        if status != "completed":
+            return make_trace(job, rng, status, attempt)
+        record = self.completed[self.next % len(self.completed)]
+        self.next += 1
+        return {**record, "episode_id": job.episode_id, "job": job.to_dict(), "attempt": attempt}
+
+
+def build_run(root: Path, episodes: int, shards: int, seed: int = 7, templates: Templates | None = None,
+              compressed: bool = True, tasks: int = 2000) -> tuple[int, int, int]:
+    """Returns the episodes, the uncompressed JSONL bytes and the bytes stored."""
     rng = random.Random(seed)
-    jobs = [EpisodeJob(task_id=i, sample_id=0, seed=i, split="val") for i in range(episodes)]
+    make = templates.make if templates else make_trace
+    # A fixed task set with repeats, as in a real split: the summary keeps one row per task by
+    # design (clustered statistics), so only the traces change between N and 2N.
+    jobs = [EpisodeJob(task_id=i % tasks, sample_id=i // tasks, seed=i, split="val") for i in range(episodes)]
     plan = {"experiment": "bench", "jobs": [j.to_dict() for j in jobs]}
     store = ShardedRunStore(str(root))
     store.initialize(plan)
     shard_map = store.ensure_shard_map(jobs, shards, fingerprint(plan))
     by_id = {j.episode_id: j for j in jobs}
-    total_bytes = 0
+    total_bytes = stored_bytes = 0
     for index, ids in enumerate(shard_map.episode_ids):
         records = []
         for eid in ids:
             if rng.random() < 0.03:  # a failed attempt, retried
-                records.append(make_trace(by_id[eid], rng, "failed"))
-                records.append(make_trace(by_id[eid], rng, attempt=2))
+                records.append(make(by_id[eid], rng, "failed"))
+                records.append(make(by_id[eid], rng, attempt=2))
             else:
-                records.append(make_trace(by_id[eid], rng))
+                records.append(make(by_id[eid], rng))
             if rng.random() < 0.01:  # a duplicate from a second writer
-                records.append(make_trace(by_id[eid], rng))
+                records.append(make(by_id[eid], rng))
         entries = []
         for seq, start in enumerate(range(0, len(records), 10)):
-            data = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records[start:start + 10])
-            name = store.write_part(index, seq, "0123abcd", data)
-            entries.append(part_entry(name, data, len(records[start:start + 10])))
+            data = b"".join(encode_trace_line(r) for r in records[start:start + 10])
+            name, stored = store.write_part(index, seq, "0123abcd", data, compressed=compressed)
+            entries.append(part_entry(name, stored, len(records[start:start + 10])))
             total_bytes += len(data)
+            stored_bytes += len(stored)
         store.create_marker(index, marker_document(shard=index, plan_fingerprint=fingerprint(plan), completed=len(ids), failed=0,
                                                    episode_ids_sha256=fingerprint(ids), parts=entries, writer="0123abcd"))
-    return episodes, total_bytes
+    return episodes, total_bytes, stored_bytes
 
 
 def peak_rss_mb() -> float:
@@ -108,24 +136,37 @@ def reduce_child(root: str) -> None:
     plan_rss_mb = peak_rss_mb()
     del plan
     gc.collect()
-    started = time.perf_counter()
-    summary = reduce_run(ShardedRunStore(root))
-    elapsed = time.perf_counter() - started
+    store = ShardedRunStore(root)
+    part_bytes_read = 0
+    read_part = store.read_part
+
+    def counted(index: int, name: str) -> bytes | None:
+        nonlocal part_bytes_read
+        data = read_part(index, name)
+        part_bytes_read += len(data or b"")
+        return data
+
+    store.read_part = counted  # type: ignore[method-assign]
+    started, cpu = time.perf_counter(), time.process_time()
+    summary = reduce_run(store)
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     rss_mb = peak_rss_mb()
-    print(json.dumps({"seconds": elapsed, "peak_rss_mb": rss_mb, "plan_rss_mb": plan_rss_mb, "completed": summary["counts"]["completed"],
-                      "duplicates": summary["shards"]["duplicate_records"]}))
+    print(json.dumps({"seconds": elapsed, "cpu_seconds": cpu, "peak_rss_mb": rss_mb, "plan_rss_mb": plan_rss_mb,
+                      "completed": summary["counts"]["completed"], "duplicates": summary["shards"]["duplicate_records"],
+                      "part_bytes_read": part_bytes_read}))
 
 
-def measure(root: Path, episodes: int, shards: int) -> dict:
+def measure(root: Path, episodes: int, shards: int, templates: Templates | None, compressed: bool) -> dict:
     t0 = time.perf_counter()
-    _, size = build_run(root, episodes, shards)
+    _, size, stored = build_run(root, episodes, shards, templates=templates, compressed=compressed)
     build_s = time.perf_counter() - t0
     out = subprocess.run([sys.executable, __file__, "--reduce-child", str(root)], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["completed"] == episodes, result
     mb = size / 1e6
-    return {**result, "episodes": episodes, "mb": mb, "build_s": build_s,
-            "episodes_per_s": episodes / result["seconds"], "mb_per_s": mb / result["seconds"]}
+    return {**result, "episodes": episodes, "mb": mb, "stored_mb": stored / 1e6, "build_s": build_s,
+            "episodes_per_s": episodes / result["seconds"], "mb_per_s": mb / result["seconds"],
+            "mb_per_cpu_s": mb / result["cpu_seconds"], "reads_per_stored_byte": result["part_bytes_read"] / stored}
 
 
 def main() -> None:
@@ -133,6 +174,8 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=20000)
     parser.add_argument("--shards", type=int, default=64)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--traces", type=Path, default=None, help="a traces.jsonl whose completed records are the templates")
+    parser.add_argument("--plain", action="store_true", help="write plain .jsonl parts (as before zstd)")
     parser.add_argument("--reduce-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.reduce_child:
@@ -144,15 +187,19 @@ def main() -> None:
                                   capture_output=True, text=True, check=True)
         import_mb = float(baseline.stdout.strip())
         rows = []
+        templates = Templates(args.traces) if args.traces else None
         for n in (args.episodes, 2 * args.episodes):
-            row = measure(base / f"n{n}", n, args.shards)
+            row = measure(base / f"n{n}", n, args.shards, templates, not args.plain)
             rows.append(row)
-            print(f"{n:>7} episodes / {args.shards} shards: {row['mb']:.0f} MB of parts · reduce {row['seconds']:.1f} s · "
-                  f"{row['episodes_per_s']:.0f} episodes/s · {row['mb_per_s']:.1f} MB/s · peak RSS {row['peak_rss_mb']:.1f} MB "
+            print(f"{n:>7} episodes / {args.shards} shards: {row['mb']:.0f} MB of traces, {row['stored_mb']:.1f} MB stored "
+                  f"({row['stored_mb'] * 1e3 / n:.1f} KB per episode, 1/{row['mb'] / row['stored_mb']:.1f} of the JSONL) · "
+                  f"reduce {row['seconds']:.1f} s ({row['cpu_seconds']:.1f} s CPU) · "
+                  f"{row['episodes_per_s']:.0f} episodes/s · {row['mb_per_s']:.1f} MB/s ({row['mb_per_cpu_s']:.1f} MB per CPU second) · "
+                  f"part bytes read per byte stored {row['reads_per_stored_byte']:.2f} · peak RSS {row['peak_rss_mb']:.1f} MB "
                   f"(imports alone {import_mb:.1f} MB, after loading the plan {row['plan_rss_mb']:.1f} MB; traces add {row['peak_rss_mb'] - row['plan_rss_mb']:.1f} MB) · duplicates found {row['duplicates']}")
             shutil.rmtree(base / f"n{n}")
         a, b = rows
-        print(f"2x episodes → time x{b['seconds'] / a['seconds']:.2f} (ideal 2.00), peak RSS x{b['peak_rss_mb'] / a['peak_rss_mb']:.2f} (flat = 1.00), "
+        print(f"2x episodes → time x{b['seconds'] / a['seconds']:.2f}, CPU x{b['cpu_seconds'] / a['cpu_seconds']:.2f} (ideal 2.00), peak RSS x{b['peak_rss_mb'] / a['peak_rss_mb']:.2f} (flat = 1.00), "
               f"RSS above imports x{(b['peak_rss_mb'] - import_mb) / max(1e-9, a['peak_rss_mb'] - import_mb):.2f}; "
               f"memory for traces (peak − plan) {a['peak_rss_mb'] - a['plan_rss_mb']:.1f} → {b['peak_rss_mb'] - b['plan_rss_mb']:.1f} MB")
     finally:

@@ -559,8 +559,9 @@ def status(
         help="ShopSimulator to show the slot usage of (default: the one the running shards' lease journals name).",
     ),
 ) -> None:
-    """Per-shard progress from commit markers and parts, leases held per running shard, the shop's
-    slot usage; with --namespace/--release also the Job."""
+    """Per-shard progress from commit markers and the workers' progress objects (no trace part is
+    read), leases held per running shard, the shop's slot usage; with --namespace/--release also
+    the Job."""
     from shopsimrl.reduce import RunNotPlannedError, shard_status
     from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
 
@@ -592,13 +593,25 @@ def status(
             extra += f" · leases {row.get('leases_held', 0)}"
             if row.get("leases_left_by_stopped_workers"):
                 extra += f" (+{row['leases_left_by_stopped_workers']} left by a stopped worker)"
-        typer.echo(f"  shard {row['shard']:>5}  {row['state']:<14} {row['completed']}/{row['jobs']}{extra} · parts {row['parts']}")
+        if row.get("failed_attempts"):
+            extra += f" · failed attempts {row['failed_attempts']}"
+        completed = "?" if row.get("completed") is None else row["completed"]
+        typer.echo(f"  shard {row['shard']:>5}  {row['state']:<14} {completed}/{row['jobs']}{extra} · parts {row['parts']}{_heartbeat_note(row)}")
     shop = report["environment"]
     if shop.get("url"):
         state = shop.get("error") or f"{shop['free_slots']}/{shop['environment_slots']} slots free"
         typer.echo(f"shop {shop['url']}: {state}")
     if "kubernetes" in report:
         typer.echo("kubernetes: " + json.dumps(report["kubernetes"], ensure_ascii=False, default=str))
+
+
+def _heartbeat_note(row: dict[str, Any]) -> str:
+    """How long ago an uncommitted shard's worker last reported, in the unit that reads best."""
+    age = row.get("heartbeat_age_s")
+    if row["state"] == "committed" or age is None:
+        return " · no progress object" if row["state"] == "running?" else ""
+    shown = f"{age:.0f} s" if age < 120 else f"{age / 60:.0f} min" if age < 7200 else f"{age / 3600:.1f} h"
+    return f" (no heartbeat for {shown})" if row.get("stale") else f" · heartbeat {shown} ago"
 
 
 def _lease_status(store: Any, report: dict[str, Any]) -> str | None:

@@ -288,6 +288,9 @@ class WorkerSettings(BaseSettings):
     own share of the jobs, parts and leases; the worker commits the shard once all are done."""
     flush_episodes: int = Field(default=10, ge=1)
     flush_seconds: float = Field(default=10.0, gt=0)
+    heartbeat_seconds: float = Field(default=30.0, gt=0)
+    """How often a shard worker rewrites its progress object while it runs (``status`` shows a
+    shard whose heartbeat is older than 3 intervals as possibly stopped)."""
 
     @field_validator("model_base_url")
     @classmethod

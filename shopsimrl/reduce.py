@@ -7,10 +7,13 @@ union of the parts of every such marker, so the outcome does not depend on the o
 markers were written. Parts no verified marker lists (a second writer that finished after the
 commit) are reported, never read; a marker that does not verify is reported and ignored.
 
-Memory does not grow with the number of traces. Shards are reduced one at a time in two
-streaming passes over their parts: the first keeps only a small winner index per episode of
-that shard (part and line number), the second feeds the winners to the streaming
-:class:`~shopsimrl.metrics.SummaryAccumulator`. At most one part's bytes are held at once.
+Every stored byte is read once. Shards are reduced one at a time: each part is read and hashed
+(for the markers) and held compressed, as stored (a plain part of an earlier version is
+compressed in memory); once the shard's markers are verified, one pass over its committed
+parts parses each record once and feeds the winners to the streaming
+:class:`~shopsimrl.metrics.SummaryAccumulator`. Held per shard: its compressed parts, the ids
+of its completed episodes and a small view of each unfinished attempt still waiting for a
+later one, so memory follows the largest shard's stored bytes, not the run.
 
 Winner per ``episode_id``: the first completed record in part order (sequence number, writer);
 if none completed, the latest failed attempt (highest ``attempt``, then ``ended_at``). Further
@@ -23,27 +26,31 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from shopsimrl.manifest import ManifestError, manifest_head, run_identity
-from shopsimrl.metrics import SummaryAccumulator
-from shopsimrl.schemas import EpisodeJob, TraceFormatError, is_completed, sha256_hex
+from shopsimrl.metrics import SummaryAccumulator, unfinished_view
+from shopsimrl.schemas import MANIFEST_SCHEMA_VERSIONS, EpisodeJob, TraceFormatError, is_completed, sha256_hex
 from shopsimrl.shardstore import (
     ShardedRunStore,
+    ShardListing,
     ShardMap,
     check_shard_map,
+    encode_part,
     iter_part_records,
     marker_part_problems,
     marker_problem,
     part_order,
-    scan_shard,
 )
 
 __all__ = ["RunNotPlannedError", "WaitResult", "reduce_run", "shard_status", "wait_for_markers"]
 
 _SAMPLE = 20
+_HELD_NAME = "held.jsonl.zst"
+"""How held part bytes are decoded: the reducer holds every part compressed."""
 _IDENTITY_HEAD_BYTES = 65536
-"""Bytes of manifest.json read for the summary's identity; the job list comes after it."""
+"""Bytes of manifest.json parsed for the summary's identity; the job list comes after it."""
 
 
 class RunNotPlannedError(ValueError):
@@ -81,63 +88,118 @@ class _ShardResult:
         return row
 
 
-def _load_plan(store: ShardedRunStore) -> tuple[str, ShardMap]:
+@dataclass
+class _Plan:
+    fingerprint: str
+    shard_map: ShardMap
+    identity: dict[str, Any]
+    """The manifest, or its head (what the summary's ``run`` block needs)."""
+
+
+def _load_plan(store: ShardedRunStore) -> _Plan:
     """The worker's checks, no fewer: a manifest whose stored plan matches its fingerprint, and a
-    shards.json that assigns that plan's jobs as the frozen assignment does."""
-    manifest = store.read_manifest()
-    if manifest is None:
+    shards.json that assigns that plan's jobs as the frozen assignment does.
+
+    When shards.json records the sha256 of the manifest it was frozen with and the digest of the
+    plan's episode ids, and both still hold, the freezer's checks stand and the job list is not
+    parsed (for 100,000 jobs: tens of ms instead of seconds). Otherwise (runs frozen before these
+    were recorded, or an edited file) the full checks run and say what is wrong."""
+    data = store.read_bytes("manifest.json")
+    if data is None:
         raise RunNotPlannedError(f"{store.display_uri} has no manifest.json; plan or start a worker first")
     shard_map = store.read_shard_map()
     if shard_map is None:
+        store.parse_manifest(data)  # a bad manifest is the first thing to report
         raise RunNotPlannedError(f"{store.display_uri} has no shards.json; it is not a sharded run")
+    head = manifest_head(data[:_IDENTITY_HEAD_BYTES])
+    if (
+        head is not None
+        and head.get("schema_version") in MANIFEST_SCHEMA_VERSIONS
+        and head.get("plan_fingerprint") == shard_map.plan_fingerprint
+        and shard_map.matches_frozen_plan(sha256_hex(data))
+    ):
+        return _Plan(shard_map.plan_fingerprint, shard_map, head)
+    manifest = store.parse_manifest(data)
     plan_fp = manifest["plan_fingerprint"]
     try:
         jobs = [EpisodeJob.from_dict(job) for job in manifest["plan"]["jobs"]]
     except TraceFormatError as exc:
         raise ManifestError(f"{store.display_uri}/manifest.json: {exc}") from None
     check_shard_map(shard_map, jobs, plan_fp, store.display_uri)
-    return plan_fp, shard_map
+    return _Plan(plan_fp, shard_map, head or manifest)
+
+
+def _read_parts(store: ShardedRunStore, index: int, names: list[str]) -> dict[str, tuple[str, bytes] | None]:
+    """Read each part once: its sha256 and its bytes as held until the shard is tallied
+    (compressed: a plain part of an earlier version is compressed here), None when missing."""
+    held: dict[str, tuple[str, bytes] | None] = {}
+    for name in names:
+        data = store.read_part(index, name)
+        held[name] = None if data is None else (sha256_hex(data), data if name.endswith(".zst") else encode_part(data))
+    return held
 
 
 @dataclass
-class _Index:
-    """Pass 1 over a set of parts: the winner location per episode, and what the bytes were."""
+class _Pending:
+    """The best unfinished attempt of an episode with no completed record so far."""
 
-    winners: dict[str, tuple[tuple[Any, ...], tuple[int, int]]] = field(default_factory=dict)
-    completed_records: dict[str, int] = field(default_factory=dict)
-    sha256: dict[str, str | None] = field(default_factory=dict)
-    unreadable_lines: int = 0
-    not_in_shard: int = 0
-    not_in_plan_sample: list[str] = field(default_factory=list)
+    rank: tuple[Any, ...]
+    position: tuple[int, int]
+    view: dict[str, Any]
 
 
-def _index_parts(store: ShardedRunStore, index: int, names: list[str], shard_ids: set[str]) -> _Index:
-    found = _Index()
-    for part_index, name in enumerate(names):
-        data = store.read_part(index, name)
-        found.sha256[name] = None if data is None else sha256_hex(data)
-        if data is None:
-            continue
-        for line_index, record in enumerate(iter_part_records(data)):
+def _tally(parts: list[bytes], shard_ids: set[str], accumulator: SummaryAccumulator, result: _ShardResult,
+           not_in_plan_sample: list[str]) -> None:
+    """One pass over the committed parts, in part order: the first completed record of an
+    episode wins and is counted at once; further completed records are duplicates. An
+    unfinished attempt waits (as a small view) until a completed record or a later attempt
+    (by ``attempt``, then ``ended_at``) supersedes it; those still waiting at the end win."""
+    completed: set[str] = set()
+    rerun: set[str] = set()
+    pending: dict[str, _Pending] = {}
+    for part_index, data in enumerate(parts):
+        for line_index, record in enumerate(iter_part_records(_HELD_NAME, data)):
             if record is None:
-                found.unreadable_lines += 1
+                result.unreadable_lines += 1
                 continue
             episode_id = record["episode_id"]
             if episode_id not in shard_ids:
-                found.not_in_shard += 1
-                if len(found.not_in_plan_sample) < _SAMPLE:
-                    found.not_in_plan_sample.append(episode_id)
+                result.not_in_shard += 1
+                if len(not_in_plan_sample) < _SAMPLE:
+                    not_in_plan_sample.append(episode_id)
                 continue
             if is_completed(record):
-                found.completed_records[episode_id] = found.completed_records.get(episode_id, 0) + 1
-                rank: tuple[Any, ...] = (1, -part_index, -line_index)
-            else:
-                attempt = record.get("attempt")
-                rank = (0, attempt if isinstance(attempt, int) else 0, str(record.get("ended_at") or ""), part_index, line_index)
-            current = found.winners.get(episode_id)
-            if current is None or rank > current[0]:
-                found.winners[episode_id] = (rank, (part_index, line_index))
-    return found
+                if episode_id in completed:
+                    result.duplicates += 1
+                    rerun.add(episode_id)
+                    continue
+                completed.add(episode_id)
+                accumulator.add(record)
+                result.completed += 1
+                waiting = pending.pop(episode_id, None)
+                if waiting is not None:
+                    result.superseded += 1
+                    accumulator.note_superseded_attempt(waiting.view)
+                continue
+            view = unfinished_view(record)
+            if episode_id in completed:
+                result.superseded += 1
+                accumulator.note_superseded_attempt(view)
+                continue
+            attempt = record.get("attempt")
+            candidate = _Pending((attempt if isinstance(attempt, int) else 0, str(record.get("ended_at") or "")),
+                                 (part_index, line_index), view)
+            waiting = pending.get(episode_id)
+            if waiting is not None and waiting.rank > candidate.rank:  # ties: the later record wins
+                candidate, waiting = waiting, candidate
+            pending[episode_id] = candidate
+            if waiting is not None:
+                result.superseded += 1
+                accumulator.note_superseded_attempt(waiting.view)
+    for waiting in sorted(pending.values(), key=lambda p: p.position):
+        accumulator.add(waiting.view)
+        result.failed += 1
+    result.episodes_rerun = len(rerun)
 
 
 def _reduce_shard(
@@ -167,10 +229,11 @@ def _reduce_shard(
     names: list[str]
     if candidates:
         names = sorted({part["name"] for _, marker in candidates for part in marker["parts"]}, key=part_order)
-        found = _index_parts(store, index, names, shard_ids)
+        held = _read_parts(store, index, names)
+        actual = {name: None if part is None else part[0] for name, part in held.items()}
         verified = []
         for name, marker in candidates:
-            problems = marker_part_problems(marker, found.sha256)
+            problems = marker_part_problems(marker, actual)
             if problems:
                 result.problems.extend(f"{name} does not verify, ignored: {problem}" for problem in problems)
             else:
@@ -180,9 +243,7 @@ def _reduce_shard(
             result.state = "corrupt"  # committed output that does not verify is not trusted at all
             return result
         committed = {part["name"] for marker in verified for part in marker["parts"]}
-        if committed != set(names):  # a marker was ignored: index only what the others verify
-            names = [name for name in names if name in committed]
-            found = _index_parts(store, index, names, shard_ids)
+        names = [name for name in names if name in committed]  # a marker was ignored: only what the others verify
         result.state = "committed"
         result.uncommitted_parts = sum(1 for name in listing.parts if name not in committed)
     elif listing.markers:
@@ -190,36 +251,11 @@ def _reduce_shard(
         return result
     elif include_uncommitted:
         names = list(listing.parts)
-        found = _index_parts(store, index, names, shard_ids)
+        held = _read_parts(store, index, names)
     else:
         return result
     result.parts = len(names)
-    result.unreadable_lines, result.not_in_shard = found.unreadable_lines, found.not_in_shard
-    not_in_plan_sample.extend(found.not_in_plan_sample[: _SAMPLE - len(not_in_plan_sample)])
-
-    # Pass 2: stream again and feed the accumulator the winners.
-    for part_index, name in enumerate(names):
-        data = store.read_part(index, name)
-        if data is None or sha256_hex(data) != found.sha256[name]:
-            if found.sha256[name] is not None:
-                result.problems.append(f"{name}: changed or vanished while the shard was being reduced")
-            continue
-        for line_index, record in enumerate(iter_part_records(data)):
-            if record is None or record["episode_id"] not in shard_ids:
-                continue
-            winner = found.winners[record["episode_id"]]
-            if winner[1] == (part_index, line_index):
-                accumulator.add(record)
-                if is_completed(record):
-                    result.completed += 1
-                else:
-                    result.failed += 1
-            elif is_completed(record):
-                result.duplicates += 1
-            else:
-                result.superseded += 1
-                accumulator.note_superseded_attempt(record)
-    result.episodes_rerun = sum(1 for count in found.completed_records.values() if count > 1)
+    _tally([part[1] for part in (held[name] for name in names) if part is not None], shard_ids, accumulator, result, not_in_plan_sample)
     return result
 
 
@@ -244,7 +280,8 @@ def reduce_run(
     A summary that lacks shards says so: ``complete`` false and ``incomplete`` naming every
     missing shard and why (``incomplete_reason``: why the reducer stopped waiting, if it did;
     ``missing_why``: what the scheduler knows about a shard, put before what the store shows)."""
-    plan_fp, shard_map = _load_plan(store)
+    plan = _load_plan(store)
+    plan_fp, shard_map = plan.fingerprint, plan.shard_map
     accumulator = SummaryAccumulator(requested=shard_map.jobs)
     not_in_plan_sample: list[str] = []
     results = [
@@ -260,7 +297,7 @@ def reduce_run(
     if not_in_plan_sample:
         counts["not_in_plan_ids_sample"] = not_in_plan_sample
     counts["unreadable_lines"] = sum(r.unreadable_lines for r in results)
-    summary["run"] = run_identity(_identity_manifest(store), uri=store.display_uri)
+    summary["run"] = run_identity(plan.identity, uri=store.display_uri)
     summary["shards"] = {
         "count": shard_map.count,
         "assignment": shard_map.assignment,
@@ -296,21 +333,6 @@ def reduce_run(
     return summary
 
 
-def _identity_manifest(store: ShardedRunStore) -> dict[str, Any] | None:
-    """The manifest's keys before the job list, from a bounded head read (whole file as fallback)."""
-    path = store.path("manifest.json")
-
-    def head() -> bytes | None:
-        try:
-            return bytes(store.fs.cat_file(path, start=0, end=_IDENTITY_HEAD_BYTES))
-        except FileNotFoundError:
-            return None
-
-    data = store.retry.call(f"read manifest.json in {store.display_uri}", head)
-    parsed = manifest_head(data) if data else None
-    return parsed if parsed is not None else store.read_manifest()
-
-
 @dataclass
 class WaitResult:
     pending: list[int]
@@ -328,7 +350,7 @@ def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float 
     """Poll until every shard has a marker, the timeout passes, or ``give_up`` (asked with the
     pending shards after every poll) returns a reason and per-shard notes: those shards will
     never commit (their Job indexes failed for good)."""
-    _, shard_map = _load_plan(store)
+    shard_map = _load_plan(store).shard_map
     deadline = time.monotonic() + timeout
     pending = list(range(shard_map.count))
     while True:
@@ -349,9 +371,28 @@ def _claimed(marker: dict[str, Any], key: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def shard_status(store: ShardedRunStore) -> dict[str, Any]:
-    """Per-shard progress from markers (committed shards) and parts (running ones)."""
-    plan_fp, shard_map = _load_plan(store)
+_STALE_BEATS = 3
+"""A running shard whose newest heartbeat is older than this many of its intervals is shown as
+possibly stopped."""
+
+
+def _age_seconds(stamp: Any, now: datetime) -> float | None:
+    try:
+        when = datetime.fromisoformat(str(stamp))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (now - when).total_seconds())
+
+
+def shard_status(store: ShardedRunStore, *, now: datetime | None = None) -> dict[str, Any]:
+    """Per-shard progress from commit markers (committed shards) and the writers' progress
+    objects (running ones). Never reads a part: a status call costs a listing and a few small
+    objects per shard, whatever the size of the run."""
+    plan = _load_plan(store)
+    plan_fp, shard_map = plan.fingerprint, plan.shard_map
+    now = now or datetime.now(timezone.utc)
     rows = []
     for index in range(shard_map.count):
         ids = shard_map.episode_ids[index]
@@ -374,13 +415,7 @@ def shard_status(store: ShardedRunStore) -> dict[str, Any]:
                 markers=len(markers),
             )
         else:
-            state = scan_shard(store, index, set(ids))
-            row.update(
-                state="running" if listing.parts else "pending",
-                completed=len(state.completed),
-                attempted=len(state.attempts),
-                unreadable_lines=state.unreadable_lines,
-            )
+            row.update(_running_row(store, index, listing, plan_fp, now))
             if listing.markers:
                 row["state"] = "corrupt-marker"
         if listing.foreign:
@@ -395,3 +430,39 @@ def shard_status(store: ShardedRunStore) -> dict[str, Any]:
         "committed_shards": sum(r["state"] == "committed" for r in rows),
         "shards": rows,
     }
+
+
+def _running_row(store: ShardedRunStore, index: int, listing: ShardListing, plan_fp: str, now: datetime) -> dict[str, Any]:
+    """An uncommitted shard as its writers' progress objects tell it: the newest one's state and
+    heartbeat age, and the completed episodes of the session that has seen the most."""
+    progress = [p for p in store.read_progress(index, listing.progress) if p.get("plan_fingerprint") == plan_fp]
+    if not progress:
+        # No progress object: nothing started, or parts of a worker that wrote none (an earlier version).
+        return {"state": "running?" if listing.parts else "pending", "completed": None}
+    newest = max(progress, key=lambda p: str(p.get("updated_at")))
+    age = _age_seconds(newest.get("updated_at"), now)
+    interval = newest.get("heartbeat_seconds")
+    # A worker's processes share a session and the episodes completed when it started; a later
+    # worker (a restarted pod) starts from what earlier ones saved: the best session counts.
+    sessions: dict[str, list[dict[str, Any]]] = {}
+    for p in progress:
+        sessions.setdefault(str(p.get("session") or p.get("writer")), []).append(p)
+    row: dict[str, Any] = {
+        "state": str(newest.get("state") or "running"),
+        "completed": max(
+            max(_count(p.get("resumed")) for p in members) + sum(_count(p.get("completed")) for p in members)
+            for members in sessions.values()
+        ),
+        "failed_attempts": sum(_count(p.get("failed_attempts")) for p in progress),
+        "writers": len(progress),
+        "heartbeat_age_s": None if age is None else round(age, 1),
+        "heartbeat_seconds": interval,
+    }
+    if row["state"] == "running" and age is not None and isinstance(interval, (int, float)) and age > _STALE_BEATS * interval:
+        row["state"] = "running?"
+        row["stale"] = True
+    return row
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0

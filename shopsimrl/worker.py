@@ -18,14 +18,16 @@ One worker = one shard = one process (a local subprocess or a pod of an Indexed 
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing
 import os
 import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +37,16 @@ from shopsimrl import eventloop
 from shopsimrl.config import ConfigError, WorkerSettings, load_experiment_config
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
-from shopsimrl.schemas import EpisodeJob, fingerprint
+from shopsimrl.schemas import EpisodeJob, fingerprint, is_completed
 from shopsimrl.shardstore import (
     PART_PATTERN,
+    PROGRESS_SCHEMA_VERSION,
     RunLocationError,
     ShardedRunStore,
     ShardMapError,
     ShardState,
     StoreUnavailableError,
+    WrittenPart,
     marker_document,
     marker_part_problems,
     marker_problem,
@@ -69,6 +73,11 @@ class PartSink:
 
     ``save_trace`` and ``flush_if_stale`` run in worker threads (off the event loop); one lock
     keeps buffer and part sequence consistent between the episode path and the flush timer.
+    It remembers what each part it wrote holds (``written``), so the commit never reads its own
+    parts back, and keeps the writer's progress object up to date: after every part and, as a
+    heartbeat, every ``heartbeat_seconds`` while the flush timer runs. ``resumed``: the episodes
+    the shard had completed when the worker started; ``session``: the worker's writer id, shared
+    by the event-loop processes it starts (``status`` adds up the processes of one session).
     """
 
     def __init__(
@@ -80,34 +89,60 @@ class PartSink:
         *,
         flush_episodes: int,
         flush_seconds: float,
-        on_part: Callable[[dict[str, Any]], None] | None = None,
+        plan_fingerprint: str,
+        resumed: Collection[str] = (),
+        session: str | None = None,
+        heartbeat_seconds: float = 30.0,
     ) -> None:
         self.store, self.shard, self.writer = store, shard, writer
         self.flush_episodes, self.flush_seconds = flush_episodes, flush_seconds
         self._seq = first_seq
         self._buffer: list[bytes] = []
+        self._outcomes: list[tuple[str, bool]] = []
         self._oldest = 0.0
         self._lock = threading.Lock()
-        self._on_part = on_part
-        self.written: list[dict[str, Any]] = []
+        self.written: list[WrittenPart] = []
+        self._resumed = frozenset(resumed)
+        self._completed: set[str] = set()
+        self._failed_attempts = 0
+        self._records = 0
+        self._progress = {
+            "schema_version": PROGRESS_SCHEMA_VERSION,
+            "shard": shard,
+            "writer": writer,
+            "plan_fingerprint": plan_fingerprint,
+            "session": session or writer,
+            "resumed": len(self._resumed),
+            "heartbeat_seconds": heartbeat_seconds,
+            "started_at": _now(),
+        }
+        self._progress_lock = threading.Lock()
+        self._last_beat = -math.inf
 
     def save_trace(self, record: dict[str, Any]) -> None:
         line = encode_trace_line(record)
+        outcome = (record["episode_id"], is_completed(record))
         with self._lock:
             if not self._buffer:
                 self._oldest = time.monotonic()
             self._buffer.append(line)
-            if len(self._buffer) >= self.flush_episodes:
-                self._flush_locked()
+            self._outcomes.append(outcome)
+            wrote = len(self._buffer) >= self.flush_episodes and self._flush_locked()
+        if wrote:
+            self.report_progress()
 
     def flush(self) -> None:
         with self._lock:
-            self._flush_locked()
+            wrote = self._flush_locked()
+        if wrote:
+            self.report_progress()
 
     def flush_if_stale(self) -> None:
+        """The timer's call: flush a buffer older than ``flush_seconds``, beat the heartbeat when due."""
         with self._lock:
-            if self._buffer and time.monotonic() - self._oldest >= self.flush_seconds:
-                self._flush_locked()
+            wrote = bool(self._buffer) and time.monotonic() - self._oldest >= self.flush_seconds and self._flush_locked()
+        if wrote or time.monotonic() - self._last_beat >= self._progress["heartbeat_seconds"]:
+            self.report_progress()
 
     async def flush_stale_parts(self) -> None:
         """Flush a buffer older than ``flush_seconds``, until cancelled. A failed write is logged
@@ -123,20 +158,45 @@ class PartSink:
     def buffered(self) -> int:
         return len(self._buffer)
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self) -> bool:
         if not self._buffer:
-            return
-        data = b"".join(self._buffer)
+            return False
         # The buffer is kept until the part is safely stored, so a failed write loses nothing
         # that a later flush (or the SIGTERM path) could still save.
-        name = self.store.write_part(self.shard, self._seq, self.writer, data)
-        entry = part_entry(name, data, len(self._buffer))
+        name, stored = self.store.write_part(self.shard, self._seq, self.writer, b"".join(self._buffer))
+        part = WrittenPart(part_entry(name, stored, len(self._buffer)), tuple(self._outcomes))
         self._seq = int(PART_PATTERN.match(name).group(1)) + 1  # type: ignore[union-attr]
+        self.written.append(part)
+        self._records += len(self._outcomes)
+        self._completed.update(episode_id for episode_id, done in self._outcomes if done and episode_id not in self._resumed)
+        self._failed_attempts += sum(1 for _, done in self._outcomes if not done)
+        log.info("part_written", part=name, records=len(self._buffer), bytes=len(stored), lines_bytes=sum(map(len, self._buffer)))
         self._buffer.clear()
-        self.written.append(entry)
-        log.info("part_written", part=name, records=entry["records"], bytes=len(data))
-        if self._on_part is not None:
-            self._on_part(entry)
+        self._outcomes.clear()
+        return True
+
+    def report_progress(self, state: str = "running") -> None:
+        """Rewrite this writer's progress object. Advisory: one try, a failure is only logged
+        (the next part or heartbeat writes it again)."""
+        with self._progress_lock:
+            self._last_beat = time.monotonic()
+            progress = {
+                **self._progress,
+                "state": state,
+                "completed": len(self._completed),
+                "failed_attempts": self._failed_attempts,
+                "parts_written": len(self.written),
+                "records_written": self._records,
+                "updated_at": _now(),
+            }
+            try:
+                self.store.write_progress(self.shard, progress)
+            except Exception as exc:
+                log.warning("progress_not_written", error=f"{type(exc).__name__}: {exc}")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
 
 
 @dataclass
@@ -283,19 +343,23 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
     sharing = min(settings.parallelism or shard_map.count, shard_map.count) * loops
     pending = [job for job in jobs if job.episode_id not in state.completed]
     if loops > 1 and len(pending) > 1:
-        outcome, written = _evaluate_in_processes(options, index, pending, state, loops, sharing)
+        outcome, written = _evaluate_in_processes(options, index, pending, state, loops, sharing, writer, plan_fp)
     else:
         sink = PartSink(
-            store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds
+            store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds,
+            plan_fingerprint=plan_fp, resumed=state.completed, heartbeat_seconds=settings.heartbeat_seconds,
         )
+        sink.report_progress()
         outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, sharing))
+        if outcome == "interrupted":
+            sink.report_progress("interrupted")
         written = sink.written
     if outcome == "interrupted":
         raise _Stop(ExitCode.RETRYABLE, f"interrupted; finished episodes are saved in {store.display_uri}, restart to resume")
 
     marker, completed = commit_shard(
         store, index, shard_map.episode_ids[index], plan_fp=plan_fp, writer=writer, state=state, exclude=check.distrusted,
-        written=[entry["name"] for entry in written],
+        written=written,
     )
     log.info("shard_committed", marker=marker, completed=completed, failed=len(jobs) - completed, config=config.name)
     return ExitCode.OK if completed == len(jobs) else ExitCode.EPISODES_FAILED
@@ -315,11 +379,15 @@ class _SliceSpec:
     sharing: int
     log_format: str
     parent: int
+    session: str
+    plan_fingerprint: str
+    resumed: frozenset[str]
 
 
 def _evaluate_in_processes(
-    options: WorkerOptions, shard: int, pending: list[EpisodeJob], state: ShardState, loops: int, sharing: int
-) -> tuple[str, list[dict[str, Any]]]:
+    options: WorkerOptions, shard: int, pending: list[EpisodeJob], state: ShardState, loops: int, sharing: int,
+    session: str, plan_fingerprint: str,
+) -> tuple[str, list[WrittenPart]]:
     """Run ``pending`` in ``loops`` processes, job k in process k mod loops; each writes its own
     parts (its own writer id) and journals its own leases. Returns the combined outcome and the
     parts written, for the commit. SIGTERM/SIGINT are passed on once; a process that dies
@@ -335,6 +403,7 @@ def _evaluate_in_processes(
             prior_attempts={eid: state.attempts[eid] for eid in ids if eid in state.attempts},
             writer=secrets.token_hex(4), first_seq=state.next_seq, sharing=sharing,
             log_format=options.settings.log_format, parent=os.getpid(),
+            session=session, plan_fingerprint=plan_fingerprint, resumed=frozenset(state.completed),
         )
         receive, send = context.Pipe(duplex=False)
         process = context.Process(target=_slice_main, args=(spec, send), name=f"shard-{shard}-loop-{k}", daemon=False)
@@ -357,7 +426,7 @@ def _evaluate_in_processes(
 
     previous = {signum: signal.signal(signum, pass_on) for signum in STOP_SIGNALS}
     outcomes: list[str] = []
-    written: list[dict[str, Any]] = []
+    written: list[WrittenPart] = []
     try:
         for process, receive in children:
             try:
@@ -398,9 +467,14 @@ def _slice_main(spec: _SliceSpec, send: Any) -> None:
         sink = PartSink(
             store, spec.shard, spec.writer, spec.first_seq,
             flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds,
+            plan_fingerprint=spec.plan_fingerprint, resumed=spec.resumed, session=spec.session,
+            heartbeat_seconds=settings.heartbeat_seconds,
         )
+        sink.report_progress()
         try:
             outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, spec.sharing))
+            if outcome == "interrupted":
+                sink.report_progress("interrupted")
         finally:
             written = sink.written
     except _Stop as stop:
@@ -421,15 +495,16 @@ def commit_shard(
     writer: str,
     state: ShardState | None = None,
     exclude: Collection[str] = (),
-    written: Collection[str] = (),
+    written: Sequence[WrittenPart] = (),
 ) -> tuple[str, int]:
     """Add a commit marker for the shard; returns its name and the completed episode count.
 
-    The marker lists exactly the parts read and hashed here: every part now listed (ours and any
-    concurrent writer's, less ``exclude``) and every part this process wrote (``written``), read
-    back by name even when a listing does not show it yet. It is a new object, never a
-    replacement: the reducer takes the union of the verified markers, whatever order they were
-    written in.
+    The marker lists exactly the parts hashed: every part now listed (ours and any concurrent
+    writer's, less ``exclude``) and every part this process wrote (``written``), by name even
+    when a listing does not show it yet. Parts already in ``state`` and the ones this process
+    wrote (whose bytes and sha256 it knows) are not read again; only a concurrent writer's new
+    parts are. The marker is a new object, never a replacement: the reducer takes the union of
+    the verified markers, whatever order they were written in.
     """
     state = scan_shard(store, index, set(episode_ids), state, exclude=exclude, written=written)
     completed = len(state.completed)

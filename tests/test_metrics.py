@@ -17,6 +17,7 @@ from shopsimrl.metrics import (
     format_summary_table,
     student_t_quantile,
     summarize_traces,
+    unfinished_view,
     wilson_interval,
 )
 from shopsimrl.schemas import SUMMARY_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
@@ -622,3 +623,28 @@ def test_format_summary_table_accepts_a_reference_v2_summary() -> None:
     }
     table = format_summary_table(legacy_summary)
     assert "95% CI –" in table and "missing –" in table and "purchase 2" in table
+
+
+def test_an_unfinished_view_counts_as_its_record() -> None:
+    """The reducer holds unfinished attempts as views while it waits for a later attempt: a view
+    must add and supersede exactly as the record does."""
+    legacy = [json.loads(line) for line in (FIXTURES / "legacy_v4_traces.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    failed = [r for r in legacy if r.get("status") != "completed"]
+    odd: list[dict[str, Any]] = [
+        {"episode_id": "e1", "status": "failed", "job": {"task_id": 7}, "error": {"type": "ReadTimeout"}, "failure_class": "infrastructure",
+         "started_at": "2026-01-01T00:00:00+00:00", "ended_at": "2026-01-01T00:01:00+00:00", "steps": [{"model": {"latency_ms": 5}}]},
+        {"episode_id": "e2", "status": "failed", "job": {"task_id": True}, "error": "not an object", "failure_class": None},
+        {"episode_id": "e3", "status": "failed", "job": None, "failure_class": "policy", "ended_at": "bad time"},
+        {"episode_id": "e4", "schema_version": TRACE_SCHEMA_VERSION, "status": "completed", "final": {"done": False, "reward": 1.0},
+         "job": {"task_id": 9}, "error": {"type": None}},
+    ]
+    records = failed + odd
+    assert len(failed) >= 1
+    for plan in (None, {r["episode_id"] for r in records[::2]}):
+        whole, viewed = (SummaryAccumulator(requested_episode_ids=plan) for _ in range(2))
+        for record in records:
+            whole.add(record)
+            whole.note_superseded_attempt(record)
+            viewed.add(unfinished_view(record))
+            viewed.note_superseded_attempt(unfinished_view(record))
+        assert viewed.result(created_at=CREATED) == whole.result(created_at=CREATED)

@@ -42,3 +42,20 @@ def test_redaction_keeps_everything_else_verbatim() -> None:
     assert redact_uri("http://u:p@[::1]:8080/v1") == "http://[::1]:8080/v1"
     assert redact_uri("https://Host.Example:443/v1?flag&design=x&access_token=abc;v") == "https://Host.Example:443/v1?flag&design=x&access_token=REDACTED"
     assert redact_uri("https://h/v1?sig=1&author=me&monkey=2") == "https://h/v1?sig=REDACTED&author=me&monkey=2"
+
+
+# Fingerprints identify existing runs: a change to canonical JSON (key order, separators, float
+# or escape formatting) would make every frozen run refuse its own config (exit 42).
+REFERENCE_PLAN = {
+    "pipeline_version": "shopsimrl-v0.5", "fingerprint_version": "semantic-plan-v2", "experiment": "réf “plan”",
+    "model_id": "qwen", "model": {"model": "Qwen/Qwen3.5-4B", "checkpoint_id": None,
+                                  "sampling": {"temperature": 0.7, "top_p": 1e-05, "max_tokens": 512,
+                                               "extra_body": {"min_p": 0.05, "big": 12345678901234567890}}},
+    "task_split": {"name": "val", "task_count": 3, "task_ids_sha256": "ab" * 32},
+    "runtime": {"max_steps": 30, "ratio": 1e16, "negative": -0.0, "tab\tkey": "line\nbreak\u2028\x7f😀"},
+    "jobs": [{"task_id": t, "sample_id": s, "seed": t * 7 + s, "split": "val"} for t in (1, 2, 3) for s in (0, 1)],
+}
+
+
+def test_the_fingerprint_of_a_reference_plan_is_unchanged() -> None:
+    assert schemas.fingerprint(REFERENCE_PLAN) == "8f3a353ae0ddd29ec13c5afe6a8566f80ed0d1245a993c9cf55163c187f7ab9b"

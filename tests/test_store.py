@@ -249,8 +249,8 @@ def test_a_full_disk_while_reducing_a_sharded_run_exits_3_and_leaves_no_temporar
     seed = ShardedRunStore(str(tmp_path / "seed" / "run"))
     seed.initialize(plan)
     ids = seed.ensure_shard_map(jobs, 1, fingerprint(plan)).episode_ids[0]
-    part = seed.write_part(0, 0, "abcdef01", b"".join(json.dumps(trace(i)).encode() + b"\n" for i in ids))
-    commit_shard(seed, 0, ids, plan_fp=fingerprint(plan), writer="abcdef01", written=[part])
+    seed.write_part(0, 0, "abcdef01", b"".join(json.dumps(trace(i)).encode() + b"\n" for i in ids))
+    commit_shard(seed, 0, ids, plan_fp=fingerprint(plan), writer="abcdef01")
     before = {name for name in os.listdir(tmp_path / "seed" / "run") if name != "shards"}
     result = run_on_a_full_disk(mode, tmp_path / "seed", tmp_path / "disk", ["reduce", str(tmp_path / "disk" / "run")])
     assert result.code == 3, result.stderr[-3000:]

@@ -63,6 +63,9 @@ class FaultProxy:
     upstream: str
     plan: FaultPlan = field(default_factory=FaultPlan)
     injected: Counter[str] = field(default_factory=Counter)
+    transferred: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """Body bytes per (method, object key) of the requests forwarded and answered: what a PUT
+    sent, what a GET read (a listing's key is its bucket with ``?list``)."""
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.plan.seed)
@@ -188,6 +191,8 @@ class FaultProxy:
                 for key, value in response.headers.raw:
                     if key.lower() not in (b"transfer-encoding", b"connection", b"content-length"):
                         out.append(key + b": " + value)
+                key = target.split("?", 1)[0].lstrip("/") + ("?list" if "list-type=" in target or target.endswith("?") else "")
+                self.transferred[(method, key)] += len(body) if method == "PUT" else len(payload) if method == "GET" else 0
                 length = response.headers.get("content-length") if method == "HEAD" else str(len(payload))
                 if length is not None:
                     out.append(f"Content-Length: {length}".encode())

@@ -16,7 +16,7 @@ import pytest
 
 from shopsimrl.reduce import reduce_run, shard_status
 from shopsimrl.schemas import fingerprint
-from shopsimrl.shardstore import ShardedRunStore
+from shopsimrl.shardstore import ShardedRunStore, iter_part_records
 
 from .conftest import S3_TEST_ENV, Backend, S3Server, Testbed, cli, start_worker, worker_env, write_config
 from .faultproxy import FaultPlan, FaultProxy, Scripted
@@ -90,7 +90,7 @@ def test_sigterm_flushes_then_resume_completes(backend: Backend, testbed: Testbe
     finished_before = set(worker.finished_episodes())
     listing = store.list_shard(0)
     assert len(listing.parts) == 1 and not listing.marker
-    saved = {json.loads(line)["episode_id"] for line in store.read_part(0, listing.parts[0]).splitlines()}
+    saved = {record["episode_id"] for record in iter_part_records(listing.parts[0], store.read_part(0, listing.parts[0]) or b"")}
     # Every logged episode was flushed; the signal may also land between an episode's save and
     # its log line, so the part can hold one more than the log shows.
     assert finished_before <= saved and len(saved - finished_before) <= 1
@@ -237,7 +237,7 @@ def test_a_marker_with_a_bad_checksum_is_not_trusted_and_the_shard_heals(backend
     assert any(line.get("event") == "parts_not_trusted" and line.get("parts") == [bad_part] for line in lines)
     # The part whose bytes differ from its commit is not trusted: its episodes ran again.
     rerun = set(healer.finished_episodes())
-    distrusted = {json.loads(line)["episode_id"] for line in store.read_part(0, bad_part).splitlines()}
+    distrusted = {record["episode_id"] for record in iter_part_records(bad_part, store.read_part(0, bad_part) or b"")}
     assert rerun == distrusted
     summary = reduce_run(store)
     assert summary["complete"] and summary["shards"]["committed"] == 1 and summary["counts"]["completed"] == 4
@@ -271,7 +271,7 @@ def test_failed_episodes_retried_later_are_committed(backend: Backend, testbed: 
 @pytest.mark.s3
 def test_plan_and_worker_ride_out_lost_put_responses(s3_server: S3Server, testbed: Testbed, tmp_path: Path) -> None:
     """The answer to each create-only PUT is lost once: manifest, a part, the commit marker."""
-    script = [Scripted("PUT", r"/manifest\.json$", "lost_response"), Scripted("PUT", r"/part-00000-[0-9a-f]+\.jsonl$", "lost_response"),
+    script = [Scripted("PUT", r"/manifest\.json$", "lost_response"), Scripted("PUT", r"/part-00000-[0-9a-f]+\.jsonl\.zst$", "lost_response"),
               Scripted("PUT", r"/_SUCCESS\.json$", "lost_response")]
     proxy = FaultProxy(s3_server.endpoint, FaultPlan(script=script))
     endpoint = proxy.start()

@@ -42,7 +42,7 @@ def test_reduced_summary_names_its_run_and_clusters_repeats_across_shards(
     shards_of_task: dict[int, set[int]] = {}
     for index in range(3):
         for name in store.list_shard(index).parts:
-            for record in iter_part_records(store.read_part(index, name) or b""):
+            for record in iter_part_records(name, store.read_part(index, name) or b""):
                 if record is not None and is_completed(record):
                     winners.setdefault(record["episode_id"], record)
                     shards_of_task.setdefault(record["job"]["task_id"], set()).add(index)
