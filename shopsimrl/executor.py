@@ -13,21 +13,35 @@ Stopping: SIGTERM/SIGINT are passed on to every worker as SIGTERM, and the execu
 them to save their traces and release their leases (each bounds that by its own grace period).
 On Linux each worker also gets SIGTERM if the executor itself dies (even by kill -9), so no
 worker outlives it holding leases.
+
+Workers' output: each worker logs JSON lines (``SHOPSIMRL_LOG_FORMAT=json``) to a pipe that a
+reader thread of the executor drains. Every record is handed to ``on_event`` (the progress bar
+learns from ``shard_resumed`` and ``episode_finished``) and logged again by the executor at the
+record's level, so it reaches the user through the executor's own log set-up (console or JSON,
+``-q``/``-v``, the progress bar's console); the per-episode records are relayed at debug level.
+Anything a worker writes that is not a JSON record (a traceback, an ``error:`` line) is passed
+on as it is, prefixed with the shard. Workers log at info (debug when the executor does), so
+progress is learned whatever level the user chose.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
 import structlog
 
+from shopsimrl import logs
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.stopping import die_with_parent
 
@@ -37,6 +51,14 @@ log = structlog.get_logger("shopsimrl.executor")
 
 _FINAL_CODES = {int(ExitCode.OK), int(ExitCode.BAD_INPUT), int(ExitCode.FINGERPRINT_MISMATCH)}
 _REPORTED_CODES = _FINAL_CODES | {int(ExitCode.EPISODES_FAILED)}
+
+# One line per episode attempt or per part: the progress bar stands for them at the default level.
+_RELAYED_AT_DEBUG = {"episode_finished", "part_written"}
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
+# How long a finished worker's last lines may take to arrive before its outcome is logged.
+_READER_JOIN_S = 5.0
+
+WorkerEventListener = Callable[[int, dict[str, Any]], None]
 
 
 @dataclass
@@ -84,6 +106,48 @@ def _die_with_parent() -> Callable[[], None] | None:
     return lambda: die_with_parent(parent)
 
 
+def _parse_record(line: str) -> dict[str, Any] | None:
+    """A worker's JSON log record, or None for any other line."""
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("event"), str) else None
+
+
+def _relay(index: int, line: str, on_event: WorkerEventListener | None) -> None:
+    record = _parse_record(line)
+    if record is None:
+        if logs.log_format() == "json":
+            log.warning("worker_output", shard=index, line=line)
+        else:
+            logs.print_line(f"shard {index} | {line}")
+        return
+    if on_event is not None:
+        on_event(index, dict(record))
+    event = record.pop("event")
+    name = str(record.pop("level", "info")).lower()
+    record.pop("timestamp", None)  # the relayed line is stamped again, a pipe's latency later
+    level = logging.DEBUG if event in _RELAYED_AT_DEBUG else _LEVELS.get(name, logging.INFO)
+    record.setdefault("shard", index)
+    log.log(level, event, **record)
+
+
+def _read_worker_output(index: int, stream: IO[bytes], on_event: WorkerEventListener | None) -> None:
+    """Relay one worker's stderr line by line until it closes (the worker exited)."""
+    with stream:
+        for raw in stream:
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if not line:
+                continue
+            try:
+                _relay(index, line, on_event)
+            except Exception as exc:  # one bad record must not stop the relay: the pipe would fill
+                log.error("worker_output_unreadable", shard=index, error=f"{type(exc).__name__}: {exc}", line=line[:300])
+
+
 def run_indexed(
     run: str,
     config: Path,
@@ -97,14 +161,19 @@ def run_indexed(
     env: dict[str, str] | None = None,
     poll_interval_s: float = 0.1,
     stop_timeout_s: float = 120.0,
+    on_event: WorkerEventListener | None = None,
 ) -> ShardedRunResult:
-    """Run indexes 0…shards-1 as worker processes, at most ``parallelism`` at once."""
+    """Run indexes 0…shards-1 as worker processes, at most ``parallelism`` at once.
+
+    ``on_event(index, record)`` receives every JSON log record of the workers (on a reader thread)."""
     parallelism = max(1, min(parallelism or shards, shards))
-    base_env = {**os.environ, **(env or {})}
+    worker_level = "debug" if logs.level() == "debug" else "info"
+    base_env = {**os.environ, **(env or {}), "SHOPSIMRL_LOG_FORMAT": "json", "SHOPSIMRL_LOG_LEVEL": worker_level}
     outcomes = [IndexOutcome(i) for i in range(shards)]
     waiting = list(range(shards))  # indexes not yet started (or due for a restart)
     not_before: dict[int, float] = {}
     running: dict[int, subprocess.Popen[bytes]] = {}
+    readers: dict[int, threading.Thread] = {}
     interrupted = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -132,8 +201,13 @@ def run_indexed(
                     _worker_command(run, config, shards, final_test, retry_failed),
                     env={**base_env, "JOB_COMPLETION_INDEX": str(index), "SHOPSIMRL_PARALLELISM": str(parallelism)},
                     stdin=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
                     preexec_fn=preexec,
                 )
+                readers[index] = threading.Thread(
+                    target=_read_worker_output, args=(index, running[index].stderr, on_event), name=f"shard-{index}-output", daemon=True
+                )
+                readers[index].start()
                 log.info("index_started", index=index, pid=running[index].pid, restarts=outcomes[index].restarts)
             if interrupted and not running:
                 break
@@ -142,6 +216,7 @@ def run_indexed(
                 if code is None:
                     continue
                 del running[index]
+                readers.pop(index).join(_READER_JOIN_S)  # its last lines (a traceback) before its outcome
                 outcome = outcomes[index]
                 outcome.exit_codes.append(code)
                 outcome.exit_code = code
@@ -169,4 +244,6 @@ def run_indexed(
             except subprocess.TimeoutExpired:
                 log.error("worker_killed", pid=process.pid, after_s=stop_timeout_s)
                 process.kill()
+        for reader in readers.values():
+            reader.join(_READER_JOIN_S)
     return ShardedRunResult(outcomes, interrupted)
