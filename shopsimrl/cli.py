@@ -482,7 +482,7 @@ def _run_sharded(
     with ShardedRunProgress(jobs_per_shard, enabled=progress and sys.stderr.isatty()) as bar:
         result = run_indexed(
             uri, config_path.resolve(), shards, backoff_limit_per_index=backoff_limit, final_test=final_test,
-            retry_failed=retry_failed, env=env, on_event=bar.on_worker_event,
+            retry_failed=retry_failed, env=env, on_event=bar.on_worker_event, on_tick=bar.tick,
         )
     for outcome in result.indexes:
         if outcome.exit_code not in (0, 1):

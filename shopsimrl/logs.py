@@ -13,6 +13,7 @@ instead of the line landing inside the bar.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import structlog
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.text import Text
@@ -37,6 +38,10 @@ class LogSettings(BaseSettings):
 
     log_format: Literal["console", "json"] = "console"
     log_level: LevelName = "info"
+    log_fallback_fd: int | None = Field(default=None, ge=3)
+    """Set by a sharded run's coordinator for its workers (``SHOPSIMRL_LOG_FALLBACK_FD``): a copy
+    of the coordinator's own stderr. Their stderr is a pipe the coordinator reads; if it dies,
+    they write there instead, so their last lines (stopping, releasing leases) are not lost."""
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
@@ -47,12 +52,14 @@ class LogSettings(BaseSettings):
 class _Terminal:
     """Where rendered lines go: the live bar's console while one is shown, else stderr.
 
-    stderr is looked up at each write (test runners and rich swap it). A write to a closed pipe or
-    terminal (the reader, e.g. a sharded run's coordinator, is gone) drops the line: logging must
-    never stop a process that is saving traces and releasing leases."""
+    stderr is looked up at each write (test runners and rich swap it). When its reader is gone
+    (a closed pipe), stderr becomes the fallback descriptor if there is one, for every later
+    write of the process, tracebacks included; without one, or when that fails too, the line is
+    dropped: logging must never stop a process that is saving traces and releasing leases."""
 
     def __init__(self) -> None:
         self.console: Console | None = None
+        self.fallback_fd: int | None = None
         self._lock = threading.Lock()
 
     def write_line(self, line: str) -> None:
@@ -62,10 +69,21 @@ class _Terminal:
                 console.print(Text.from_ansi(line), soft_wrap=True)
                 return
             with self._lock:
-                sys.stderr.write(line + "\n")
-                sys.stderr.flush()
+                try:
+                    self._write(line)
+                except BrokenPipeError:
+                    if self.fallback_fd is None:
+                        raise
+                    fallback, self.fallback_fd = self.fallback_fd, None
+                    os.dup2(fallback, sys.stderr.fileno())
+                    self._write(line)
         except (OSError, ValueError):  # ValueError: stderr already closed at exit
             pass
+
+    @staticmethod
+    def _write(line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 _TERMINAL = _Terminal()
@@ -96,6 +114,7 @@ def configure_logging(verbosity: int = 0, *, settings: LogSettings | None = None
     if verbosity:
         settings = settings.model_copy(update={"log_level": "debug" if verbosity > 0 else "warning"})
     _current = settings
+    _TERMINAL.fallback_fd = settings.log_fallback_fd
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer(ensure_ascii=False)
         if settings.log_format == "json"
@@ -119,8 +138,9 @@ def configure_logging(verbosity: int = 0, *, settings: LogSettings | None = None
 
 
 def current_settings() -> LogSettings:
-    """What :func:`configure_logging` set up, for a child process to log the same way."""
-    return _current
+    """What :func:`configure_logging` set up, for a child process to log the same way (less the
+    fallback descriptor, which a child does not inherit)."""
+    return _current.model_copy(update={"log_fallback_fd": None})
 
 
 def log_format() -> Literal["console", "json"]:

@@ -10,7 +10,6 @@ is fed the JSON log records of shard workers (a local sharded run, see :mod:`sho
 
 from __future__ import annotations
 
-import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,8 +59,16 @@ class RunProgress:
     not run again), so ``total - before`` episodes are expected from this invocation."""
 
     def __init__(
-        self, total: int, *, before: int = 0, description: str = "episodes", enabled: bool = True, console: Console | None = None
+        self,
+        total: int,
+        *,
+        before: int = 0,
+        description: str = "episodes",
+        enabled: bool = True,
+        console: Console | None = None,
+        auto_refresh: bool = True,
     ) -> None:
+        """``auto_refresh=False``: no redraw thread; the owner calls :meth:`tick` instead."""
         self.total = total
         self.before = before
         self.completed = 0
@@ -79,6 +86,7 @@ class RunProgress:
             TimeRemainingColumn(),
             console=console or Console(stderr=True),
             disable=not enabled,
+            auto_refresh=auto_refresh,
         )
         self._task = self._progress.add_task(
             description, total=max(0, total - before), overall=total, before=before, reward="-", failed=0, retries=0
@@ -94,6 +102,10 @@ class RunProgress:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
         self._progress.stop()
+
+    def tick(self) -> None:
+        """Redraw (the clock columns move even when no episode finishes)."""
+        self._progress.refresh()
 
     def on_trace(self, record: dict[str, Any], will_retry: bool = False) -> None:
         """Count a persisted attempt; at debug level also log it (the line a shard worker logs)."""
@@ -157,32 +169,30 @@ class ShardedRunProgress(RunProgress):
 
     A worker says how far its shard already is when it starts (``shard_resumed`` with
     ``completed``, ``shard_already_committed``, ``shard_committed_with_failures``) and logs
-    ``episode_finished`` (status, reward, will_retry) for every attempt it saves. Records arrive
-    on one reader thread per worker, hence the lock."""
+    ``episode_finished`` (status, reward, will_retry) for every attempt it saves."""
 
     def __init__(self, jobs_per_shard: list[int], *, enabled: bool = True, console: Console | None = None) -> None:
-        super().__init__(sum(jobs_per_shard), enabled=enabled, console=console)
+        # Redrawn by the executor's loop (tick), not by a thread of its own: see executor._WorkerOutput.
+        super().__init__(sum(jobs_per_shard), enabled=enabled, console=console, auto_refresh=False)
         self._shards = [_ShardState(jobs) for jobs in jobs_per_shard]
         self._rewards: dict[str, float] = {}
-        self._lock = threading.Lock()
 
     def on_worker_event(self, shard: int, record: dict[str, Any]) -> None:
         if not 0 <= shard < len(self._shards):
             return
         state = self._shards[shard]
         event = record.get("event")
-        with self._lock:
-            if event == "shard_resumed" and isinstance(record.get("completed"), int):
-                state.start(record["completed"])
-            elif event == "shard_already_committed":
-                state.start(state.jobs)
-            elif event == "shard_committed_with_failures":
-                state.start(state.jobs)  # its failures are final: --no-retry-failed
-            elif event == "episode_finished":
-                self._on_episode(state, record)
-            else:
-                return
-            self._refresh()
+        if event == "shard_resumed" and isinstance(record.get("completed"), int):
+            state.start(record["completed"])
+        elif event == "shard_already_committed":
+            state.start(state.jobs)
+        elif event == "shard_committed_with_failures":
+            state.start(state.jobs)  # its failures are final: --no-retry-failed
+        elif event == "episode_finished":
+            self._on_episode(state, record)
+        else:
+            return
+        self._refresh()
 
     def _on_episode(self, state: _ShardState, record: dict[str, Any]) -> None:
         episode_id = str(record.get("episode_id"))

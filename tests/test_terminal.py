@@ -182,6 +182,26 @@ def test_a_log_line_to_a_closed_pipe_is_dropped(monkeypatch: pytest.MonkeyPatch)
         closed_pipe.close()
 
 
+def test_after_the_pipe_closes_logs_go_to_the_fallback_descriptor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker of a coordinator that died: its lines go on to the coordinator's stderr copy."""
+    fallback_read, fallback_write = os.pipe()
+    monkeypatch.setenv("SHOPSIMRL_LOG_FORMAT", "json")
+    monkeypatch.setenv("SHOPSIMRL_LOG_FALLBACK_FD", str(fallback_write))
+    logs.configure_logging()
+    assert logs.current_settings().log_fallback_fd is None  # not for child processes
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    closed_pipe = io.TextIOWrapper(io.FileIO(write_end, "w"), write_through=True)  # unbuffered, as Python's stderr is
+    monkeypatch.setattr(sys, "stderr", closed_pipe)
+    structlog.get_logger("test").warning("SIGTERM: stopping")
+    structlog.get_logger("test").warning("worker_stopped", exit_code=3)
+    monkeypatch.undo()
+    closed_pipe.close()  # now a copy of the fallback
+    os.close(fallback_write)
+    with os.fdopen(fallback_read) as fallback:
+        assert [json.loads(line)["event"] for line in fallback] == ["SIGTERM: stopping", "worker_stopped"]
+
+
 # --------------------------------------------------------------------------- the live bar, in process
 
 
@@ -345,6 +365,11 @@ class Coordinator:
         assert self.process.stdout is not None
         return code, self.process.stdout.read()
 
+    def drain(self, timeout: float = 30) -> None:
+        """Read stderr to its end: every process writing to it (the workers too) has exited."""
+        self._reader.join(timeout)
+        assert not self._reader.is_alive(), "stderr still open"
+
     def worker_pids(self) -> list[int]:
         return [int(m.group(1)) for line in self.lines if "index_started" in line and (m := re.search(r"pid=(\d+)", line))]
 
@@ -408,8 +433,8 @@ def test_sigterm_to_the_coordinator_stops_every_worker_and_frees_their_leases(sl
 @pytest.mark.slow
 def test_a_killed_coordinator_leaves_no_worker_holding_leases(slow_bed: LocalTestbed, tmp_path: Path) -> None:
     """kill -9 of the coordinator: its workers get SIGTERM (PR_SET_PDEATHSIG) and find their log
-    pipe closed; logging must not keep them from stopping: they release every lease and exit
-    without running their shards to the end."""
+    pipe closed. They log on to the coordinator's stderr (the fallback descriptor), release
+    every lease and exit without running their shards to the end."""
     config = write_config(tmp_path, name="orphans", sample_size=40, concurrency=2)
     run = tmp_path / "run"
     coordinator = Coordinator([*SHOPSIMRL, "run", str(config), "--shards", "2", "--run", str(run)], bed_env(slow_bed))
@@ -426,3 +451,6 @@ def test_a_killed_coordinator_leaves_no_worker_holding_leases(slow_bed: LocalTes
         time.sleep(0.1)
     assert not any(map(alive, pids))
     assert not list(run.glob("shards/*/_SUCCESS*.json")), "a worker ran its shard to the end instead of stopping"
+    coordinator.drain()
+    last_words = [json.loads(line) for line in coordinator.lines if line.startswith("{")]
+    assert sorted(record["shard"] for record in last_words if record["event"].startswith("SIGTERM: stopping")) == [0, 1]
