@@ -441,7 +441,7 @@ def summarize(
 
 
 def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> tuple[dict[str, Any], list[int]]:
-    """Write or verify the frozen sharded plan; returns plan's report of it and the shards' job counts."""
+    """Write or verify the frozen sharded plan; returns its part of `plan`'s report and every shard's job count."""
     from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
     from shopsimrl.worker import plan_run
 
