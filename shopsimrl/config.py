@@ -271,12 +271,6 @@ class WorkerSettings(BaseSettings):
     shard_index: int | None = Field(
         default=None, ge=0, validation_alias=AliasChoices("SHOPSIMRL_SHARD_INDEX", "JOB_COMPLETION_INDEX", "shard_index")
     )
-    log_format: Literal["console", "json"] = "console"
-
-    @field_validator("log_format", mode="before")
-    @classmethod
-    def _lowercase(cls, value: Any) -> Any:
-        return value.strip().lower() if isinstance(value, str) else value
     model_base_url: str | None = None
     env_base_url: str | None = None
     concurrency: int | None = Field(default=None, ge=1)

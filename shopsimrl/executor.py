@@ -13,11 +13,25 @@ Stopping: SIGTERM/SIGINT are passed on to every worker as SIGTERM, and the execu
 them to save their traces and release their leases (each bounds that by its own grace period).
 On Linux each worker also gets SIGTERM if the executor itself dies (even by kill -9), so no
 worker outlives it holding leases.
+
+Workers' output: each worker logs JSON lines (``SHOPSIMRL_LOG_FORMAT=json``) to a pipe that the
+executor's loop drains. Every record is handed to ``on_event`` (the progress bar
+learns from ``shard_resumed`` and ``episode_finished``) and logged again by the executor at the
+record's level, so it reaches the user through the executor's own log set-up (console or JSON,
+``-q``/``-v``, the progress bar's console); the per-episode records are relayed at debug level.
+Anything a worker writes that is not a JSON record (a traceback, an ``error:`` line) is passed
+on as it is, prefixed with the shard. Workers log at info (debug when the executor does), so
+progress is learned whatever level the user chose. Each worker also gets a copy of the
+executor's stderr (``SHOPSIMRL_LOG_FALLBACK_FD``): if the executor dies and the pipe closes, the
+worker writes there from then on, so its last lines (stopping, releasing leases) still show.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -25,9 +39,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
 import structlog
 
+from shopsimrl import logs
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.stopping import die_with_parent
 
@@ -37,6 +53,14 @@ log = structlog.get_logger("shopsimrl.executor")
 
 _FINAL_CODES = {int(ExitCode.OK), int(ExitCode.BAD_INPUT), int(ExitCode.FINGERPRINT_MISMATCH)}
 _REPORTED_CODES = _FINAL_CODES | {int(ExitCode.EPISODES_FAILED)}
+
+# One line per episode attempt or per part: the progress bar stands for them at the default level.
+_RELAYED_AT_DEBUG = {"episode_finished", "part_written"}
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
+# How long a finished worker's last lines may take to arrive before its outcome is logged.
+_DRAIN_S = 5.0
+
+WorkerEventListener = Callable[[int, dict[str, Any]], None]
 
 
 @dataclass
@@ -84,6 +108,99 @@ def _die_with_parent() -> Callable[[], None] | None:
     return lambda: die_with_parent(parent)
 
 
+def _parse_record(line: str) -> dict[str, Any] | None:
+    """A worker's JSON log record, or None for any other line."""
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("event"), str) else None
+
+
+def _relay(index: int, line: str, on_event: WorkerEventListener | None) -> None:
+    record = _parse_record(line)
+    if record is None:
+        if logs.log_format() == "json":
+            log.warning("worker_output", shard=index, line=line)
+        else:
+            logs.print_line(f"shard {index} | {line}")
+        return
+    if on_event is not None:
+        on_event(index, dict(record))
+    event = record.pop("event")
+    name = str(record.pop("level", "info")).lower()
+    record.pop("timestamp", None)  # the relayed line is stamped again, a pipe's latency later
+    level = logging.DEBUG if event in _RELAYED_AT_DEBUG else _LEVELS.get(name, logging.INFO)
+    record.setdefault("shard", index)
+    log.log(level, event, **record)
+
+
+class _WorkerOutput:
+    """One worker's stderr pipe, read without blocking by the executor's own loop.
+
+    No reader threads: on Linux a child's parent-death signal (``die_with_parent``) is sent
+    each time the thread that started it, or a thread it was handed to, exits. With threads a
+    kill -9 of the executor would signal the workers while the pipe is still open, and the
+    line a worker logs on stopping would be lost in it."""
+
+    def __init__(self, index: int, stream: IO[bytes], on_event: WorkerEventListener | None) -> None:
+        self.index = index
+        self.stream = stream
+        self.on_event = on_event
+        self.open = True
+        self._partial = b""
+        os.set_blocking(stream.fileno(), False)
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def pump(self) -> None:
+        """Relay every whole line there is now; at the end of the stream also the last partial one."""
+        while self.open:
+            try:
+                data = os.read(self.stream.fileno(), 65536)
+            except BlockingIOError:
+                return
+            if not data:
+                self.open = False
+                self.stream.close()
+                data, self._partial = self._partial + b"\n", b""
+            *lines, self._partial = (self._partial + data).split(b"\n")
+            for raw in lines:
+                self._relay(raw.decode("utf-8", errors="replace").rstrip("\r"))
+
+    def _relay(self, line: str) -> None:
+        if not line:
+            return
+        try:
+            _relay(self.index, line, self.on_event)
+        except Exception as exc:  # one bad record must not stop the relay: the pipe would fill
+            log.error("worker_output_unreadable", shard=self.index, error=f"{type(exc).__name__}: {exc}", line=line[:300])
+
+
+def _pump(outputs: list[_WorkerOutput], timeout: float) -> None:
+    """Wait up to ``timeout`` for worker output and relay it."""
+    live = [output for output in outputs if output.open]
+    if not live:
+        time.sleep(timeout)
+        return
+    ready, _, _ = select.select(live, [], [], timeout)
+    for output in ready:
+        output.pump()
+
+
+def _drain(output: _WorkerOutput, timeout: float) -> None:
+    """Relay a finished worker's last lines (a traceback) until its pipe closes or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while output.open and time.monotonic() < deadline:
+        _pump([output], max(0.0, deadline - time.monotonic()))
+    if output.open:  # a process the worker left behind holds the pipe: stop reading it
+        output.open = False
+        output.stream.close()
+
+
 def run_indexed(
     run: str,
     config: Path,
@@ -97,15 +214,32 @@ def run_indexed(
     env: dict[str, str] | None = None,
     poll_interval_s: float = 0.1,
     stop_timeout_s: float = 120.0,
+    on_event: WorkerEventListener | None = None,
+    on_tick: Callable[[], None] | None = None,
 ) -> ShardedRunResult:
-    """Run indexes 0…shards-1 as worker processes, at most ``parallelism`` at once."""
+    """Run indexes 0…shards-1 as worker processes, at most ``parallelism`` at once.
+
+    ``on_event(index, record)`` receives every JSON log record of the workers; ``on_tick()`` is
+    called about every ``poll_interval_s`` (a progress bar redraws its clock)."""
     parallelism = max(1, min(parallelism or shards, shards))
-    base_env = {**os.environ, **(env or {})}
+    worker_level = "debug" if logs.level() == "debug" else "info"
+    # Where a worker logs if this process dies and its pipe closes: this process's own stderr.
+    fallback_fd = os.dup(2)
+    base_env = {
+        **os.environ, **(env or {}),
+        "SHOPSIMRL_LOG_FORMAT": "json", "SHOPSIMRL_LOG_LEVEL": worker_level, "SHOPSIMRL_LOG_FALLBACK_FD": str(fallback_fd),
+    }
     outcomes = [IndexOutcome(i) for i in range(shards)]
     waiting = list(range(shards))  # indexes not yet started (or due for a restart)
     not_before: dict[int, float] = {}
     running: dict[int, subprocess.Popen[bytes]] = {}
+    outputs: dict[int, _WorkerOutput] = {}
     interrupted = False
+
+    def wait(timeout: float) -> None:
+        _pump(list(outputs.values()), timeout)
+        if on_tick is not None:
+            on_tick()
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal interrupted
@@ -132,8 +266,12 @@ def run_indexed(
                     _worker_command(run, config, shards, final_test, retry_failed),
                     env={**base_env, "JOB_COMPLETION_INDEX": str(index), "SHOPSIMRL_PARALLELISM": str(parallelism)},
                     stdin=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(fallback_fd,),
                     preexec_fn=preexec,
                 )
+                assert running[index].stderr is not None
+                outputs[index] = _WorkerOutput(index, running[index].stderr, on_event)
                 log.info("index_started", index=index, pid=running[index].pid, restarts=outcomes[index].restarts)
             if interrupted and not running:
                 break
@@ -142,6 +280,7 @@ def run_indexed(
                 if code is None:
                     continue
                 del running[index]
+                _drain(outputs.pop(index), _DRAIN_S)  # its last lines (a traceback) before its outcome
                 outcome = outcomes[index]
                 outcome.exit_codes.append(code)
                 outcome.exit_code = code
@@ -155,7 +294,7 @@ def run_indexed(
                     log.warning("index_restarting", index=index, exit_code=code, restart=outcome.restarts)
                 else:
                     log.error("index_failed", index=index, exit_code=code, restarts=outcome.restarts)
-            time.sleep(poll_interval_s)
+            wait(poll_interval_s)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -163,10 +302,14 @@ def run_indexed(
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + stop_timeout_s
+        while any(process.poll() is None for process in running.values()) and time.monotonic() < deadline:
+            wait(min(poll_interval_s, max(0.0, deadline - time.monotonic())))  # relaying what they log while they stop
         for process in running.values():
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if process.poll() is None:
                 log.error("worker_killed", pid=process.pid, after_s=stop_timeout_s)
                 process.kill()
+                process.wait()
+        for output in outputs.values():
+            _drain(output, _DRAIN_S)
+        os.close(fallback_fd)
     return ShardedRunResult(outcomes, interrupted)

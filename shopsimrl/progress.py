@@ -1,51 +1,122 @@
-"""Live progress of a run on the terminal: a rich bar with the running reward mean and failures."""
+"""Live progress of a run on the terminal: a rich bar with the running reward mean and failures.
+
+The bar counts the whole plan: ``73 + 327 / 400`` means 73 episodes were settled by earlier
+invocations and 327 by this one. Rate and ETA come from this invocation's episodes only. While
+the bar is shown, log lines are printed through its console (:func:`shopsimrl.logs.live_console`).
+
+:class:`RunProgress` is fed persisted traces (a single-process run); :class:`ShardedRunProgress`
+is fed the JSON log records of shard workers (a local sharded run, see :mod:`shopsimrl.executor`).
+"""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress_bar import ProgressBar
+from rich.text import Text
 
-__all__ = ["RunProgress"]
+from shopsimrl.logs import live_console
+
+__all__ = ["RunProgress", "ShardedRunProgress"]
+
+log = structlog.get_logger("shopsimrl.progress")
+
+
+class _WholePlanBar(BarColumn):
+    """The bar over the whole plan; the rich task itself counts only this invocation's episodes."""
+
+    def render(self, task: Task) -> ProgressBar:
+        return ProgressBar(
+            total=max(0, task.fields["overall"]),
+            completed=max(0, task.fields["before"] + task.completed),
+            width=None if self.bar_width is None else max(1, self.bar_width),
+            pulse=not task.started,
+            animation_time=task.get_time(),
+            style=self.style,
+            complete_style=self.complete_style,
+            finished_style=self.finished_style,
+            pulse_style=self.pulse_style,
+        )
+
+
+class _CountColumn(ProgressColumn):
+    """``done/total``, or ``before + done / total`` when earlier invocations settled some."""
+
+    def render(self, task: Task) -> Text:
+        done, before, overall = int(task.completed), task.fields["before"], task.fields["overall"]
+        return Text(f"{before} + {done} / {overall}" if before else f"{done}/{overall}", style="progress.download")
 
 
 class RunProgress:
-    """Feed it every persisted trace; it shows completed/failed counts and the reward mean so far."""
+    """Feed it every persisted trace; it shows settled/failed counts and the reward mean so far.
 
-    def __init__(self, total: int, *, description: str = "episodes", enabled: bool = True) -> None:
+    ``total`` is the plan's episode count, ``before`` those an earlier invocation settled (they are
+    not run again), so ``total - before`` episodes are expected from this invocation."""
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        before: int = 0,
+        description: str = "episodes",
+        enabled: bool = True,
+        console: Console | None = None,
+        auto_refresh: bool = True,
+    ) -> None:
+        """``auto_refresh=False``: no redraw thread; the owner calls :meth:`tick` instead."""
         self.total = total
+        self.before = before
         self.completed = 0
         self.failed = 0
         self.retries = 0
         self._reward_sum = 0.0
         self._scored = 0
+        self.enabled = enabled
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
+            _WholePlanBar(),
+            _CountColumn(),
             TextColumn("reward {task.fields[reward]}  failed {task.fields[failed]}  retried {task.fields[retries]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
-            console=Console(stderr=True),
+            console=console or Console(stderr=True),
             disable=not enabled,
+            auto_refresh=auto_refresh,
         )
-        self._task = self._progress.add_task(description, total=total, reward="-", failed=0, retries=0)
+        self._task = self._progress.add_task(
+            description, total=max(0, total - before), overall=total, before=before, reward="-", failed=0, retries=0
+        )
+        self._stack = ExitStack()
 
     def __enter__(self) -> RunProgress:
-        self._progress.start()
+        if self.enabled:
+            self._progress.start()
+            self._stack.enter_context(live_console(self._progress.console))
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stack.close()
         self._progress.stop()
 
+    def tick(self) -> None:
+        """Redraw (the clock columns move even when no episode finishes)."""
+        self._progress.refresh()
+
     def on_trace(self, record: dict[str, Any], will_retry: bool = False) -> None:
+        """Count a persisted attempt; at debug level also log it (the line a shard worker logs)."""
+        final = record.get("final") if isinstance(record.get("final"), dict) else {}
+        log.debug(
+            "episode_finished", episode_id=record.get("episode_id"), status=record.get("status"), reward=final.get("reward"),
+            failure_class=record.get("failure_class"), will_retry=will_retry,
+        )
         if record.get("status") == "completed":
             self.completed += 1
-            reward = (record.get("final") or {}).get("reward")
-            if isinstance(reward, (int, float)) and not isinstance(reward, bool):
-                self._reward_sum += float(reward)
-                self._scored += 1
+            self._add_reward(record)
             advance = 1
         elif will_retry:
             self.retries += 1
@@ -53,5 +124,96 @@ class RunProgress:
         else:
             self.failed += 1
             advance = 1
-        mean = f"{self._reward_sum / self._scored:.3f}" if self._scored else "-"
-        self._progress.update(self._task, advance=advance, reward=mean, failed=self.failed, retries=self.retries)
+        self._progress.update(self._task, advance=advance, reward=self._mean(), failed=self.failed, retries=self.retries)
+
+    def _add_reward(self, record: dict[str, Any]) -> None:
+        reward = (record.get("final") or {}).get("reward")
+        if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+            self._reward_sum += float(reward)
+            self._scored += 1
+
+    def _mean(self) -> str:
+        return f"{self._reward_sum / self._scored:.3f}" if self._scored else "-"
+
+
+@dataclass
+class _ShardState:
+    """One shard as its workers' log lines describe it (a restarted worker starts a new process view)."""
+
+    jobs: int
+    before: int | None = None
+    """Episodes settled when the first worker of this invocation started; None until it says."""
+    settled_at_start: int = 0
+    """Episodes settled when the current worker process started."""
+    completed: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+
+    def start(self, settled: int) -> None:
+        if self.before is None:
+            self.before = settled
+        self.settled_at_start = settled
+        # What the previous process finished is in ``settled`` if it was saved; if not, it runs again.
+        self.completed.clear()
+        self.failed.clear()
+
+    @property
+    def done(self) -> int:
+        """Episodes settled by this invocation so far."""
+        if self.before is None:
+            return len(self.completed) + len(self.failed)
+        return max(0, self.settled_at_start - self.before + len(self.completed) + len(self.failed))
+
+
+class ShardedRunProgress(RunProgress):
+    """The aggregated bar of a local sharded run, fed the workers' JSON log records.
+
+    A worker says how far its shard already is when it starts (``shard_resumed`` with
+    ``completed``, ``shard_already_committed``, ``shard_committed_with_failures``) and logs
+    ``episode_finished`` (status, reward, will_retry) for every attempt it saves."""
+
+    def __init__(self, jobs_per_shard: list[int], *, enabled: bool = True, console: Console | None = None) -> None:
+        # Redrawn by the executor's loop (tick), not by a thread of its own: see executor._WorkerOutput.
+        super().__init__(sum(jobs_per_shard), enabled=enabled, console=console, auto_refresh=False)
+        self._shards = [_ShardState(jobs) for jobs in jobs_per_shard]
+        self._rewards: dict[str, float] = {}
+
+    def on_worker_event(self, shard: int, record: dict[str, Any]) -> None:
+        if not 0 <= shard < len(self._shards):
+            return
+        state = self._shards[shard]
+        event = record.get("event")
+        if event == "shard_resumed" and isinstance(record.get("completed"), int):
+            state.start(record["completed"])
+        elif event == "shard_already_committed":
+            state.start(state.jobs)
+        elif event == "shard_committed_with_failures":
+            state.start(state.jobs)  # its failures are final: --no-retry-failed
+        elif event == "episode_finished":
+            self._on_episode(state, record)
+        else:
+            return
+        self._refresh()
+
+    def _on_episode(self, state: _ShardState, record: dict[str, Any]) -> None:
+        episode_id = str(record.get("episode_id"))
+        if record.get("status") == "completed":
+            state.completed.add(episode_id)
+            state.failed.discard(episode_id)
+            reward = record.get("reward")
+            if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+                self._rewards[episode_id] = float(reward)
+        elif record.get("will_retry"):
+            self.retries += 1
+        else:
+            state.failed.add(episode_id)
+
+    def _refresh(self) -> None:
+        self.before = sum(state.before or 0 for state in self._shards)
+        self.completed = sum(len(state.completed) for state in self._shards)
+        self.failed = sum(len(state.failed) for state in self._shards)
+        done = sum(state.done for state in self._shards)
+        mean = f"{sum(self._rewards.values()) / len(self._rewards):.3f}" if self._rewards else "-"
+        self._progress.update(
+            self._task, total=max(0, self.total - self.before), completed=done, before=self.before,
+            reward=mean, failed=self.failed, retries=self.retries,
+        )

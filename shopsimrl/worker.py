@@ -36,6 +36,7 @@ import structlog
 from shopsimrl import eventloop
 from shopsimrl.config import ConfigError, WorkerSettings, load_experiment_config
 from shopsimrl.exitcodes import ExitCode
+from shopsimrl.logs import LogSettings, current_settings
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.schemas import EpisodeJob, fingerprint, is_completed
 from shopsimrl.shardstore import (
@@ -377,7 +378,7 @@ class _SliceSpec:
     writer: str
     first_seq: int
     sharing: int
-    log_format: str
+    log_settings: LogSettings
     parent: int
     session: str
     plan_fingerprint: str
@@ -402,7 +403,7 @@ def _evaluate_in_processes(
             options=options, shard=shard, episode_ids=ids,
             prior_attempts={eid: state.attempts[eid] for eid in ids if eid in state.attempts},
             writer=secrets.token_hex(4), first_seq=state.next_seq, sharing=sharing,
-            log_format=options.settings.log_format, parent=os.getpid(),
+            log_settings=current_settings(), parent=os.getpid(),
             session=session, plan_fingerprint=plan_fingerprint, resumed=frozenset(state.completed),
         )
         receive, send = context.Pipe(duplex=False)
@@ -453,7 +454,7 @@ def _slice_main(spec: _SliceSpec, send: Any) -> None:
     die_with_parent(spec.parent)
     for signum in STOP_SIGNALS:  # until _evaluate's graceful stop takes over
         signal.signal(signum, _terminated)
-    configure_logging(spec.log_format)  # type: ignore[arg-type]
+    configure_logging(settings=spec.log_settings)
     options = spec.options
     store = ShardedRunStore(options.run)
     structlog.contextvars.bind_contextvars(run=store.display_uri, shard=spec.shard, writer=spec.writer)

@@ -22,7 +22,7 @@ def cli(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subp
 
 
 def test_plan_val_lists_400_reference_seeded_episodes() -> None:
-    first, second = cli("plan", "configs/qwen35_4b_val.yaml"), cli("plan", "configs/qwen35_4b_val.yaml")
+    first, second = cli("plan", "configs/qwen35_4b_val.yaml", "--json"), cli("plan", "configs/qwen35_4b_val.yaml", "--json")
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
     assert report["episodes"] == 400 and report["selected_tasks"] == 400 and report["persona"] is True
@@ -38,7 +38,7 @@ def test_plan_val_lists_400_reference_seeded_episodes() -> None:
 def test_test_split_guard(tmp_path: Path) -> None:
     refused = cli("plan", "configs/qwen35_4b_test.yaml")
     assert refused.returncode == 2 and "--final-test" in refused.stderr
-    allowed = cli("plan", "configs/qwen35_4b_test.yaml", "--final-test")
+    allowed = cli("plan", "configs/qwen35_4b_test.yaml", "--final-test", "--json")
     assert allowed.returncode == 0, allowed.stderr
     assert json.loads(allowed.stdout)["test_guard"] == {"held_out_split": True, "final_test": True}
     bank = tmp_path / "bank.json"
