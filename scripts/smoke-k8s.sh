@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # End-to-end smoke run on a kind cluster: MinIO from k8s/overlays/smoke, the chart in testbed
-# mode (heuristic policy + synthetic shop), an Indexed Job of 2 shards, then `make reduce` from
-# this machine through a port-forward. Fails unless the Job completes and coverage is 1.0.
+# mode (heuristic policy + synthetic shop from the testbed image), an Indexed Job of 2 shards and
+# the in-cluster reducer Job watching it (the kube image). Fails unless both Jobs complete, the
+# reducer's summary.json is complete with coverage 1.0, and `make reduce` from this machine
+# (through a port-forward) agrees with it. Whatever happens, ARTIFACTS_DIR receives the summary,
+# every pod's logs, `kubectl describe` of the Jobs and pods, and the namespace's events.
 #
-# Needs docker, kind, and the project venv (make install). `make smoke-k8s` builds the image
-# and installs Helm first; run this script directly only after that.
+#   scripts/smoke-k8s.sh               the smoke run (`make smoke-k8s` builds the images first)
+#   scripts/smoke-k8s.sh --preflight   only check docker (and its daemon), kind and python
 #
 # Env: KIND_CLUSTER (shopsimrl-smoke)  IMAGE (shopsimrl)  IMAGE_TAG (dev)  NAMESPACE
 #      (shopsimrl-smoke)  RELEASE (smoke)  TIMEOUT_S (900)  HELM / KUBECTL (.tools/bin/*)
-#      KIND (kind)  PYTHON (.venv/bin/python)  MAKE (make)
+#      DOCKER (docker)  KIND (kind)  PYTHON (.venv/bin/python)  MAKE (make)
+#      ARTIFACTS_DIR (.cache/smoke-k8s)
+# The images are IMAGE (workers), IMAGE-kube (the reducer: it reads its worker Job through the
+# Kubernetes API) and IMAGE-testbed (shop and policy), all tagged IMAGE_TAG.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$repo_root"
 
+DOCKER="${DOCKER:-docker}"
 KIND="${KIND:-kind}"
 KIND_CLUSTER="${KIND_CLUSTER:-shopsimrl-smoke}"
 IMAGE="${IMAGE:-shopsimrl}"
@@ -25,100 +31,185 @@ HELM="${HELM:-$repo_root/.tools/bin/helm}"
 KUBECTL="${KUBECTL:-$repo_root/.tools/bin/kubectl}"
 PYTHON="${PYTHON:-$repo_root/.venv/bin/python}"
 MAKE="${MAKE:-make}"
+ARTIFACTS_DIR="${ARTIFACTS_DIR:-$repo_root/.cache/smoke-k8s}"
 CHART="helm/shopsimrl"
+OVERLAY="k8s/overlays/smoke"
 CONTEXT="kind-$KIND_CLUSTER"
+FORWARD_PID=""
 
 log() { printf '[smoke-k8s] %s\n' "$*" >&2; }
 die() { log "FAILED: $*"; exit 1; }
 kc() { "$KUBECTL" --context "$CONTEXT" -n "$NAMESPACE" "$@"; }
 
-for tool in docker "$KIND" "$HELM" "$KUBECTL" "$PYTHON"; do
-  command -v "$tool" >/dev/null 2>&1 || die "missing $tool (make install; make helm-bin; install docker and kind)"
-done
+# Docker first, with its daemon: without one, `docker build` would fail later with less to say.
+preflight() {
+  command -v "$DOCKER" >/dev/null 2>&1 \
+    || { log "needs Docker ($DOCKER is not on PATH): install Docker, or set DOCKER"; return 2; }
+  "$DOCKER" info >/dev/null 2>&1 \
+    || { log "needs a running Docker daemon ($DOCKER info fails: is dockerd up, may this user reach it?)"; return 2; }
+  command -v "$KIND" >/dev/null 2>&1 \
+    || { log "needs kind ($KIND is not on PATH): https://kind.sigs.k8s.io, or set KIND"; return 2; }
+  [ -x "$PYTHON" ] || { log "needs the project's venv ($PYTHON): make install"; return 2; }
+}
 
-diagnostics() {
-  log "diagnostics for namespace $NAMESPACE"
-  kc get jobs,pods,svc -o wide || true
-  kc describe jobs -l "app.kubernetes.io/instance=$RELEASE" || true
+# wait_for_port PORT TRIES [PID]: 0 once 127.0.0.1:PORT accepts a connection; 1 when it did not
+# within TRIES seconds, or as soon as the process PID (the port-forward) is gone.
+wait_for_port() {
+  local port=$1 tries=$2 pid=${3:-} _
+  for _ in $(seq 1 "$tries"); do
+    if [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null; then return 1; fi
+    "$PYTHON" -c "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1).close()" \
+      "$port" 2>/dev/null && return 0
+    sleep 1
+  done
+  return 1
+}
+
+# wait_for_job JOB TIMEOUT_S: poll both terminal conditions (`kubectl wait --for=condition=Complete`
+# would sit out the whole timeout on a Job that already failed). 0 Complete, 1 Failed, 2 timeout.
+wait_for_job() {
+  local job=$1 deadline=$(( $(date +%s) + $2 )) state
+  while [ "$(date +%s)" -lt "$deadline" ]; do
+    state="$(kc get job "$job" -o jsonpath='{range .status.conditions[?(@.status=="True")]}{.type} {end}')"
+    case " $state " in
+      *" Complete "*) return 0 ;;
+      *" Failed "*) return 1 ;;
+    esac
+    sleep 5
+  done
+  return 2
+}
+
+secret_value() { kc get secret minio-credentials -o "jsonpath={.data.$1}" | base64 -d; }
+
+# The newest Job of one chart component (worker or reducer) of this release.
+job_of() {
+  kc get jobs -l "app.kubernetes.io/instance=$RELEASE,app.kubernetes.io/component=$1" \
+    --sort-by=.metadata.creationTimestamp -o jsonpath='{.items[-1:].metadata.name}'
+}
+
+# Everything a failed (or passed) run needs to be understood afterwards; never a Secret's data.
+collect_artifacts() {
+  mkdir -p "$ARTIFACTS_DIR/logs"
+  log "collecting artifacts into $ARTIFACTS_DIR"
+  kc get jobs,pods,svc,configmaps -o wide >"$ARTIFACTS_DIR/resources.txt" 2>&1 || true
+  kc describe jobs,pods -l "app.kubernetes.io/instance=$RELEASE" >"$ARTIFACTS_DIR/describe.txt" 2>&1 || true
+  kc describe deployments,pods -l "app.kubernetes.io/name=minio" >>"$ARTIFACTS_DIR/describe.txt" 2>&1 || true
+  kc get events --sort-by=.lastTimestamp >"$ARTIFACTS_DIR/events.txt" 2>&1 || true
+  local pod
   for pod in $(kc get pods -l "app.kubernetes.io/instance=$RELEASE" -o name 2>/dev/null); do
-    log "logs of $pod"
-    kc logs "$pod" --all-containers --tail=80 || true
+    kc logs "$pod" --all-containers --prefix >"$ARTIFACTS_DIR/logs/${pod#pod/}.log" 2>&1 || true
   done
 }
 
-if ! "$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER"; then
-  log "creating kind cluster $KIND_CLUSTER"
-  "$KIND" create cluster --name "$KIND_CLUSTER" --wait 180s
-fi
-log "loading $IMAGE:$IMAGE_TAG into the cluster"
-"$KIND" load docker-image "$IMAGE:$IMAGE_TAG" --name "$KIND_CLUSTER"
+main() {
+  cd "$repo_root"
+  preflight || exit $?
+  if [ "${1:-}" = "--preflight" ]; then return 0; fi
+  for tool in "$HELM" "$KUBECTL"; do
+    [ -x "$tool" ] || die "missing $tool (make helm-bin)"
+  done
+  rm -rf "$ARTIFACTS_DIR"
+  mkdir -p "$ARTIFACTS_DIR"
+  trap 'collect_artifacts; [ -z "$FORWARD_PID" ] || kill "$FORWARD_PID" 2>/dev/null || true' EXIT
 
-log "deploying MinIO (k8s/overlays/smoke)"
-"$KUBECTL" --context "$CONTEXT" apply -k k8s/overlays/smoke
-kc rollout status deployment/minio --timeout=300s
-kc wait --for=condition=Complete job/minio-make-bucket --timeout=300s
+  if ! "$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER"; then
+    log "creating kind cluster $KIND_CLUSTER"
+    "$KIND" create cluster --name "$KIND_CLUSTER" --wait 180s
+  fi
+  local image
+  for image in "$IMAGE" "$IMAGE-kube" "$IMAGE-testbed"; do
+    log "loading $image:$IMAGE_TAG into the cluster"
+    "$KIND" load docker-image "$image:$IMAGE_TAG" --name "$KIND_CLUSTER"
+  done
 
-log "installing release $RELEASE in testbed mode"
-if ! "$HELM" --kube-context "$CONTEXT" upgrade --install "$RELEASE" "$CHART" \
+  log "deploying MinIO ($OVERLAY)"
+  "$KUBECTL" --context "$CONTEXT" apply -k "$OVERLAY"
+  kc rollout status deployment/minio --timeout=300s
+  kc wait --for=condition=Complete job/minio-make-bucket --timeout=300s
+
+  log "installing release $RELEASE in testbed mode"
+  "$HELM" --kube-context "$CONTEXT" upgrade --install "$RELEASE" "$CHART" \
     --namespace "$NAMESPACE" -f "$CHART/ci/testbed-smoke-values.yaml" \
     --set "worker.image.repository=$IMAGE" --set "worker.image.tag=$IMAGE_TAG" \
-    --wait --timeout 5m; then
-  diagnostics; die "helm install"
-fi
+    --set "reducer.image.repository=$IMAGE-kube" --set "testbed.image.repository=$IMAGE-testbed" \
+    --wait --timeout 5m || die "helm install"
 
-selector="app.kubernetes.io/instance=$RELEASE,app.kubernetes.io/component=worker"
-job="$(kc get jobs -l "$selector" --sort-by=.metadata.creationTimestamp -o jsonpath='{.items[-1:].metadata.name}')"
-[ -n "$job" ] || { diagnostics; die "no worker Job for release $RELEASE"; }
-run_uri="$(kc get job "$job" -o jsonpath='{.metadata.annotations.shopsimrl\.io/run-uri}')"
-log "waiting for Job $job (run $run_uri), at most ${TIMEOUT_S}s"
+  local job reducer run_uri rc
+  job="$(job_of worker)"
+  reducer="$(job_of reducer)"
+  [ -n "$job" ] || die "no worker Job for release $RELEASE"
+  [ -n "$reducer" ] || die "no reducer Job for release $RELEASE (reducer.enabled in the smoke values?)"
+  run_uri="$(kc get job "$job" -o jsonpath='{.metadata.annotations.shopsimrl\.io/run-uri}')"
 
-# Poll both terminal conditions: `kubectl wait --for=condition=Complete` would sit out the whole
-# timeout on a Job that already failed.
-deadline=$(( $(date +%s) + TIMEOUT_S ))
-state=""
-while [ "$(date +%s)" -lt "$deadline" ]; do
-  state="$(kc get job "$job" -o jsonpath='{range .status.conditions[?(@.status=="True")]}{.type} {end}')"
-  case " $state " in
-    *" Complete "*) break ;;
-    *" Failed "*) diagnostics; die "Job $job failed (failed indexes: $(kc get job "$job" -o jsonpath='{.status.failedIndexes}'))" ;;
+  log "waiting for the worker Job $job (run $run_uri), at most ${TIMEOUT_S}s"
+  rc=0; wait_for_job "$job" "$TIMEOUT_S" || rc=$?
+  case $rc in
+    0) log "Job $job complete: indexes $(kc get job "$job" -o jsonpath='{.status.completedIndexes}')" ;;
+    1) die "Job $job failed (failed indexes: $(kc get job "$job" -o jsonpath='{.status.failedIndexes}'))" ;;
+    *) die "Job $job did not finish within ${TIMEOUT_S}s" ;;
   esac
-  sleep 5
-done
-case " $state " in *" Complete "*) ;; *) diagnostics; die "Job $job did not finish within ${TIMEOUT_S}s" ;; esac
-log "Job $job complete: indexes $(kc get job "$job" -o jsonpath='{.status.completedIndexes}')"
+  # The reducer waits for the shards' commit markers, then writes summary.json and exits 0.
+  log "waiting for the reducer Job $reducer, at most ${TIMEOUT_S}s"
+  rc=0; wait_for_job "$reducer" "$TIMEOUT_S" || rc=$?
+  case $rc in
+    0) log "reducer Job $reducer complete" ;;
+    1) die "reducer Job $reducer failed (its log is in $ARTIFACTS_DIR/logs)" ;;
+    *) die "reducer Job $reducer did not finish within ${TIMEOUT_S}s" ;;
+  esac
 
-# Reduce from this machine, as a user would, through a port-forward to MinIO.
-port="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-kc port-forward svc/minio "$port:9000" >/dev/null 2>&1 &
-forward_pid=$!
-trap 'kill "$forward_pid" 2>/dev/null || true' EXIT
-for _ in $(seq 1 30); do
-  "$PYTHON" -c "import socket; socket.create_connection(('127.0.0.1', $port), 1)" 2>/dev/null && break
-  sleep 1
-done
+  # Read the store from this machine, as a user would, through a port-forward to MinIO.
+  local port
+  port="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  kc port-forward --address 127.0.0.1 svc/minio "$port:9000" >"$ARTIFACTS_DIR/port-forward.log" 2>&1 &
+  FORWARD_PID=$!
+  wait_for_port "$port" 30 "$FORWARD_PID" \
+    || die "port-forward to svc/minio on 127.0.0.1:$port did not open: $(tail -n 5 "$ARTIFACTS_DIR/port-forward.log")"
 
-secret_value() { kc get secret minio-credentials -o "jsonpath={.data.$1}" | base64 -d; }
-AWS_ACCESS_KEY_ID="$(secret_value MINIO_ROOT_USER)"
-AWS_SECRET_ACCESS_KEY="$(secret_value MINIO_ROOT_PASSWORD)"
-export AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY
-export AWS_ENDPOINT_URL="http://127.0.0.1:$port" AWS_DEFAULT_REGION="us-east-1"
+  AWS_ACCESS_KEY_ID="$(secret_value MINIO_ROOT_USER)"
+  AWS_SECRET_ACCESS_KEY="$(secret_value MINIO_ROOT_PASSWORD)"
+  export AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY
+  export AWS_ENDPOINT_URL="http://127.0.0.1:$port" AWS_DEFAULT_REGION="us-east-1"
 
-log "make reduce RUN=$run_uri"
-"$MAKE" reduce RUN="$run_uri"
+  log "checking the reducer's summary.json"
+  check_summary "$run_uri" "$ARTIFACTS_DIR/summary-reducer.json"
+  log "make reduce RUN=$run_uri (from this machine)"
+  "$MAKE" reduce RUN="$run_uri"
+  check_summary "$run_uri" "$ARTIFACTS_DIR/summary.json" "$ARTIFACTS_DIR/summary-reducer.json"
+  log "passed"
+}
 
-"$PYTHON" - "$run_uri" <<'PY'
+# check_summary RUN_URI COPY [EXPECTED]: the run's summary.json is complete with coverage 1.0 (a
+# copy kept as an artifact); with EXPECTED, its counts equal that earlier summary's.
+check_summary() {
+  "$PYTHON" - "$@" <<'PY'
 import json
 import sys
+from pathlib import Path
 
 import fsspec
 
 uri = sys.argv[1].rstrip("/") + "/summary.json"
 with fsspec.open(uri, "rb") as fh:
-    summary = json.load(fh)
+    raw = fh.read()
+Path(sys.argv[2]).write_bytes(raw)
+summary = json.loads(raw)
 counts = summary.get("counts", {})
 coverage = counts.get("coverage")
-print(f"[smoke-k8s] {uri}: completed {counts.get('completed')}/{counts.get('requested')}, coverage {coverage}")
-if coverage != 1.0:
-    sys.exit(f"[smoke-k8s] FAILED: coverage {coverage} != 1.0")
+print(f"[smoke-k8s] {uri}: completed {counts.get('completed')}/{counts.get('requested')}, coverage {coverage}, "
+      f"complete {summary.get('complete')}", file=sys.stderr)
+if coverage != 1.0 or summary.get("complete") is not True:
+    sys.exit(f"[smoke-k8s] FAILED: coverage {coverage}, complete {summary.get('complete')}: {summary.get('incomplete')}")
+if len(sys.argv) > 3:
+    expected = json.loads(Path(sys.argv[3]).read_text())["counts"]
+    keys = ("requested", "completed", "failed", "missing")
+    if any(counts.get(k) != expected.get(k) for k in keys):
+        sys.exit(f"[smoke-k8s] FAILED: local reduce counts {[counts.get(k) for k in keys]} differ from the reducer's "
+                 f"{[expected.get(k) for k in keys]} ({keys})")
 PY
-log "passed"
+}
+
+# Sourced (by the tests), it only defines its functions; run, it does the smoke run.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  main "$@"
+fi

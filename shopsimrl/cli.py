@@ -7,6 +7,7 @@ Exit codes are those of :mod:`shopsimrl.exitcodes` (0 done, 1 some episodes fail
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.metadata
 import json
 import re
@@ -75,6 +76,14 @@ def _setup_logging(quiet: bool, verbose: bool) -> None:
         configure_logging(1 if verbose else -1 if quiet else 0)
     except ValidationError as exc:
         _fail(ExitCode.BAD_INPUT, describe_settings_error(exc))
+
+
+def _import_extra(module: str, extra: str) -> Any:
+    """A module of an optional part (a pyproject extra; the worker image has none): exit 2 without it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        _fail(ExitCode.BAD_INPUT, f"{module} is not installed here ({exc.name} missing): pip install 'shopsimrl[{extra}]', or use the shopsimrl-{extra} image")
 
 
 def _load(config_path: Path) -> ExperimentConfig:
@@ -556,8 +565,7 @@ def _failed_indexes_of(job: str, namespace: str) -> Any:
     Waiting ends once every pending shard is a failed index of the Job, or the Job has finished.
     Without API access (no RBAC, no cluster) it says so once and the wait runs to its timeout.
     """
-    from shopsimrl import kube
-
+    kube = _import_extra("shopsimrl.kube", "kube")
     warned: list[str] = []
 
     def give_up(pending: list[int]) -> tuple[str, dict[int, str]] | None:
@@ -897,9 +905,7 @@ def testbed_shop(
     port: int = typer.Option(5700, help="Port."),
 ) -> None:
     """Serve the ShopSimulator-compatible shop (POST /api/shop_agent, GET /healthz)."""
-    from shopsimrl.testbed.shop.server import serve
-
-    serve(host=host, port=port)
+    _import_extra("shopsimrl.testbed.shop.server", "testbed").serve(host=host, port=port)
 
 
 @testbed_app.command("policy")
@@ -908,9 +914,7 @@ def testbed_policy(
     port: int = typer.Option(8000, help="Port."),
 ) -> None:
     """Serve the heuristic policy as an OpenAI-compatible model (POST /v1/chat/completions)."""
-    from shopsimrl.testbed.policy import serve
-
-    serve(host=host, port=port)
+    _import_extra("shopsimrl.testbed.policy", "testbed").serve(host=host, port=port)
 
 
 @testbed_app.command("up")
@@ -920,9 +924,7 @@ def testbed_up(
     policy_port: int = typer.Option(8000, help="Policy port."),
 ) -> None:
     """Serve both testbed services until Ctrl-C."""
-    from shopsimrl.testbed.up import serve_both
-
-    serve_both(host=host, shop_port=shop_port, policy_port=policy_port)
+    _import_extra("shopsimrl.testbed.up", "testbed").serve_both(host=host, shop_port=shop_port, policy_port=policy_port)
 
 
 def _stop_early(signum: int, frame: object) -> None:

@@ -19,6 +19,7 @@ of the YAML: in-cluster Service URLs, concurrency, flush cadence, the shard inde
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
+from dotenv.parser import parse_stream as parse_dotenv
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -327,22 +329,35 @@ def _format_validation_error(path: Path, exc: ValidationError) -> str:
 
 
 def _load_dotenv(path: Path) -> None:
-    """Minimal ``KEY=VALUE`` reader: optional ``export``, matching quotes stripped, never overrides."""
-    if not path.is_file():
-        raise ConfigError(f"experiment.dotenv file {path} does not exist")
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("export "):
-            line = line[len("export ") :].lstrip()
-        key, sep, value = line.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()):
-            raise ConfigError(f"{path}:{number}: expected KEY=VALUE")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        os.environ.setdefault(key.strip(), value)
+    """``experiment.dotenv`` into the process environment; a variable already set is never overridden.
+
+    The file is read by python-dotenv's parser, the one pydantic-settings reads ``.env`` files
+    with (``export``, quotes and escapes, comments; no ``${VAR}`` expansion). pydantic-settings'
+    own dotenv source is not used: it maps a file onto a settings model's fields, drops empty
+    values and reports no line for a statement it cannot parse. Every variable is checked before
+    any is set, so a malformed file changes nothing.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"experiment.dotenv file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read experiment.dotenv file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"experiment.dotenv file {path} is not UTF-8: {exc}") from None
+    values: dict[str, str] = {}
+    for binding in parse_dotenv(io.StringIO(text)):
+        if binding.key is None and not binding.error:
+            continue  # a blank or comment line
+        if binding.error or binding.value is None or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", binding.key or ""):
+            # The parser counts blank lines before a statement as its own; the statement is not
+            # echoed (a .env file holds secrets).
+            statement = binding.original.string
+            line = binding.original.line + statement[: len(statement) - len(statement.lstrip())].count("\n")
+            raise ConfigError(f"{path}:{line}: expected KEY=VALUE (KEY a variable name: letters, digits, _)")
+        values[binding.key] = binding.value
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
 
 
 def load_experiment_config(path: str | Path, *, load_dotenv: bool = True) -> ExperimentConfig:

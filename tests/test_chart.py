@@ -198,9 +198,25 @@ def test_missing_storage_location_names_the_keys(helm: Helm) -> None:
 
 
 def test_missing_config_says_how_to_give_it(helm: Helm) -> None:
-    proc = helm.run("template", RELEASE, str(CHART), "--set", "storage.baseUri=s3://b/r", check=False)
-    assert proc.returncode != 0
-    assert "config: missing; give the experiment YAML, e.g. --set-file config=" in proc.stderr
+    for sets in ({}, {"config": ""}):
+        proc = helm.run("template", RELEASE, str(CHART), "--set", "storage.baseUri=s3://b/r",
+                        *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], check=False)
+        assert proc.returncode != 0
+        assert "config: missing; give the experiment YAML, e.g. --set-file config=" in proc.stderr
+
+
+def test_renders_print_no_warnings(helm: Helm, tmp_path: Path) -> None:
+    """A mapping config (every ci/ values file but one), a YAML string and an inline split all
+    render without Helm's coalesce warnings on stderr ("skipped value for shopsimrl.config: Not
+    a table" when the default was a string)."""
+    as_string = tmp_path / "string.yaml"
+    as_string.write_text(yaml.safe_dump({"config": (ROOT / "configs" / "qwen35_4b_val.yaml").read_text()}))
+    renders = [[path] for path in CI_VALUES] + [[CHART / "ci" / "default-values.yaml", as_string]]
+    assert any("config" in yaml.safe_load(path.read_text()) and isinstance(yaml.safe_load(path.read_text())["config"], dict)
+               for path in CI_VALUES)
+    for values in renders:
+        proc = helm.template(*values)
+        assert proc.stderr == "", f"{[v.name for v in values]}: {proc.stderr}"
 
 
 def test_old_clusters_are_refused(helm: Helm) -> None:
@@ -271,6 +287,26 @@ def test_readiness_init_container_is_bounded(matrix: dict[str, list[Doc]]) -> No
     assert env_of(init)["SHOPSIMRL_MODEL_BASE_URL"] == env_of(container(pod, "worker"))["SHOPSIMRL_MODEL_BASE_URL"]
 
 
+def test_readiness_init_container_gets_no_object_storage_settings(matrix: dict[str, list[Doc]]) -> None:
+    """wait-ready only probes the model and the shop: S3 credentials there would be a secret
+    handed to a container that never uses it. The worker and the reducer keep them."""
+    for name, docs in matrix.items():
+        pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+        if "initContainers" not in pod:
+            continue
+        readiness = env_of(container(pod, "wait-ready"))
+        assert not [key for key in readiness if key.startswith("AWS_")], name
+        worker = env_of(container(pod, "worker"))
+        # The probe reads what the worker reads to reach the services: same URLs, key, extras.
+        assert all(worker[key] == value for key, value in readiness.items()), name
+        services = {"SHOPSIMRL_CONFIG", "SHOPSIMRL_MODEL_BASE_URL", "SHOPSIMRL_ENV_BASE_URL", "SHOPSIMRL_API_KEY"}
+        assert services & set(worker) <= set(readiness), name
+    s3 = only(matrix["s3-secret-values.yaml"], "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(env_of(container(s3, "worker")))
+    reducer = only(matrix["testbed-smoke-values.yaml"], "Job", "job-reducer.yaml")["spec"]["template"]["spec"]
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"} <= set(env_of(container(reducer, "reducer")))
+
+
 def test_fail_index_covers_every_container_that_reads_the_config(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
     """wait-ready exits 2 on the same bad input as the worker; a rule names one container, and
     the API server refuses a containerName that is not in the pod template."""
@@ -309,6 +345,12 @@ def test_reducer_may_watch_its_worker_job_with_the_least_rights(helm: Helm, matr
     assert args[args.index("--worker-job") + 1] == worker_job["metadata"]["name"]
     assert args[args.index("--namespace") + 1] == "evals"
     assert reducer["automountServiceAccountToken"] is True  # the reducer only: workers never get a token
+    # Reading the Job takes the Kubernetes client, which only the kube image has.
+    assert container(reducer, "reducer")["image"] == "shopsimrl-kube:dev"
+    assert container(worker_job["spec"]["template"]["spec"], "worker")["image"] == "shopsimrl:dev"
+    no_image = helm.template(CHART / "ci" / "testbed-smoke-values.yaml", sets={"reducer.image.repository": ""}, check=False)
+    assert no_image.returncode != 0
+    assert "reducer.watchWorkerJob needs the Kubernetes client" in no_image.stderr and "reducer.image.repository" in no_image.stderr
     assert worker_job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     role = only(docs, "Role")
     assert role["rules"] == [
@@ -325,6 +367,10 @@ def test_reducer_may_watch_its_worker_job_with_the_least_rights(helm: Helm, matr
     # Without the reducer there is nothing to grant.
     off = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"reducer.enabled": "false"})
     assert not [d for d in off if d.kind in ("Role", "RoleBinding")]
+    # Without the watch the reducer runs the worker image.
+    unwatched = helm.render(CHART / "ci" / "testbed-smoke-values.yaml",
+                            sets={"reducer.watchWorkerJob": "false", "reducer.image.repository": ""})
+    assert container(only(unwatched, "Job", "job-reducer.yaml")["spec"]["template"]["spec"], "reducer")["image"] == "shopsimrl:dev"
 
 
 def test_pod_hardening(matrix: dict[str, list[Doc]]) -> None:
@@ -583,15 +629,15 @@ def test_secrets_only_by_reference(helm: Helm, matrix: dict[str, list[Doc]]) -> 
     pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
     for c in (container(pod, "worker"), container(pod, "wait-ready")):
         env = env_of(c)
-        for name, (secret, key) in {
-            "AWS_ACCESS_KEY_ID": ("shopsimrl-s3", "AWS_ACCESS_KEY_ID"),
-            "AWS_SECRET_ACCESS_KEY": ("shopsimrl-s3", "AWS_SECRET_ACCESS_KEY"),
-            "SHOPSIMRL_API_KEY": ("shopsimrl-model", "api-key"),
-        }.items():
+        refs = {"SHOPSIMRL_API_KEY": ("shopsimrl-model", "api-key")}
+        if c["name"] == "worker":
+            refs |= {"AWS_ACCESS_KEY_ID": ("shopsimrl-s3", "AWS_ACCESS_KEY_ID"),
+                     "AWS_SECRET_ACCESS_KEY": ("shopsimrl-s3", "AWS_SECRET_ACCESS_KEY")}
+            assert env["AWS_ENDPOINT_URL"]["value"] == "https://s3.example.internal"
+            assert env["AWS_DEFAULT_REGION"]["value"] == "eu-central-1"
+        for name, (secret, key) in refs.items():
             assert "value" not in env[name], name
             assert env[name]["valueFrom"] == {"secretKeyRef": {"name": secret, "key": key}}
-        assert env["AWS_ENDPOINT_URL"]["value"] == "https://s3.example.internal"
-        assert env["AWS_DEFAULT_REGION"]["value"] == "eu-central-1"
     # The config names the variable when the values do not.
     ext = only(matrix["external-services-values.yaml"], "Job", "job-worker.yaml")["spec"]["template"]["spec"]
     assert env_of(container(ext, "worker"))["SHOPSIMRL_MODEL_API_KEY"]["valueFrom"]["secretKeyRef"] == {
@@ -799,7 +845,8 @@ def test_testbed_mode_points_the_workers_at_its_services(matrix: dict[str, list[
                      if d["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]]
         c = deploy["spec"]["template"]["spec"]["containers"][0]
         assert c["args"][:2] == ["testbed", command]
-        assert c["image"] == "shopsimrl:dev" and c["imagePullPolicy"] == "Never"
+        # The testbed's own image (docker/testbed.Dockerfile), with the worker image's tag.
+        assert c["image"] == "shopsimrl-testbed:dev" and c["imagePullPolicy"] == "Never"
         assert c["ports"][0]["containerPort"] == int(match.group(2))
     # The testbed serves model id shopsim-heuristic: the smoke config must ask for it.
     cm = only(docs, "ConfigMap")
@@ -863,18 +910,24 @@ def test_labels_come_from_the_helpers(matrix: dict[str, list[Doc]]) -> None:
                 assert key in labels, (doc.source, key)
 
 
-def test_notes_tell_how_to_follow_and_reduce(helm: Helm, tmp_path: Path) -> None:
+def render_notes(helm: Helm, tmp_path: Path, *sets: str) -> str:
     # `helm install --dry-run` needs a cluster; render NOTES.txt through the same engine from a
     # copy of the chart that exposes it as a manifest.
     chart = tmp_path / "shopsimrl"
-    shutil.copytree(CHART, chart)
-    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
-    (chart / "templates" / "notes-preview.yaml").write_text(
-        'notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n'
-    )
+    if not chart.exists():
+        shutil.copytree(CHART, chart)
+        shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+        (chart / "templates" / "notes-preview.yaml").write_text(
+            'notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n'
+        )
     proc = helm.run("template", RELEASE, str(chart), "-f", str(CHART / "ci" / "default-values.yaml"),
-                    "--namespace", "evals", "--show-only", "templates/notes-preview.yaml")
-    notes = yaml.safe_load(proc.stdout)["notes"]
+                    "--namespace", "evals", "--show-only", "templates/notes-preview.yaml",
+                    *[arg for pair in sets for arg in ("--set", pair)])
+    return str(yaml.safe_load(proc.stdout)["notes"])
+
+
+def test_notes_tell_how_to_follow_and_reduce(helm: Helm, tmp_path: Path) -> None:
+    notes = render_notes(helm, tmp_path)
     run = f"s3://shopsimrl-evals/runs/{RELEASE}"
     assert f"shopsimrl status {run} --namespace evals --release {RELEASE}" in notes
     assert f"make reduce RUN={run}" in notes
@@ -882,6 +935,18 @@ def test_notes_tell_how_to_follow_and_reduce(helm: Helm, tmp_path: Path) -> None
     assert "--set run.attempt=2" in notes
     job = only(helm.render(CHART / "ci" / "default-values.yaml"), "Job", "job-worker.yaml")
     assert f"get job {job['metadata']['name']}" in notes
+
+
+@pytest.mark.parametrize(("shards", "retries", "streams"), [(2, 0, 2), (8, 2, 24), (16, 2, 48), (400, 1, 800)])
+def test_notes_follow_every_worker_pod_the_job_can_create(
+    helm: Helm, tmp_path: Path, shards: int, retries: int, streams: int
+) -> None:
+    """`kubectl logs -l … -f` refuses to follow more pods than --max-log-requests (default 5):
+    the notes ask for one stream per shard and retry, from the values, never a fixed number."""
+    notes = render_notes(helm, tmp_path, f"job.shards={shards}", f"job.backoffLimitPerIndex={retries}")
+    (follow,) = [line.strip() for line in notes.splitlines() if " logs -l " in line]
+    assert follow.endswith(f" -f --prefix --max-log-requests {streams}"), follow
+    assert "app.kubernetes.io/component=worker" in follow
 
 
 # --------------------------------------------------------------------------- k8s/ kustomizations

@@ -80,6 +80,49 @@ def test_c2_dotenv_never_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("SHOPSIMRL_T2")
 
 
+def test_dotenv_syntax_is_python_dotenv_and_never_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / ".env").write_text(
+        "# model key\nSHOPSIMRL_T3=\"a b\"  # a comment\n\nSHOPSIMRL_T4=\nSHOPSIMRL_T5='${HOME}'\nSHOPSIMRL_T6 = x=y\n",
+        encoding="utf-8",
+    )
+    for key in ("SHOPSIMRL_T3", "SHOPSIMRL_T4", "SHOPSIMRL_T5", "SHOPSIMRL_T6"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SHOPSIMRL_T6", "kept")
+    load_experiment_config(write(tmp_path, MINIMAL + "experiment: {dotenv: .env}\n"))
+    assert os.environ["SHOPSIMRL_T3"] == "a b" and os.environ["SHOPSIMRL_T4"] == ""
+    assert os.environ["SHOPSIMRL_T5"] == "${HOME}"  # no expansion, as before
+    assert os.environ["SHOPSIMRL_T6"] == "kept"
+
+
+@pytest.mark.parametrize(
+    "statement",
+    ["OPENAI_API_KEY sk-SECRET-123", "sk-SECRET-123", "SHOPSIMRL-KEY=sk-SECRET-123", "SHOPSIMRL_T8='sk-SECRET-123"],
+)
+def test_malformed_dotenv_names_file_and_line_and_sets_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, statement: str
+) -> None:
+    dotenv = tmp_path / "secrets.env"
+    dotenv.write_text(f"# keys\nSHOPSIMRL_T7=1\n\n{statement}\n", encoding="utf-8")
+    monkeypatch.delenv("SHOPSIMRL_T7", raising=False)
+    with pytest.raises(ConfigError) as raised:
+        load_experiment_config(write(tmp_path, MINIMAL + "experiment: {dotenv: secrets.env}\n"))
+    message = str(raised.value)
+    assert message.startswith(f"{dotenv}:4: expected KEY=VALUE") and "\n" not in message
+    assert "SECRET" not in message  # the file holds secrets: its statements are never echoed
+    assert "SHOPSIMRL_T7" not in os.environ  # a malformed file sets nothing
+
+
+def test_malformed_dotenv_exits_2_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / ".env").write_text("A=1\nnot a statement\n", encoding="utf-8")
+    config = write(tmp_path, MINIMAL + "experiment: {dotenv: .env}\n")
+    result = subprocess.run([sys.executable, "-m", "shopsimrl", "plan", str(config)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {tmp_path / '.env'}:2: expected KEY=VALUE (KEY a variable name: letters, digits, _)"
+
+
 def test_worker_settings_override_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOPSIMRL_MODEL_BASE_URL", "http://vllm.eval.svc:8000/v1")
     monkeypatch.setenv("SHOPSIMRL_ENV_BASE_URL", "http://shop.eval.svc:5700")

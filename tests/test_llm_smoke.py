@@ -1,8 +1,10 @@
 """A real LLM end to end: SmolLM2-135M on llama.cpp's OpenAI-compatible server, the testbed shop.
 
-The fixture installs llama-cpp-python[server] into this interpreter's environment the same way
-``make smoke-llm`` does (the first run on a machine compiles llama.cpp, about five minutes; later
-runs reuse the cached wheel). The assertions are about structure, never about the model's skill.
+The server runs from its own environment (``make llm-server``, which ``make test`` runs first:
+the first time on a machine it compiles llama.cpp), started by that environment's interpreter
+as a subprocess; nothing is installed into this interpreter's environment. Without that
+environment the test is skipped, or fails under ``make test`` (SHOPSIMRL_LLM_REQUIRED), which
+built it. The assertions are about structure, never about the model's skill.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 import yaml
 
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, is_completed
-from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, ensure_llama_cpp, ensure_model, tool_results_handler
+from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, default_cache_dir, installed_server, tool_results_handler
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
 
@@ -38,10 +40,15 @@ STEP_KEYS = {"step_index", "observation", "tools", "model", "action", "environme
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    ensure_llama_cpp(sys.executable)
-    model = ensure_model()
+    found = installed_server()
+    if found is None:
+        message = f"no llama.cpp server environment in {default_cache_dir()}: run `make llm-server` first"
+        if os.environ.get("SHOPSIMRL_LLM_REQUIRED"):
+            pytest.fail(message)
+        pytest.skip(message)
+    python, model = found
     log = tmp_path_factory.mktemp("llama") / "server.log"
-    with LlamaServer(model, n_ctx=8192, n_threads=2, log_path=log) as server:
+    with LlamaServer(model, python=python, n_ctx=8192, n_threads=2, log_path=log) as server:
         yield server
 
 

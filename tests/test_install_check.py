@@ -1,0 +1,84 @@
+"""The install is pinned (constraints.txt) and checkable (scripts/check-venv.py, run by .ci/run).
+
+The check itself runs on the real environment after the suite (``make check-venv``); these tests
+show that it names what it must: an undeclared distribution (as a test that installed
+llama-cpp-python into .venv would leave), a missing one, a version the constraints do not pin.
+Each adds a real distribution (a ``.dist-info`` directory on PYTHONPATH), nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ROOT / "scripts" / "check-venv.py"
+CONSTRAINTS = ROOT / "constraints.txt"
+
+
+def _distribution(site: Path, name: str, version: str, *requires: str) -> None:
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+    (info / "METADATA").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _check(*args: str, site: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(site)} if site else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, str(CHECK), *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_an_undeclared_distribution_is_named(tmp_path: Path) -> None:
+    _distribution(tmp_path, "llama_cpp_python", "0.3.36", "numpy>=1.20", "fastapi>=0.100; extra == 'server'")
+    result = _check(site=tmp_path)
+    assert result.returncode == 1
+    assert "installed but not declared by shopsimrl[test]: llama_cpp_python 0.3.36" in result.stderr
+
+
+def test_a_declared_distribution_that_is_missing_is_named(tmp_path: Path) -> None:
+    # A project declaring one installed and one absent requirement, the absent one behind an extra.
+    _distribution(tmp_path, "demo-project", "1.0", "httpx>=0.27", "not-installed-anywhere>=1; extra == 'more'")
+    result = _check("--project", "demo-project", "--extras", "more", site=tmp_path)
+    assert result.returncode == 1
+    assert "declared but not installed: not-installed-anywhere" in result.stderr
+    assert "declared but not installed: httpx" not in result.stderr
+
+
+def test_a_version_the_constraints_do_not_pin_is_named(tmp_path: Path) -> None:
+    pins = [line for line in CONSTRAINTS.read_text(encoding="utf-8").splitlines() if not line.startswith("httpx==")]
+    (tmp_path / "constraints.txt").write_text("\n".join([*pins, "orjson==0.0.1"]) + "\n", encoding="utf-8")
+    result = _check("--constraints", str(tmp_path / "constraints.txt"))
+    assert result.returncode == 1
+    assert "the constraints file does not pin it (make constraints)" in result.stderr and "httpx " in result.stderr
+    assert "the constraints file pins 0.0.1 (make constraints)" in result.stderr and "orjson " in result.stderr
+
+
+def test_a_constraints_line_that_is_no_exact_pin_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "constraints.txt").write_text("# header\nhttpx>=0.27\n", encoding="utf-8")
+    result = _check("--constraints", str(tmp_path / "constraints.txt"))
+    assert result.returncode == 1 and f"{tmp_path / 'constraints.txt'}:2: 'httpx>=0.27' is not an exact pin" in result.stderr
+
+
+def test_constraints_pin_every_requirement_the_project_declares() -> None:
+    """A new dependency without `make constraints` would install unpinned (and slowly)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    declared = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    pinned = {
+        canonicalize_name(Requirement(line).name): Requirement(line)
+        for line in CONSTRAINTS.read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    for text in declared:
+        requirement = Requirement(text)
+        if canonicalize_name(requirement.name) == "shopsimrl":
+            continue  # the dev extra names the project's own extras
+        pin = pinned.get(canonicalize_name(requirement.name))
+        assert pin is not None, f"{requirement.name} is not in constraints.txt (make constraints)"
+        (version,) = [spec.version for spec in pin.specifier if spec.operator == "=="]
+        assert requirement.specifier.contains(version, prereleases=True), f"constraints.txt pins {pin}, pyproject wants {text}"

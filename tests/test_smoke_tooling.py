@@ -1,0 +1,171 @@
+"""The kind smoke run's tooling (.github/workflows/smoke.yml, scripts/smoke-k8s.sh,
+mk/kubernetes.mk), checked without a cluster: what the workflow triggers on and uploads, what the
+script checks and in which order, and its helpers run for real where they can."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW = ROOT / ".github" / "workflows" / "smoke.yml"
+SCRIPT = ROOT / "scripts" / "smoke-k8s.sh"
+SMOKE_VALUES = ROOT / "helm" / "shopsimrl" / "ci" / "testbed-smoke-values.yaml"
+
+
+def _workflow() -> dict[str, Any]:
+    data = yaml.safe_load(WORKFLOW.read_text(encoding="utf-8"))
+    data["on"] = data.pop(True, data.get("on"))  # YAML 1.1 reads the key `on` as true
+    return dict(data)
+
+
+def _tracked() -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if (ROOT / line).is_file()]
+
+
+def _github_glob(pattern: str) -> re.Pattern[str]:
+    """GitHub's path filter syntax: ``**`` crosses directories, ``*`` does not."""
+    out = ""
+    for part in re.split(r"(\*\*/?|\*)", pattern):
+        out += {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*"}.get(part, re.escape(part))
+    return re.compile(out + r"\Z")
+
+
+def _used_files() -> set[str]:
+    """What the smoke job reads: the Makefile (make reads it whole), the build context and the
+    Dockerfiles, and every repository path named by the workflow's steps, by the make file of its
+    targets, and by the scripts those name, followed transitively."""
+    tracked = _tracked()
+    rules = [r.strip() for r in (ROOT / ".dockerignore").read_text().splitlines() if r.strip() and not r.startswith("#")]
+    context = [r[1:].rstrip("/") for r in rules if r.startswith("!")]
+    used = {"Makefile", ".dockerignore", "Dockerfile", WORKFLOW.relative_to(ROOT).as_posix()}
+    used |= {f for f in tracked if any(f == c or f.startswith(c + "/") for c in context)}
+    texts = [str(step.get("run", "")) for step in _workflow()["jobs"]["kind"]["steps"]]
+    read = {"mk/kubernetes.mk"}  # the included make file with every target the job runs
+    texts.append((ROOT / "mk/kubernetes.mk").read_text())
+    while texts:
+        for token in set(re.findall(r"[\w.-]+(?:/[\w.*-]+)+", texts.pop())):
+            token = token.rstrip("/.")
+            found = {f for f in tracked if f == token or f.startswith(token + "/")}
+            used |= found
+            for script in sorted(f for f in found - read if f.startswith(("scripts/", "mk/"))):
+                read.add(script)
+                texts.append((ROOT / script).read_text())
+    return used | read
+
+
+def test_path_filters_cover_every_file_the_smoke_workflow_uses() -> None:
+    filters = [_github_glob(p) for p in _workflow()["on"]["pull_request"]["paths"]]
+    used = _used_files()
+    # The derivation found the files this test exists for.
+    assert {
+        "Makefile",
+        ".dockerignore",
+        "tests/test_chart.py",
+        "mk/kubernetes.mk",
+        "constraints.txt",
+        "scripts/smoke-k8s.sh",
+        "docker/testbed.Dockerfile",
+        "k8s/overlays/smoke/kustomization.yaml",
+    } <= used
+    uncovered = sorted(f for f in used if not any(pattern.match(f) for pattern in filters))
+    assert uncovered == [], f"smoke.yml's path filters miss files it uses: {uncovered}"
+
+
+def test_the_workflow_uploads_what_the_script_collects_passed_or_failed() -> None:
+    job = _workflow()["jobs"]["kind"]
+    (upload,) = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
+    assert upload["if"] == "always()"
+    assert upload["with"]["path"] == "${{ env.ARTIFACTS_DIR }}" and "ARTIFACTS_DIR" in job["env"]
+    script = SCRIPT.read_text()
+    # Collected from the EXIT trap, so a failing step still leaves its evidence.
+    assert re.search(r"""trap '[^']*collect_artifacts""", script)
+    body = script[script.index("collect_artifacts() {") : script.index("\n}\n", script.index("collect_artifacts() {"))]
+    for what in ("describe jobs,pods", 'logs "$pod" --all-containers', "get events", "get jobs,pods"):
+        assert what in body, what
+    assert "secret" not in body.lower(), "artifacts never hold a Secret"
+    for summary in ("summary-reducer.json", "summary.json"):
+        assert f'"$ARTIFACTS_DIR/{summary}"' in script
+
+
+def test_the_script_waits_for_the_reducer_job_and_checks_its_summary() -> None:
+    main = SCRIPT.read_text().split("main() {", 1)[1]
+    worker_wait = main.index('wait_for_job "$job"')
+    reducer_wait = main.index('wait_for_job "$reducer"')
+    reducer_summary = main.index('check_summary "$run_uri" "$ARTIFACTS_DIR/summary-reducer.json"')
+    local_reduce = main.index('"$MAKE" reduce RUN="$run_uri"')
+    assert worker_wait < reducer_wait < reducer_summary < local_reduce
+    assert "job_of reducer" in main and 'die "no reducer Job' in main
+    # The smoke values deploy the reducer with the Job watch, from the kube image the script loads.
+    values = yaml.safe_load(SMOKE_VALUES.read_text())
+    assert values["reducer"]["enabled"] and values["reducer"]["watchWorkerJob"]
+    assert values["reducer"]["image"]["repository"] == "shopsimrl-kube" and '"$IMAGE-kube"' in main
+    assert values["testbed"]["image"]["repository"] == "shopsimrl-testbed" and '"$IMAGE-testbed"' in main
+
+
+def test_the_smoke_values_name_the_overlay_the_script_applies() -> None:
+    overlay = re.search(r'^OVERLAY="([^"]+)"', SCRIPT.read_text(), re.M)
+    assert overlay and 'apply -k "$OVERLAY"' in SCRIPT.read_text()
+    comments = " ".join(line for line in SMOKE_VALUES.read_text().splitlines() if line.startswith("#"))
+    assert re.findall(r"k8s/overlays/\w+", comments) == [overlay.group(1)]
+    assert (ROOT / overlay.group(1) / "kustomization.yaml").is_file()
+
+
+def _bash(snippet: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``snippet`` after sourcing the script for its functions (sourcing runs nothing)."""
+    return subprocess.run(
+        ["bash", "-c", f'source "{SCRIPT}"; {snippet}'],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": shutil.which("python3") or "python3"},
+        timeout=timeout,
+    )
+
+
+def test_wait_for_port_fails_unless_the_port_opens() -> None:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        opened = _bash(f"rc=0; wait_for_port {port} 5 || rc=$?; echo rc=$rc")
+    assert opened.stdout.strip() == "rc=0", opened.stderr
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        port = closed.getsockname()[1]
+        refused = _bash(f"rc=0; wait_for_port {port} 2 || rc=$?; echo rc=$rc")
+        # A port-forward process that is gone ends the wait at once, whatever the tries.
+        gone = _bash(f"sleep 0 & pid=$!; wait $pid; rc=0; wait_for_port {port} 600 $pid || rc=$?; echo rc=$rc")
+    assert refused.stdout.strip() == "rc=1", refused.stderr
+    assert gone.stdout.strip() == "rc=1", gone.stderr
+
+
+def _make(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["make", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
+
+
+@pytest.mark.parametrize("target", ["smoke-k8s", "image", "images", "image-testbed"])
+def test_without_docker_make_says_so_before_any_build(tmp_path: Path, target: str) -> None:
+    result = _make(target, f"DOCKER={tmp_path / 'docker'}")
+    assert result.returncode != 0
+    assert f"needs Docker ({tmp_path / 'docker'} is not on PATH)" in result.stderr
+    assert " build " not in result.stdout + result.stderr  # no docker build was started
+
+
+@pytest.mark.skipif(shutil.which("docker") is None, reason="needs the docker client (the daemon must be unreachable)")
+@pytest.mark.parametrize("target", ["smoke-k8s", "image"])
+def test_without_a_docker_daemon_make_says_so_before_any_build(tmp_path: Path, target: str) -> None:
+    result = _make(target, DOCKER_HOST=f"unix://{tmp_path}/no-daemon.sock")
+    assert result.returncode != 0
+    assert "needs a running Docker daemon" in result.stderr
+    assert "docker build" not in result.stdout + result.stderr
