@@ -83,14 +83,14 @@ async def test_a_failing_flush_is_retried_and_loses_nothing(tmp_path: Path) -> N
     failures = {"left": 2}
     write_part = store.write_part
 
-    def flaky(index: int, seq: int, writer: str, data: bytes) -> str:
+    def flaky(index: int, seq: int, writer: str, data: bytes, *, compressed: bool = True) -> tuple[str, bytes]:
         if failures["left"]:
             failures["left"] -= 1
             raise StoreUnavailableError("object store still failing after 8 attempts (injected)")
-        return write_part(index, seq, writer, data)
+        return write_part(index, seq, writer, data, compressed=compressed)
 
     store.write_part = flaky  # type: ignore[method-assign]
-    sink = PartSink(store, 0, "feedbeef", 0, flush_episodes=1000, flush_seconds=0.05)
+    sink = PartSink(store, 0, "feedbeef", 0, flush_episodes=1000, flush_seconds=0.05, plan_fingerprint="0" * 64)
     sink.save_trace({"episode_id": "task-000001__sample-000", "status": "completed"})
     timer = asyncio.ensure_future(sink.flush_stale_parts())
     deadline = time.monotonic() + 30
@@ -98,7 +98,7 @@ async def test_a_failing_flush_is_retried_and_loses_nothing(tmp_path: Path) -> N
         assert time.monotonic() < deadline and not timer.done()
         await asyncio.sleep(0.02)
     timer.cancel()
-    assert failures["left"] == 0 and [e["records"] for e in sink.written] == [1]
+    assert failures["left"] == 0 and [part.entry["records"] for part in sink.written] == [1]
 
 
 def _children(pid: int) -> set[int]:
