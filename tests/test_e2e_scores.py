@@ -133,3 +133,29 @@ def test_summary_json_names_its_run_and_summarize_of_legacy_traces_says_what_it_
     assert identity["split"] == {"name": None, "task_count": None, "task_ids_sha256": None}
     assert identity["versions"]["manifest_schema"] is None and identity["versions"]["pipeline"] is None
     assert identity["versions"]["shopsimrl"] == __version__
+
+
+def test_an_agent_action_the_server_fails_on_is_an_environment_error_counted_in_itt(tmp_path: Path) -> None:
+    """An agent whose own action makes ShopSimulator answer 500 (here the `<a>` search prefix the
+    real server crashes on) fails the episode as `environment_error`: not retried, left out of
+    `reward_mean`, a 0 in the intent-to-treat score, and its lease is released."""
+    from shopsimrl.testbed.serving import running_server
+    from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
+
+    stub = OpenAIStub()
+    stub.served_models = ["shopsim-heuristic"]
+    stub.queue(Reply(json=completion(tool_calls=[tool_call("search", '{"query": "<a> 红色"}')])))
+    with start_testbed() as bed, running_server(stub) as model_url:
+        env = {**bed.env(), "SHOPSIMRL_MODEL_BASE_URL": model_url + "/v1"}
+        result = run(write_config(tmp_path, name="agent500", sample_size=1), env)
+        health = bed.healthz()
+    assert result.returncode == 1, result.stderr[-3000:]  # some episodes failed
+    assert health["free_slots"] == health["environment_slots"]
+    assert len(stub.completions) == 1  # no second attempt of the episode
+    (record,) = records(tmp_path / "runs/agent500")
+    assert record["status"] == "failed" and record["failure_class"] == "environment_error"
+    assert "500" in json.dumps(record["error"], ensure_ascii=False)
+    summary = json.loads((tmp_path / "runs/agent500/summary.json").read_text(encoding="utf-8"))
+    assert summary["counts"]["failed"] == 1 and summary["counts"]["scored"] == 0
+    assert summary["primary"]["reward_mean"] is None
+    assert summary["intent_to_treat"]["episodes"] == 1 and summary["primary"]["reward_mean_itt"] == 0.0
