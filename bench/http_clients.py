@@ -33,8 +33,8 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shopsimrl.httpclient import HttpService  # noqa: E402
-from shopsimrl.testbed.serving import free_port  # noqa: E402
+from shopsimrl.httpclient import HttpService
+from shopsimrl.testbed.serving import free_port
 
 BODY = orjson.dumps({"action": "release_one", "env_idx": 0, "lease_id": "0" * 32})
 HEADERS = {"Content-Type": "application/json"}

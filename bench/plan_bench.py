@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shopsimrl.planning import EvaluationPlan, build_jobs  # noqa: E402
-from shopsimrl.schemas import fingerprint  # noqa: E402
-from shopsimrl.shardstore import ShardedRunStore  # noqa: E402
+from shopsimrl.planning import EvaluationPlan, build_jobs
+from shopsimrl.schemas import fingerprint
+from shopsimrl.shardstore import ShardedRunStore
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:

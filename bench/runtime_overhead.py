@@ -24,13 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shopsimrl.evaluation import Evaluator  # noqa: E402
-from shopsimrl.prompts import PromptBuilder  # noqa: E402
-from shopsimrl.runtime import AgentRuntime  # noqa: E402
-from shopsimrl.schemas import EpisodeJob  # noqa: E402
-from shopsimrl.skills import NoSkills  # noqa: E402
-from shopsimrl.store import LocalRunStore  # noqa: E402
-from tests.fakes import FakeEnvironment, FakeModel, env_result, purchase_result, results_state, tool_output  # noqa: E402
+from shopsimrl.evaluation import Evaluator
+from shopsimrl.prompts import PromptBuilder
+from shopsimrl.runtime import AgentRuntime
+from shopsimrl.schemas import EpisodeJob
+from shopsimrl.skills import NoSkills
+from shopsimrl.store import LocalRunStore
+from tests.fakes import FakeEnvironment, FakeModel, env_result, purchase_result, results_state, tool_output
 
 ACTIONS = ["back to search", "next >"] + [f"{100000000000 + i}" for i in range(20)]
 

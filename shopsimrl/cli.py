@@ -14,7 +14,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 import structlog
 import typer
@@ -123,8 +123,8 @@ def plan(
     config_path: Path = typer.Argument(..., metavar="CONFIG", help="Experiment YAML."),
     final_test: bool = FINAL_TEST,
     check: bool = typer.Option(False, "--check", help="Also probe the model's /models and the environment's /healthz."),
-    run_uri: Optional[str] = typer.Option(None, "--run", help="Run location (dir, file://, s3://); with --shards the frozen plan is written there."),
-    shards: Optional[int] = typer.Option(None, "--shards", min=1, help="Freeze a sharded plan: write manifest.json, jobs.jsonl and shards.json."),
+    run_uri: str | None = typer.Option(None, "--run", help="Run location (dir, file://, s3://); with --shards the frozen plan is written there."),
+    shards: int | None = typer.Option(None, "--shards", min=1, help="Freeze a sharded plan: write manifest.json, jobs.jsonl and shards.json."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (for scripts) instead of a table."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
@@ -242,11 +242,11 @@ def run(
     retry_failed: bool = typer.Option(
         True, "--retry-failed/--no-retry-failed", help="Give episodes that failed in earlier invocations a fresh set of attempts."
     ),
-    max_episode_retries: Optional[int] = typer.Option(None, min=0, help="Extra attempts per episode for infrastructure failures (default: runtime.max_episode_retries)."),
-    concurrency: Optional[int] = typer.Option(None, min=1, help="Episodes in flight (default: experiment.concurrency)."),
+    max_episode_retries: int | None = typer.Option(None, min=0, help="Extra attempts per episode for infrastructure failures (default: runtime.max_episode_retries)."),
+    concurrency: int | None = typer.Option(None, min=1, help="Episodes in flight (default: experiment.concurrency)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
-    shards: Optional[int] = typer.Option(None, "--shards", min=1, help="Run as N shard worker processes (like an Indexed Job), then reduce."),
-    run_uri: Optional[str] = typer.Option(None, "--run", help="With --shards: run location (dir, file://, s3://); default: the config's run directory."),
+    shards: int | None = typer.Option(None, "--shards", min=1, help="Run as N shard worker processes (like an Indexed Job), then reduce."),
+    run_uri: str | None = typer.Option(None, "--run", help="With --shards: run location (dir, file://, s3://); default: the config's run directory."),
     backoff_limit_per_index: int = typer.Option(2, min=0, help="With --shards: restarts of a crashed shard worker."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
@@ -415,7 +415,7 @@ def _exit_for(summary: dict[str, Any]) -> None:
 @app.command()
 def summarize(
     run_dir_arg: str = typer.Argument(..., metavar="RUN_DIR", help="A local run directory (manifest.json + traces.jsonl)."),
-    requested: Optional[int] = typer.Option(None, help="Requested episode count when the run has no manifest."),
+    requested: int | None = typer.Option(None, help="Requested episode count when the run has no manifest."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
@@ -471,11 +471,11 @@ def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> tuple[dict
 
 def _run_sharded(
     config_path: Path,
-    run_uri: Optional[str],
+    run_uri: str | None,
     shards: int,
     final_test: bool,
     backoff_limit: int,
-    concurrency: Optional[int],
+    concurrency: int | None,
     retry_failed: bool,
     progress: bool,
 ) -> None:
@@ -513,8 +513,8 @@ def _reduce_and_report(
     timeout: float,
     include_uncommitted: bool,
     partial_on_timeout: bool = False,
-    worker_job: Optional[str] = None,
-    namespace: Optional[str] = None,
+    worker_job: str | None = None,
+    namespace: str | None = None,
 ) -> ExitCode:
     from shopsimrl.metrics import format_summary_table
     from shopsimrl.reduce import RunNotPlannedError, reduce_run, wait_for_markers
@@ -597,13 +597,13 @@ def _failed_indexes_of(job: str, namespace: str) -> Any:
 
 @app.command()
 def worker(
-    run_uri: Optional[str] = typer.Option(None, "--run", envvar="SHOPSIMRL_RUN", help="Run location (dir, file://, s3://bucket/prefix)."),
-    shard_index: Optional[int] = typer.Option(None, "--shard-index", min=0, help="Shard to run (default: JOB_COMPLETION_INDEX)."),
-    config_path: Optional[Path] = typer.Option(None, "--config", envvar="SHOPSIMRL_CONFIG", help="Experiment YAML."),
-    shards: Optional[int] = typer.Option(None, "--shards", envvar="SHOPSIMRL_SHARDS", min=1, help="Shard count (default: the frozen shards.json)."),
+    run_uri: str | None = typer.Option(None, "--run", envvar="SHOPSIMRL_RUN", help="Run location (dir, file://, s3://bucket/prefix)."),
+    shard_index: int | None = typer.Option(None, "--shard-index", min=0, help="Shard to run (default: JOB_COMPLETION_INDEX)."),
+    config_path: Path | None = typer.Option(None, "--config", envvar="SHOPSIMRL_CONFIG", help="Experiment YAML."),
+    shards: int | None = typer.Option(None, "--shards", envvar="SHOPSIMRL_SHARDS", min=1, help="Shard count (default: the frozen shards.json)."),
     final_test: bool = FINAL_TEST,
     retry_failed: bool = typer.Option(True, "--retry-failed/--no-retry-failed", help="Give failed episodes a fresh set of attempts."),
-    processes: Optional[int] = typer.Option(
+    processes: int | None = typer.Option(
         None, "--processes", min=1, max=256,
         help="Event-loop processes over the shard's jobs (default SHOPSIMRL_PROCESSES, else 1): use the pod's cores.",
     ),
@@ -636,11 +636,11 @@ def reduce(
         False, "--partial-on-timeout",
         help="With --wait: at the timeout, write summary.json from the committed shards, marked incomplete, and exit 1 instead of 3.",
     ),
-    worker_job: Optional[str] = typer.Option(
+    worker_job: str | None = typer.Option(
         None, "--worker-job",
         help="With --wait: the Kubernetes worker Job of this run; stop waiting (partial summary, exit 1) once its failed indexes cover every uncommitted shard or it has finished.",
     ),
-    namespace: Optional[str] = typer.Option(None, "--namespace", help="Namespace of --worker-job (default: default)."),
+    namespace: str | None = typer.Option(None, "--namespace", help="Namespace of --worker-job (default: default)."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
@@ -658,10 +658,10 @@ def reduce(
 @app.command()
 def status(
     run_uri: str = typer.Argument(..., metavar="URI", help="Run location of a sharded run."),
-    namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubernetes namespace of the release (adds the Job's view)."),
-    release: Optional[str] = typer.Option(None, "--release", help="Helm release name (with --namespace)."),
+    namespace: str | None = typer.Option(None, "--namespace", help="Kubernetes namespace of the release (adds the Job's view)."),
+    release: str | None = typer.Option(None, "--release", help="Helm release name (with --namespace)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    env_url: Optional[str] = typer.Option(
+    env_url: str | None = typer.Option(
         None, "--env-url", envvar="SHOPSIMRL_ENV_BASE_URL",
         help="ShopSimulator to show the slot usage of (default: the one the running shards' lease journals name).",
     ),
@@ -741,7 +741,7 @@ def _lease_status(store: Any, report: dict[str, Any]) -> str | None:
     return url
 
 
-def _slot_status(url: Optional[str]) -> dict[str, Any]:
+def _slot_status(url: str | None) -> dict[str, Any]:
     """The shop's slot usage for ``status`` (a few seconds at most; never fails the command)."""
     from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
     from shopsimrl.schemas import redact_uri
@@ -763,7 +763,7 @@ def _slot_status(url: Optional[str]) -> dict[str, Any]:
         return {"url": redact_uri(url), "error": f"unreachable: {type(exc).__name__}: {str(exc)[:200]}"}
 
 
-def _kube_status(namespace: Optional[str], release: Optional[str]) -> dict[str, Any]:
+def _kube_status(namespace: str | None, release: str | None) -> dict[str, Any]:
     if not (namespace and release):
         return {"error": "--namespace and --release are both needed for the Job's view"}
     try:

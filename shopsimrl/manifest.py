@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from shopsimrl import __version__
@@ -63,7 +63,7 @@ def build_manifest(
     already (a 100,000-job plan takes a few hundred ms to hash)."""
     return {
         "schema_version": MANIFEST_SCHEMA_VERSION,
-        "created_at": datetime.now(timezone.utc).isoformat(),
+        "created_at": datetime.now(UTC).isoformat(),
         "fingerprint_version": FINGERPRINT_VERSION,
         "plan_fingerprint": plan_fingerprint or fingerprint(plan),
         "plan": plan,

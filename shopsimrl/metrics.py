@@ -77,7 +77,7 @@ from array import array
 from collections import Counter
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import lru_cache
 from statistics import NormalDist
 from typing import Any
@@ -365,7 +365,7 @@ class _LogHistogram:
     _LOG_GAMMA = math.log(GAMMA)
     SIZE = math.ceil(math.log(MAX_VALUE / MIN_VALUE) / _LOG_GAMMA) + 1
 
-    __slots__ = ("buckets", "zeros", "stats", "low", "high")
+    __slots__ = ("buckets", "high", "low", "stats", "zeros")
 
     def __init__(self) -> None:
         self.buckets = [0] * self.SIZE
@@ -476,7 +476,7 @@ def _parse_time(value: Any) -> datetime | None:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 def _is_map(value: Any) -> bool:
@@ -738,7 +738,7 @@ class SummaryAccumulator:
 
         return {
             "schema_version": SUMMARY_SCHEMA_VERSION,
-            "created_at": created_at or datetime.now(timezone.utc).isoformat(),
+            "created_at": created_at or datetime.now(UTC).isoformat(),
             "counts": {
                 "requested": requested,
                 "trace_files": self._records,

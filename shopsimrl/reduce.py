@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from shopsimrl.manifest import ManifestError, manifest_head, run_identity
@@ -382,7 +382,7 @@ def _age_seconds(stamp: Any, now: datetime) -> float | None:
     except ValueError:
         return None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     return max(0.0, (now - when).total_seconds())
 
 
@@ -392,7 +392,7 @@ def shard_status(store: ShardedRunStore, *, now: datetime | None = None) -> dict
     objects per shard, whatever the size of the run."""
     plan = _load_plan(store)
     plan_fp, shard_map = plan.fingerprint, plan.shard_map
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     rows = []
     for index in range(shard_map.count):
         ids = shard_map.episode_ids[index]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -66,7 +66,7 @@ log = structlog.get_logger("shopsimrl.runtime")
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat()
+    return datetime.now(UTC).isoformat()
 
 
 def _without(payload: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:

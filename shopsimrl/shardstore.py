@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -82,12 +82,12 @@ __all__ = [
     "StoreUnavailableError",
     "WrittenPart",
     "check_shard_map",
+    "encode_part",
     "is_create_conflict",
     "iter_part_records",
     "marker_document",
     "marker_part_problems",
     "marker_problem",
-    "encode_part",
     "part_entry",
     "part_lines",
     "part_name",
@@ -399,7 +399,7 @@ class ShardMap:
             "assignment": self.assignment,
             "count": self.count,
             "jobs": self.jobs,
-            "created_at": datetime.now(timezone.utc).isoformat(),
+            "created_at": datetime.now(UTC).isoformat(),
         }
         if self.manifest_sha256 is not None:
             head["manifest_sha256"] = self.manifest_sha256
@@ -965,7 +965,7 @@ def marker_document(
         "episode_ids_sha256": episode_ids_sha256,
         "parts": parts,
         "writer": writer,
-        "written_at": datetime.now(timezone.utc).isoformat(),
+        "written_at": datetime.now(UTC).isoformat(),
     }
 
 

@@ -42,8 +42,8 @@ __all__ = [
     "RunWriteError",
     "atomic_write_json",
     "encode_trace_line",
-    "parse_trace_line",
     "iter_jsonl_records",
+    "parse_trace_line",
 ]
 
 

@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
-from tests.fakes import FakeEnvironment
-from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 
 from shopsimrl.model import ModelRequestError, OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.prompts import PromptBuilder
@@ -24,6 +22,8 @@ from shopsimrl.runtime import AgentRuntime
 from shopsimrl.schemas import EpisodeJob, is_completed
 from shopsimrl.skills import NoSkills
 from shopsimrl.testbed.serving import running_server
+from tests.fakes import FakeEnvironment
+from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
 MESSAGES = [{"role": "system", "content": "你是购物助手"}, {"role": "user", "content": "买一件红色T恤"}]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from typing import Any

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,7 +24,6 @@ import structlog
 
 from shopsimrl.environment import (
     EnvironmentUnavailableError,
-    LeaseError,
     ShopSimulatorEnvironment,
     ShopSimulatorSettings,
     SlotUsage,

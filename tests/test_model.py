@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 
 import shopsimrl.model as model_module
 from shopsimrl.httpclient import HttpService
@@ -24,6 +23,7 @@ from shopsimrl.model import (
     OpenAICompatibleSettings,
 )
 from shopsimrl.testbed.serving import free_port, running_server
+from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 
 SEARCH_TOOL = {
     "type": "function",

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from shopsimrl.environment import EnvironmentResponseError, EnvironmentUnavailableError
 from shopsimrl.model import ModelRequestError
 from shopsimrl.prompts import PromptBuilder

@@ -122,7 +122,7 @@ def test_no_skills() -> None:
 
 @pytest.mark.parametrize("key", sorted(PRIVATE_CONTEXT_KEYS))
 def test_private_context_is_refused(tmp_path: Path, key: str) -> None:
-    assert PRIVATE_CONTEXT_KEYS == {"private_task_instruction", "goal_options", "reason_key", "goal"}
+    assert {"private_task_instruction", "goal_options", "reason_key", "goal"} == PRIVATE_CONTEXT_KEYS
     for provider in (NoSkills(), JsonSkillBank(_write(tmp_path, BANK))):
         with pytest.raises(PrivateContextError, match=key):
             provider.select(_context(**{key: "secret"}))

@@ -100,9 +100,8 @@ def test_summary_write_is_atomic_and_refuses_nan(tmp_path: Path) -> None:
 
 
 def test_one_process_per_run_directory(tmp_path: Path) -> None:
-    with LocalRunStore(tmp_path):
-        with pytest.raises(RunLockedError):
-            LocalRunStore(tmp_path).acquire()
+    with LocalRunStore(tmp_path), pytest.raises(RunLockedError):
+        LocalRunStore(tmp_path).acquire()
     with LocalRunStore(tmp_path):
         pass
 

@@ -30,8 +30,19 @@ from difflib import SequenceMatcher
 from pathlib import Path
 from typing import Any
 
-from .catalog_vocab import (BRANDS, HABITS, INTERESTS, LEAVES, PAST_ITEMS, PERSONA, SHOP_SUFFIXES, VALUE_HINTS, Axis, Leaf,
-                            size_hint)
+from .catalog_vocab import (
+    BRANDS,
+    HABITS,
+    INTERESTS,
+    LEAVES,
+    PAST_ITEMS,
+    PERSONA,
+    SHOP_SUFFIXES,
+    VALUE_HINTS,
+    Axis,
+    Leaf,
+    size_hint,
+)
 
 __all__ = [
     "CATALOG_VERSION", "DEFAULT_OUT", "TOTAL_TASKS", "build_catalog", "catalog_bytes",

@@ -10,8 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Axis", "Leaf", "LEAVES", "BRANDS", "SHOP_SUFFIXES", "PERSONA", "VALUE_HINTS", "HABITS", "PAST_ITEMS",
-           "INTERESTS",            "size_hint"]
+__all__ = [
+    "BRANDS",
+    "HABITS",
+    "INTERESTS",
+    "LEAVES",
+    "PAST_ITEMS",
+    "PERSONA",
+    "SHOP_SUFFIXES",
+    "VALUE_HINTS",
+    "Axis",
+    "Leaf",
+    "size_hint",
+]
 
 
 @dataclass(frozen=True)

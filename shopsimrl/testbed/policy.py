@@ -26,9 +26,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse

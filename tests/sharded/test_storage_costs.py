@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -190,7 +190,7 @@ def test_status_reads_progress_objects_never_parts_and_shows_a_stale_heartbeat(b
     assert stale["state"] == "running?" and stale["stale"] and 715 <= stale["heartbeat_age_s"] <= 725
 
     # The command line: a worker that stopped 12 minutes ago without a word.
-    store.write_progress(0, {**progress, "updated_at": (datetime.now(timezone.utc) - timedelta(minutes=12)).isoformat()})
+    store.write_progress(0, {**progress, "updated_at": (datetime.now(UTC) - timedelta(minutes=12)).isoformat()})
     shown = cli("status", uri, env=worker_env(backend))
     assert shown.returncode == 0, shown.stderr[-2000:]
     row = next(line for line in shown.stdout.splitlines() if line.strip().startswith("shard     0"))
@@ -209,8 +209,8 @@ def test_a_finished_interval_beats_again_from_the_flush_timer(tmp_path: Path) ->
     first = path.read_bytes()
     sink.flush_if_stale()  # within the interval: nothing written
     assert path.read_bytes() == first
-    deadline = datetime.now(timezone.utc) + timedelta(seconds=30)
-    while json.loads(path.read_bytes())["updated_at"] == json.loads(first)["updated_at"] and datetime.now(timezone.utc) < deadline:
+    deadline = datetime.now(UTC) + timedelta(seconds=30)
+    while json.loads(path.read_bytes())["updated_at"] == json.loads(first)["updated_at"] and datetime.now(UTC) < deadline:
         sink.flush_if_stale()
     assert json.loads(path.read_bytes())["updated_at"] > json.loads(first)["updated_at"]
 

@@ -48,7 +48,7 @@ def _tokens(text: str) -> set[str]:
     return set(re.sub(r"\W+", " ", text.casefold()).split())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fuzzy(a: str, b: str) -> int:
     ta, tb = _tokens(a), _tokens(b)
     sect = " ".join(sorted(ta & tb))
@@ -206,7 +206,7 @@ def _check_record(r: dict[str, Any]) -> None:
     assert all(v == v.lower() and v in seen_values for v in ins["instruction_options"]), where
     if "user_persona" in r:
         persona = r["user_persona"]
-        assert _PERSONA_KEYS <= set(persona) and isinstance(persona["__reasoning__"], str), where
+        assert set(persona) >= _PERSONA_KEYS and isinstance(persona["__reasoning__"], str), where
         assert all(isinstance(persona[k], dict) for k in ("行为特征", "交易特征", "偏好")), where
         assert 10 <= len(ins["instruction_simple"]) <= 40, where
     else:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shopsimrl.testbed.shop.catalog import Catalog
-from shopsimrl.testbed.shop.pages import BUY_NOW, MISROUTED_PAGE, Session, option_state, clickables
+from shopsimrl.testbed.shop.pages import BUY_NOW, MISROUTED_PAGE, Session, clickables, option_state
 from shopsimrl.testbed.shop.reward import purchase_record, purchase_reward, zero_reward_detail
 from shopsimrl.testbed.shop.search import SearchIndex, ServerFault
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from shopsimrl.testbed.shop.reward import explicit_budget_from_instruction
 
-__all__ = ["Catalog", "CatalogError", "Product", "load_catalog", "product_from_record", "build_goal"]
+__all__ = ["Catalog", "CatalogError", "Product", "build_goal", "load_catalog", "product_from_record"]
 
 # The observation renderer only accepts ASINs of this shape, so a catalog that breaks it is
 # rejected at load time instead of failing on the first search.

@@ -33,7 +33,7 @@ from shopsimrl.testbed.shop.catalog import Catalog, load_catalog
 from shopsimrl.testbed.shop.pages import OBSERVATION_VERSION, Session, build_observation_state, render_observation_state
 from shopsimrl.testbed.shop.search import SearchIndex, ServerFault
 
-__all__ = ["ENVIRONMENT_VERSION", "DEFAULT_CATALOG", "LeasePool", "ShopSettings", "create_app", "serve"]
+__all__ = ["DEFAULT_CATALOG", "ENVIRONMENT_VERSION", "LeasePool", "ShopSettings", "create_app", "serve"]
 
 ENVIRONMENT_VERSION = "shopsimulator-paper-aligned-v8"
 PRIMARY_REWARD = "r_strict"
@@ -300,7 +300,7 @@ class ShopService:
             return 500, {"error": str(fault)}
         except KeyError as exc:  # the real server reports str() of a KeyError, quotes included
             return 500, {"error": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - every failure is answered, as the real server does
+        except Exception as exc:  # every failure is answered, as the real server does
             _log.exception("request failed")
             return 500, {"error": str(exc)}
 
@@ -338,7 +338,7 @@ class ShopService:
         else:  # a wake-up this waiter may have swallowed goes to the next one
             await self.pool.wake_one()
         _log.warning("dropped a queued reset of task %s: its client disconnected", data.get("idx"))
-        raise _ClientGone()
+        raise _ClientGone
 
     def _start(self, slot: int, data: dict[str, Any]) -> dict[str, Any]:
         idx = data.get("idx")
