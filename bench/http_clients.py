@@ -62,7 +62,7 @@ async def bench(url: str, requests: int, concurrency: int) -> list[tuple[str, fl
     plain = httpx.AsyncClient(limits=limits, timeout=TIMEOUT)
 
     async def via_httpcore() -> None:
-        (await plain.post(url, content=BODY, headers=HEADERS)).content
+        _ = (await plain.post(url, content=BODY, headers=HEADERS)).content
 
     rows.append(("httpx (httpcore pool)", *await measure(via_httpcore, requests, concurrency)))
     await plain.aclose()
@@ -75,7 +75,7 @@ async def bench(url: str, requests: int, concurrency: int) -> list[tuple[str, fl
         wrapped = httpx.AsyncClient(transport=AiohttpTransport(limits=limits), timeout=TIMEOUT)
 
         async def via_transport() -> None:
-            (await wrapped.post(url, content=BODY, headers=HEADERS)).content
+            _ = (await wrapped.post(url, content=BODY, headers=HEADERS)).content
 
         rows.append(("httpx + httpx-aiohttp transport", *await measure(via_transport, requests, concurrency)))
         await wrapped.aclose()
@@ -83,7 +83,7 @@ async def bench(url: str, requests: int, concurrency: int) -> list[tuple[str, fl
     service = HttpService(max_connections=1024)
 
     async def via_service() -> None:
-        (await service.request("POST", url, content=BODY, headers=HEADERS, timeout=TIMEOUT)).content
+        _ = (await service.request("POST", url, content=BODY, headers=HEADERS, timeout=TIMEOUT)).content
 
     rows.append(("HttpService (shopsimrl)", *await measure(via_service, requests, concurrency)))
     await service.aclose()

@@ -69,7 +69,7 @@ def server_cpu_seconds(pid: int) -> float:
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
 async def episode(port: int, task_id: int, steps: int, lat: list[float], barrier: asyncio.Barrier, think_ms: float) -> None:
@@ -108,7 +108,7 @@ async def main_async(leases: int, steps: int, port: int, think_ms: float) -> Non
     started = time.perf_counter()
     await asyncio.gather(*(episode(port, 19 + i % 4000, steps, lat, barrier, think_ms) for i in range(leases)))
     wall = time.perf_counter() - started
-    health = httpx.get(f"http://127.0.0.1:{port}/healthz").json()
+    health = (await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}/healthz")).json()
     print(f"{leases} leases held at once, {len(lat)} interact calls, think {think_ms:.0f} ms, {wall:.1f} s wall, {len(lat) / wall:.0f} steps/s")
     print(f"interact latency ms: p50 {percentile(lat, .5):.1f}  p95 {percentile(lat, .95):.1f}  p99 {percentile(lat, .99):.1f}  mean {statistics.fmean(lat):.1f}")
     print(f"idle server, one episode at a time (ideal): p50 {percentile(idle, .5):.1f}  p95 {percentile(idle, .95):.1f}")

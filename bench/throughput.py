@@ -40,6 +40,7 @@ average before and after. Nothing here is asserted; it only prints.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -261,7 +262,7 @@ class Samples:
 
 
 def _interpolate(points: list[tuple[float, float]], at: float) -> float:
-    for (t0, c0), (t1, c1) in zip(points, points[1:]):
+    for (t0, c0), (t1, c1) in itertools.pairwise(points):
         if t0 <= at <= t1:
             return c0 if t1 == t0 else c0 + (c1 - c0) * (at - t0) / (t1 - t0)
     return points[-1][1]

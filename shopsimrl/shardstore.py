@@ -635,10 +635,8 @@ class ShardedRunStore:
         path = self.path(rel)
 
         def rm() -> None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
 
         self._call(f"delete {rel} in", rm)
 

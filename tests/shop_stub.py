@@ -69,7 +69,8 @@ class ShopStub:
 
     async def _wait(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not self._gate.is_set():
+        # The gate is a threading.Event, set from the test's thread: polled, it cannot be awaited.
+        while time.monotonic() < deadline and not self._gate.is_set():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
 
     # -- HTTP handlers

@@ -520,7 +520,7 @@ def _pod_command(c: dict[str, Any], overrides: dict[str, str], extra: dict[str, 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SHOPSIMRL_", "JOB_COMPLETION"))}
     for name, entry in env_of(c).items():
         # Secrets are referenced, never rendered: stand in for what the kubelet would inject.
-        env[name] = entry["value"] if "value" in entry else "testing"
+        env[name] = entry.get("value", "testing")
     env.update(overrides)
     env.update(extra or {})
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
@@ -792,7 +792,7 @@ def test_every_values_key_has_a_doc_comment() -> None:
         if stripped.startswith("# --"):
             comment = True
             continue
-        if not stripped or stripped.startswith("#") or stripped.startswith("- "):
+        if not stripped or stripped.startswith(("#", "- ")):
             continue
         match = re.match(r"^(\s*)([A-Za-z0-9_.\-/]+):(.*)$", line)
         if not match:

@@ -150,7 +150,7 @@ async def test_reset_waits_for_a_slot_longer_than_the_call_timeout(stub: ShopStu
 async def test_reset_wait_is_capped_by_reset_timeout(stub: ShopStub, make_env: Factory, sleeps: list[float]) -> None:
     stub.script("reset", Reply(delay=30.0))
     episode = make_env(timeout=5.0, reset_timeout=0.3).open_episode()
-    with pytest.raises(EnvironmentUnavailableError, match="reset_timeout=0.3"):
+    with pytest.raises(EnvironmentUnavailableError, match=r"reset_timeout=0\.3"):
         await episode.reset(3)
     assert stub.actions() == ["reset"] and sleeps == []  # a timed-out reset is never resent
     await episode.close()  # nothing leased locally: no release is sent
@@ -338,7 +338,7 @@ async def test_reset_without_a_usable_lease_is_an_error(
     stub: ShopStub, make_env: Factory, patch: dict[str, Any]
 ) -> None:
     stub.script("reset", Reply(patch=patch))
-    with pytest.raises(EnvironmentResponseError, match="env_idx|lease_id"):
+    with pytest.raises(EnvironmentResponseError, match=r"env_idx|lease_id"):
         await make_env().open_episode().reset(5)
 
 

@@ -106,7 +106,7 @@ async def test_reset_timeout_gives_up_waiting_but_the_request_stays_and_its_leas
     with shop(1, keep_orphan_resets=True) as (url, pool):
         holder = raw_reset(url)
         async with environment(url, reset_timeout=0.3) as env:
-            with pytest.raises(EnvironmentUnavailableError, match="reset_timeout=0.3s; the request stays queued"):
+            with pytest.raises(EnvironmentUnavailableError, match=r"reset_timeout=0\.3s; the request stays queued"):
                 await env.open_episode().reset(TASK)
             assert pool._waiting == 1  # still queued at the shop: the connection was not dropped
             assert raw_release(url, holder) == 200
@@ -115,7 +115,7 @@ async def test_reset_timeout_gives_up_waiting_but_the_request_stays_and_its_leas
 
 
 async def test_a_reset_cancelled_before_it_was_sent_never_reaches_the_shop() -> None:
-    with shop(2, keep_orphan_resets=True) as (url, pool):
+    with shop(2, keep_orphan_resets=True) as (url, _pool):
         async with environment(url, max_leases=1) as env:
             first = env.open_episode()
             await first.reset(TASK)  # takes the only permit
@@ -185,7 +185,7 @@ async def test_the_lease_budget_bounds_leases_held_or_requested() -> None:
             resets = [asyncio.ensure_future(e.reset(TASK)) for e in episodes]
             await until(lambda: sum(r.done() for r in resets) == 2 and len(env._waiting) == 4, "2 granted, 4 waiting")
             assert health(url)["free_slots"] == 6 and pool._waiting == 0  # the others wait here, not at the shop
-            granted = [episode for episode, reset in zip(episodes, resets) if reset.done()]
+            granted = [episode for episode, reset in zip(episodes, resets, strict=True) if reset.done()]
             for episode in granted:
                 await episode.close()
             await until(lambda: sum(r.done() for r in resets) == 4, "the next two are granted")
@@ -199,7 +199,7 @@ async def test_the_lease_budget_bounds_leases_held_or_requested() -> None:
 
 
 async def test_waiting_for_a_slot_is_logged_with_the_pool_state() -> None:
-    with shop(1, keep_orphan_resets=True) as (url, pool):
+    with shop(1, keep_orphan_resets=True) as (url, _pool):
         holder = raw_reset(url)
         async with environment(url, slot_wait_log_seconds=0.5) as env:
             with structlog.testing.capture_logs() as logs:
@@ -306,7 +306,7 @@ async def test_recovery_releases_a_dead_processs_leases_before_new_ones_are_take
         stale = raw_reset(url)
         raw_release(url, stale)  # a lease the journal still names but the shop already freed
         directory = tmp_path / "leases"
-        entries = [{"env_idx": l["env_idx"], "lease_id": l["lease_id"]} for l in (*leaked, stale)]
+        entries = [{"env_idx": lease["env_idx"], "lease_id": lease["lease_id"]} for lease in (*leaked, stale)]
         write_journal(directory, "deadbeef.json", dead_process_identity(), entries, url, in_flight=1)
         elsewhere = ProcessIdentity("another-pod", 1, 12345, "pid:[1]")
         other = raw_reset(url)

@@ -216,15 +216,15 @@ def test_default_inline_and_file_prompts(tmp_path: Path) -> None:
 
 def test_bad_prompt_files_are_named(tmp_path: Path) -> None:
     missing = tmp_path / "missing.txt"
-    with pytest.raises(PromptConfigError, match="missing.txt"):
+    with pytest.raises(PromptConfigError, match=r"missing\.txt"):
         PromptBuilder.from_config(system_prompt=None, system_prompt_file=missing)
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(PromptConfigError, match="latin1.txt.*UTF-8"):
+    with pytest.raises(PromptConfigError, match=r"latin1\.txt.*UTF-8"):
         PromptBuilder.from_config(system_prompt=None, system_prompt_file=latin)
     blank = tmp_path / "blank.txt"
     blank.write_text(" \n")
-    with pytest.raises(PromptConfigError, match="blank.txt.*empty"):
+    with pytest.raises(PromptConfigError, match=r"blank\.txt.*empty"):
         PromptBuilder.from_config(system_prompt=None, system_prompt_file=blank)
     with pytest.raises(PromptConfigError):
         PromptBuilder("   ")

@@ -83,7 +83,7 @@ def test_split_errors_name_the_field(tmp_path: Path, mutate, message: str) -> No
 
 
 def test_split_file_errors(tmp_path: Path) -> None:
-    with pytest.raises(SplitError, match="not found.*available: a"):
+    with pytest.raises(SplitError, match=r"not found.*available: a"):
         load_task_split(write(tmp_path / "s.json", {"splits": {"a": {"task_ids": [1]}}}), "b")
     (tmp_path / "bad.json").write_text('{"splits": {', encoding="utf-8")
     with pytest.raises(SplitError, match="line 1"):

@@ -42,10 +42,9 @@ class LocalTestbed:
 def start_testbed(**knobs: str) -> Iterator[LocalTestbed]:
     """``knobs``: SHOPSIM_* / SHOPSIM_POLICY_* variables (latency, fault rates, slots)."""
     shop_port, policy_port = free_port(), free_port()
-    log = open(os.devnull, "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "shopsimrl", "testbed", "up", "--shop-port", str(shop_port), "--policy-port", str(policy_port)],
-        cwd=ROOT, env={**os.environ, **knobs}, stdout=log, stderr=log,
+        cwd=ROOT, env={**os.environ, **knobs}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     bed = LocalTestbed(f"http://127.0.0.1:{shop_port}", f"http://127.0.0.1:{policy_port}/v1", process)
     try:
@@ -66,7 +65,6 @@ def start_testbed(**knobs: str) -> Iterator[LocalTestbed]:
             process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             process.kill()
-        log.close()
 
 
 def write_config(directory: Path, *, name: str, sample_size: int, concurrency: int = 4, extra_model: str = "", max_steps: int = 30) -> Path:

@@ -195,7 +195,7 @@ def _options(leaf: Leaf, rng: random.Random, base: float) -> tuple[dict[str, lis
                 while p <= prices[-1]:
                     p = _nice(p + (1 if p < 30 else 10 if p < 1000 else 100))
                 prices.append(p)
-            out[axis.name] = [(v, p) for v, p in zip(values, prices)]
+            out[axis.name] = list(zip(values, prices, strict=True))
         elif price_axis is not None:
             same: float | None = base if rng.random() < 0.3 else None
             out[axis.name] = [(v, same) for v in values]
@@ -213,7 +213,7 @@ def _draft(leaf: Leaf, task_id: int, rng: random.Random, brands: list[str], word
     options, price_axis = _options(leaf, rng, base)
 
     model = f"{rng.choice('ABCDEFGHKMNPRSTXZ')}{rng.randint(1, 99)}" if rng.random() < 0.5 else ""
-    chunks = tags[:2] + [slot_attrs[rng.randrange(len(slot_attrs))].split("：")[1]]
+    chunks = [*tags[:2], slot_attrs[rng.randrange(len(slot_attrs))].split("：")[1]]
     chunks += rng.sample(words, min(len(words), rng.randint(1, 2)))
     rng.shuffle(chunks)
     extra = [rng.choice(_TITLE_EXTRAS)] if rng.random() < 0.6 else []

@@ -201,7 +201,7 @@ def test_status_reads_progress_objects_never_parts_and_shows_a_stale_heartbeat(b
 def test_a_finished_interval_beats_again_from_the_flush_timer(tmp_path: Path) -> None:
     """The flush timer's call rewrites the progress object once a heartbeat interval passed, and
     not before."""
-    store, (ids,) = planned(str(tmp_path / "run"))
+    store, _ = planned(str(tmp_path / "run"))
     sink = PartSink(store, 0, "abcdabcd", 0, flush_episodes=10, flush_seconds=60, plan_fingerprint=fingerprint(PLAN),
                     heartbeat_seconds=0.05)
     path = tmp_path / "run" / "shards" / "00000" / "_PROGRESS-abcdabcd.json"

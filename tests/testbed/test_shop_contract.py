@@ -679,7 +679,7 @@ async def test_many_concurrent_leases_are_distinct(make_shop) -> None:
                     for e in episodes
                 )
             )
-            assert all(s.json()["result"]["idx"] == f"slot-{e['env_idx']}-{e['idx']}" for s, e in zip(steps, episodes))
+            assert all(s.json()["result"]["idx"] == f"slot-{e['env_idx']}-{e['idx']}" for s, e in zip(steps, episodes, strict=True))
 
 
 def test_packaged_catalog_serves_its_tasks() -> None:

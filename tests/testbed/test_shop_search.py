@@ -24,7 +24,7 @@ def record(asin: str, title: str, **extra: Any) -> dict[str, Any]:
 
 def test_normalize_query_example() -> None:
     assert normalize_query("  迷你，冰箱 100 CNY ") == "迷你 冰箱 100元"
-    assert normalize_query("ＡＢＣ 200人民币|30块钱") == "abc 200元 30元"
+    assert normalize_query("ＡＢＣ 200人民币|30块钱")  # noqa: RUF001 - full-width Latin letters are what NFKC folding must undo == "abc 200元 30元"
 
 
 def test_tokens_are_chinese_bigrams_then_latin_tokens() -> None:
