@@ -47,7 +47,7 @@ app.add_typer(env_app, name="env")
 def _print_version(requested: bool) -> None:
     if requested:
         typer.echo(f"shopsimrl {importlib.metadata.version('shopsimrl')}")
-        raise typer.Exit()
+        raise typer.Exit
 
 
 @app.callback()
@@ -348,7 +348,8 @@ def run(
                         except asyncio.CancelledError:
                             if not stop.requested:
                                 raise
-                            return True
+                            # mypy keeps stop.requested narrowed to False by the check above; a signal sets it since.
+                            return True  # type: ignore[unreachable]
                     return False
                 finally:
                     try:

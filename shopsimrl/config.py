@@ -349,7 +349,7 @@ def _load_dotenv(path: Path) -> None:
     for binding in parse_dotenv(io.StringIO(text)):
         if binding.key is None and not binding.error:
             continue  # a blank or comment line
-        if binding.error or binding.value is None or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", binding.key or ""):
+        if binding.error or binding.value is None or binding.key is None or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", binding.key):
             # The parser counts blank lines before a statement as its own; the statement is not
             # echoed (a .env file holds secrets).
             statement = binding.original.string
@@ -383,7 +383,7 @@ def load_experiment_config(path: str | Path, *, load_dotenv: bool = True) -> Exp
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(path, exc)) from None
     try:
-        config.name  # derived on use; derive it now so a bad name stops the load, not a run
+        _ = config.name  # derived on use; derive it now so a bad name stops the load, not a run
     except ConfigError as exc:
         raise ConfigError(f"config {path}: {exc}") from None
     if config.prompt.system_prompt is not None and config.prompt.system_prompt_file is not None:

@@ -262,7 +262,7 @@ def run_indexed(
                     break
                 index = ready[0]
                 waiting.remove(index)
-                running[index] = subprocess.Popen(
+                running[index] = process = subprocess.Popen(
                     _worker_command(run, config, shards, final_test, retry_failed),
                     env={**base_env, "JOB_COMPLETION_INDEX": str(index), "SHOPSIMRL_PARALLELISM": str(parallelism)},
                     stdin=subprocess.DEVNULL,
@@ -270,9 +270,9 @@ def run_indexed(
                     pass_fds=(fallback_fd,),
                     preexec_fn=preexec,
                 )
-                assert running[index].stderr is not None
-                outputs[index] = _WorkerOutput(index, running[index].stderr, on_event)
-                log.info("index_started", index=index, pid=running[index].pid, restarts=outcomes[index].restarts)
+                assert process.stderr is not None
+                outputs[index] = _WorkerOutput(index, process.stderr, on_event)
+                log.info("index_started", index=index, pid=process.pid, restarts=outcomes[index].restarts)
             if interrupted and not running:
                 break
             for index, process in list(running.items()):

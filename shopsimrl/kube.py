@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -248,9 +248,14 @@ def exit_code_meaning(code: int) -> str:
     return _EXIT_MEANINGS.get(code, f"exit_{code}")
 
 
+def _meta(obj: k8s.V1Pod | k8s.V1Job) -> k8s.V1ObjectMeta:
+    """An object's metadata; the client's models make it optional, the API server always sends it."""
+    return obj.metadata or k8s.V1ObjectMeta()
+
+
 def pod_index(pod: k8s.V1Pod) -> int | None:
     """Shard index of a pod of an Indexed Job (annotation, or the label newer versions add)."""
-    meta = pod.metadata
+    meta = _meta(pod)
     for source in (meta.annotations or {}, meta.labels or {}):
         value = source.get(COMPLETION_INDEX_ANNOTATION)
         if value is not None and str(value).isdigit():
@@ -267,7 +272,7 @@ def _pod_failure(pod: k8s.V1Pod) -> PodFailure | None:
     status = pod.status
     if status is None:
         return None
-    name = pod.metadata.name
+    name = _meta(pod).name or ""
     index = pod_index(pod)
     # Init containers first: a failed readiness wait means the worker never started.
     statuses = [*(status.init_container_statuses or []), *(status.container_statuses or [])]
@@ -300,7 +305,7 @@ def _pod_failure(pod: k8s.V1Pod) -> PodFailure | None:
         reason=reason,
         meaning=meaning,
         message=status.message,
-        finished_at=_last_transition(pod),
+        finished_at=_last_transition(status),
     )
 
 
@@ -313,15 +318,15 @@ def _snake(reason: str) -> str:
     return "".join(out)
 
 
-def _last_transition(pod: k8s.V1Pod) -> datetime | None:
-    times = [c.last_transition_time for c in (pod.status.conditions or []) if c.last_transition_time]
+def _last_transition(status: k8s.V1PodStatus) -> datetime | None:
+    times = [c.last_transition_time for c in (status.conditions or []) if c.last_transition_time]
     return max(times) if times else None
 
 
 def pod_failures(pods: Iterable[k8s.V1Pod], *, limit: int | None = 10) -> tuple[PodFailure, ...]:
     """Failed pods, most recent first (unknown times last), at most ``limit`` of them."""
     failures = [f for f in (_pod_failure(p) for p in pods) if f is not None]
-    failures.sort(key=lambda f: (f.finished_at is not None, f.finished_at or datetime.min), reverse=True)
+    failures.sort(key=lambda f: (f.finished_at is not None, f.finished_at or datetime.min.replace(tzinfo=UTC)), reverse=True)
     return tuple(failures if limit is None else failures[:limit])
 
 
@@ -342,7 +347,7 @@ def _index_failures(pods: Sequence[k8s.V1Pod]) -> int:
     # failure is added unless it was a disruption, which the chart's policy ignores.
     best = 0
     for pod in pods:
-        raw = (pod.metadata.annotations or {}).get(INDEX_FAILURE_COUNT_ANNOTATION, "0")
+        raw = (_meta(pod).annotations or {}).get(INDEX_FAILURE_COUNT_ANNOTATION, "0")
         before = int(raw) if str(raw).isdigit() else 0
         failed_now = pod.status is not None and pod.status.phase == "Failed" and not _is_disrupted(pod)
         best = max(best, before + int(failed_now))
@@ -379,8 +384,8 @@ def job_report(job: k8s.V1Job, pods: Iterable[k8s.V1Pod], *, max_failures: int |
     condition, reason = _job_condition(job)
     annotations = (meta.annotations or {}) if meta else {}
     return JobReport(
-        name=meta.name if meta else "",
-        namespace=meta.namespace if meta else "",
+        name=(meta.name if meta else None) or "",
+        namespace=(meta.namespace if meta else None) or "",
         completions=completions,
         parallelism=spec.parallelism if spec else None,
         condition=condition,
@@ -436,10 +441,10 @@ def load_release_status(
     reports = []
     for job in jobs:
         # controller-uid, not the name: a recreated Job of the same name must not see old pods.
-        selector = f"{CONTROLLER_UID_LABEL}={job.metadata.uid}"
+        selector = f"{CONTROLLER_UID_LABEL}={_meta(job).uid}"
         pods = core_api.list_namespaced_pod(namespace, label_selector=selector).items
         reports.append(job_report(job, pods, max_failures=max_failures))
-    reports.sort(key=lambda r: (r.created_at is not None, r.created_at or datetime.min), reverse=True)
+    reports.sort(key=lambda r: (r.created_at is not None, r.created_at or datetime.min.replace(tzinfo=UTC)), reverse=True)
     return ReleaseStatus(namespace=namespace, release=release, jobs=tuple(reports))
 
 
@@ -455,5 +460,5 @@ def load_job_report(
     if batch_api is None or core_api is None:
         batch_api, core_api = api_clients()
     job = batch_api.read_namespaced_job(name, namespace)
-    pods = core_api.list_namespaced_pod(namespace, label_selector=f"{CONTROLLER_UID_LABEL}={job.metadata.uid}").items
+    pods = core_api.list_namespaced_pod(namespace, label_selector=f"{CONTROLLER_UID_LABEL}={_meta(job).uid}").items
     return job_report(job, pods, max_failures=max_failures)

@@ -292,12 +292,29 @@ class DirectoryJournalStorage:
             os.close(fd)
 
 
+class RunObjects(Protocol):
+    """What the journals use of a sharded run's store (``shardstore.ShardedRunStore``), which lives a layer up."""
+
+    display_uri: str
+    local: bool
+
+    def path(self, *parts: str) -> str: ...
+
+    def listdir(self, rel: str) -> list[str]: ...
+
+    def read_bytes(self, rel: str) -> bytes | None: ...
+
+    def overwrite(self, rel: str, data: bytes) -> None: ...
+
+    def delete(self, rel: str) -> None: ...
+
+
 class StoreJournalStorage:
     """Journal snapshots as objects under a prefix of a sharded run's store (``s3://…``)."""
 
     appends = False
 
-    def __init__(self, store: Any, prefix: str) -> None:
+    def __init__(self, store: RunObjects, prefix: str) -> None:
         self.store = store
         self.prefix = prefix.strip("/")
         self.display = f"{store.display_uri}/{self.prefix}"
@@ -315,7 +332,7 @@ class StoreJournalStorage:
         self.store.delete(f"{self.prefix}/{name}")
 
 
-def shard_journal_storage(store: Any, shard: int) -> JournalStorage:
+def shard_journal_storage(store: RunObjects, shard: int) -> JournalStorage:
     """Where the journals of one shard live: a plain directory when the run is on a local disk,
     else objects in the run's store."""
     prefix = f"leases/{shard:05d}"
@@ -381,7 +398,7 @@ class LeaseJournal:
 
     def _compact(self) -> None:
         """Rewrite the log as header + the current state (one event per lease and per reset)."""
-        events = [{"answered": [env_idx, lease_id]} for env_idx, lease_id in self.state.held.items()]
+        events: list[dict[str, object]] = [{"answered": [env_idx, lease_id]} for env_idx, lease_id in self.state.held.items()]
         events += [{"sent": 1}] * self.state.resets_in_flight
         self.storage.write(self.name, b"".join(_line(e) for e in [{**self.state.header(), "at": _now()}, *events]))
         self._exists, self._lines = True, len(events)

@@ -80,7 +80,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
 from statistics import NormalDist
-from typing import Any
+from typing import Any, TypeGuard
 
 from shopsimrl.schemas import SUMMARY_SCHEMA_VERSION, is_completed
 
@@ -261,7 +261,7 @@ def clustered_mean(
     if mean is None:
         return ClusteredEstimate(None, None, None, "the values do not add up to a finite mean", count, int(observations))
     if count < 2:
-        note = "one task: the spread between tasks cannot be estimated, so there is no interval"
+        note: str | None = "one task: the spread between tasks cannot be estimated, so there is no interval"
         return ClusteredEstimate(mean, None, None, note, count, int(observations))
     squares = math.fsum((s - n * mean) ** 2 for n, s in pairs)
     sem = _finite(math.sqrt(count / (count - 1) * squares) / observations)
@@ -479,7 +479,7 @@ def _parse_time(value: Any) -> datetime | None:
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
-def _is_map(value: Any) -> bool:
+def _is_map(value: Any) -> TypeGuard[Mapping[str, Any]]:
     """``isinstance(value, Mapping)``, decided at once for the dicts that JSON gives (the ABC
     check costs about a microsecond, and the reducer makes a dozen per step)."""
     return type(value) is dict or isinstance(value, Mapping)

@@ -818,8 +818,9 @@ def _context_overflow_message(body: Any, text: str) -> str | None:
 def _stated_window(message: str, body: Any) -> int | None:
     """The context window (tokens) an overflow error states, when it states one."""
     error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict) and isinstance(error.get("n_ctx"), int):  # llama.cpp
-        return error["n_ctx"]
+    stated = error.get("n_ctx") if isinstance(error, dict) else None
+    if isinstance(stated, int):  # llama.cpp
+        return stated
     found = _WINDOW.search(message)
     return int(found.group(1)) if found else None
 

@@ -17,8 +17,11 @@ import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from shopsimrl.schemas import EpisodeJob
+
+_Job = TypeVar("_Job")  # a job or its episode id (shardstore splits the ids by the same rule)
 
 __all__ = ["SHARD_ASSIGNMENT", "EvaluationPlan", "PlanError", "build_jobs", "episode_seed", "shard_jobs"]
 
@@ -66,7 +69,7 @@ def build_jobs(plan: EvaluationPlan) -> list[EpisodeJob]:
     ]
 
 
-def shard_jobs(jobs: Sequence[EpisodeJob], shards: int) -> list[list[EpisodeJob]]:
+def shard_jobs(jobs: Sequence[_Job], shards: int) -> list[list[_Job]]:
     """Split the plan into ``shards`` balanced, deterministic lists (plan order kept within each)."""
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise PlanError(f"shard count must be an integer >= 1, got {shards!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import structlog
 from rich.console import Console
@@ -93,7 +93,7 @@ class RunProgress:
         )
         self._stack = ExitStack()
 
-    def __enter__(self) -> RunProgress:
+    def __enter__(self) -> Self:
         if self.enabled:
             self._progress.start()
             self._stack.enter_context(live_console(self._progress.console))
@@ -109,7 +109,7 @@ class RunProgress:
 
     def on_trace(self, record: dict[str, Any], will_retry: bool = False) -> None:
         """Count a persisted attempt; at debug level also log it (the line a shard worker logs)."""
-        final = record.get("final") if isinstance(record.get("final"), dict) else {}
+        final = record["final"] if isinstance(record.get("final"), dict) else {}
         log.debug(
             "episode_finished", episode_id=record.get("episode_id"), status=record.get("status"), reward=final.get("reward"),
             failure_class=record.get("failure_class"), will_retry=will_retry,

@@ -56,7 +56,7 @@ class hold_signals:
         for signum, handler in self._previous.items():
             signal.signal(signum, signal.SIG_IGN if _stopped else handler)
         if pending and not _stopped:
-            handler = self._previous[pending[0]]
+            handler = self._previous[signal.Signals(pending[0])]
             if callable(handler):
                 handler(pending[0], None)
             elif handler == signal.SIG_DFL:

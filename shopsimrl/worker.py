@@ -107,7 +107,7 @@ class PartSink:
         self._completed: set[str] = set()
         self._failed_attempts = 0
         self._records = 0
-        self._progress = {
+        self._progress: dict[str, Any] = {
             "schema_version": PROGRESS_SCHEMA_VERSION,
             "shard": shard,
             "writer": writer,
@@ -573,7 +573,7 @@ async def _evaluate(
     limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
 
     def on_trace(record: dict[str, Any], will_retry: bool) -> None:
-        final = record.get("final") if isinstance(record.get("final"), dict) else {}
+        final = record["final"] if isinstance(record.get("final"), dict) else {}
         log.info(
             "episode_finished",
             episode_id=record.get("episode_id"),

@@ -366,12 +366,12 @@ def _desired_options(ctx: _Context, grouped: dict[str, list[str]]) -> tuple[dict
             lacking.append(wanted)
     for key, wanted in ctx.wants.pairs:
         # A pair names an option only when its key is one of the product's axes.
-        axis = next((a for a in axes if a not in desired and _same_axis(a, key)), None)
-        if axis is None:
+        named = next((a for a in axes if a not in desired and _same_axis(a, key)), None)
+        if named is None:
             continue
-        score, value = max(((fuzzy_ratio(wanted, v), v) for v in _axis_values(ctx, axis, grouped)), default=(0, ""))
+        score, value = max(((fuzzy_ratio(wanted, v), v) for v in _axis_values(ctx, named, grouped)), default=(0, ""))
         if score > FUZZY_MATCH:
-            desired[axis] = value
+            desired[named] = value
         else:
             lacking.append(f"{key}：{wanted}")
     for axis in axes:
@@ -401,9 +401,8 @@ def _product(ctx: _Context) -> Decision | None:
         value = desired[axis]
         selected = ctx.obs.axes.get(axis, (None, []))[0]
         entry = f"{axis}={value}"
-        if (selected is None or norm(selected) != norm(value)) and entry in ctx.clicks:
-            if not (ctx.obs.last_invalid and entry == last):
-                return _click(entry, f"用户想要「{value}」，选择规格 {axis}。")
+        if (selected is None or norm(selected) != norm(value)) and entry in ctx.clicks and not (ctx.obs.last_invalid and entry == last):
+            return _click(entry, f"用户想要「{value}」，选择规格 {axis}。")
     for axis, (selected, _values) in ctx.obs.axes.items():
         entries = [e for e in grouped.get(axis, []) if e not in tried]
         if selected is None and entries:

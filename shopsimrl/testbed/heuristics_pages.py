@@ -192,7 +192,7 @@ def parse_budget(instruction: str) -> float | None:
             continue
         before = text[max(0, match.start() - 8) : match.start()]
         after = text[match.end() : match.end() + 4]
-        if after.startswith("+") or "以上" in after or after.startswith("起"):
+        if after.startswith(("+", "起")) or "以上" in after:
             continue
         if re.search(r"(?<!不)(?<!不要)(超过|高于|大于)$", before):
             continue
@@ -200,9 +200,8 @@ def parse_budget(instruction: str) -> float | None:
         # upper-bound word right after it ("300以内"); "一款" or "15寸" are not amounts.
         tight = before.rstrip("在就是为约大概只要 ")
         if not (
-            after.startswith("元")
+            after.startswith(("元", *_UPPER_AFTER[:-1]))
             or tight.endswith(_MONEY_BEFORE)
-            or after.startswith(_UPPER_AFTER[:-1])
             or (match.group("cn") is None and any(word in before for word in _MONEY_BEFORE))
         ):
             continue
@@ -392,7 +391,7 @@ def _is_protocol_feedback(text: str) -> bool:
     return isinstance(data, dict) and data.get("type") == "tool_protocol_error"
 
 
-def history(messages: list[dict[str, Any]]) -> History:
+def history(messages: list[Any]) -> History:
     hist = History()
     seen_task = False
     for message in messages:
@@ -501,7 +500,7 @@ def parse_preferences(system_text: str) -> Preferences:
             if isinstance(value, list):
                 attributes += [text for text in map(_scalar, value) if text]
             elif isinstance(value, dict):
-                options += [(str(axis).strip(), text) for axis, text in zip(value, map(_scalar, value.values())) if text]
+                options += [(str(axis).strip(), text) for axis, text in zip(value, map(_scalar, value.values()), strict=True) if text]
             elif text := _scalar(value):
                 if any(word in key for word in _BUDGET_KEYS):
                     budget = parse_budget(text if any(w in text for w in _BUDGET_KEYS) else "预算" + text)

@@ -476,7 +476,7 @@ class LlamaServer:
 # --------------------------------------------------------------------------- command line
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: RET503 - the last path ends in os.execv, which does not return
     parser = argparse.ArgumentParser(prog="python -m shopsimrl.testbed.llm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=None, help="cache directory (default: <repo>/.cache/llm)")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -516,7 +516,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     _say(f"serving {MODEL_FILE} as {args.alias!r} at http://{args.host}:{args.port}/v1")
     # Replace this process so that signalling its pid stops the server itself.
     os.execv(cmd[0], cmd)
-    return 0  # pragma: no cover
 
 
 if __name__ == "__main__":

@@ -37,8 +37,6 @@ def _config(app: Any, host: str, port: int, **kwargs: Any) -> uvicorn.Config:
 def running_server(app: Any, host: str = "127.0.0.1", port: int | None = None, **kwargs: Any) -> Iterator[str]:
     """Run ``app`` in a daemon thread; yield its base URL (``http://host:port``); stop on exit."""
     server = uvicorn.Server(_config(app, host, port or free_port(host), **kwargs))
-    # A thread has no signal handling; uvicorn must not try to install handlers there.
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import uvicorn
+from starlette.applications import Starlette
 
 from shopsimrl.testbed.policy import create_app as create_policy_app
 from shopsimrl.testbed.shop import create_app as create_shop_app
@@ -12,7 +13,7 @@ from shopsimrl.testbed.shop import create_app as create_shop_app
 __all__ = ["serve_both"]
 
 
-def _server(app: object, host: str, port: int) -> uvicorn.Server:
+def _server(app: Starlette, host: str, port: int) -> uvicorn.Server:
     return uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, backlog=4096, lifespan="auto")
     )

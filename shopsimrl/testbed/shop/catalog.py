@@ -170,9 +170,10 @@ def build_goal(
     full_text = str(instruction["instruction"])
     simple_text = instruction.get("instruction_simple") or full_text
     raw_upper = instruction.get("price_upper")
+    price_upper: float | None
     if raw_upper not in (None, ""):
         try:
-            price_upper: float | None = float(raw_upper)
+            price_upper = float(raw_upper)
         except (TypeError, ValueError):
             price_upper = math.nan
         if not math.isfinite(price_upper) or price_upper < 0:

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -220,7 +220,8 @@ def _is_json_mimetype(content_type: str) -> bool:
     return mimetype == "application/json" or (mimetype.startswith("application/") and mimetype.endswith("+json"))
 
 
-def _valid_slot_args(env_idx: object, lease_id: object) -> bool:
+def _valid_slot_args(env_idx: object, lease_id: object) -> TypeGuard[int]:
+    """An int ``env_idx`` (the guard narrows it) and a non-empty ``lease_id``."""
     return isinstance(env_idx, int) and not isinstance(env_idx, bool) and bool(lease_id)
 
 
