@@ -10,7 +10,7 @@ CONSTRAINTS := constraints.txt
 # The llama.cpp server of the real-LLM test: an environment of its own, never .venv.
 LLM_CACHE ?= .cache/llm
 
-.PHONY: install test llm-server check-venv constraints demo demo-s3 smoke smoke-llm bench reduce status clean
+.PHONY: install test lint llm-server check-venv constraints demo demo-s3 smoke smoke-llm bench reduce status clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo "install: $(VENV) with the project and its test extras, pinned by $(CONSTRAINTS) (about 2 minutes)"
@@ -23,6 +23,15 @@ install: $(STAMP)  ## create .venv and install the project with its test extras 
 test: $(STAMP) llm-server  ## run the whole test suite (the README's test command)
 	@echo "test: pytest over tests/ (about 15 minutes on 2 cores; one dot per test)"
 	SHOPSIMRL_LLM_CACHE=$(abspath $(LLM_CACHE)) SHOPSIMRL_LLM_REQUIRED=1 $(BIN)/pytest -q
+
+# ruff and mypy, configured in pyproject.toml. The format check waits for the one-time `ruff format`
+# of the tree (README, "Lint and types"): until then `make lint LINT_FORMAT=1` runs it, plain `make lint` does not.
+LINT_PATHS  := shopsimrl tests bench scripts
+LINT_FORMAT ?=
+lint: $(STAMP)  ## ruff check, mypy on shopsimrl/ (and ruff format --check with LINT_FORMAT=1); CI runs it after the tests
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(if $(LINT_FORMAT),$(BIN)/ruff format --check $(LINT_PATHS))
+	$(BIN)/mypy
 
 llm-server: $(STAMP)  ## llama.cpp for the real-LLM test in .cache/llm (first time on a machine: compiles it, 8-25 min)
 	@echo "llm-server: llama.cpp server for the real-LLM test in $(LLM_CACHE)/venv, apart from $(VENV)"
@@ -70,6 +79,6 @@ status: $(STAMP)  ## per-shard progress of RUN=<uri>
 	$(BIN)/shopsimrl status $(RUN)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 include mk/kubernetes.mk
