@@ -277,6 +277,22 @@ async def test_a_long_local_journal_is_compacted_and_still_exact(tmp_path: Path)
         await journal.aclose()
 
 
+def test_a_ramp_up_of_many_resets_in_flight_compacts_the_local_journal_rarely(tmp_path: Path) -> None:
+    """1,000 resets sent before any answer (1,000 episodes starting at once): each compaction
+    writes every reset in flight, so a bound on held leases alone compacted on every event."""
+    storage = DirectoryJournalStorage(tmp_path / "leases")
+    journal = LeaseJournal(storage, environment_url="http://shop.invalid")
+    rewrites = []
+    write = storage.write
+    storage.write = lambda name, data: (rewrites.append(len(data.splitlines())), write(name, data))[1]  # type: ignore[method-assign]
+    for _ in range(1000):
+        journal.reset_sent()
+    for n in range(1000):
+        journal.reset_answered((n, f"lease-{n}"))
+    assert journal_state(tmp_path / "leases" / journal.name).held == {n: f"lease-{n}" for n in range(1000)}
+    assert len(rewrites) <= 3, rewrites[:10]  # the first event, then at most once per ~512 + 4·state lines
+
+
 def dead_process_identity() -> ProcessIdentity:
     """The identity of a process of this host that has exited."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
