@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.shardstore import ShardedRunStore, marker_document, part_entry
-from shopsimrl.store import encode_trace_line
+from shopsimrl.traces import encode_trace_line
 
 OBSERVATION = "搜索结果：第1页，共20页。\n" + "".join(f"[{i}] 商品{i}：简约玻璃水杯 大容量 耐热 带盖 ￥{10 + i}.90\n" for i in range(12))
 

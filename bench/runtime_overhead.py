@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shopsimrl.evaluation import Evaluator
+from shopsimrl.episode import AgentRuntime
 from shopsimrl.prompts import PromptBuilder
-from shopsimrl.runtime import AgentRuntime
+from shopsimrl.scheduler import Evaluator
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.skills import NoSkills
 from shopsimrl.store import LocalRunStore

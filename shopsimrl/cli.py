@@ -254,7 +254,7 @@ def run(
     """Run (or resume) every episode of the plan in this process, then write summary.json.
 
     With --shards N: N `shopsimrl worker` processes write write-once parts to --run, then `reduce`."""
-    from shopsimrl.evaluation import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
+    from shopsimrl.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
     from shopsimrl.model import ModelConfigError
     from shopsimrl.progress import RunProgress
     from shopsimrl.store import LocalRunStore, RunLockedError, RunWriteError

@@ -10,7 +10,7 @@ Reference-compatible keys (same names, same formulas as ``shopsimrl-eval-summary
 ``counts.{requested, trace_files, completed, failed, scored, coverage}``,
 ``primary.{reward_mean, reward_sem, success_rate}``, ``reward_components.r_*``,
 ``behavior.*``, ``cost.{duration_ms_mean, tokens}`` and ``errors``. A record is completed
-when :func:`shopsimrl.schemas.is_completed` says so; every other record is failed. Reward,
+when :func:`shopsimrl.traces.is_completed` says so; every other record is failed. Reward,
 behaviour, cost, latency and per-step retry metrics use completed records only.
 Two deliberate departures: a NaN or infinite value (reward, component, duration) is ignored
 like a non-numeric one, where the reference would have produced a NaN mean; and
@@ -82,7 +82,8 @@ from functools import lru_cache
 from statistics import NormalDist
 from typing import Any, TypeGuard
 
-from shopsimrl.schemas import SUMMARY_SCHEMA_VERSION, is_completed
+from shopsimrl.schemas import SUMMARY_SCHEMA_VERSION
+from shopsimrl.traces import is_completed
 
 __all__ = [
     "CI_METHOD",

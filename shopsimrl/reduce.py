@@ -15,10 +15,10 @@ parts parses each record once and feeds the winners to the streaming
 of its completed episodes and a small view of each unfinished attempt still waiting for a
 later one, so memory follows the largest shard's stored bytes, not the run.
 
-Winner per ``episode_id``: the first completed record in part order (sequence number, writer);
-if none completed, the latest failed attempt (highest ``attempt``, then ``ended_at``). Further
-completed records are duplicates (a replaced pod, a retried write): counted, not re-scored.
-Earlier failed attempts are superseded attempts, as in a local run.
+Winner per ``episode_id``: the rule of :mod:`shopsimrl.traces`, shared with the local run
+store, over the parts in part order (sequence number, writer): the first completed record; if
+none completed, the latest attempt (``attempt``, then ``ended_at``). Further completed records
+are duplicates (a replaced pod, a retried write): counted, not re-scored.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 from shopsimrl.manifest import ManifestError, manifest_head, run_identity
 from shopsimrl.metrics import SummaryAccumulator, unfinished_view
-from shopsimrl.schemas import MANIFEST_SCHEMA_VERSIONS, EpisodeJob, TraceFormatError, is_completed, sha256_hex
+from shopsimrl.schemas import MANIFEST_SCHEMA_VERSIONS, EpisodeJob, TraceFormatError, sha256_hex
 from shopsimrl.shardstore import (
     ShardedRunStore,
     ShardListing,
@@ -43,6 +43,7 @@ from shopsimrl.shardstore import (
     marker_problem,
     part_order,
 )
+from shopsimrl.traces import Verdict, WinnerPicker, is_completed
 
 __all__ = ["RunNotPlannedError", "WaitResult", "reduce_run", "shard_status", "wait_for_markers"]
 
@@ -139,26 +140,18 @@ def _read_parts(store: ShardedRunStore, index: int, names: list[str]) -> dict[st
     return held
 
 
-@dataclass
-class _Pending:
-    """The best unfinished attempt of an episode with no completed record so far."""
-
-    rank: tuple[Any, ...]
-    position: tuple[int, int]
-    view: dict[str, Any]
-
-
 def _tally(parts: list[bytes], shard_ids: set[str], accumulator: SummaryAccumulator, result: _ShardResult,
            not_in_plan_sample: list[str]) -> None:
-    """One pass over the committed parts, in part order: the first completed record of an
-    episode wins and is counted at once; further completed records are duplicates. An
-    unfinished attempt waits (as a small view) until a completed record or a later attempt
-    (by ``attempt``, then ``ended_at``) supersedes it; those still waiting at the end win."""
-    completed: set[str] = set()
+    """One pass over the committed parts, in part order, through the winner rule of
+    :mod:`shopsimrl.traces`: a completed winner is counted at once; an unfinished attempt waits
+    (as a small view) until a completed record or a later attempt supersedes it; those still
+    waiting at the end win."""
+    # Items: a completed record is counted at once and holds nothing (None); an unfinished one
+    # holds its small view, the only thing a reducer keeps per episode.
+    picker: WinnerPicker[dict[str, Any] | None] = WinnerPicker()
     rerun: set[str] = set()
-    pending: dict[str, _Pending] = {}
-    for part_index, data in enumerate(parts):
-        for line_index, record in enumerate(iter_part_records(_HELD_NAME, data)):
+    for data in parts:
+        for record in iter_part_records(_HELD_NAME, data):
             if record is None:
                 result.unreadable_lines += 1
                 continue
@@ -168,36 +161,19 @@ def _tally(parts: list[bytes], shard_ids: set[str], accumulator: SummaryAccumula
                 if len(not_in_plan_sample) < _SAMPLE:
                     not_in_plan_sample.append(episode_id)
                 continue
-            if is_completed(record):
-                if episode_id in completed:
-                    result.duplicates += 1
-                    rerun.add(episode_id)
-                    continue
-                completed.add(episode_id)
+            offer = picker.offer(record, None if is_completed(record) else unfinished_view(record))
+            if offer.verdict is Verdict.DUPLICATE:
+                result.duplicates += 1
+                rerun.add(episode_id)
+            elif offer.verdict is Verdict.COMPLETED:
                 accumulator.add(record)
                 result.completed += 1
-                waiting = pending.pop(episode_id, None)
-                if waiting is not None:
-                    result.superseded += 1
-                    accumulator.note_superseded_attempt(waiting.view)
-                continue
-            view = unfinished_view(record)
-            if episode_id in completed:
+            if offer.loser is not None:
                 result.superseded += 1
-                accumulator.note_superseded_attempt(view)
-                continue
-            attempt = record.get("attempt")
-            candidate = _Pending((attempt if isinstance(attempt, int) else 0, str(record.get("ended_at") or "")),
-                                 (part_index, line_index), view)
-            waiting = pending.get(episode_id)
-            if waiting is not None and waiting.rank > candidate.rank:  # ties: the later record wins
-                candidate, waiting = waiting, candidate
-            pending[episode_id] = candidate
-            if waiting is not None:
-                result.superseded += 1
-                accumulator.note_superseded_attempt(waiting.view)
-    for waiting in sorted(pending.values(), key=lambda p: p.position):
-        accumulator.add(waiting.view)
+                accumulator.note_superseded_attempt(offer.loser)
+    for view in picker.unfinished():
+        assert view is not None
+        accumulator.add(view)
         result.failed += 1
     result.episodes_rerun = len(rerun)
 

@@ -36,7 +36,6 @@ __all__ = [
     "canonical_json",
     "episode_id_for",
     "fingerprint",
-    "is_completed",
     "json_safe",
     "parse_json",
     "redact_uri",
@@ -267,14 +266,3 @@ class Skill:
 # --------------------------------------------------------------------------- trace helpers
 
 TraceStatus = Literal["completed", "failed"]
-
-
-def is_completed(record: dict[str, Any]) -> bool:
-    """The one completion predicate: v4 schema, status completed, a final with done true."""
-    final = record.get("final")
-    return (
-        record.get("schema_version") == TRACE_SCHEMA_VERSION
-        and record.get("status") == "completed"
-        and isinstance(final, dict)
-        and final.get("done") is True
-    )

@@ -54,15 +54,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
 from shopsimrl.planning import SHARD_ASSIGNMENT, PlanError, shard_jobs
-from shopsimrl.schemas import (
-    EpisodeJob,
-    canonical_json,
-    fingerprint,
-    is_completed,
-    redact_uri,
-    sha256_hex,
-)
-from shopsimrl.store import parse_trace_line
+from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint, redact_uri, sha256_hex
+from shopsimrl.traces import is_completed, parse_trace_line
 
 __all__ = [
     "MARKER_NAME",

@@ -8,8 +8,8 @@ Durability rules:
   skipped line;
 - the file is read as bytes and decoded line by line: a bad line (torn, not UTF-8, not JSON, not
   a trace) is skipped and counted, never fatal;
-- the first completed record of an episode wins (as in the sharded reducer); without one, the
-  latest failed attempt; every other record is a superseded attempt;
+- each episode's winning record is picked by the one rule of :mod:`shopsimrl.traces` (the first
+  completed record; without one, the latest attempt); every other record is a superseded attempt;
 - ``manifest.json`` and ``summary.json`` are written to a temp file, fsynced, renamed, and the
   directory fsynced; a write that fails (full disk, quota, file size limit) removes its temp
   file, leaves the previous file as it was and raises :class:`RunWriteError`;
@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
-from shopsimrl.schemas import canonical_json, fingerprint, is_completed, json_safe
+from shopsimrl.schemas import canonical_json, fingerprint
+from shopsimrl.traces import WinnerPicker, encode_trace_line, iter_jsonl_records
 
 __all__ = [
     "EpisodeState",
@@ -41,9 +40,6 @@ __all__ = [
     "RunLockedError",
     "RunWriteError",
     "atomic_write_json",
-    "encode_trace_line",
-    "iter_jsonl_records",
-    "parse_trace_line",
 ]
 
 
@@ -93,35 +89,6 @@ def atomic_write_json(path: Path, value: Any) -> None:
     _fsync_dir(path.parent)
 
 
-def encode_trace_line(record: dict[str, Any]) -> bytes:
-    """One compact JSONL line (orjson). A value JSON cannot hold (an odd object) is made safe and
-    the record flagged ``serialization_repaired``, never fatal. Wire data reaches traces through
-    ``schemas.parse_json``, which reads NaN as null; a non-finite float made by a custom adapter
-    is written as null."""
-    episode_id = record.get("episode_id")
-    if not isinstance(episode_id, str) or not episode_id:
-        raise ValueError("a trace needs a string episode_id")
-    try:
-        return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
-    except TypeError:
-        safe = json_safe(record)
-        safe.setdefault("serialization_repaired", True)
-        return orjson.dumps(safe, option=orjson.OPT_APPEND_NEWLINE)
-
-
-def parse_trace_line(raw: bytes) -> dict[str, Any] | None:
-    """One JSONL line back into a trace record, or None when it is torn, garbled or foreign.
-    Records of the earlier implementation may hold NaN, which is read as such."""
-    try:
-        record = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return None
-    return record if isinstance(record, dict) and isinstance(record.get("episode_id"), str) else None
-
-
 @dataclass
 class EpisodeState:
     """What resume needs to know about one episode, without its heavy trace."""
@@ -145,19 +112,6 @@ class ResumeIndex:
     def attempts(self, episode_id: str) -> int:
         state = self.episodes.get(episode_id)
         return state.attempts if state else 0
-
-
-def iter_jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None]]:
-    """Yield ``(byte offset, record or None for a bad line)`` for every non-blank line."""
-    if not path.exists():
-        return
-    with path.open("rb") as handle:
-        offset = 0
-        for raw in handle:
-            start, offset = offset, offset + len(raw)
-            line = raw.strip()
-            if line:
-                yield start, parse_trace_line(line)
 
 
 class LocalRunStore:
@@ -244,22 +198,22 @@ class LocalRunStore:
             os.fsync(handle.fileno())
 
     def load_index(self) -> ResumeIndex:
+        """One pass over traces.jsonl: per episode its attempts and its winning record
+        (:class:`~shopsimrl.traces.WinnerPicker`, the rule the sharded reducer applies too)."""
         index = ResumeIndex()
+        picker: WinnerPicker[int] = WinnerPicker()
+        attempts: dict[str, int] = {}
         for offset, record in iter_jsonl_records(self.traces_path):
             index.lines += 1
             if record is None:
                 index.bad_lines += 1
                 continue
-            episode_id = record["episode_id"]
-            previous = index.episodes.get(episode_id)
-            if previous is not None and previous.completed:
-                previous.attempts += 1  # completion is sticky: the first completed record wins
-                continue
-            index.episodes[episode_id] = EpisodeState(
-                completed=is_completed(record),
-                attempts=(previous.attempts if previous else 0) + 1,
-                offset=offset,
-            )
+            attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
+            picker.offer(record, offset)
+        for episode_id, count in attempts.items():
+            offset = picker.winner(episode_id)
+            assert offset is not None  # every counted episode was offered
+            index.episodes[episode_id] = EpisodeState(completed=episode_id in picker.completed, attempts=count, offset=offset)
         return index
 
     def iter_records(self, index: ResumeIndex | None = None) -> Iterator[tuple[bool, dict[str, Any]]]:

@@ -7,7 +7,7 @@ One worker = one shard = one process (a local subprocess or a pod of an Indexed 
    another shard count → exit 2);
 2. resumes from the shard's existing parts: an episode with a completed record is never run
    again (the reducer de-duplicates whatever a concurrent writer produced anyway);
-3. runs the remaining jobs with :class:`~shopsimrl.evaluation.Evaluator`, buffering traces and
+3. runs the remaining jobs with :class:`~shopsimrl.scheduler.Evaluator`, buffering traces and
    writing a new part every ``flush_episodes`` records or ``flush_seconds``, whichever comes
    first (a timer flushes a stalled buffer), so a crash loses at most that tail;
 4. on SIGTERM/SIGINT stops, flushes what finished and exits 3 (resume later);
@@ -38,7 +38,8 @@ from shopsimrl.config import ConfigError, WorkerSettings, load_experiment_config
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.logs import LogSettings, current_settings
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
-from shopsimrl.schemas import EpisodeJob, fingerprint, is_completed
+from shopsimrl.schemas import EpisodeJob, fingerprint
+from shopsimrl.traces import is_completed
 from shopsimrl.shardstore import (
     PART_PATTERN,
     PROGRESS_SCHEMA_VERSION,
@@ -56,7 +57,7 @@ from shopsimrl.shardstore import (
     scan_shard,
 )
 from shopsimrl.stopping import STOP_SIGNALS
-from shopsimrl.store import encode_trace_line
+from shopsimrl.traces import encode_trace_line
 
 __all__ = ["PartSink", "WorkerOptions", "commit_shard", "plan_run", "run_worker"]
 
@@ -559,7 +560,7 @@ async def _evaluate(
     Whatever finished is saved on every path: at the first signal the buffer is flushed at
     once (before the episodes unwind and release their leases, which may take the grace
     period), and again after the evaluation ended."""
-    from shopsimrl.evaluation import ConcurrencyLimitedModel, Evaluator
+    from shopsimrl.scheduler import ConcurrencyLimitedModel, Evaluator
     from shopsimrl.lease_journal import LeaseJournal, shard_journal_storage, start_lease_tracking
     from shopsimrl.stopping import GracefulStop
 

@@ -18,8 +18,9 @@ import pytest
 
 from shopsimrl.model import ModelRequestError, OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.prompts import PromptBuilder
-from shopsimrl.runtime import AgentRuntime
-from shopsimrl.schemas import EpisodeJob, is_completed
+from shopsimrl.episode import AgentRuntime
+from shopsimrl.schemas import EpisodeJob
+from shopsimrl.traces import is_completed
 from shopsimrl.skills import NoSkills
 from shopsimrl.testbed.serving import running_server
 from tests.fakes import FakeEnvironment

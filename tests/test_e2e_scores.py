@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from shopsimrl import __version__
-from shopsimrl.schemas import MANIFEST_SCHEMA_VERSION, SUMMARY_SCHEMA_VERSION, TRACE_SCHEMA_VERSION, is_completed
+from shopsimrl.schemas import MANIFEST_SCHEMA_VERSION, SUMMARY_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
+from shopsimrl.traces import is_completed
 from tests.testbed_process import ROOT, start_testbed, write_config
 
 pytestmark = pytest.mark.slow

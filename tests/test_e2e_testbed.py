@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.schemas import is_completed
+from shopsimrl.traces import is_completed
 from tests.testbed_process import ROOT, start_testbed, write_config
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ def run(config: Path, env: dict[str, str], *args: str, timeout: float = 240) -> 
 
 def records(run_dir: Path) -> list[dict]:
     """Every whole record; a line torn by kill -9 (even inside a UTF-8 sequence) is skipped."""
-    from shopsimrl.store import parse_trace_line
+    from shopsimrl.traces import parse_trace_line
 
     lines = (run_dir / "traces.jsonl").read_bytes().split(b"\n")
     return [record for record in map(parse_trace_line, lines) if record is not None]

@@ -70,7 +70,7 @@ def test_the_worker_path_imports_neither_the_testbed_nor_kubernetes(tmp_path: Pa
         assert "shopsimrl.cli" in modules, f"{name}: -X importtime listed no shopsimrl modules"
         assert _forbidden(modules) == [], name
     # The shards really ran: the worker imported its own modules and the reducer wrote a summary.
-    assert {"shopsimrl.worker", "shopsimrl.runtime", "shopsimrl.shardstore"} <= _imported(steps["worker 0"].stderr)
+    assert {"shopsimrl.worker", "shopsimrl.episode", "shopsimrl.shardstore"} <= _imported(steps["worker 0"].stderr)
     assert (tmp_path / "run" / "summary.json").is_file()
 
 

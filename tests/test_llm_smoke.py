@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, is_completed
+from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob
+from shopsimrl.traces import is_completed
 from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, default_cache_dir, installed_server, tool_results_handler
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app

@@ -284,7 +284,7 @@ def _reference_formulas(records: list[dict[str, Any]], requested: int) -> dict[s
     from collections import Counter
     from statistics import fmean, stdev
 
-    from shopsimrl.schemas import is_completed
+    from shopsimrl.traces import is_completed
 
     def numeric(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)

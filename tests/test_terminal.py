@@ -33,7 +33,7 @@ from typer.testing import CliRunner
 from shopsimrl import logs
 from shopsimrl.cli import app
 from shopsimrl.progress import RunProgress, ShardedRunProgress
-from shopsimrl.schemas import is_completed
+from shopsimrl.traces import is_completed
 from tests.terminal_screen import run_on_terminal, screen_lines
 from tests.testbed_process import ROOT, LocalTestbed, start_testbed, write_config
 

@@ -13,7 +13,8 @@ import pytest
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.reduce import reduce_run, shard_status
-from shopsimrl.schemas import EpisodeJob, fingerprint, is_completed, redact_uri
+from shopsimrl.schemas import EpisodeJob, fingerprint, redact_uri
+from shopsimrl.traces import is_completed
 from shopsimrl.shardstore import (
     RetryPolicy,
     ShardedRunStore,

@@ -16,7 +16,7 @@ from shopsimrl import reduce
 from shopsimrl.reduce import reduce_run, shard_status
 from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint
 from shopsimrl.shardstore import ShardedRunStore, encode_part, iter_part_records, scan_shard
-from shopsimrl.store import encode_trace_line
+from shopsimrl.traces import encode_trace_line
 from shopsimrl.worker import PartSink, commit_shard
 
 from .conftest import S3_TEST_ENV, Backend, Testbed, cli, worker_env, write_config

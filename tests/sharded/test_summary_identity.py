@@ -9,7 +9,7 @@ from shopsimrl import __version__
 from shopsimrl.manifest import manifest_head, run_identity
 from shopsimrl.metrics import summarize_traces
 from shopsimrl.reduce import reduce_run
-from shopsimrl.schemas import is_completed
+from shopsimrl.traces import is_completed
 from shopsimrl.shardstore import ShardedRunStore, iter_part_records
 
 from .conftest import Backend, Testbed, cli, worker_env, write_config

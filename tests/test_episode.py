@@ -7,8 +7,9 @@ import json
 from shopsimrl.environment import EnvironmentResponseError, EnvironmentUnavailableError
 from shopsimrl.model import ModelRequestError
 from shopsimrl.prompts import PromptBuilder
-from shopsimrl.runtime import AgentRuntime
-from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, ModelOutput, Skill, is_completed
+from shopsimrl.episode import AgentRuntime
+from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, ModelOutput, Skill
+from shopsimrl.traces import is_completed
 from shopsimrl.skills import NoSkills
 from tests.fakes import FakeEnvironment, FakeModel, call, env_result, purchase_result, results_state, tool_output
 

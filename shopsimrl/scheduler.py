@@ -24,12 +24,12 @@ from typing import Any, Protocol
 import structlog
 
 from shopsimrl.model import ChatModel
-from shopsimrl.runtime import AgentRuntime, failed_trace
+from shopsimrl.episode import AgentRuntime, failed_trace
 from shopsimrl.schemas import EpisodeJob, ModelOutput
 
 __all__ = ["ConcurrencyLimitedModel", "EvaluationOutcome", "Evaluator", "TraceSink"]
 
-log = structlog.get_logger("shopsimrl.evaluation")
+log = structlog.get_logger("shopsimrl.scheduler")
 
 
 class TraceSink(Protocol):
@@ -153,7 +153,8 @@ class Evaluator:
                 # fsync off the event loop, one writer at a time
                 await asyncio.to_thread(self.sink.save_trace, trace)
 
-        async def worker() -> None:
+        async def run_episodes() -> None:
+            """One of ``concurrency`` tasks: take a queued attempt, run it, save its trace."""
             nonlocal remaining
             while True:
                 job, attempt = await queue.get()
@@ -175,13 +176,13 @@ class Evaluator:
                     if remaining == 0:
                         all_done.set()
 
-        workers = [asyncio.create_task(worker(), name=f"episode-worker-{i}") for i in range(min(self.concurrency, len(pending)))]
+        runners = [asyncio.create_task(run_episodes(), name=f"episode-runner-{i}") for i in range(min(self.concurrency, len(pending)))]
         try:
             await all_done.wait()
         finally:
-            for task in workers:
+            for task in runners:
                 task.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.gather(*runners, return_exceptions=True)
             if saves:
                 done, _ = await asyncio.wait(set(saves))
                 for task in done:

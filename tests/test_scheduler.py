@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.evaluation import Evaluator
+from shopsimrl.scheduler import Evaluator
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.store import LocalRunStore
 

@@ -48,8 +48,9 @@ from shopsimrl.prompts import (
     canonical_action,
     protocol_feedback,
 )
-from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, ModelOutput
+from shopsimrl.schemas import EpisodeJob, ModelOutput
 from shopsimrl.skills import SkillProvider
+from shopsimrl.traces import trace_skeleton
 
 __all__ = ["ACTION_PROTOCOL", "AgentRuntime", "classify_failure", "failed_trace"]
 
@@ -62,7 +63,7 @@ LEASE_KEYS = ("env_idx", "lease_id")
 PRIVATE_RESET_KEYS = ("private_task_instruction", "goal_options", "reason_key")
 MAX_TRACEBACK_CHARS = 4000
 
-log = structlog.get_logger("shopsimrl.runtime")
+log = structlog.get_logger("shopsimrl.episode")
 
 
 def _now() -> str:
@@ -103,30 +104,9 @@ def _error(stage: str, exc: BaseException) -> dict[str, Any]:
     return {"stage": stage, "type": type(exc).__name__, "message": str(exc), "traceback": text[-MAX_TRACEBACK_CHARS:]}
 
 
-def _trace_skeleton(job: EpisodeJob) -> dict[str, Any]:
-    """Every key of a v4 record, in order, with the values of an episode that has not started."""
-    return {
-        "schema_version": TRACE_SCHEMA_VERSION,
-        "episode_id": job.episode_id,
-        "status": "failed",
-        "job": job.to_dict(),
-        "provenance": {},
-        "started_at": None,
-        "ended_at": None,
-        "duration_ms": None,
-        "reset": None,
-        "selected_skills": [],
-        "conversation": [],
-        "steps": [],
-        "final": None,
-        "error": None,
-        "failure_class": None,
-    }
-
-
 def failed_trace(job: EpisodeJob, exc: BaseException, *, stage: str = "evaluator_boundary") -> dict[str, Any]:
     """The trace written when the runtime object itself raised (reference fallback shape)."""
-    trace = _trace_skeleton(job)
+    trace = trace_skeleton(job)
     trace["ended_at"] = _now()
     trace["error"] = {"stage": stage, "type": type(exc).__name__, "message": str(exc)}
     trace["failure_class"] = classify_failure(exc)
@@ -194,7 +174,7 @@ class AgentRuntime:
         started_at, started = _now(), time.perf_counter()
         episode = self.environment.open_episode()
         elog = log.bind(episode_id=job.episode_id)
-        trace = _trace_skeleton(job)
+        trace = trace_skeleton(job)
         trace["started_at"] = started_at
         progress = {"stage": "reset"}
         try:

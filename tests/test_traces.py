@@ -1,0 +1,105 @@
+"""The winner rule of shopsimrl.traces, once, and that both run stores apply it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shopsimrl.schemas import EpisodeJob, fingerprint
+from shopsimrl.reduce import reduce_run
+from shopsimrl.shardstore import ShardedRunStore
+from shopsimrl.worker import commit_shard
+from shopsimrl.store import LocalRunStore
+from shopsimrl.traces import Verdict, WinnerPicker, encode_trace_line, trace_skeleton
+
+
+def record(episode_id: str, status: str, *, attempt: int | None = None, ended_at: str | None = None, error: str = "") -> dict[str, Any]:
+    rec: dict[str, Any] = {"schema_version": "shopsimrl-episode-v4", "episode_id": episode_id, "status": status,
+                           "final": {"done": True, "reward": 1.0} if status == "completed" else None,
+                           "ended_at": ended_at, "error": {"type": error} if error else None,
+                           "failure_class": None if status == "completed" else "infrastructure", "steps": []}
+    if attempt is not None:
+        rec["attempt"] = attempt
+    return rec
+
+
+def winners(records: list[dict[str, Any]]) -> tuple[dict[str, str], list[str], list[Verdict]]:
+    """(episode → tag of its winner, tags of superseded attempts, verdicts) with each record tagged by its position."""
+    picker: WinnerPicker[str] = WinnerPicker()
+    losers, verdicts = [], []
+    for position, rec in enumerate(records):
+        offer = picker.offer(rec, f"#{position}")
+        verdicts.append(offer.verdict)
+        if offer.loser is not None:
+            losers.append(offer.loser)
+    found = {rec["episode_id"]: picker.winner(rec["episode_id"]) for rec in records}
+    return {k: v for k, v in found.items() if v is not None}, losers, verdicts
+
+
+@pytest.mark.parametrize(
+    ("records", "winner", "superseded"),
+    [
+        # a completed record beats every unfinished attempt, even one with a higher attempt number
+        ([record("e", "failed", attempt=1), record("e", "completed", attempt=2), record("e", "failed", attempt=3)], "#1", ["#0", "#2"]),
+        # the first completed record in reading order wins; the next one is a duplicate, not superseded
+        ([record("e", "completed", attempt=2), record("e", "completed", attempt=1)], "#0", []),
+        # no completed record: the highest attempt, whatever the reading order
+        ([record("e", "failed", attempt=3), record("e", "failed", attempt=2)], "#0", ["#1"]),
+        # same attempt (two writers of one shard): the later ended_at
+        ([record("e", "failed", attempt=1, ended_at="2026-01-01T00:00:02+00:00"),
+          record("e", "failed", attempt=1, ended_at="2026-01-01T00:00:01+00:00")], "#0", ["#1"]),
+        # records of the earlier implementation (no attempt, no ended_at): the one read later
+        ([record("e", "failed"), record("e", "failed")], "#1", ["#0"]),
+    ],
+)
+def test_the_winner_rule(records: list[dict[str, Any]], winner: str, superseded: list[str]) -> None:
+    found, losers, _ = winners(records)
+    assert found == {"e": winner} and sorted(losers) == sorted(superseded)
+
+
+def test_verdicts_and_the_order_of_unfinished_winners() -> None:
+    picker: WinnerPicker[str] = WinnerPicker()
+    offers = [picker.offer(rec, tag) for rec, tag in [
+        (record("b", "failed", attempt=1), "b1"), (record("a", "failed", attempt=1), "a1"),
+        (record("c", "completed"), "c1"), (record("c", "completed"), "c2"), (record("b", "failed", attempt=2), "b2"),
+    ]]
+    assert [o.verdict for o in offers] == [Verdict.UNFINISHED, Verdict.UNFINISHED, Verdict.COMPLETED, Verdict.DUPLICATE, Verdict.UNFINISHED]
+    assert offers[4].loser == "b1" and picker.completed == {"c": "c1"}
+    assert picker.unfinished() == ["a1", "b2"]  # in the reading order of the winning records
+
+
+def test_both_run_stores_pick_the_same_winners(tmp_path: Path) -> None:
+    # Attempt 3 read before attempt 2: reading order alone (the local store before this rule)
+    # picks attempt 2; the attempt number picks 3. Both stores must say 3.
+    jobs = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in (1, 2)]
+    first, second = (job.episode_id for job in jobs)
+    records = [
+        record(first, "failed", attempt=3, error="Third"), record(first, "failed", attempt=2, error="Second"),
+        record(second, "failed", attempt=1, error="Early"), record(second, "completed", attempt=2),
+        record(second, "completed", attempt=3),
+    ]
+    local = LocalRunStore(tmp_path / "local")
+    for rec in records:
+        local.save_trace(rec)
+    index = local.load_index()
+    local_winners = {(r["episode_id"], r["status"], (r["error"] or {}).get("type"), r["attempt"]) for won, r in local.iter_records(index) if won}
+    assert local_winners == {(first, "failed", "Third", 3), (second, "completed", None, 2)}
+
+    plan = {"experiment": "x", "jobs": [job.to_dict() for job in jobs]}
+    sharded = ShardedRunStore(str(tmp_path / "sharded"))
+    sharded.initialize(plan)
+    ids = sharded.ensure_shard_map(jobs, 1, fingerprint(plan)).episode_ids[0]
+    sharded.write_part(0, 0, "abcdef01", b"".join(encode_trace_line(rec) for rec in records))
+    commit_shard(sharded, 0, ids, plan_fp=fingerprint(plan), writer="abcdef01")
+    summary = reduce_run(sharded, write=False)
+    assert summary["errors"] == {"Third": 1}
+    assert summary["counts"]["completed"] == 1 and summary["counts"]["failed"] == 1
+    assert summary["shards"]["duplicate_records"] == 1 and summary["shards"]["superseded_attempts"] == 2
+
+
+def test_the_skeleton_holds_every_v4_key_of_an_unstarted_episode() -> None:
+    skeleton = trace_skeleton(EpisodeJob(task_id=7, sample_id=1, seed=3, split="val"))
+    assert list(skeleton)[:4] == ["schema_version", "episode_id", "status", "job"]
+    assert skeleton["status"] == "failed" and skeleton["final"] is None and skeleton["episode_id"] == "task-000007__sample-001"
