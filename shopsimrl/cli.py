@@ -6,7 +6,6 @@ Exit codes are those of :mod:`shopsimrl.exitcodes` (0 done, 1 some episodes fail
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import importlib.metadata
 import json
@@ -130,7 +129,7 @@ def plan(
     verbose: bool = VERBOSE,
 ) -> None:
     """Show the frozen plan (episodes, seeds, fingerprint, identities) without running anything."""
-    from shopsimrl.store import LocalRunStore
+    from shopsimrl.local_run import LocalRunStore
 
     _setup_logging(quiet, verbose)
     if run_uri is not None and shards is None:
@@ -254,10 +253,8 @@ def run(
     """Run (or resume) every episode of the plan in this process, then write summary.json.
 
     With --shards N: N `shopsimrl worker` processes write write-once parts to --run, then `reduce`."""
-    from shopsimrl.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
+    from shopsimrl.local_run import RunStopped, run_local
     from shopsimrl.model import ModelConfigError
-    from shopsimrl.progress import RunProgress
-    from shopsimrl.store import LocalRunStore, RunLockedError, RunWriteError
 
     _setup_logging(quiet, verbose)
     if shards is not None:
@@ -276,127 +273,15 @@ def run(
         prepared.model().check_api_key()
     except ModelConfigError as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
-
-    store = LocalRunStore(config.run_dir)
     try:
-        store.acquire()
-    except RunLockedError as exc:
-        _fail(ExitCode.RETRYABLE, str(exc))
-    except OSError as exc:  # the directory cannot exist there (a file in the way, no permission) or the disk failed
-        unusable = isinstance(exc, (PermissionError, FileExistsError, FileNotFoundError, NotADirectoryError))
-        _fail(ExitCode.BAD_INPUT if unusable else ExitCode.RETRYABLE, f"experiment.output_dir: cannot create the run directory {config.run_dir}: {exc.strerror or exc}")
-    try:
-        try:
-            if not config.experiment.resume and store.read_manifest() is not None:
-                _fail(ExitCode.BAD_INPUT, f"{config.run_dir} already holds a run and experiment.resume is false")
-            manifest = store.initialize(prepared.plan(), prepared.execution())
-        except FingerprintMismatchError as exc:
-            _fail(ExitCode.FINGERPRINT_MISMATCH, str(exc))
-        except ManifestError as exc:
-            _fail(ExitCode.BAD_INPUT, str(exc))
-        except RunWriteError as exc:
-            _fail(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, str(exc))
-        index = store.load_index()
-        completed = {eid for eid, state in index.episodes.items() if state.completed}
-        prior = {eid: state.attempts for eid, state in index.episodes.items()}
-        todo = sum(1 for job in prepared.jobs if job.episode_id not in completed)
-        typer.echo(
-            f"run {config.name}: {len(prepared.jobs)} episodes, {len(prepared.jobs) - todo} already completed, "
-            f"{todo} to run → {config.run_dir}",
-            err=True,
+        store, summary = run_local(
+            prepared, max_episode_retries=max_episode_retries, retry_failed=retry_failed, show_progress=progress,
+            announce=lambda line: typer.echo(line, err=True),
         )
-
-        async def execute() -> bool:
-            """Run the pending episodes; True when a signal stopped the run (leases are released)."""
-            from shopsimrl.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
-            from shopsimrl.stopping import GracefulStop
-
-            model = prepared.model()
-            environment = prepared.environment()
-            journal = LeaseJournal(
-                DirectoryJournalStorage(config.run_dir / "leases"), environment_url=prepared.environment_settings.base_url
-            )
-            limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
-            evaluation: asyncio.Task[Any] | None = None
-
-            def stop_evaluation() -> None:
-                if evaluation is not None:
-                    evaluation.cancel()  # every episode unwinds through its cleanup: no lease stays held
-
-            grace = config.environment.cleanup_grace_seconds
-            with GracefulStop(stop_evaluation, cleanup=f"releasing leases (up to {grace:g} s)") as stop:
-                try:
-                    await start_lease_tracking(
-                        environment, journal, concurrency=config.experiment.concurrency, processes=1,
-                        configured=config.environment.max_leases,
-                    )
-                    if stop.requested:
-                        return True
-                    evaluator = Evaluator(
-                        prepared.runtime(limited, environment),
-                        store,
-                        concurrency=config.experiment.concurrency,
-                        max_episode_retries=(config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries),
-                        retry_failed=retry_failed,
-                    )
-                    pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
-                    with RunProgress(len(prepared.jobs), before=len(prepared.jobs) - len(pending), enabled=progress and sys.stderr.isatty()) as bar:
-                        evaluator.on_trace = bar.on_trace
-                        evaluation = asyncio.ensure_future(evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior))
-                        try:
-                            await evaluation
-                        except asyncio.CancelledError:
-                            if not stop.requested:
-                                raise
-                            # mypy keeps stop.requested narrowed to False by the check above; a signal sets it since.
-                            return True  # type: ignore[unreachable]
-                    return False
-                finally:
-                    try:
-                        await model.aclose()
-                    finally:
-                        try:
-                            await environment.aclose()
-                        finally:
-                            await journal.aclose()
-
-        try:
-            terminated = eventloop.run(execute())
-        except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
-            terminated = True
-        except OSError as exc:
-            _fail(ExitCode.RETRYABLE, f"cannot persist traces in {config.run_dir}: {exc}")
-        if terminated:
-            _fail(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
-        summary = _summarize_local(store, manifest, [job.episode_id for job in prepared.jobs])
-    finally:
-        store.release()
+    except RunStopped as stop:
+        _fail(stop.code, str(stop))
     _print_summary(summary, store.summary_path)
     _exit_for(summary)
-
-
-def _summarize_local(
-    store: Any, manifest: dict[str, Any] | None, requested_ids: list[str] | None, requested: int | None = None
-) -> dict[str, Any]:
-    from shopsimrl.manifest import run_identity
-    from shopsimrl.metrics import SummaryAccumulator
-    from shopsimrl.store import RunWriteError
-
-    accumulator = SummaryAccumulator(requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested)
-    index = store.load_index()
-    for is_winner, record in store.iter_records(index):
-        if is_winner:
-            accumulator.add(record)
-        else:
-            accumulator.note_superseded_attempt(record)
-    summary = accumulator.result()
-    summary.setdefault("counts", {})["unreadable_lines"] = index.bad_lines
-    summary["run"] = run_identity(manifest, uri=str(store.run_dir.resolve()))
-    try:
-        store.write_summary(summary)
-    except RunWriteError as exc:  # the traces are safe; only the derived summary is missing
-        _fail(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, f"{exc}; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it")
-    return summary
 
 
 def _print_summary(summary: dict[str, Any], where: Path) -> None:
@@ -421,7 +306,7 @@ def summarize(
     verbose: bool = VERBOSE,
 ) -> None:
     """Recompute summary.json from the traces of a run directory (also traces of the earlier format)."""
-    from shopsimrl.store import LocalRunStore
+    from shopsimrl.local_run import LocalRunStore, RunWriteError, summarize_local
 
     _setup_logging(quiet, verbose)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", run_dir_arg):
@@ -443,7 +328,10 @@ def summarize(
         from shopsimrl.schemas import EpisodeJob
 
         requested_ids = [EpisodeJob.from_dict(job).episode_id for job in manifest["plan"]["jobs"]]
-    summary = _summarize_local(store, manifest, requested_ids, requested)
+    try:
+        summary = summarize_local(store, manifest, requested_ids, requested)
+    except RunWriteError as exc:  # the traces are safe; only the derived summary is missing
+        _fail(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, f"{exc}; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it")
     _print_summary(summary, store.summary_path)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from shopsimrl.scheduler import Evaluator
 from shopsimrl.schemas import EpisodeJob
-from shopsimrl.store import LocalRunStore
+from shopsimrl.local_run import LocalRunStore
 
 JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in (1, 2, 3)]
 

@@ -11,7 +11,7 @@ from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.reduce import reduce_run
 from shopsimrl.shardstore import ShardedRunStore
 from shopsimrl.worker import commit_shard
-from shopsimrl.store import LocalRunStore
+from shopsimrl.local_run import LocalRunStore
 from shopsimrl.traces import Verdict, WinnerPicker, encode_trace_line, trace_skeleton
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
-from shopsimrl.store import LocalRunStore, RunLockedError
+from shopsimrl.local_run import LocalRunStore, RunLockedError
 
 
 def trace(episode_id: str, status: str = "completed", reward: float = 1.0) -> dict:

@@ -1,8 +1,15 @@
-"""Local run directory: manifest, append-only ``traces.jsonl``, summary, inter-process lock.
+"""A run on one machine: ``shopsimrl run`` without ``--shards``, and its run directory.
 
-Layout: ``<output_dir>/<name>/{manifest.json, traces.jsonl, summary.json, .lock}``.
+The twin of :mod:`shopsimrl.sharded.worker` for a single process: :func:`run_local` takes the
+run directory's lock, creates or verifies the manifest, resumes from ``traces.jsonl``, runs the
+pending episodes with :class:`~shopsimrl.scheduler.Evaluator` (SIGTERM/SIGINT stop it through
+:class:`~shopsimrl.stopping.GracefulStop`: every lease is released, finished episodes are
+saved, exit 3), then writes ``summary.json``. A failure is raised as :class:`RunStopped` with
+its exit code; the CLI prints it.
 
-Durability rules:
+Layout: ``<output_dir>/<name>/{manifest.json, traces.jsonl, summary.json, .lock, leases/}``.
+
+Durability rules of :class:`LocalRunStore`:
 - each trace is one line, appended with flush + fsync as soon as its episode ends; a torn tail
   left by a crash is sealed with a newline before the next append, so it stays a separate,
   skipped line;
@@ -18,29 +25,49 @@ Durability rules:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
 import json
 import os
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
+from shopsimrl import eventloop
+from shopsimrl.exitcodes import ExitCode
+from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, run_identity, validate_manifest
+from shopsimrl.metrics import SummaryAccumulator
 from shopsimrl.schemas import canonical_json, fingerprint
 from shopsimrl.traces import WinnerPicker, encode_trace_line, iter_jsonl_records
+
+if TYPE_CHECKING:
+    from shopsimrl.experiment import PreparedExperiment
 
 __all__ = [
     "EpisodeState",
     "LocalRunStore",
     "ResumeIndex",
     "RunLockedError",
+    "RunStopped",
     "RunWriteError",
     "atomic_write_json",
+    "run_local",
+    "summarize_local",
 ]
+
+
+
+class RunStopped(Exception):
+    """The run ended before its summary, with this exit code (the CLI prints the message)."""
+
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class RunLockedError(RuntimeError):
@@ -230,3 +257,153 @@ class LocalRunStore:
     def write_summary(self, summary: dict[str, Any]) -> None:
         canonical_json(summary)  # refuse NaN before touching the file
         atomic_write_json(self.summary_path, summary)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_local(
+    prepared: PreparedExperiment,
+    *,
+    max_episode_retries: int | None = None,
+    retry_failed: bool = True,
+    show_progress: bool = True,
+    announce: Callable[[str], None] = lambda line: None,
+) -> tuple[LocalRunStore, dict[str, Any]]:
+    """Run (or resume) every episode of ``prepared`` in this process; returns the store and the
+    written summary. Raises :class:`RunStopped`.
+
+    ``announce`` receives the one line that says what is to run; ``show_progress``: a live bar
+    when stderr is a terminal."""
+    config = prepared.config
+    store = LocalRunStore(config.run_dir)
+    try:
+        store.acquire()
+    except RunLockedError as exc:
+        raise RunStopped(ExitCode.RETRYABLE, str(exc)) from None
+    except OSError as exc:  # the directory cannot exist there (a file in the way, no permission) or the disk failed
+        unusable = isinstance(exc, (PermissionError, FileExistsError, FileNotFoundError, NotADirectoryError))
+        raise RunStopped(
+            ExitCode.BAD_INPUT if unusable else ExitCode.RETRYABLE,
+            f"experiment.output_dir: cannot create the run directory {config.run_dir}: {exc.strerror or exc}",
+        ) from None
+    try:
+        try:
+            if not config.experiment.resume and store.read_manifest() is not None:
+                raise RunStopped(ExitCode.BAD_INPUT, f"{config.run_dir} already holds a run and experiment.resume is false")
+            manifest = store.initialize(prepared.plan(), prepared.execution())
+        except FingerprintMismatchError as exc:
+            raise RunStopped(ExitCode.FINGERPRINT_MISMATCH, str(exc)) from None
+        except ManifestError as exc:
+            raise RunStopped(ExitCode.BAD_INPUT, str(exc)) from None
+        except RunWriteError as exc:
+            raise RunStopped(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, str(exc)) from None
+        index = store.load_index()
+        completed = {eid for eid, state in index.episodes.items() if state.completed}
+        prior = {eid: state.attempts for eid, state in index.episodes.items()}
+        todo = sum(1 for job in prepared.jobs if job.episode_id not in completed)
+        announce(
+            f"run {config.name}: {len(prepared.jobs)} episodes, {len(prepared.jobs) - todo} already completed, "
+            f"{todo} to run → {config.run_dir}"
+        )
+        retries = config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
+        try:
+            terminated = eventloop.run(_evaluate(prepared, store, completed, prior, retries, retry_failed, show_progress))
+        except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
+            terminated = True
+        except OSError as exc:
+            raise RunStopped(ExitCode.RETRYABLE, f"cannot persist traces in {config.run_dir}: {exc}") from None
+        if terminated:
+            raise RunStopped(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
+        try:
+            summary = summarize_local(store, manifest, [job.episode_id for job in prepared.jobs])
+        except RunWriteError as exc:  # the traces are safe; only the derived summary is missing
+            raise RunStopped(
+                ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT,
+                f"{exc}; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it",
+            ) from None
+    finally:
+        store.release()
+    return store, summary
+
+
+async def _evaluate(
+    prepared: PreparedExperiment,
+    store: LocalRunStore,
+    completed: set[str],
+    prior: dict[str, int],
+    max_episode_retries: int,
+    retry_failed: bool,
+    show_progress: bool,
+) -> bool:
+    """Run the pending episodes; True when a signal stopped the run (leases are released)."""
+    from shopsimrl.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
+    from shopsimrl.progress import RunProgress
+    from shopsimrl.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
+    from shopsimrl.stopping import GracefulStop
+
+    config = prepared.config
+    model = prepared.model()
+    environment = prepared.environment()
+    journal = LeaseJournal(DirectoryJournalStorage(config.run_dir / "leases"), environment_url=prepared.environment_settings.base_url)
+    limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
+    evaluation: asyncio.Task[Any] | None = None
+
+    def stop_evaluation() -> None:
+        if evaluation is not None:
+            evaluation.cancel()  # every episode unwinds through its cleanup: no lease stays held
+
+    grace = config.environment.cleanup_grace_seconds
+    with GracefulStop(stop_evaluation, cleanup=f"releasing leases (up to {grace:g} s)") as stop:
+        try:
+            await start_lease_tracking(
+                environment, journal, concurrency=config.experiment.concurrency, processes=1, configured=config.environment.max_leases,
+            )
+            if stop.requested:
+                return True
+            evaluator = Evaluator(
+                prepared.runtime(limited, environment),
+                store,
+                concurrency=config.experiment.concurrency,
+                max_episode_retries=max_episode_retries,
+                retry_failed=retry_failed,
+            )
+            pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
+            with RunProgress(len(prepared.jobs), before=len(prepared.jobs) - len(pending), enabled=show_progress and sys.stderr.isatty()) as bar:
+                evaluator.on_trace = bar.on_trace
+                evaluation = asyncio.ensure_future(evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior))
+                try:
+                    await evaluation
+                except asyncio.CancelledError:
+                    if not stop.requested:
+                        raise
+                    # mypy keeps stop.requested narrowed to False by the check above; a signal sets it since.
+                    return True  # type: ignore[unreachable]
+            return False
+        finally:
+            try:
+                await model.aclose()
+            finally:
+                try:
+                    await environment.aclose()
+                finally:
+                    await journal.aclose()
+
+
+def summarize_local(
+    store: LocalRunStore, manifest: dict[str, Any] | None, requested_ids: list[str] | None, requested: int | None = None
+) -> dict[str, Any]:
+    """The summary of the run directory's winning records, written to summary.json (raises
+    :class:`RunWriteError` when it cannot be written)."""
+    accumulator = SummaryAccumulator(requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested)
+    index = store.load_index()
+    for is_winner, record in store.iter_records(index):
+        if is_winner:
+            accumulator.add(record)
+        else:
+            accumulator.note_superseded_attempt(record)
+    summary = accumulator.result()
+    summary.setdefault("counts", {})["unreadable_lines"] = index.bad_lines
+    summary["run"] = run_identity(manifest, uri=str(store.run_dir.resolve()))
+    store.write_summary(summary)
+    return summary
