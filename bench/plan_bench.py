@@ -9,7 +9,7 @@ machine: it does not count the time other processes held the core):
 - freeze: what ``shopsimrl plan --shards`` and the first worker do: the plan fingerprint,
   ``manifest.json``, ``jobs.jsonl`` and ``shards.json`` written create-only to a local dir;
 - a worker starting: the same calls against the frozen files (read, check, compare);
-- reduce/status loading the plan (``reduce._load_plan``), in a fresh process so that its peak
+- reduce/status loading the plan (``sharded.layout.load_frozen_plan``), in a fresh process so that its peak
   RSS is its own: from the shard map bound to the manifest's sha256 (runs frozen by this
   version), and with the full checks that runs frozen before it need (the job list parsed).
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shopsimrl.planning import EvaluationPlan, build_jobs
 from shopsimrl.schemas import fingerprint
-from shopsimrl.shardstore import ShardedRunStore
+from shopsimrl.sharded.layout import ShardedRunStore
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -48,7 +48,7 @@ def peak_rss_mb() -> float:
 
 def load_child(root: str, full: bool) -> None:
     """One reduce/status plan load in this (fresh) process; prints seconds and peak RSS."""
-    from shopsimrl import reduce
+    from shopsimrl.sharded.layout import load_frozen_plan
 
     before = peak_rss_mb()
     store = ShardedRunStore(root)
@@ -61,7 +61,7 @@ def load_child(root: str, full: bool) -> None:
             return shard_map
 
         store.read_shard_map = unbound  # type: ignore[method-assign]
-    wall, cpu = timed(lambda: reduce._load_plan(store))
+    wall, cpu = timed(lambda: load_frozen_plan(store))
     print(json.dumps({"wall": wall, "cpu": cpu, "rss_mb": peak_rss_mb(), "rss_before_mb": before}))
 
 

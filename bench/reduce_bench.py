@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.shardstore import ShardedRunStore, marker_document, part_entry
+from shopsimrl.sharded.layout import ShardedRunStore, marker_document, part_entry
 from shopsimrl.traces import encode_trace_line
 
 OBSERVATION = "搜索结果：第1页，共20页。\n" + "".join(f"[{i}] 商品{i}：简约玻璃水杯 大容量 耐热 带盖 ￥{10 + i}.90\n" for i in range(12))
@@ -130,9 +130,10 @@ def peak_rss_mb() -> float:
 def reduce_child(root: str) -> None:
     import gc
 
-    from shopsimrl.reduce import _load_plan, reduce_run
+    from shopsimrl.sharded.layout import load_frozen_plan
+    from shopsimrl.sharded.reduce import reduce_run
 
-    plan = _load_plan(ShardedRunStore(root))  # the plan alone: manifest job list + shard map
+    plan = load_frozen_plan(ShardedRunStore(root))  # the plan alone: manifest job list + shard map
     plan_rss_mb = peak_rss_mb()
     del plan
     gc.collect()
@@ -183,7 +184,7 @@ def main() -> None:
         return
     base = Path(tempfile.mkdtemp(prefix="reduce-bench-", dir=args.dir))
     try:
-        baseline = subprocess.run([sys.executable, "-c", "import shopsimrl.reduce, pathlib; print(next(int(l.split()[1]) / 1024 for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')))"],
+        baseline = subprocess.run([sys.executable, "-c", "import shopsimrl.sharded.reduce, pathlib; print(next(int(l.split()[1]) / 1024 for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')))"],
                                   capture_output=True, text=True, check=True)
         import_mb = float(baseline.stdout.strip())
         rows = []

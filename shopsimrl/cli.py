@@ -340,8 +340,9 @@ def summarize(
 
 def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> tuple[dict[str, Any], list[int]]:
     """Write or verify the frozen sharded plan; returns its part of `plan`'s report and every shard's job count."""
-    from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
-    from shopsimrl.worker import plan_run
+    from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
+    from shopsimrl.sharded.layout import ShardedRunStore, ShardMapError
+    from shopsimrl.sharded.worker import plan_run
 
     try:
         store = ShardedRunStore(run_uri)
@@ -368,7 +369,7 @@ def _run_sharded(
     retry_failed: bool,
     progress: bool,
 ) -> None:
-    from shopsimrl.executor import run_indexed
+    from shopsimrl.sharded.local_job import run_indexed
     from shopsimrl.progress import ShardedRunProgress
 
     config = _load(config_path)
@@ -406,8 +407,10 @@ def _reduce_and_report(
     namespace: str | None = None,
 ) -> ExitCode:
     from shopsimrl.metrics import format_summary_table
-    from shopsimrl.reduce import RunNotPlannedError, reduce_run, wait_for_markers
-    from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
+    from shopsimrl.sharded.layout import RunNotPlannedError
+    from shopsimrl.sharded.reduce import reduce_run, wait_for_markers
+    from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
+    from shopsimrl.sharded.layout import ShardedRunStore, ShardMapError
 
     try:
         store = ShardedRunStore(uri)
@@ -449,39 +452,11 @@ def _reduce_and_report(
 
 
 def _failed_indexes_of(job: str, namespace: str) -> Any:
-    """A ``give_up`` for :func:`~shopsimrl.reduce.wait_for_markers`: the worker Job's own view.
-
-    Waiting ends once every pending shard is a failed index of the Job, or the Job has finished.
-    Without API access (no RBAC, no cluster) it says so once and the wait runs to its timeout.
-    """
-    kube = _import_extra("shopsimrl.kube", "kube")
-    warned: list[str] = []
-
-    def give_up(pending: list[int]) -> tuple[str, dict[int, str]] | None:
-        try:
-            report = kube.load_job_report(namespace, job)
-        except Exception as exc:  # ApiException, no kubeconfig, connection refused: best effort only
-            if not warned:
-                warned.append(str(exc))
-                typer.secho(f"warning: cannot read Job {job} in {namespace} ({type(exc).__name__}: {str(exc)[:200]}); "
-                            "waiting for the timeout", fg=typer.colors.YELLOW, err=True)
-            return None
-        failed = set(report.failed)
-        if not (set(pending) <= failed or report.finished):
-            return None
-        last_exit = {}
-        for failure in reversed(report.failures):  # most recent last, so it wins
-            if failure.index is not None and failure.exit_code is not None:
-                last_exit[failure.index] = f"; last exit {failure.exit_code} ({failure.meaning}) in container {failure.container}"
-        why = {
-            index: (f"index {index} failed in Job {job}" if index in failed else f"Job {job} is {report.condition} without it")
-            + last_exit.get(index, "")
-            for index in pending
-        }
-        state = f"is {report.condition}" if report.finished else f"reports failed indexes {kube.format_index_ranges(sorted(failed))}"
-        return f"the worker Job {job} {state}; {len(pending)} shards will not commit", why
-
-    return give_up
+    """A ``give_up`` for :func:`~shopsimrl.sharded.reduce.wait_for_markers` that watches the worker Job."""
+    kube = _import_extra("shopsimrl.sharded.kube", "kube")
+    return kube.give_up_on_failed_indexes(
+        job, namespace, warn=lambda line: typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
+    )
 
 
 @app.command()
@@ -500,7 +475,7 @@ def worker(
     verbose: bool = VERBOSE,
 ) -> None:
     """Run one shard of a sharded run into write-once parts and commit it (one pod of an Indexed Job)."""
-    from shopsimrl.worker import WorkerOptions, run_worker
+    from shopsimrl.sharded.worker import WorkerOptions, run_worker
 
     settings = worker_settings()
     if processes is not None:
@@ -560,8 +535,10 @@ def status(
     """Per-shard progress from commit markers and the workers' progress objects (no trace part is
     read), leases held per running shard, the shop's slot usage; with --namespace/--release also
     the Job."""
-    from shopsimrl.reduce import RunNotPlannedError, shard_status
-    from shopsimrl.shardstore import RunLocationError, ShardedRunStore, ShardMapError, StoreUnavailableError
+    from shopsimrl.sharded.layout import RunNotPlannedError
+    from shopsimrl.sharded.status import lease_status, shard_status
+    from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
+    from shopsimrl.sharded.layout import ShardedRunStore, ShardMapError
 
     _setup_logging(quiet, verbose)
     if env_url is not None:
@@ -572,7 +549,7 @@ def status(
     try:
         store = ShardedRunStore(run_uri)
         report = shard_status(store)
-        journal_url = _lease_status(store, report)
+        journal_url = lease_status(store, report)
     except (RunNotPlannedError, ShardMapError, RunLocationError, ManifestError) as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
     except StoreUnavailableError as exc:
@@ -612,24 +589,6 @@ def _heartbeat_note(row: dict[str, Any]) -> str:
     return f" (no heartbeat for {shown})" if row.get("stale") else f" · heartbeat {shown} ago"
 
 
-def _lease_status(store: Any, report: dict[str, Any]) -> str | None:
-    """Add the leases each unfinished shard's journals hold; return the shop URL they name."""
-    from shopsimrl.lease_journal import read_journals, shard_journal_storage
-
-    url = None
-    for row in report["shards"]:
-        if row["state"] == "committed":
-            continue
-        journals = read_journals(shard_journal_storage(store, row["shard"]))
-        live = [j for j in journals if j.alive is not False]
-        row["leases_held"] = sum(j.leases for j in live)
-        stopped = sum(j.leases for j in journals if j.alive is False)
-        if stopped:
-            row["leases_left_by_stopped_workers"] = stopped
-        url = url or next((j.environment for j in journals if j.environment), None)
-    return url
-
-
 def _slot_status(url: str | None) -> dict[str, Any]:
     """The shop's slot usage for ``status`` (a few seconds at most; never fails the command)."""
     from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
@@ -656,7 +615,7 @@ def _kube_status(namespace: str | None, release: str | None) -> dict[str, Any]:
     if not (namespace and release):
         return {"error": "--namespace and --release are both needed for the Job's view"}
     try:
-        from shopsimrl import kube
+        from shopsimrl.sharded import kube
     except ImportError as exc:
         return {"error": f"Kubernetes support is not available in this installation ({exc})"}
     try:

@@ -294,7 +294,7 @@ class DirectoryJournalStorage:
 
 
 class RunObjects(Protocol):
-    """What the journals use of a sharded run's store (``shardstore.ShardedRunStore``), which lives a layer up."""
+    """What the journals use of a sharded run's store (``sharded.objectstore.ObjectStore``), which lives a layer up."""
 
     display_uri: str
     local: bool

@@ -5,7 +5,7 @@ invocations and 327 by this one. Rate and ETA come from this invocation's episod
 the bar is shown, log lines are printed through its console (:func:`shopsimrl.logs.live_console`).
 
 :class:`RunProgress` is fed persisted traces (a single-process run); :class:`ShardedRunProgress`
-is fed the JSON log records of shard workers (a local sharded run, see :mod:`shopsimrl.executor`).
+is fed the JSON log records of shard workers (a local sharded run, see :mod:`shopsimrl.sharded.local_job`).
 """
 
 from __future__ import annotations

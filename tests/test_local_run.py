@@ -240,8 +240,8 @@ def test_a_full_disk_while_rewriting_the_summary_exits_3_and_keeps_the_old_one(t
 @pytest.mark.parametrize("mode", ["tmpfs", "fsize"])
 def test_a_full_disk_while_reducing_a_sharded_run_exits_3_and_leaves_no_temporary_files(tmp_path: Path, mode: str) -> None:
     from shopsimrl.schemas import EpisodeJob, fingerprint
-    from shopsimrl.shardstore import ShardedRunStore
-    from shopsimrl.worker import commit_shard
+    from shopsimrl.sharded.layout import ShardedRunStore
+    from shopsimrl.sharded.worker import commit_shard
 
     jobs = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in range(1, 5)]
     plan = {"experiment": "x", "jobs": [job.to_dict() for job in jobs]}

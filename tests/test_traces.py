@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.reduce import reduce_run
-from shopsimrl.shardstore import ShardedRunStore
-from shopsimrl.worker import commit_shard
+from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.sharded.layout import ShardedRunStore
+from shopsimrl.sharded.worker import commit_shard
 from shopsimrl.local_run import LocalRunStore
 from shopsimrl.traces import Verdict, WinnerPicker, encode_trace_line, trace_skeleton
 

@@ -13,7 +13,7 @@ from tests.test_leases import TASK, environment, health, shop, until
 
 @pytest.mark.s3
 async def test_the_journal_on_a_real_s3_server(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shopsimrl.shardstore import ShardedRunStore
+    from shopsimrl.sharded.layout import ShardedRunStore
     from tests.sharded.conftest import S3_TEST_ENV, _make_bucket
 
     for key, value in S3_TEST_ENV.items():

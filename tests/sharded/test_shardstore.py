@@ -12,21 +12,20 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
-from shopsimrl.reduce import reduce_run, shard_status
+from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.sharded.status import shard_status
 from shopsimrl.schemas import EpisodeJob, fingerprint, redact_uri
 from shopsimrl.traces import is_completed
-from shopsimrl.shardstore import (
-    RetryPolicy,
+from shopsimrl.sharded.objectstore import RetryPolicy, StoreUnavailableError, is_create_conflict
+from shopsimrl.sharded.layout import (
     ShardedRunStore,
     ShardMapError,
-    StoreUnavailableError,
     WrittenPart,
-    is_create_conflict,
     iter_part_records,
     marker_document,
     part_entry,
 )
-from shopsimrl.worker import commit_shard
+from shopsimrl.sharded.worker import commit_shard
 
 from .conftest import Backend, S3Server
 from .faultproxy import FaultPlan, FaultProxy, Scripted

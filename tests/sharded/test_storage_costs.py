@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl import reduce
-from shopsimrl.reduce import reduce_run, shard_status
+from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.sharded.status import shard_status
 from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint
-from shopsimrl.shardstore import ShardedRunStore, encode_part, iter_part_records, scan_shard
+from shopsimrl.sharded.layout import ShardedRunStore, encode_part, iter_part_records, load_frozen_plan, scan_shard
 from shopsimrl.traces import encode_trace_line
-from shopsimrl.worker import PartSink, commit_shard
+from shopsimrl.sharded.worker import PartSink, commit_shard
 
 from .conftest import S3_TEST_ENV, Backend, Testbed, cli, worker_env, write_config
 from .faultproxy import FaultPlan, FaultProxy
@@ -225,14 +225,14 @@ def test_reduce_loads_a_frozen_plan_without_parsing_its_job_list(backend: Backen
     parsed: list[int] = []
     original = EpisodeJob.from_dict
     monkeypatch.setattr(EpisodeJob, "from_dict", classmethod(lambda cls, data: parsed.append(1) or original(data)))
-    plan = reduce._load_plan(ShardedRunStore(backend.uri("bound")))
+    plan = load_frozen_plan(ShardedRunStore(backend.uri("bound")))
     assert plan.fingerprint == fingerprint(PLAN) and plan.shard_map.count == 3 and parsed == []
     assert plan.identity["plan"]["experiment"] == "costs" and "jobs" not in plan.identity["plan"]
 
     # A run frozen before shards.json recorded the manifest's sha256: the full checks, as before.
     raw.pop("manifest_sha256")
     store.overwrite("shards.json", json.dumps(raw, indent=2).encode())
-    assert reduce._load_plan(ShardedRunStore(backend.uri("bound"))).fingerprint == fingerprint(PLAN)
+    assert load_frozen_plan(ShardedRunStore(backend.uri("bound"))).fingerprint == fingerprint(PLAN)
     assert len(parsed) == len(JOBS)
 
 

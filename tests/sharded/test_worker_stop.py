@@ -21,9 +21,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from shopsimrl.shardstore import ShardedRunStore, StoreUnavailableError
+from shopsimrl.sharded.layout import ShardedRunStore
+from shopsimrl.sharded.objectstore import StoreUnavailableError
 from shopsimrl.testbed.serving import running_server
-from shopsimrl.worker import PartSink
+from shopsimrl.sharded.worker import PartSink
 from tests.sharded.conftest import REPO, Backend, Testbed, start_worker, worker_env, write_config
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Local executor for sharded runs: N ``shopsimrl worker`` processes, then ``reduce``.
+"""Local emulation of an Indexed Job for `run --shards N`: N ``shopsimrl worker`` processes, then ``reduce``.
 
 It behaves like the Kubernetes Indexed Job controller on one machine, so a local sharded run
 exercises exactly the code path of the pods: each index runs ``shopsimrl worker`` with
@@ -49,7 +49,7 @@ from shopsimrl.stopping import die_with_parent
 
 __all__ = ["IndexOutcome", "ShardedRunResult", "run_indexed"]
 
-log = structlog.get_logger("shopsimrl.executor")
+log = structlog.get_logger("shopsimrl.sharded.local_job")
 
 _FINAL_CODES = {int(ExitCode.OK), int(ExitCode.BAD_INPUT), int(ExitCode.FINGERPRINT_MISMATCH)}
 _REPORTED_CODES = _FINAL_CODES | {int(ExitCode.EPISODES_FAILED)}

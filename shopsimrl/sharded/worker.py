@@ -40,14 +40,12 @@ from shopsimrl.logs import LogSettings, current_settings
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.traces import is_completed
-from shopsimrl.shardstore import (
+from shopsimrl.sharded.layout import (
     PART_PATTERN,
     PROGRESS_SCHEMA_VERSION,
-    RunLocationError,
     ShardedRunStore,
     ShardMapError,
     ShardState,
-    StoreUnavailableError,
     WrittenPart,
     marker_document,
     marker_part_problems,
@@ -56,12 +54,13 @@ from shopsimrl.shardstore import (
     part_order,
     scan_shard,
 )
+from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
 from shopsimrl.stopping import STOP_SIGNALS
 from shopsimrl.traces import encode_trace_line
 
 __all__ = ["PartSink", "WorkerOptions", "commit_shard", "plan_run", "run_worker"]
 
-log = structlog.get_logger("shopsimrl.worker")
+log = structlog.get_logger("shopsimrl.sharded.worker")
 
 
 class _Stop(Exception):

@@ -1,4 +1,4 @@
-"""``shopsimrl reduce`` and ``shopsimrl status``: shards → one ``summary.json``, and progress.
+"""``shopsimrl reduce``: the committed shards of a sharded run → one ``summary.json``.
 
 The reducer trusts committed output only: a shard counts when at least one of its commit
 markers (``_SUCCESS.json``, ``_SUCCESS-<writer>.json``) belongs to this plan and shard map and
@@ -26,36 +26,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
-from shopsimrl.manifest import ManifestError, manifest_head, run_identity
+from shopsimrl.manifest import run_identity
 from shopsimrl.metrics import SummaryAccumulator, unfinished_view
-from shopsimrl.schemas import MANIFEST_SCHEMA_VERSIONS, EpisodeJob, TraceFormatError, sha256_hex
-from shopsimrl.shardstore import (
+from shopsimrl.schemas import sha256_hex
+from shopsimrl.sharded.layout import (
     ShardedRunStore,
-    ShardListing,
     ShardMap,
-    check_shard_map,
     encode_part,
     iter_part_records,
+    load_frozen_plan,
     marker_part_problems,
     marker_problem,
     part_order,
 )
 from shopsimrl.traces import Verdict, WinnerPicker, is_completed
 
-__all__ = ["RunNotPlannedError", "WaitResult", "reduce_run", "shard_status", "wait_for_markers"]
+__all__ = ["WaitResult", "reduce_run", "wait_for_markers"]
 
 _SAMPLE = 20
 _HELD_NAME = "held.jsonl.zst"
 """How held part bytes are decoded: the reducer holds every part compressed."""
-_IDENTITY_HEAD_BYTES = 65536
-"""Bytes of manifest.json parsed for the summary's identity; the job list comes after it."""
-
-
-class RunNotPlannedError(ValueError):
-    """The location has no manifest.json or no shards.json (exit 2)."""
 
 
 @dataclass
@@ -87,47 +79,6 @@ class _ShardResult:
         if self.foreign:
             row["foreign_objects"] = self.foreign[:_SAMPLE]
         return row
-
-
-@dataclass
-class _Plan:
-    fingerprint: str
-    shard_map: ShardMap
-    identity: dict[str, Any]
-    """The manifest, or its head (what the summary's ``run`` block needs)."""
-
-
-def _load_plan(store: ShardedRunStore) -> _Plan:
-    """The worker's checks, no fewer: a manifest whose stored plan matches its fingerprint, and a
-    shards.json that assigns that plan's jobs as the frozen assignment does.
-
-    When shards.json records the sha256 of the manifest it was frozen with and the digest of the
-    plan's episode ids, and both still hold, the freezer's checks stand and the job list is not
-    parsed (for 100,000 jobs: tens of ms instead of seconds). Otherwise (runs frozen before these
-    were recorded, or an edited file) the full checks run and say what is wrong."""
-    data = store.read_bytes("manifest.json")
-    if data is None:
-        raise RunNotPlannedError(f"{store.display_uri} has no manifest.json; plan or start a worker first")
-    shard_map = store.read_shard_map()
-    if shard_map is None:
-        store.parse_manifest(data)  # a bad manifest is the first thing to report
-        raise RunNotPlannedError(f"{store.display_uri} has no shards.json; it is not a sharded run")
-    head = manifest_head(data[:_IDENTITY_HEAD_BYTES])
-    if (
-        head is not None
-        and head.get("schema_version") in MANIFEST_SCHEMA_VERSIONS
-        and head.get("plan_fingerprint") == shard_map.plan_fingerprint
-        and shard_map.matches_frozen_plan(sha256_hex(data))
-    ):
-        return _Plan(shard_map.plan_fingerprint, shard_map, head)
-    manifest = store.parse_manifest(data)
-    plan_fp = manifest["plan_fingerprint"]
-    try:
-        jobs = [EpisodeJob.from_dict(job) for job in manifest["plan"]["jobs"]]
-    except TraceFormatError as exc:
-        raise ManifestError(f"{store.display_uri}/manifest.json: {exc}") from None
-    check_shard_map(shard_map, jobs, plan_fp, store.display_uri)
-    return _Plan(plan_fp, shard_map, head or manifest)
 
 
 def _read_parts(store: ShardedRunStore, index: int, names: list[str]) -> dict[str, tuple[str, bytes] | None]:
@@ -256,7 +207,7 @@ def reduce_run(
     A summary that lacks shards says so: ``complete`` false and ``incomplete`` naming every
     missing shard and why (``incomplete_reason``: why the reducer stopped waiting, if it did;
     ``missing_why``: what the scheduler knows about a shard, put before what the store shows)."""
-    plan = _load_plan(store)
+    plan = load_frozen_plan(store)
     plan_fp, shard_map = plan.fingerprint, plan.shard_map
     accumulator = SummaryAccumulator(requested=shard_map.jobs)
     not_in_plan_sample: list[str] = []
@@ -326,7 +277,7 @@ def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float 
     """Poll until every shard has a marker, the timeout passes, or ``give_up`` (asked with the
     pending shards after every poll) returns a reason and per-shard notes: those shards will
     never commit (their Job indexes failed for good)."""
-    shard_map = _load_plan(store).shard_map
+    shard_map = load_frozen_plan(store).shard_map
     deadline = time.monotonic() + timeout
     pending = list(range(shard_map.count))
     while True:
@@ -339,106 +290,3 @@ def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float 
         if time.monotonic() + interval > deadline:
             return WaitResult(pending, f"the reducer stopped waiting after {timeout:g} s (--timeout) with {len(pending)} shards uncommitted")
         time.sleep(interval)
-
-
-def _claimed(marker: dict[str, Any], key: str) -> int:
-    episodes = marker.get("episodes")
-    value = episodes.get(key) if isinstance(episodes, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-_STALE_BEATS = 3
-"""A running shard whose newest heartbeat is older than this many of its intervals is shown as
-possibly stopped."""
-
-
-def _age_seconds(stamp: Any, now: datetime) -> float | None:
-    try:
-        when = datetime.fromisoformat(str(stamp))
-    except ValueError:
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (now - when).total_seconds())
-
-
-def shard_status(store: ShardedRunStore, *, now: datetime | None = None) -> dict[str, Any]:
-    """Per-shard progress from commit markers (committed shards) and the writers' progress
-    objects (running ones). Never reads a part: a status call costs a listing and a few small
-    objects per shard, whatever the size of the run."""
-    plan = _load_plan(store)
-    plan_fp, shard_map = plan.fingerprint, plan.shard_map
-    now = now or datetime.now(UTC)
-    rows = []
-    for index in range(shard_map.count):
-        ids = shard_map.episode_ids[index]
-        listing = store.list_shard(index)
-        row: dict[str, Any] = {"shard": index, "jobs": len(ids), "parts": len(listing.parts)}
-        markers = [
-            marker
-            for _, marker in store.read_markers(index, listing.markers)
-            if marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index)) is None
-        ]
-        if markers:
-            # Progress from the markers' own counts (the reducer verifies the parts): the one
-            # with the most completed episodes, then the most parts.
-            best = max(markers, key=lambda m: (_claimed(m, "completed"), len(m["parts"])))
-            row.update(
-                state="committed",
-                completed=_claimed(best, "completed"),
-                failed=_claimed(best, "failed"),
-                written_at=best.get("written_at"),
-                markers=len(markers),
-            )
-        else:
-            row.update(_running_row(store, index, listing, plan_fp, now))
-            if listing.markers:
-                row["state"] = "corrupt-marker"
-        if listing.foreign:
-            row["foreign_objects"] = len(listing.foreign)
-        rows.append(row)
-    completed = sum(int(r.get("completed") or 0) for r in rows)
-    return {
-        "run": store.display_uri,
-        "plan_fingerprint": plan_fp,
-        "jobs": shard_map.jobs,
-        "completed": completed,
-        "committed_shards": sum(r["state"] == "committed" for r in rows),
-        "shards": rows,
-    }
-
-
-def _running_row(store: ShardedRunStore, index: int, listing: ShardListing, plan_fp: str, now: datetime) -> dict[str, Any]:
-    """An uncommitted shard as its writers' progress objects tell it: the newest one's state and
-    heartbeat age, and the completed episodes of the session that has seen the most."""
-    progress = [p for p in store.read_progress(index, listing.progress) if p.get("plan_fingerprint") == plan_fp]
-    if not progress:
-        # No progress object: nothing started, or parts of a worker that wrote none (an earlier version).
-        return {"state": "running?" if listing.parts else "pending", "completed": None}
-    newest = max(progress, key=lambda p: str(p.get("updated_at")))
-    age = _age_seconds(newest.get("updated_at"), now)
-    interval = newest.get("heartbeat_seconds")
-    # A worker's processes share a session and the episodes completed when it started; a later
-    # worker (a restarted pod) starts from what earlier ones saved: the best session counts.
-    sessions: dict[str, list[dict[str, Any]]] = {}
-    for p in progress:
-        sessions.setdefault(str(p.get("session") or p.get("writer")), []).append(p)
-    row: dict[str, Any] = {
-        "state": str(newest.get("state") or "running"),
-        "completed": max(
-            max(_count(p.get("resumed")) for p in members) + sum(_count(p.get("completed")) for p in members)
-            for members in sessions.values()
-        ),
-        "failed_attempts": sum(_count(p.get("failed_attempts")) for p in progress),
-        "writers": len(progress),
-        "heartbeat_age_s": None if age is None else round(age, 1),
-        "heartbeat_seconds": interval,
-    }
-    if row["state"] == "running" and age is not None and isinstance(interval, (int, float)) and age > _STALE_BEATS * interval:
-        row["state"] = "running?"
-        row["stale"] = True
-    return row
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0

@@ -16,7 +16,7 @@ Index sets come from the Job's ``status.completedIndexes`` / ``status.failedInde
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -39,6 +39,7 @@ __all__ = [
     "api_clients",
     "exit_code_meaning",
     "format_index_ranges",
+    "give_up_on_failed_indexes",
     "job_report",
     "load_job_report",
     "load_release_status",
@@ -462,3 +463,39 @@ def load_job_report(
     job = batch_api.read_namespaced_job(name, namespace)
     pods = core_api.list_namespaced_pod(namespace, label_selector=f"{CONTROLLER_UID_LABEL}={_meta(job).uid}").items
     return job_report(job, pods, max_failures=max_failures)
+
+
+def give_up_on_failed_indexes(
+    job: str, namespace: str, *, warn: Callable[[str], None]
+) -> Callable[[list[int]], tuple[str, dict[int, str]] | None]:
+    """A ``give_up`` for :func:`~shopsimrl.sharded.reduce.wait_for_markers`: the worker Job's own view.
+
+    Waiting ends once every pending shard is a failed index of the Job, or the Job has finished.
+    Without API access (no RBAC, no cluster) it ``warn``s once and the wait runs to its timeout.
+    """
+    warned: list[str] = []
+
+    def give_up(pending: list[int]) -> tuple[str, dict[int, str]] | None:
+        try:
+            report = load_job_report(namespace, job)
+        except Exception as exc:  # ApiException, no kubeconfig, connection refused: best effort only
+            if not warned:
+                warned.append(str(exc))
+                warn(f"cannot read Job {job} in {namespace} ({type(exc).__name__}: {str(exc)[:200]}); waiting for the timeout")
+            return None
+        failed = set(report.failed)
+        if not (set(pending) <= failed or report.finished):
+            return None
+        last_exit = {}
+        for failure in reversed(report.failures):  # most recent last, so it wins
+            if failure.index is not None and failure.exit_code is not None:
+                last_exit[failure.index] = f"; last exit {failure.exit_code} ({failure.meaning}) in container {failure.container}"
+        why = {
+            index: (f"index {index} failed in Job {job}" if index in failed else f"Job {job} is {report.condition} without it")
+            + last_exit.get(index, "")
+            for index in pending
+        }
+        state = f"is {report.condition}" if report.finished else f"reports failed indexes {format_index_ranges(sorted(failed))}"
+        return f"the worker Job {job} {state}; {len(pending)} shards will not commit", why
+
+    return give_up
