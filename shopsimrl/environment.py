@@ -60,6 +60,7 @@ import httpx
 import structlog
 
 from shopsimrl.httpclient import HttpService, request_not_sent
+from shopsimrl.retry import Attempt, Backoff, retry_async
 from shopsimrl.schemas import parse_json, redact_uri, wire_json
 
 __all__ = [
@@ -652,8 +653,9 @@ class ShopSimulatorEnvironment:
     ) -> dict[str, Any]:
         """One logical call with the retries ``policy`` allows; returns ``result`` (or the healthz body)."""
         may_have_arrived = False
-        attempts = self.settings.max_retries + 1
-        for attempt in range(1, attempts + 1):
+
+        async def attempt(current: Attempt) -> dict[str, Any]:
+            nonlocal may_have_arrived
             try:
                 return await self._send(action, payload, timeout)
             except LeaseError:
@@ -663,13 +665,19 @@ class ShopSimulatorEnvironment:
                 raise
             except EnvironmentUnavailableError as exc:
                 may_have_arrived = may_have_arrived or exc.request_sent
-                exc.attempts = attempt
-                if attempt == attempts or not policy.allows(exc):
-                    raise
-                delay = self.settings.retry_backoff_seconds * 2 ** (attempt - 1)
-                _log.warning("environment call retried", action=action, attempt=attempt, error=str(exc), delay=delay)
-                await self._sleep(delay)
-        raise AssertionError("unreachable")  # the loop always returns or raises
+                exc.attempts = current.number
+                raise
+
+        def on_retry(failed: Attempt) -> None:
+            _log.warning("environment call retried", action=action, attempt=failed.number, error=str(failed.error), delay=failed.delay_s)
+
+        return await retry_async(
+            attempt,
+            Backoff(attempts=self.settings.max_retries + 1, base_delay_s=self.settings.retry_backoff_seconds),
+            retryable=lambda exc: isinstance(exc, EnvironmentUnavailableError) and policy.allows(exc),
+            on_retry=on_retry,
+            sleep=self._sleep,
+        )
 
     async def _send(self, action: str, payload: dict[str, Any] | None, timeout: httpx.Timeout) -> dict[str, Any]:
         try:

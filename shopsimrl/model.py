@@ -18,7 +18,7 @@ translated into this module's exceptions::
                                        attempt), or every attempt failed; carries
                                        .status_code, .attempts (records), .attempt_count
 
-    Retried inside generate() (capped exponential backoff with jitter, or the server's
+    Retried inside generate() through shopsimrl.retry (capped exponential backoff with jitter, or the server's
     Retry-After), never raised as such: httpx.RequestError (connect, timeouts, broken
     connections), HTTP 408/409/429/5xx, a stream without ``[DONE]``, a streamed chunk that is
     not JSON or carries an ``error`` object. Misuse (calling a closed adapter) is a RuntimeError.
@@ -54,7 +54,6 @@ import email.utils
 import json
 import math
 import os
-import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -68,6 +67,7 @@ import httpx
 import structlog
 
 from shopsimrl.httpclient import HttpService
+from shopsimrl.retry import Attempt, Backoff, retry_async
 from shopsimrl.schemas import ModelOutput, ToolCall, canonical_json, parse_json, redact_uri, sha256_hex, wire_json
 
 __all__ = [
@@ -427,11 +427,11 @@ class OpenAICompatibleChatModel:
         allowed = _tool_names(tools)
         url = self._endpoint("/chat/completions")
         client = self._http()
+        # The per-attempt records of the trace (``steps[i].model.attempts``), one per attempt.
         attempts: list[dict[str, Any]] = []
-        last: _Retryable | None = None
-        for attempt in range(1, s.max_retries + 1):
-            started = time.perf_counter()
-            record: dict[str, Any] = {"attempt": attempt, "latency_ms": None, "status": None, "error": None, "backoff_ms": 0.0}
+
+        async def attempt(current: Attempt) -> ModelOutput:
+            record: dict[str, Any] = {"attempt": current.number, "latency_ms": None, "status": None, "error": None, "backoff_ms": 0.0}
             attempts.append(record)
             try:
                 if s.stream:
@@ -439,34 +439,43 @@ class OpenAICompatibleChatModel:
                 else:
                     status, body, raw = await self._plain_attempt(client, url, payload, headers)
             except _Retryable as exc:
-                last = exc
-                record.update(latency_ms=_ms_since(started), status=exc.status, error=self._redact(str(exc)))
+                record.update(latency_ms=_ms_since(current.started), status=exc.status, error=self._redact(str(exc)))
+                raise
             except ModelRequestError as exc:
-                record.update(latency_ms=_ms_since(started), status=exc.status_code, error=str(exc))
+                record.update(latency_ms=_ms_since(current.started), status=exc.status_code, error=str(exc))
                 exc.attempts = attempts
                 raise
             except _ContextOverflow as exc:
-                record.update(latency_ms=_ms_since(started), status=exc.status, error=self._redact(str(exc)))
+                record.update(latency_ms=_ms_since(current.started), status=exc.status, error=self._redact(str(exc)))
                 return self._context_length_failure(exc, url, attempts)
-            else:
-                record.update(latency_ms=_ms_since(started), status=status)
-                output = _parse(body, raw, allowed, offered=bool(tools))
-                output.latency_ms = record["latency_ms"]
-                output.attempt_count = attempt
-                output.attempts = attempts
-                return output
-            if attempt < s.max_retries:
-                delay = self._backoff(attempt - 1, last.retry_after)
-                record["backoff_ms"] = round(delay * 1000.0, 3)
-                _log.warning(
-                    "model_request_retry", attempt=attempt, status=last.status, error=record["error"][:200], delay_s=delay
-                )
-                await self._sleep(delay)
-        assert last is not None
-        raise ModelRequestError(
-            f"model request failed after {s.max_retries} attempts: {self._redact(str(last))}",
-            status_code=last.status,
-            attempts=attempts,
+            record.update(latency_ms=_ms_since(current.started), status=status)
+            output = _parse(body, raw, allowed, offered=bool(tools))
+            output.latency_ms = record["latency_ms"]
+            output.attempt_count = current.number
+            output.attempts = attempts
+            return output
+
+        def on_retry(failed: Attempt) -> None:
+            record = attempts[-1]
+            record["backoff_ms"] = round(failed.delay_s * 1000.0, 3)
+            status = getattr(failed.error, "status", None)
+            _log.warning("model_request_retry", attempt=failed.number, status=status, error=record["error"][:200], delay_s=failed.delay_s)
+
+        def exhausted(last: Attempt, elapsed_s: float) -> ModelRequestError:
+            return ModelRequestError(
+                f"model request failed after {last.number} attempts: {self._redact(str(last.error))}",
+                status_code=getattr(last.error, "status", None),
+                attempts=attempts,
+            )
+
+        return await retry_async(
+            attempt,
+            self._retries(),
+            retryable=lambda exc: isinstance(exc, _Retryable),
+            retry_after=lambda exc: exc.retry_after if isinstance(exc, _Retryable) else None,
+            on_retry=on_retry,
+            exhausted=exhausted,
+            sleep=self._sleep,
         )
 
     def _context_length_failure(self, exc: _ContextOverflow, url: str, attempts: list[dict[str, Any]]) -> ModelOutput:
@@ -492,12 +501,11 @@ class OpenAICompatibleChatModel:
         output.attempts = attempts
         return output
 
-    def _backoff(self, failures_before: int, retry_after: float | None) -> float:
-        cap = self.settings.max_backoff_seconds
-        if retry_after is not None:
-            return min(max(retry_after, 0.0), cap)
-        step = self.settings.retry_backoff_seconds * (2.0**failures_before)
-        return min(step, cap) + random.random() * min(step, 1.0)
+    def _retries(self) -> Backoff:
+        """``max_retries`` attempts; base·2^n capped at ``max_backoff_seconds`` plus up to 1 s of jitter,
+        or the server's Retry-After (capped)."""
+        s = self.settings
+        return Backoff(attempts=s.max_retries, base_delay_s=s.retry_backoff_seconds, max_delay_s=s.max_backoff_seconds, jitter="additive")
 
     def _status_error(self, url: str, response: httpx.Response, text: str) -> Exception:
         status = response.status_code

@@ -26,7 +26,6 @@ import math
 import os
 import random
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -36,6 +35,7 @@ import orjson
 from fsspec.implementations.local import LocalFileSystem
 
 from shopsimrl.manifest import ManifestError
+from shopsimrl.retry import Attempt, Backoff, Jitter, retry_sync
 from shopsimrl.schemas import redact_uri
 
 __all__ = [
@@ -119,13 +119,15 @@ def _is_transient(exc: BaseException) -> bool:
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
-    """Capped exponential backoff with jitter, bounded by attempts and by a wall-clock budget."""
+class RetryPolicy(Backoff):
+    """The store's retries: capped exponential backoff with proportional jitter, bounded by
+    attempts and by a wall-clock budget per operation."""
 
     attempts: int = 8
     base_delay_s: float = 0.2
     max_delay_s: float = 5.0
     budget_s: float = 60.0
+    jitter: Jitter = "proportional"
 
     @classmethod
     def from_env(cls) -> RetryPolicy:
@@ -142,21 +144,17 @@ class RetryPolicy:
         return cls(budget_s=seconds)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        started = time.monotonic()
-        for attempt in range(1, self.attempts + 1):
-            try:
-                return fn()
-            except Exception as exc:
-                if not _is_transient(exc):
-                    raise
-                delay = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-                if attempt == self.attempts or time.monotonic() - started + delay > self.budget_s:
-                    raise StoreUnavailableError(
-                        f"{what}: object store still failing after {attempt} attempts "
-                        f"({time.monotonic() - started:.1f} s): {type(exc).__name__}: {exc}"
-                    ) from exc
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+        """``fn()``, retried while it fails transiently; :class:`StoreUnavailableError` once retries run out."""
+
+        def exhausted(last: Attempt, elapsed_s: float) -> StoreUnavailableError:
+            error = StoreUnavailableError(
+                f"{what}: object store still failing after {last.number} attempts "
+                f"({elapsed_s:.1f} s): {type(last.error).__name__}: {last.error}"
+            )
+            error.__cause__ = last.error
+            return error
+
+        return retry_sync(lambda attempt: fn(), self, retryable=_is_transient, exhausted=exhausted)
 
 
 # --------------------------------------------------------------------------- the file system
