@@ -11,13 +11,14 @@ import gzip
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shopsimrl.testbed.shop.product import Product
 from shopsimrl.testbed.shop.reward import explicit_budget_from_instruction
 
-__all__ = ["Catalog", "CatalogError", "Product", "build_goal", "load_catalog", "product_from_record"]
+__all__ = ["Catalog", "CatalogError", "build_goal", "load_catalog", "product_from_record"]
 
 # The observation renderer only accepts ASINs of this shape, so a catalog that breaks it is
 # rejected at load time instead of failing on the first search.
@@ -26,29 +27,6 @@ _ASIN = re.compile(r"^\d{8,12}$")
 
 class CatalogError(ValueError):
     """A catalog file or one of its records is malformed."""
-
-
-@dataclass(slots=True)
-class Product:
-    """One catalog product, as the shop pages and the reward see it."""
-
-    asin: str
-    title: str
-    shop_name: str
-    category: str
-    product_category: str
-    pricing: list[Any]
-    price_display: str
-    # axis -> public option values (lowercased, "/" shown as " | "), in source order
-    options: dict[str, list[str]]
-    # the raw customization entries, needed to resolve the SKU price
-    customization_options: dict[str, list[dict[str, Any]]]
-    attributes: list[str]
-    bullet_points: list[Any]
-    description: str
-    instruction_text: str
-    # fields only the search index reads (brand, raw small_description …)
-    search_source: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shopsimrl.testbed.shop.catalog import Catalog, Product
+from shopsimrl.testbed.shop.catalog import Catalog
+from shopsimrl.testbed.shop.product import Product
 from shopsimrl.testbed.shop.reward import resolve_variant_price
 from shopsimrl.testbed.shop.search import PAGE_SIZE, SearchIndex, ServerFault, normalize_query
 

@@ -17,10 +17,9 @@ import re
 import unicodedata
 from collections.abc import Callable, Mapping
 from difflib import SequenceMatcher
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shopsimrl.testbed.shop.catalog import Product
+from shopsimrl.testbed.shop.product import Product
 
 __all__ = [
     "BUDGET_PARSER_VERSION",

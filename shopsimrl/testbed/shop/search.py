@@ -18,10 +18,9 @@ import threading
 import unicodedata
 from collections.abc import Iterable
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shopsimrl.testbed.shop.catalog import Product
+from shopsimrl.testbed.shop.product import Product
 
 __all__ = [
     "FIELD_WEIGHTS",
