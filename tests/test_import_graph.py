@@ -2,7 +2,7 @@
 
 Every module is parsed with ``ast`` (nothing is imported), every import statement is found:
 at module level, under ``if TYPE_CHECKING:`` and inside functions. A new module must be given
-its layer in ``LAYERS`` below; docs/architecture.md ("Where things are") says what each holds.
+its layer in ``LAYERS`` below; README.md ("Where things are") says what each holds.
 """
 
 from __future__ import annotations
