@@ -238,9 +238,9 @@ class LocalRunStore:
             attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
             picker.offer(record, offset)
         for episode_id, count in attempts.items():
-            offset = picker.winner(episode_id)
-            assert offset is not None  # every counted episode was offered
-            index.episodes[episode_id] = EpisodeState(completed=episode_id in picker.completed, attempts=count, offset=offset)
+            winner = picker.winner(episode_id)
+            assert winner is not None  # every counted episode was offered
+            index.episodes[episode_id] = EpisodeState(completed=episode_id in picker.completed, attempts=count, offset=winner)
         return index
 
     def iter_records(self, index: ResumeIndex | None = None) -> Iterator[tuple[bool, dict[str, Any]]]:

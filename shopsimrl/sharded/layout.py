@@ -92,7 +92,7 @@ def part_name(seq: int, writer: str, *, compressed: bool = True) -> str:
     return f"part-{seq:05d}-{writer}.jsonl" + (".zst" if compressed else "")
 
 
-# A compressor is not safe for concurrent use; one per thread (the sinks flush from worker threads).
+# A compressor is not safe for concurrent use; one per thread (the sinks flush from asyncio.to_thread threads).
 _codecs = threading.local()
 
 

@@ -72,7 +72,7 @@ class _Stop(Exception):
 class PartSink:
     """The Evaluator's trace sink: buffers encoded traces and writes them as whole parts.
 
-    ``save_trace`` and ``flush_if_stale`` run in worker threads (off the event loop); one lock
+    ``save_trace`` and ``flush_if_stale`` run in threads (``asyncio.to_thread``, off the event loop); one lock
     keeps buffer and part sequence consistent between the episode path and the flush timer.
     It remembers what each part it wrote holds (``written``), so the commit never reads its own
     parts back, and keeps the writer's progress object up to date: after every part and, as a
