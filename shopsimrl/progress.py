@@ -172,7 +172,7 @@ class ShardedRunProgress(RunProgress):
     ``episode_finished`` (status, reward, will_retry) for every attempt it saves."""
 
     def __init__(self, jobs_per_shard: list[int], *, enabled: bool = True, console: Console | None = None) -> None:
-        # Redrawn by the executor's loop (tick), not by a thread of its own: see executor._WorkerOutput.
+        # Redrawn by the coordinator's loop (tick), not by a thread of its own: see sharded.local_job._WorkerOutput.
         super().__init__(sum(jobs_per_shard), enabled=enabled, console=console, auto_refresh=False)
         self._shards = [_ShardState(jobs) for jobs in jobs_per_shard]
         self._rewards: dict[str, float] = {}

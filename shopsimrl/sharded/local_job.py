@@ -9,20 +9,20 @@ per-index retries do; 2 (bad input) and 42 (fingerprint mismatch) fail the index
 the chart's ``podFailurePolicy`` ``FailIndex`` rule does. When every index has finished, the
 run is reduced.
 
-Stopping: SIGTERM/SIGINT are passed on to every worker as SIGTERM, and the executor waits for
+Stopping: SIGTERM/SIGINT are passed on to every worker as SIGTERM, and the coordinator waits for
 them to save their traces and release their leases (each bounds that by its own grace period).
-On Linux each worker also gets SIGTERM if the executor itself dies (even by kill -9), so no
+On Linux each worker also gets SIGTERM if the coordinator itself dies (even by kill -9), so no
 worker outlives it holding leases.
 
 Workers' output: each worker logs JSON lines (``SHOPSIMRL_LOG_FORMAT=json``) to a pipe that the
-executor's loop drains. Every record is handed to ``on_event`` (the progress bar
-learns from ``shard_resumed`` and ``episode_finished``) and logged again by the executor at the
-record's level, so it reaches the user through the executor's own log set-up (console or JSON,
+coordinator's loop drains. Every record is handed to ``on_event`` (the progress bar
+learns from ``shard_resumed`` and ``episode_finished``) and logged again by the coordinator at the
+record's level, so it reaches the user through the coordinator's own log set-up (console or JSON,
 ``-q``/``-v``, the progress bar's console); the per-episode records are relayed at debug level.
 Anything a worker writes that is not a JSON record (a traceback, an ``error:`` line) is passed
-on as it is, prefixed with the shard. Workers log at info (debug when the executor does), so
+on as it is, prefixed with the shard. Workers log at info (debug when the coordinator does), so
 progress is learned whatever level the user chose. Each worker also gets a copy of the
-executor's stderr (``SHOPSIMRL_LOG_FALLBACK_FD``): if the executor dies and the pipe closes, the
+coordinator's stderr (``SHOPSIMRL_LOG_FALLBACK_FD``): if the coordinator dies and the pipe closes, the
 worker writes there from then on, so its last lines (stopping, releasing leases) still show.
 """
 
@@ -138,11 +138,11 @@ def _relay(index: int, line: str, on_event: WorkerEventListener | None) -> None:
 
 
 class _WorkerOutput:
-    """One worker's stderr pipe, read without blocking by the executor's own loop.
+    """One worker's stderr pipe, read without blocking by the coordinator's own loop.
 
     No reader threads: on Linux a child's parent-death signal (``die_with_parent``) is sent
     each time the thread that started it, or a thread it was handed to, exits. With threads a
-    kill -9 of the executor would signal the workers while the pipe is still open, and the
+    kill -9 of the coordinator would signal the workers while the pipe is still open, and the
     line a worker logs on stopping would be lost in it."""
 
     def __init__(self, index: int, stream: IO[bytes], on_event: WorkerEventListener | None) -> None:

@@ -1,6 +1,7 @@
 """Real ``shopsimrl worker`` processes against the real testbed services, on a local dir and on
-S3 servers: the executor path, resume after kill -9, SIGTERM, two writers on one shard, injected
-object-store faults, junk in shard folders, fingerprint and shard-count refusals."""
+S3 servers: the local Job emulation (run --shards), resume after kill -9, SIGTERM, two writers
+on one shard, injected object-store faults, junk in shard folders, fingerprint and shard-count
+refusals."""
 
 from __future__ import annotations
 
