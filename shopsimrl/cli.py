@@ -340,8 +340,8 @@ def summarize(
 
 def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> tuple[dict[str, Any], list[int]]:
     """Write or verify the frozen sharded plan; returns its part of `plan`'s report and every shard's job count."""
-    from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
     from shopsimrl.sharded.layout import ShardedRunStore, ShardMapError
+    from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
     from shopsimrl.sharded.worker import plan_run
 
     try:
@@ -369,8 +369,8 @@ def _run_sharded(
     retry_failed: bool,
     progress: bool,
 ) -> None:
-    from shopsimrl.sharded.local_job import run_indexed
     from shopsimrl.progress import ShardedRunProgress
+    from shopsimrl.sharded.local_job import run_indexed
 
     config = _load(config_path)
     prepared = _prepare(config, final_test)
@@ -407,10 +407,9 @@ def _reduce_and_report(
     namespace: str | None = None,
 ) -> ExitCode:
     from shopsimrl.metrics import format_summary_table
-    from shopsimrl.sharded.layout import RunNotPlannedError
-    from shopsimrl.sharded.reduce import reduce_run, wait_for_markers
+    from shopsimrl.sharded.layout import RunNotPlannedError, ShardedRunStore, ShardMapError
     from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
-    from shopsimrl.sharded.layout import ShardedRunStore, ShardMapError
+    from shopsimrl.sharded.reduce import reduce_run, wait_for_markers
 
     try:
         store = ShardedRunStore(uri)
@@ -535,10 +534,9 @@ def status(
     """Per-shard progress from commit markers and the workers' progress objects (no trace part is
     read), leases held per running shard, the shop's slot usage; with --namespace/--release also
     the Job."""
-    from shopsimrl.sharded.layout import RunNotPlannedError
-    from shopsimrl.sharded.status import lease_status, shard_status
+    from shopsimrl.sharded.layout import RunNotPlannedError, ShardedRunStore, ShardMapError
     from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
-    from shopsimrl.sharded.layout import ShardedRunStore, ShardMapError
+    from shopsimrl.sharded.status import lease_status, shard_status
 
     _setup_logging(quiet, verbose)
     if env_url is not None:

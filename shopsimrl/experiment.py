@@ -20,10 +20,10 @@ from shopsimrl.environment import (
     SlotUsage,
     lease_budget,
 )
+from shopsimrl.episode import ACTION_PROTOCOL, AgentRuntime
 from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.planning import EvaluationPlan, build_jobs
 from shopsimrl.prompts import PromptBuilder
-from shopsimrl.episode import ACTION_PROTOCOL, AgentRuntime
 from shopsimrl.schemas import FINGERPRINT_VERSION, PIPELINE_VERSION, EpisodeJob, redact_uri
 from shopsimrl.skills import JsonSkillBank, NoSkills, SkillProvider
 from shopsimrl.tasks import TaskSplit, load_task_split

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from shopsimrl.schemas import EpisodeJob
 
-_Job = TypeVar("_Job")  # a job or its episode id (shardstore splits the ids by the same rule)
+_Job = TypeVar("_Job")  # a job or its episode id (sharded.layout splits the ids by the same rule)
 
 __all__ = ["SHARD_ASSIGNMENT", "EvaluationPlan", "PlanError", "build_jobs", "episode_seed", "shard_jobs"]
 

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from shopsimrl.model import ChatModel
 from shopsimrl.episode import AgentRuntime, failed_trace
+from shopsimrl.model import ChatModel
 from shopsimrl.schemas import EpisodeJob, ModelOutput
 
 __all__ = ["ConcurrencyLimitedModel", "EvaluationOutcome", "Evaluator", "TraceSink"]

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
+from shopsimrl.episode import AgentRuntime
 from shopsimrl.model import ModelRequestError, OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.prompts import PromptBuilder
-from shopsimrl.episode import AgentRuntime
 from shopsimrl.schemas import EpisodeJob
-from shopsimrl.traces import is_completed
 from shopsimrl.skills import NoSkills
 from shopsimrl.testbed.serving import running_server
+from shopsimrl.traces import is_completed
 from tests.fakes import FakeEnvironment
 from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 

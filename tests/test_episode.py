@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 from shopsimrl.environment import EnvironmentResponseError, EnvironmentUnavailableError
+from shopsimrl.episode import AgentRuntime
 from shopsimrl.model import ModelRequestError
 from shopsimrl.prompts import PromptBuilder
-from shopsimrl.episode import AgentRuntime
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, ModelOutput, Skill
-from shopsimrl.traces import is_completed
 from shopsimrl.skills import NoSkills
+from shopsimrl.traces import is_completed
 from tests.fakes import FakeEnvironment, FakeModel, call, env_result, purchase_result, results_state, tool_output
 
 JOB = EpisodeJob(task_id=7, sample_id=0, seed=50, split="val")

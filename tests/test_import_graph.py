@@ -144,13 +144,13 @@ def cycles(edges: list[Import]) -> list[list[Import]]:
             module, path = stack.pop()
             for edge in graph.get(module, []):
                 if edge.target == start:
-                    found.append(path + [edge])
-                    seen.update(e.source for e in path + [edge])
+                    found.append([*path, edge])
+                    seen.update(e.source for e in [*path, edge])
                     stack.clear()
                     break
                 if edge.target not in visited:
                     visited.add(edge.target)
-                    stack.append((edge.target, path + [edge]))
+                    stack.append((edge.target, [*path, edge]))
     return found
 
 

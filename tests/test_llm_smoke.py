@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob
-from shopsimrl.traces import is_completed
 from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, default_cache_dir, installed_server, tool_results_handler
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
+from shopsimrl.traces import is_completed
 
 ROOT = Path(__file__).resolve().parents[1]
 # The small fixture catalog keeps every page short: a search page of the full synthetic catalog

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.local_run import LocalRunStore, RunLockedError
+from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 
 
 def trace(episode_id: str, status: str = "completed", reward: float = 1.0) -> dict:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from shopsimrl.local_run import LocalRunStore
 from shopsimrl.scheduler import Evaluator
 from shopsimrl.schemas import EpisodeJob
-from shopsimrl.local_run import LocalRunStore
 
 JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in (1, 2, 3)]
 

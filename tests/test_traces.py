@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.layout import ShardedRunStore
-from shopsimrl.sharded.worker import commit_shard
 from shopsimrl.local_run import LocalRunStore
+from shopsimrl.schemas import EpisodeJob, fingerprint
+from shopsimrl.sharded.layout import ShardedRunStore
+from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.sharded.worker import commit_shard
 from shopsimrl.traces import Verdict, WinnerPicker, encode_trace_line, trace_skeleton
 
 

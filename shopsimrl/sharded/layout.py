@@ -37,7 +37,14 @@ from typing import Any
 import orjson
 import zstandard
 
-from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, manifest_head, plan_diff, validate_manifest
+from shopsimrl.manifest import (
+    FingerprintMismatchError,
+    ManifestError,
+    build_manifest,
+    manifest_head,
+    plan_diff,
+    validate_manifest,
+)
 from shopsimrl.planning import SHARD_ASSIGNMENT, PlanError, shard_jobs
 from shopsimrl.schemas import MANIFEST_SCHEMA_VERSIONS, EpisodeJob, TraceFormatError, canonical_json, fingerprint, sha256_hex
 from shopsimrl.sharded.objectstore import TEMP_PREFIX, ObjectStore, RetryPolicy, StoreUnavailableError

@@ -39,7 +39,6 @@ from shopsimrl.exitcodes import ExitCode
 from shopsimrl.logs import LogSettings, current_settings
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.traces import is_completed
 from shopsimrl.sharded.layout import (
     PART_PATTERN,
     PROGRESS_SCHEMA_VERSION,
@@ -56,7 +55,7 @@ from shopsimrl.sharded.layout import (
 )
 from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
 from shopsimrl.stopping import STOP_SIGNALS
-from shopsimrl.traces import encode_trace_line
+from shopsimrl.traces import encode_trace_line, is_completed
 
 __all__ = ["PartSink", "WorkerOptions", "commit_shard", "plan_run", "run_worker"]
 
@@ -559,8 +558,8 @@ async def _evaluate(
     Whatever finished is saved on every path: at the first signal the buffer is flushed at
     once (before the episodes unwind and release their leases, which may take the grace
     period), and again after the evaluation ended."""
-    from shopsimrl.scheduler import ConcurrencyLimitedModel, Evaluator
     from shopsimrl.lease_journal import LeaseJournal, shard_journal_storage, start_lease_tracking
+    from shopsimrl.scheduler import ConcurrencyLimitedModel, Evaluator
     from shopsimrl.stopping import GracefulStop
 
     config = prepared.config

@@ -12,11 +12,7 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.status import shard_status
 from shopsimrl.schemas import EpisodeJob, fingerprint, redact_uri
-from shopsimrl.traces import is_completed
-from shopsimrl.sharded.objectstore import RetryPolicy, StoreUnavailableError, is_create_conflict
 from shopsimrl.sharded.layout import (
     ShardedRunStore,
     ShardMapError,
@@ -25,7 +21,11 @@ from shopsimrl.sharded.layout import (
     marker_document,
     part_entry,
 )
+from shopsimrl.sharded.objectstore import RetryPolicy, StoreUnavailableError, is_create_conflict
+from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.sharded.status import shard_status
 from shopsimrl.sharded.worker import commit_shard
+from shopsimrl.traces import is_completed
 
 from .conftest import Backend, S3Server
 from .faultproxy import FaultPlan, FaultProxy, Scripted

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.status import shard_status
 from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint
 from shopsimrl.sharded.layout import ShardedRunStore, encode_part, iter_part_records, load_frozen_plan, scan_shard
-from shopsimrl.traces import encode_trace_line
+from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.sharded.status import shard_status
 from shopsimrl.sharded.worker import PartSink, commit_shard
+from shopsimrl.traces import encode_trace_line
 
 from .conftest import S3_TEST_ENV, Backend, Testbed, cli, worker_env, write_config
 from .faultproxy import FaultPlan, FaultProxy

@@ -8,9 +8,9 @@ from pathlib import Path
 from shopsimrl import __version__
 from shopsimrl.manifest import manifest_head, run_identity
 from shopsimrl.metrics import summarize_traces
+from shopsimrl.sharded.layout import ShardedRunStore, iter_part_records
 from shopsimrl.sharded.reduce import reduce_run
 from shopsimrl.traces import is_completed
-from shopsimrl.sharded.layout import ShardedRunStore, iter_part_records
 
 from .conftest import Backend, Testbed, cli, worker_env, write_config
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.sharded.reduce import reduce_run
 from shopsimrl.sharded.layout import PART_PATTERN, ShardedRunStore
+from shopsimrl.sharded.reduce import reduce_run
 from tests.sharded.conftest import Backend, Testbed, start_worker, worker_env, write_config
 
 pytestmark = pytest.mark.slow

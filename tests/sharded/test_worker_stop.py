@@ -23,8 +23,8 @@ from starlette.routing import Route
 
 from shopsimrl.sharded.layout import ShardedRunStore
 from shopsimrl.sharded.objectstore import StoreUnavailableError
-from shopsimrl.testbed.serving import running_server
 from shopsimrl.sharded.worker import PartSink
+from shopsimrl.testbed.serving import running_server
 from tests.sharded.conftest import REPO, Backend, Testbed, start_worker, worker_env, write_config
 
 pytestmark = pytest.mark.slow
