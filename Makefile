@@ -24,13 +24,12 @@ test: $(STAMP) llm-server  ## run the whole test suite (the README's test comman
 	@echo "test: pytest over tests/ (about 15 minutes on 2 cores; one dot per test)"
 	SHOPSIMRL_LLM_CACHE=$(abspath $(LLM_CACHE)) SHOPSIMRL_LLM_REQUIRED=1 $(BIN)/pytest -q
 
-# ruff and mypy, configured in pyproject.toml. The format check waits for the one-time `ruff format`
-# of the tree (README, "Lint and types"): until then `make lint LINT_FORMAT=1` runs it, plain `make lint` does not.
+# ruff (lint and format) and mypy, configured in pyproject.toml. `ruff format $(LINT_PATHS)` fixes
+# what the format check finds.
 LINT_PATHS  := shopsimrl tests bench scripts
-LINT_FORMAT ?=
-lint: $(STAMP)  ## ruff check, mypy on shopsimrl/ (and ruff format --check with LINT_FORMAT=1); CI runs it after the tests
+lint: $(STAMP)  ## ruff check, ruff format --check, mypy on shopsimrl/; CI runs it before the tests
 	$(BIN)/ruff check $(LINT_PATHS)
-	$(if $(LINT_FORMAT),$(BIN)/ruff format --check $(LINT_PATHS))
+	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy
 
 llm-server: $(STAMP)  ## llama.cpp for the real-LLM test in .cache/llm (first time on a machine: compiles it, 8-25 min)

@@ -107,7 +107,9 @@ def main() -> None:
     port = free_port()
     shop = subprocess.Popen(
         [sys.executable, "-m", "shopsimrl", "testbed", "shop", "--port", str(port)],
-        env={**os.environ, "SHOPSIM_ENV_SLOTS": "4"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "SHOPSIM_ENV_SLOTS": "4"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 60
@@ -123,7 +125,9 @@ def main() -> None:
         print(f"{'client':34} {'C':>5} {'µs CPU/request':>15} {'requests/s':>11}")
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                for name, cpu_us, rate in runner.run(bench(f"http://127.0.0.1:{port}/api/shop_agent", args.requests, concurrency)):
+                for name, cpu_us, rate in runner.run(
+                    bench(f"http://127.0.0.1:{port}/api/shop_agent", args.requests, concurrency)
+                ):
                     print(f"{name:34} {concurrency:>5} {cpu_us:>15.0f} {rate:>11.0f}")
         print(f"load average after: {os.getloadavg()[0]:.2f}")
     finally:

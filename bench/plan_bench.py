@@ -80,7 +80,9 @@ def main() -> None:
     holder: dict[str, object] = {}
 
     def job_list() -> None:
-        holder["jobs"] = build_jobs(EvaluationPlan(split="val", task_ids=tuple(range(1, tasks * 2 + 1)), seed=20260830, sample_size=tasks, repeats=4))
+        holder["jobs"] = build_jobs(
+            EvaluationPlan(split="val", task_ids=tuple(range(1, tasks * 2 + 1)), seed=20260830, sample_size=tasks, repeats=4)
+        )
 
     rows["job list (sampling + sha256 seeds)"] = timed(job_list)
     jobs = holder["jobs"]
@@ -104,8 +106,12 @@ def main() -> None:
         worker = timed(verify)
         loads = {}
         for full in (False, True):
-            out = subprocess.run([sys.executable, __file__, "--load-child", uri] + (["--full"] if full else []),
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--load-child", uri] + (["--full"] if full else []),
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             loads[full] = json.loads(out.stdout.strip().splitlines()[-1])
         sizes = {p.name: p.stat().st_size / 1e6 for p in (root / "run").iterdir()}
     finally:
@@ -115,11 +121,18 @@ def main() -> None:
         print(f"  {name:<58} {wall * 1000:7.0f} ms wall  {cpu * 1000:7.0f} ms CPU")
     wall, cpu = (sum(r[i] for r in rows.values()) for i in (0, 1))
     print(f"  {'plan + freeze':<58} {wall * 1000:7.0f} ms wall  {cpu * 1000:7.0f} ms CPU  ({len(jobs) / wall:,.0f} jobs/s)")  # type: ignore[arg-type]
-    print(f"  {'a worker starting (read + check the frozen plan)':<58} {worker[0] * 1000:7.0f} ms wall  {worker[1] * 1000:7.0f} ms CPU")
-    for full, label in ((False, "reduce/status load, shard map bound to the manifest"), (True, "reduce/status load, full checks (older runs)")):
+    print(
+        f"  {'a worker starting (read + check the frozen plan)':<58} {worker[0] * 1000:7.0f} ms wall  {worker[1] * 1000:7.0f} ms CPU"
+    )
+    for full, label in (
+        (False, "reduce/status load, shard map bound to the manifest"),
+        (True, "reduce/status load, full checks (older runs)"),
+    ):
         load = loads[full]
-        print(f"  {label:<58} {load['wall'] * 1000:7.0f} ms wall  {load['cpu'] * 1000:7.0f} ms CPU  "
-              f"peak RSS {load['rss_mb']:.0f} MB ({load['rss_mb'] - load['rss_before_mb']:+.0f} MB over the imports)")
+        print(
+            f"  {label:<58} {load['wall'] * 1000:7.0f} ms wall  {load['cpu'] * 1000:7.0f} ms CPU  "
+            f"peak RSS {load['rss_mb']:.0f} MB ({load['rss_mb'] - load['rss_before_mb']:+.0f} MB over the imports)"
+        )
     print("  sizes: " + ", ".join(f"{k} {v:.1f} MB" for k, v in sorted(sizes.items())))
 
 

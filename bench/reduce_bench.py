@@ -35,32 +35,64 @@ from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.sharded.layout import ShardedRunStore, marker_document, part_entry
 from shopsimrl.traces import encode_trace_line
 
-OBSERVATION = "搜索结果：第1页，共20页。\n" + "".join(f"[{i}] 商品{i}：简约玻璃水杯 大容量 耐热 带盖 ￥{10 + i}.90\n" for i in range(12))
+OBSERVATION = "搜索结果：第1页，共20页。\n" + "".join(
+    f"[{i}] 商品{i}：简约玻璃水杯 大容量 耐热 带盖 ￥{10 + i}.90\n" for i in range(12)
+)
 
 
 def make_trace(job: EpisodeJob, rng: random.Random, status: str = "completed", attempt: int = 1) -> dict:
     steps = []
     for k in range(4):
-        steps.append({
-            "step_index": k,
-            "observation": {"text": OBSERVATION, "state": {"page": "search", "actions": [f"商品{i}" for i in range(12)]}},
-            "tools": [{"type": "function", "function": {"name": "click"}}],
-            "model": {"content": None, "reasoning": None, "tool_calls": [{"call_id": f"c{k}", "name": "click", "arguments": {"value": "商品3"}, "raw_arguments": "{\"value\": \"商品3\"}"}],
-                      "finish_reason": "tool_calls", "usage": {"prompt_tokens": 900 + k, "completion_tokens": 12, "total_tokens": 912 + k},
-                      "latency_ms": rng.uniform(5, 40), "attempt_count": 1, "attempts": []},
-            "action": {"type": "click", "value": "商品3"},
-            "environment": {"reward": 0.0, "done": k == 3, "action_feedback": {"valid": True}},
-        })
+        steps.append(
+            {
+                "step_index": k,
+                "observation": {"text": OBSERVATION, "state": {"page": "search", "actions": [f"商品{i}" for i in range(12)]}},
+                "tools": [{"type": "function", "function": {"name": "click"}}],
+                "model": {
+                    "content": None,
+                    "reasoning": None,
+                    "tool_calls": [
+                        {
+                            "call_id": f"c{k}",
+                            "name": "click",
+                            "arguments": {"value": "商品3"},
+                            "raw_arguments": '{"value": "商品3"}',
+                        }
+                    ],
+                    "finish_reason": "tool_calls",
+                    "usage": {"prompt_tokens": 900 + k, "completion_tokens": 12, "total_tokens": 912 + k},
+                    "latency_ms": rng.uniform(5, 40),
+                    "attempt_count": 1,
+                    "attempts": [],
+                },
+                "action": {"type": "click", "value": "商品3"},
+                "environment": {"reward": 0.0, "done": k == 3, "action_feedback": {"valid": True}},
+            }
+        )
     reward = rng.choice([0.0, 0.25, 0.5, 1.0])
     done = status == "completed"
     return {
-        "schema_version": "shopsimrl-episode-v4", "episode_id": job.episode_id, "status": status, "job": job.to_dict(),
-        "attempt": attempt, "provenance": {"model": {"model": "bench"}}, "started_at": "2026-11-29T10:00:00+00:00",
-        "ended_at": "2026-11-29T10:00:02+00:00", "duration_ms": rng.uniform(200, 900), "reset": {"instruction": "买一个玻璃水杯"},
-        "selected_skills": [], "conversation": [{"role": "user", "content": "购物任务：买一个玻璃水杯\n" + OBSERVATION}],
+        "schema_version": "shopsimrl-episode-v4",
+        "episode_id": job.episode_id,
+        "status": status,
+        "job": job.to_dict(),
+        "attempt": attempt,
+        "provenance": {"model": {"model": "bench"}},
+        "started_at": "2026-11-29T10:00:00+00:00",
+        "ended_at": "2026-11-29T10:00:02+00:00",
+        "duration_ms": rng.uniform(200, 900),
+        "reset": {"instruction": "买一个玻璃水杯"},
+        "selected_skills": [],
+        "conversation": [{"role": "user", "content": "购物任务：买一个玻璃水杯\n" + OBSERVATION}],
         "steps": steps if done else [],
-        "final": {"done": True, "reward": reward, "termination_reason": "purchase",
-                  "reward_detail": {"r_strict": reward, "r_success": float(reward == 1.0), "r_type": 1.0, "r_att": 0.5}} if done else None,
+        "final": {
+            "done": True,
+            "reward": reward,
+            "termination_reason": "purchase",
+            "reward_detail": {"r_strict": reward, "r_success": float(reward == 1.0), "r_type": 1.0, "r_att": 0.5},
+        }
+        if done
+        else None,
         "error": None if done else {"stage": "model_step_1", "type": "ConnectError", "message": "refused"},
         "failure_class": None if done else "infrastructure",
     }
@@ -82,8 +114,15 @@ class Templates:
         return {**record, "episode_id": job.episode_id, "job": job.to_dict(), "attempt": attempt}
 
 
-def build_run(root: Path, episodes: int, shards: int, seed: int = 7, templates: Templates | None = None,
-              compressed: bool = True, tasks: int = 2000) -> tuple[int, int, int]:
+def build_run(
+    root: Path,
+    episodes: int,
+    shards: int,
+    seed: int = 7,
+    templates: Templates | None = None,
+    compressed: bool = True,
+    tasks: int = 2000,
+) -> tuple[int, int, int]:
     """Returns the episodes, the uncompressed JSONL bytes and the bytes stored."""
     rng = random.Random(seed)
     make = templates.make if templates else make_trace
@@ -108,13 +147,23 @@ def build_run(root: Path, episodes: int, shards: int, seed: int = 7, templates: 
                 records.append(make(by_id[eid], rng))
         entries = []
         for seq, start in enumerate(range(0, len(records), 10)):
-            data = b"".join(encode_trace_line(r) for r in records[start:start + 10])
+            data = b"".join(encode_trace_line(r) for r in records[start : start + 10])
             name, stored = store.write_part(index, seq, "0123abcd", data, compressed=compressed)
-            entries.append(part_entry(name, stored, len(records[start:start + 10])))
+            entries.append(part_entry(name, stored, len(records[start : start + 10])))
             total_bytes += len(data)
             stored_bytes += len(stored)
-        store.create_marker(index, marker_document(shard=index, plan_fingerprint=fingerprint(plan), completed=len(ids), failed=0,
-                                                   episode_ids_sha256=fingerprint(ids), parts=entries, writer="0123abcd"))
+        store.create_marker(
+            index,
+            marker_document(
+                shard=index,
+                plan_fingerprint=fingerprint(plan),
+                completed=len(ids),
+                failed=0,
+                episode_ids_sha256=fingerprint(ids),
+                parts=entries,
+                writer="0123abcd",
+            ),
+        )
     return episodes, total_bytes, stored_bytes
 
 
@@ -152,9 +201,19 @@ def reduce_child(root: str) -> None:
     summary = reduce_run(store)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     rss_mb = peak_rss_mb()
-    print(json.dumps({"seconds": elapsed, "cpu_seconds": cpu, "peak_rss_mb": rss_mb, "plan_rss_mb": plan_rss_mb,
-                      "completed": summary["counts"]["completed"], "duplicates": summary["shards"]["duplicate_records"],
-                      "part_bytes_read": part_bytes_read}))
+    print(
+        json.dumps(
+            {
+                "seconds": elapsed,
+                "cpu_seconds": cpu,
+                "peak_rss_mb": rss_mb,
+                "plan_rss_mb": plan_rss_mb,
+                "completed": summary["counts"]["completed"],
+                "duplicates": summary["shards"]["duplicate_records"],
+                "part_bytes_read": part_bytes_read,
+            }
+        )
+    )
 
 
 def measure(root: Path, episodes: int, shards: int, templates: Templates | None, compressed: bool) -> dict:
@@ -165,9 +224,17 @@ def measure(root: Path, episodes: int, shards: int, templates: Templates | None,
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["completed"] == episodes, result
     mb = size / 1e6
-    return {**result, "episodes": episodes, "mb": mb, "stored_mb": stored / 1e6, "build_s": build_s,
-            "episodes_per_s": episodes / result["seconds"], "mb_per_s": mb / result["seconds"],
-            "mb_per_cpu_s": mb / result["cpu_seconds"], "reads_per_stored_byte": result["part_bytes_read"] / stored}
+    return {
+        **result,
+        "episodes": episodes,
+        "mb": mb,
+        "stored_mb": stored / 1e6,
+        "build_s": build_s,
+        "episodes_per_s": episodes / result["seconds"],
+        "mb_per_s": mb / result["seconds"],
+        "mb_per_cpu_s": mb / result["cpu_seconds"],
+        "reads_per_stored_byte": result["part_bytes_read"] / stored,
+    }
 
 
 def main() -> None:
@@ -184,25 +251,37 @@ def main() -> None:
         return
     base = Path(tempfile.mkdtemp(prefix="reduce-bench-", dir=args.dir))
     try:
-        baseline = subprocess.run([sys.executable, "-c", "import shopsimrl.sharded.reduce, pathlib; print(next(int(l.split()[1]) / 1024 for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')))"],
-                                  capture_output=True, text=True, check=True)
+        baseline = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import shopsimrl.sharded.reduce, pathlib; print(next(int(l.split()[1]) / 1024 for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         import_mb = float(baseline.stdout.strip())
         rows = []
         templates = Templates(args.traces) if args.traces else None
         for n in (args.episodes, 2 * args.episodes):
             row = measure(base / f"n{n}", n, args.shards, templates, not args.plain)
             rows.append(row)
-            print(f"{n:>7} episodes / {args.shards} shards: {row['mb']:.0f} MB of traces, {row['stored_mb']:.1f} MB stored "
-                  f"({row['stored_mb'] * 1e3 / n:.1f} KB per episode, 1/{row['mb'] / row['stored_mb']:.1f} of the JSONL) · "
-                  f"reduce {row['seconds']:.1f} s ({row['cpu_seconds']:.1f} s CPU) · "
-                  f"{row['episodes_per_s']:.0f} episodes/s · {row['mb_per_s']:.1f} MB/s ({row['mb_per_cpu_s']:.1f} MB per CPU second) · "
-                  f"part bytes read per byte stored {row['reads_per_stored_byte']:.2f} · peak RSS {row['peak_rss_mb']:.1f} MB "
-                  f"(imports alone {import_mb:.1f} MB, after loading the plan {row['plan_rss_mb']:.1f} MB; traces add {row['peak_rss_mb'] - row['plan_rss_mb']:.1f} MB) · duplicates found {row['duplicates']}")
+            print(
+                f"{n:>7} episodes / {args.shards} shards: {row['mb']:.0f} MB of traces, {row['stored_mb']:.1f} MB stored "
+                f"({row['stored_mb'] * 1e3 / n:.1f} KB per episode, 1/{row['mb'] / row['stored_mb']:.1f} of the JSONL) · "
+                f"reduce {row['seconds']:.1f} s ({row['cpu_seconds']:.1f} s CPU) · "
+                f"{row['episodes_per_s']:.0f} episodes/s · {row['mb_per_s']:.1f} MB/s ({row['mb_per_cpu_s']:.1f} MB per CPU second) · "
+                f"part bytes read per byte stored {row['reads_per_stored_byte']:.2f} · peak RSS {row['peak_rss_mb']:.1f} MB "
+                f"(imports alone {import_mb:.1f} MB, after loading the plan {row['plan_rss_mb']:.1f} MB; traces add {row['peak_rss_mb'] - row['plan_rss_mb']:.1f} MB) · duplicates found {row['duplicates']}"
+            )
             shutil.rmtree(base / f"n{n}")
         a, b = rows
-        print(f"2x episodes → time x{b['seconds'] / a['seconds']:.2f}, CPU x{b['cpu_seconds'] / a['cpu_seconds']:.2f} (ideal 2.00), peak RSS x{b['peak_rss_mb'] / a['peak_rss_mb']:.2f} (flat = 1.00), "
-              f"RSS above imports x{(b['peak_rss_mb'] - import_mb) / max(1e-9, a['peak_rss_mb'] - import_mb):.2f}; "
-              f"memory for traces (peak − plan) {a['peak_rss_mb'] - a['plan_rss_mb']:.1f} → {b['peak_rss_mb'] - b['plan_rss_mb']:.1f} MB")
+        print(
+            f"2x episodes → time x{b['seconds'] / a['seconds']:.2f}, CPU x{b['cpu_seconds'] / a['cpu_seconds']:.2f} (ideal 2.00), peak RSS x{b['peak_rss_mb'] / a['peak_rss_mb']:.2f} (flat = 1.00), "
+            f"RSS above imports x{(b['peak_rss_mb'] - import_mb) / max(1e-9, a['peak_rss_mb'] - import_mb):.2f}; "
+            f"memory for traces (peak − plan) {a['peak_rss_mb'] - a['plan_rss_mb']:.1f} → {b['peak_rss_mb'] - b['plan_rss_mb']:.1f} MB"
+        )
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -58,9 +58,12 @@ async def bench(episodes: int, steps: int, persist: bool) -> tuple[float, int]:
             env.actions.clear()
             return env.open_episode()
 
-    runtime = AgentRuntime(model=model, environment=ResettingEnv(), prompts=PromptBuilder(), skills=NoSkills(), max_steps=steps + 1)
+    runtime = AgentRuntime(
+        model=model, environment=ResettingEnv(), prompts=PromptBuilder(), skills=NoSkills(), max_steps=steps + 1
+    )
     jobs = [EpisodeJob(task_id=i, sample_id=0, seed=i, split="bench") for i in range(episodes)]
     with tempfile.TemporaryDirectory() as tmp:
+
         class NullSink:
             def save_trace(self, record: dict) -> None:
                 pass
@@ -100,7 +103,9 @@ def main() -> None:
     print("UNIT COST with in-process fakes (no HTTP, no sockets): not the real path; see bench/throughput.py")
     print(f"one core, {args.episodes} episodes x {args.steps} steps, zero-latency in-process model and environment")
     print(f"{'path':<34}{'steps/s':>10}{'us/step':>10}{'vs fakes alone':>16}")
-    print(f"{'fakes alone (ideal)':<34}{args.episodes * args.steps / base:>10.0f}{base / (args.episodes * args.steps) * 1e6:>10.1f}{1.0:>16.2f}")
+    print(
+        f"{'fakes alone (ideal)':<34}{args.episodes * args.steps / base:>10.0f}{base / (args.episodes * args.steps) * 1e6:>10.1f}{1.0:>16.2f}"
+    )
     for label, persist in (("runtime + scheduler", False), ("runtime + scheduler + fsync'd trace", True)):
         elapsed, steps = asyncio.run(bench(args.episodes, args.steps, persist))
         print(f"{label:<34}{steps / elapsed:>10.0f}{elapsed / steps * 1e6:>10.1f}{elapsed / base:>16.2f}")

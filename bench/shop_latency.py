@@ -50,7 +50,8 @@ class Connection:
         body = json.dumps(payload).encode()
         self.writer.write(
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
         )
         assert self.reader is not None
         head = await self.reader.readuntil(b"\r\n\r\n")
@@ -109,10 +110,16 @@ async def main_async(leases: int, steps: int, port: int, think_ms: float) -> Non
     await asyncio.gather(*(episode(port, 19 + i % 4000, steps, lat, barrier, think_ms) for i in range(leases)))
     wall = time.perf_counter() - started
     health = (await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}/healthz")).json()
-    print(f"{leases} leases held at once, {len(lat)} interact calls, think {think_ms:.0f} ms, {wall:.1f} s wall, {len(lat) / wall:.0f} steps/s")
-    print(f"interact latency ms: p50 {percentile(lat, .5):.1f}  p95 {percentile(lat, .95):.1f}  p99 {percentile(lat, .99):.1f}  mean {statistics.fmean(lat):.1f}")
-    print(f"idle server, one episode at a time (ideal): p50 {percentile(idle, .5):.1f}  p95 {percentile(idle, .95):.1f}")
-    print(f"ratio loaded/ideal: p50 {percentile(lat, .5) / percentile(idle, .5):.2f}  p95 {percentile(lat, .95) / percentile(idle, .95):.2f}")
+    print(
+        f"{leases} leases held at once, {len(lat)} interact calls, think {think_ms:.0f} ms, {wall:.1f} s wall, {len(lat) / wall:.0f} steps/s"
+    )
+    print(
+        f"interact latency ms: p50 {percentile(lat, 0.5):.1f}  p95 {percentile(lat, 0.95):.1f}  p99 {percentile(lat, 0.99):.1f}  mean {statistics.fmean(lat):.1f}"
+    )
+    print(f"idle server, one episode at a time (ideal): p50 {percentile(idle, 0.5):.1f}  p95 {percentile(idle, 0.95):.1f}")
+    print(
+        f"ratio loaded/ideal: p50 {percentile(lat, 0.5) / percentile(idle, 0.5):.2f}  p95 {percentile(lat, 0.95) / percentile(idle, 0.95):.2f}"
+    )
     print(f"free slots after release: {health['free_slots']}/{health['environment_slots']}")
 
 

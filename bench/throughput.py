@@ -108,17 +108,25 @@ def _episodes(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=list(DEFAULT_CONCURRENCY),
+        help="comma-separated episode concurrencies C (default: 1,16,64,256,1024)",
     )
-    parser.add_argument("--concurrency", type=_int_list, default=list(DEFAULT_CONCURRENCY),
-                        help="comma-separated episode concurrencies C (default: 1,16,64,256,1024)")
-    parser.add_argument("--policy-latency-ms", type=_latency_list, default=list(DEFAULT_POLICY_LATENCIES_MS),
-                        help="comma-separated policy latencies, one server start each (default: 0,200)")
-    parser.add_argument("--shop-latency-ms", type=_milliseconds, default=0.0,
-                        help="latency the shop adds to every call (default: 0)")
-    parser.add_argument("--episodes", type=_episodes, default=None,
-                        help=f"episodes per row (default: max(50, 4*C), at most {SPLIT_SIZE})")
+    parser.add_argument(
+        "--policy-latency-ms",
+        type=_latency_list,
+        default=list(DEFAULT_POLICY_LATENCIES_MS),
+        help="comma-separated policy latencies, one server start each (default: 0,200)",
+    )
+    parser.add_argument(
+        "--shop-latency-ms", type=_milliseconds, default=0.0, help="latency the shop adds to every call (default: 0)"
+    )
+    parser.add_argument(
+        "--episodes", type=_episodes, default=None, help=f"episodes per row (default: max(50, 4*C), at most {SPLIT_SIZE})"
+    )
     parser.add_argument("--json", metavar="FILE", type=Path, default=None, help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the run directories and logs (path printed)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -273,7 +281,7 @@ def write_config(directory: Path, name: str, servers: Servers, episodes: int, co
     # Generous model timeout: the benchmark measures throughput, a timeout would measure retries.
     path.write_text(
         f"""
-experiment: {{name: {name}, output_dir: {directory / 'runs'}, seed: 20260830, concurrency: {concurrency}}}
+experiment: {{name: {name}, output_dir: {directory / "runs"}, seed: 20260830, concurrency: {concurrency}}}
 tasks: {{split_file: {SPLIT_FILE}, split: {SPLIT}, sample_size: {episodes}}}
 environment: {{base_url: {servers.shop_url}}}
 runtime: {{max_steps: 30}}
@@ -413,7 +421,11 @@ def print_row(row: Row) -> None:
 
 def machine() -> dict[str, object]:
     model = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
         platform.processor() or "unknown",
     )
     return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "load_before": os.getloadavg()}

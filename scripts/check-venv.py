@@ -94,13 +94,17 @@ def problems(
     for name in sorted(missing):
         found.append(f"declared but not installed: {name}")
     for key in sorted(set(dists) - wanted - BOOTSTRAP):
-        found.append(f"installed but not declared by {root}[{','.join(extras)}]: {dists[key].metadata['Name']} {dists[key].version}")
+        found.append(
+            f"installed but not declared by {root}[{','.join(extras)}]: {dists[key].metadata['Name']} {dists[key].version}"
+        )
     if pins is not None:
         for key in sorted(wanted & set(dists) - {canonicalize_name(root)}):
             version = dists[key].version
             if pins.get(key) != version:
                 pin = f"pins {pins[key]}" if key in pins else "does not pin it"
-                found.append(f"{dists[key].metadata['Name']} {version} is installed, the constraints file {pin} (make constraints)")
+                found.append(
+                    f"{dists[key].metadata['Name']} {version} is installed, the constraints file {pin} (make constraints)"
+                )
     return found
 
 

@@ -82,7 +82,10 @@ def _import_extra(module: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        _fail(ExitCode.BAD_INPUT, f"{module} is not installed here ({exc.name} missing): pip install 'shopsimrl[{extra}]', or use the shopsimrl-{extra} image")
+        _fail(
+            ExitCode.BAD_INPUT,
+            f"{module} is not installed here ({exc.name} missing): pip install 'shopsimrl[{extra}]', or use the shopsimrl-{extra} image",
+        )
 
 
 def _load(config_path: Path) -> ExperimentConfig:
@@ -122,8 +125,12 @@ def plan(
     config_path: Path = typer.Argument(..., metavar="CONFIG", help="Experiment YAML."),
     final_test: bool = FINAL_TEST,
     check: bool = typer.Option(False, "--check", help="Also probe the model's /models and the environment's /healthz."),
-    run_uri: str | None = typer.Option(None, "--run", help="Run location (dir, file://, s3://); with --shards the frozen plan is written there."),
-    shards: int | None = typer.Option(None, "--shards", min=1, help="Freeze a sharded plan: write manifest.json, jobs.jsonl and shards.json."),
+    run_uri: str | None = typer.Option(
+        None, "--run", help="Run location (dir, file://, s3://); with --shards the frozen plan is written there."
+    ),
+    shards: int | None = typer.Option(
+        None, "--shards", min=1, help="Freeze a sharded plan: write manifest.json, jobs.jsonl and shards.json."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (for scripts) instead of a table."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
@@ -144,7 +151,9 @@ def plan(
         try:
             existing = LocalRunStore(config.run_dir).read_manifest()
             manifest_state = (
-                "none" if existing is None else ("matches" if existing["plan_fingerprint"] == plan_fp else "CONFLICTS (run would exit 42)")
+                "none"
+                if existing is None
+                else ("matches" if existing["plan_fingerprint"] == plan_fp else "CONFLICTS (run would exit 42)")
             )
         except ManifestError as exc:
             manifest_state = f"unreadable: {exc}"
@@ -199,7 +208,9 @@ _PLAN_SECTIONS = ("task_split", "model", "environment", "runtime", "prompt", "sk
 
 def _format_plan(report: dict[str, Any]) -> str:
     """``plan``'s report for people: aligned rows, nested settings as dotted keys, the first jobs as a table."""
-    top = [(key.replace("_", " "), value) for key, value in report.items() if key not in (*_PLAN_SECTIONS, "first_jobs", "warnings")]
+    top = [
+        (key.replace("_", " "), value) for key, value in report.items() if key not in (*_PLAN_SECTIONS, "first_jobs", "warnings")
+    ]
     lines = _aligned(top, indent="")
     for section in _PLAN_SECTIONS:
         if section in report:
@@ -241,11 +252,17 @@ def run(
     retry_failed: bool = typer.Option(
         True, "--retry-failed/--no-retry-failed", help="Give episodes that failed in earlier invocations a fresh set of attempts."
     ),
-    max_episode_retries: int | None = typer.Option(None, min=0, help="Extra attempts per episode for infrastructure failures (default: runtime.max_episode_retries)."),
+    max_episode_retries: int | None = typer.Option(
+        None, min=0, help="Extra attempts per episode for infrastructure failures (default: runtime.max_episode_retries)."
+    ),
     concurrency: int | None = typer.Option(None, min=1, help="Episodes in flight (default: experiment.concurrency)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
-    shards: int | None = typer.Option(None, "--shards", min=1, help="Run as N shard worker processes (like an Indexed Job), then reduce."),
-    run_uri: str | None = typer.Option(None, "--run", help="With --shards: run location (dir, file://, s3://); default: the config's run directory."),
+    shards: int | None = typer.Option(
+        None, "--shards", min=1, help="Run as N shard worker processes (like an Indexed Job), then reduce."
+    ),
+    run_uri: str | None = typer.Option(
+        None, "--run", help="With --shards: run location (dir, file://, s3://); default: the config's run directory."
+    ),
     backoff_limit_per_index: int = typer.Option(2, min=0, help="With --shards: restarts of a crashed shard worker."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
@@ -259,7 +276,10 @@ def run(
     _setup_logging(quiet, verbose)
     if shards is not None:
         if max_episode_retries is not None:
-            _fail(ExitCode.BAD_INPUT, "--max-episode-retries applies to single-process runs; sharded workers use runtime.max_episode_retries")
+            _fail(
+                ExitCode.BAD_INPUT,
+                "--max-episode-retries applies to single-process runs; sharded workers use runtime.max_episode_retries",
+            )
         _run_sharded(config_path, run_uri, shards, final_test, backoff_limit_per_index, concurrency, retry_failed, progress)
         return
     if run_uri is not None:
@@ -275,7 +295,10 @@ def run(
         _fail(ExitCode.BAD_INPUT, str(exc))
     try:
         store, summary = run_local(
-            prepared, max_episode_retries=max_episode_retries, retry_failed=retry_failed, show_progress=progress,
+            prepared,
+            max_episode_retries=max_episode_retries,
+            retry_failed=retry_failed,
+            show_progress=progress,
             announce=lambda line: typer.echo(line, err=True),
         )
     except RunStopped as stop:
@@ -310,14 +333,20 @@ def summarize(
 
     _setup_logging(quiet, verbose)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", run_dir_arg):
-        _fail(ExitCode.BAD_INPUT, f"{run_dir_arg} is a run location URI; summarize reads a local run directory "
-                                  f"(the summary of a sharded run is written by `shopsimrl reduce {run_dir_arg}`)")
+        _fail(
+            ExitCode.BAD_INPUT,
+            f"{run_dir_arg} is a run location URI; summarize reads a local run directory "
+            f"(the summary of a sharded run is written by `shopsimrl reduce {run_dir_arg}`)",
+        )
     run_dir = Path(run_dir_arg)
     store = LocalRunStore(run_dir)
     if not store.traces_path.exists():
         if (run_dir / "shards.json").is_file():
-            _fail(ExitCode.BAD_INPUT, f"{run_dir} is a sharded run (shards.json, no traces.jsonl): "
-                                      f"`shopsimrl reduce {run_dir}` writes its summary.json")
+            _fail(
+                ExitCode.BAD_INPUT,
+                f"{run_dir} is a sharded run (shards.json, no traces.jsonl): "
+                f"`shopsimrl reduce {run_dir}` writes its summary.json",
+            )
         _fail(ExitCode.BAD_INPUT, f"{store.traces_path} does not exist")
     try:
         manifest = store.read_manifest()
@@ -331,7 +360,10 @@ def summarize(
     try:
         summary = summarize_local(store, manifest, requested_ids, requested)
     except RunWriteError as exc:  # the traces are safe; only the derived summary is missing
-        _fail(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, f"{exc}; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it")
+        _fail(
+            ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT,
+            f"{exc}; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it",
+        )
     _print_summary(summary, store.summary_path)
 
 
@@ -354,8 +386,12 @@ def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> tuple[dict
     except StoreUnavailableError as exc:
         _fail(ExitCode.RETRYABLE, str(exc))
     jobs_per_shard = [len(ids) for ids in shard_map.episode_ids]
-    report = {"run": store.display_uri, "plan_fingerprint": manifest["plan_fingerprint"], "shards": shard_map.count,
-              "jobs_per_shard": jobs_per_shard[:16]}
+    report = {
+        "run": store.display_uri,
+        "plan_fingerprint": manifest["plan_fingerprint"],
+        "shards": shard_map.count,
+        "jobs_per_shard": jobs_per_shard[:16],
+    }
     return report, jobs_per_shard
 
 
@@ -380,12 +416,23 @@ def _run_sharded(
     env = {"SHOPSIMRL_CONCURRENCY": str(concurrency)} if concurrency else {}
     with ShardedRunProgress(jobs_per_shard, enabled=progress and sys.stderr.isatty()) as bar:
         result = run_indexed(
-            uri, config_path.resolve(), shards, backoff_limit_per_index=backoff_limit, final_test=final_test,
-            retry_failed=retry_failed, env=env, on_event=bar.on_worker_event, on_tick=bar.tick,
+            uri,
+            config_path.resolve(),
+            shards,
+            backoff_limit_per_index=backoff_limit,
+            final_test=final_test,
+            retry_failed=retry_failed,
+            env=env,
+            on_event=bar.on_worker_event,
+            on_tick=bar.tick,
         )
     for outcome in result.indexes:
         if outcome.exit_code not in (0, 1):
-            typer.secho(f"shard {outcome.index}: exit codes {outcome.exit_codes} ({outcome.restarts} restarts)", fg=typer.colors.YELLOW, err=True)
+            typer.secho(
+                f"shard {outcome.index}: exit codes {outcome.exit_codes} ({outcome.restarts} restarts)",
+                fg=typer.colors.YELLOW,
+                err=True,
+            )
     if result.exit_code in (ExitCode.FINGERPRINT_MISMATCH, ExitCode.BAD_INPUT) or result.interrupted:
         raise typer.Exit(int(result.exit_code))
     code = _reduce_and_report(uri, wait=False, timeout=0.0, include_uncommitted=False)
@@ -393,7 +440,13 @@ def _run_sharded(
 
 
 def _severity(code: ExitCode) -> int:
-    return {ExitCode.OK: 0, ExitCode.EPISODES_FAILED: 1, ExitCode.RETRYABLE: 2, ExitCode.BAD_INPUT: 3, ExitCode.FINGERPRINT_MISMATCH: 4}[ExitCode(code)]
+    return {
+        ExitCode.OK: 0,
+        ExitCode.EPISODES_FAILED: 1,
+        ExitCode.RETRYABLE: 2,
+        ExitCode.BAD_INPUT: 3,
+        ExitCode.FINGERPRINT_MISMATCH: 4,
+    }[ExitCode(code)]
 
 
 def _reduce_and_report(
@@ -421,7 +474,11 @@ def _reduce_and_report(
             if waited.pending and not (partial_on_timeout or waited.why):
                 _fail(ExitCode.RETRYABLE, f"timed out after {timeout:g} s; shards without a commit marker: {waited.pending[:20]}")
             if waited.pending:
-                typer.secho(f"warning: {waited.reason}: {waited.pending[:20]}; writing a partial summary", fg=typer.colors.YELLOW, err=True)
+                typer.secho(
+                    f"warning: {waited.reason}: {waited.pending[:20]}; writing a partial summary",
+                    fg=typer.colors.YELLOW,
+                    err=True,
+                )
         summary = reduce_run(
             store,
             include_uncommitted=include_uncommitted,
@@ -460,14 +517,23 @@ def _failed_indexes_of(job: str, namespace: str) -> Any:
 
 @app.command()
 def worker(
-    run_uri: str | None = typer.Option(None, "--run", envvar="SHOPSIMRL_RUN", help="Run location (dir, file://, s3://bucket/prefix)."),
+    run_uri: str | None = typer.Option(
+        None, "--run", envvar="SHOPSIMRL_RUN", help="Run location (dir, file://, s3://bucket/prefix)."
+    ),
     shard_index: int | None = typer.Option(None, "--shard-index", min=0, help="Shard to run (default: JOB_COMPLETION_INDEX)."),
     config_path: Path | None = typer.Option(None, "--config", envvar="SHOPSIMRL_CONFIG", help="Experiment YAML."),
-    shards: int | None = typer.Option(None, "--shards", envvar="SHOPSIMRL_SHARDS", min=1, help="Shard count (default: the frozen shards.json)."),
+    shards: int | None = typer.Option(
+        None, "--shards", envvar="SHOPSIMRL_SHARDS", min=1, help="Shard count (default: the frozen shards.json)."
+    ),
     final_test: bool = FINAL_TEST,
-    retry_failed: bool = typer.Option(True, "--retry-failed/--no-retry-failed", help="Give failed episodes a fresh set of attempts."),
+    retry_failed: bool = typer.Option(
+        True, "--retry-failed/--no-retry-failed", help="Give failed episodes a fresh set of attempts."
+    ),
     processes: int | None = typer.Option(
-        None, "--processes", min=1, max=256,
+        None,
+        "--processes",
+        min=1,
+        max=256,
         help="Event-loop processes over the shard's jobs (default SHOPSIMRL_PROCESSES, else 1): use the pod's cores.",
     ),
     quiet: bool = QUIET,
@@ -482,9 +548,20 @@ def worker(
     _setup_logging(quiet, verbose)
     index = shard_index if shard_index is not None else settings.shard_index
     if run_uri is None or config_path is None or index is None:
-        _fail(ExitCode.BAD_INPUT, "worker needs --run (SHOPSIMRL_RUN), --config (SHOPSIMRL_CONFIG) and --shard-index (JOB_COMPLETION_INDEX)")
+        _fail(
+            ExitCode.BAD_INPUT,
+            "worker needs --run (SHOPSIMRL_RUN), --config (SHOPSIMRL_CONFIG) and --shard-index (JOB_COMPLETION_INDEX)",
+        )
     code = run_worker(
-        WorkerOptions(run=run_uri, config=config_path, shard_index=index, shards=shards, final_test=final_test, retry_failed=retry_failed, settings=settings)
+        WorkerOptions(
+            run=run_uri,
+            config=config_path,
+            shard_index=index,
+            shards=shards,
+            final_test=final_test,
+            retry_failed=retry_failed,
+            settings=settings,
+        )
     )
     raise typer.Exit(int(code))
 
@@ -494,13 +571,17 @@ def reduce(
     run_uri: str = typer.Argument(..., metavar="URI", help="Run location of a sharded run."),
     wait: bool = typer.Option(False, "--wait", help="Poll until every shard has a commit marker (exit 3 on timeout)."),
     timeout: float = typer.Option(3600.0, "--timeout", min=0, help="With --wait: give up after this many seconds."),
-    include_uncommitted: bool = typer.Option(False, "--include-uncommitted", help="Also read parts of shards without a commit marker (a partial summary)."),
+    include_uncommitted: bool = typer.Option(
+        False, "--include-uncommitted", help="Also read parts of shards without a commit marker (a partial summary)."
+    ),
     partial_on_timeout: bool = typer.Option(
-        False, "--partial-on-timeout",
+        False,
+        "--partial-on-timeout",
         help="With --wait: at the timeout, write summary.json from the committed shards, marked incomplete, and exit 1 instead of 3.",
     ),
     worker_job: str | None = typer.Option(
-        None, "--worker-job",
+        None,
+        "--worker-job",
         help="With --wait: the Kubernetes worker Job of this run; stop waiting (partial summary, exit 1) once its failed indexes cover every uncommitted shard or it has finished.",
     ),
     namespace: str | None = typer.Option(None, "--namespace", help="Namespace of --worker-job (default: default)."),
@@ -512,8 +593,13 @@ def reduce(
     if (partial_on_timeout or worker_job) and not wait:
         _fail(ExitCode.BAD_INPUT, "--partial-on-timeout and --worker-job need --wait")
     code = _reduce_and_report(
-        run_uri, wait=wait, timeout=timeout, include_uncommitted=include_uncommitted, partial_on_timeout=partial_on_timeout,
-        worker_job=worker_job, namespace=namespace,
+        run_uri,
+        wait=wait,
+        timeout=timeout,
+        include_uncommitted=include_uncommitted,
+        partial_on_timeout=partial_on_timeout,
+        worker_job=worker_job,
+        namespace=namespace,
     )
     raise typer.Exit(int(code))
 
@@ -525,7 +611,9 @@ def status(
     release: str | None = typer.Option(None, "--release", help="Helm release name (with --namespace)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     env_url: str | None = typer.Option(
-        None, "--env-url", envvar="SHOPSIMRL_ENV_BASE_URL",
+        None,
+        "--env-url",
+        envvar="SHOPSIMRL_ENV_BASE_URL",
         help="ShopSimulator to show the slot usage of (default: the one the running shards' lease journals name).",
     ),
     quiet: bool = QUIET,
@@ -558,8 +646,10 @@ def status(
     if as_json:
         typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
         return
-    typer.echo(f"run {report['run']} · plan {report['plan_fingerprint'][:12]} · {report['completed']}/{report['jobs']} episodes completed · "
-               f"{report['committed_shards']}/{len(report['shards'])} shards committed")
+    typer.echo(
+        f"run {report['run']} · plan {report['plan_fingerprint'][:12]} · {report['completed']}/{report['jobs']} episodes completed · "
+        f"{report['committed_shards']}/{len(report['shards'])} shards committed"
+    )
     for row in report["shards"]:
         extra = f" · failed {row['failed']}" if row.get("failed") else ""
         if row.get("leases_held") or row.get("leases_left_by_stopped_workers"):
@@ -569,7 +659,9 @@ def status(
         if row.get("failed_attempts"):
             extra += f" · failed attempts {row['failed_attempts']}"
         completed = "?" if row.get("completed") is None else row["completed"]
-        typer.echo(f"  shard {row['shard']:>5}  {row['state']:<14} {completed}/{row['jobs']}{extra} · parts {row['parts']}{_heartbeat_note(row)}")
+        typer.echo(
+            f"  shard {row['shard']:>5}  {row['state']:<14} {completed}/{row['jobs']}{extra} · parts {row['parts']}{_heartbeat_note(row)}"
+        )
     shop = report["environment"]
     if shop.get("url"):
         state = shop.get("error") or f"{shop['free_slots']}/{shop['environment_slots']} slots free"
@@ -628,7 +720,8 @@ def wait_ready(
     timeout: float = typer.Option(600.0, min=0, help="Give up after this many seconds."),
     interval: float = typer.Option(5.0, min=0.1, help="Seconds between probes."),
     require_free_slot: bool = typer.Option(
-        True, "--require-free-slot/--no-require-free-slot",
+        True,
+        "--require-free-slot/--no-require-free-slot",
         help="Count a ShopSimulator without a free slot as not ready. Shard pods turn this off: other shards "
         "hold slots legitimately, and a pod releases its dead predecessor's leases only once it runs.",
     ),
@@ -680,7 +773,10 @@ def _operator_environment(url: str) -> Any:
 
 @env_app.command("slots")
 def env_slots(
-    url: str = ENV_URL, as_json: bool = typer.Option(False, "--json", help="Print JSON."), quiet: bool = QUIET, verbose: bool = VERBOSE
+    url: str = ENV_URL,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Show the server's slot pool: size, free, leased (exit 3 when unreachable)."""
     from shopsimrl.environment import ShopEnvironmentError
@@ -701,7 +797,16 @@ def env_slots(
         _fail(ExitCode.RETRYABLE, f"{redact_uri(url)}: {exc}")
     leased = None if usage.environment_slots is None or usage.free_slots is None else usage.environment_slots - usage.free_slots
     if as_json:
-        typer.echo(json.dumps({"url": redact_uri(url), "environment_slots": usage.environment_slots, "free_slots": usage.free_slots, "leased": leased}))
+        typer.echo(
+            json.dumps(
+                {
+                    "url": redact_uri(url),
+                    "environment_slots": usage.environment_slots,
+                    "free_slots": usage.free_slots,
+                    "leased": leased,
+                }
+            )
+        )
     else:
         typer.echo(f"{redact_uri(url)}: {usage.describe()}" + ("" if leased is None else f", {leased} leased"))
 

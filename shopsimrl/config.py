@@ -296,7 +296,11 @@ class WorkerSettings(BaseSettings):
     @field_validator("env_base_url")
     @classmethod
     def _environment_url(cls, value: str | None) -> str | None:
-        return None if value is None else _check_service_url(value, credentials_hint=_ENVIRONMENT_CREDENTIALS_HINT, allow_query=False)
+        return (
+            None
+            if value is None
+            else _check_service_url(value, credentials_hint=_ENVIRONMENT_CREDENTIALS_HINT, allow_query=False)
+        )
 
 
 def describe_settings_error(exc: ValidationError) -> str:
@@ -349,7 +353,12 @@ def _load_dotenv(path: Path) -> None:
     for binding in parse_dotenv(io.StringIO(text)):
         if binding.key is None and not binding.error:
             continue  # a blank or comment line
-        if binding.error or binding.value is None or binding.key is None or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", binding.key):
+        if (
+            binding.error
+            or binding.value is None
+            or binding.key is None
+            or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", binding.key)
+        ):
             # The parser counts blank lines before a statement as its own; the statement is not
             # echoed (a .env file holds secrets).
             statement = binding.original.string

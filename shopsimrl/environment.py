@@ -221,9 +221,7 @@ class ShopSimulatorSettings:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"environment base_url must start with http:// or https://, got {self.base_url!r}")
         if self.interaction_mode not in INTERACTION_MODES:
-            raise ValueError(
-                f"interaction_mode must be one of {list(INTERACTION_MODES)}, got {self.interaction_mode!r}"
-            )
+            raise ValueError(f"interaction_mode must be one of {list(INTERACTION_MODES)}, got {self.interaction_mode!r}")
         if not self.timeout > 0:
             raise ValueError(f"environment timeout must be > 0 seconds, got {self.timeout!r}")
         if self.reset_timeout is not None and not self.reset_timeout > 0:
@@ -669,7 +667,9 @@ class ShopSimulatorEnvironment:
                 raise
 
         def on_retry(failed: Attempt) -> None:
-            _log.warning("environment call retried", action=action, attempt=failed.number, error=str(failed.error), delay=failed.delay_s)
+            _log.warning(
+                "environment call retried", action=action, attempt=failed.number, error=str(failed.error), delay=failed.delay_s
+            )
 
         return await retry_async(
             attempt,
@@ -791,9 +791,7 @@ class ShopSimulatorEpisode:
         if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
             raise ValueError(f"task_id must be a non-negative integer, got {task_id!r}")
         if self.holds_lease:
-            raise RuntimeError(
-                f"reset while holding lease {self.lease_id} on slot {self.env_idx}; close() the episode first"
-            )
+            raise RuntimeError(f"reset while holding lease {self.lease_id} on slot {self.env_idx}; close() the episode first")
         settings = self._env.settings
         payload = {
             "action": "reset",

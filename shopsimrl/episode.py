@@ -93,7 +93,11 @@ def classify_failure(exc: BaseException) -> str:
         return "model_error"
     if isinstance(exc, ModelRequestError):
         status = getattr(exc, "status_code", None)
-        return "model_error" if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 429) else "infrastructure"
+        return (
+            "model_error"
+            if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 429)
+            else "infrastructure"
+        )
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return "infrastructure"
     return "runtime_error"

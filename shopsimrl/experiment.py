@@ -226,7 +226,9 @@ async def _check_once(prepared: PreparedExperiment, *, processes: int, require_f
         usage = SlotUsage.from_healthz(health)
         concurrency = prepared.config.experiment.concurrency
         limit = lease_budget(
-            concurrency=concurrency, processes=processes, environment_slots=usage.environment_slots,
+            concurrency=concurrency,
+            processes=processes,
+            environment_slots=usage.environment_slots,
             configured=prepared.config.environment.max_leases,
         )
         sizing = usage.sizing_warning(concurrency=concurrency, processes=processes, lease_limit=limit)

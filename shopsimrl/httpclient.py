@@ -89,7 +89,9 @@ class HttpService:
     in the event loop that first uses it, and opened anew if a later call comes from another loop.
     """
 
-    def __init__(self, *, max_connections: int = 100, keepalive_expiry: float = 5.0, keep_alive: bool = True, trust_env: bool = False) -> None:
+    def __init__(
+        self, *, max_connections: int = 100, keepalive_expiry: float = 5.0, keep_alive: bool = True, trust_env: bool = False
+    ) -> None:
         self.max_connections = max_connections
         self.keepalive_expiry = keepalive_expiry
         self.keep_alive = keep_alive

@@ -253,7 +253,8 @@ class DirectoryJournalStorage:
     def names(self) -> list[str]:
         try:
             return sorted(
-                p.name for p in self.directory.iterdir()
+                p.name
+                for p in self.directory.iterdir()
                 if p.suffix in (_LOG_SUFFIX, _SNAPSHOT_SUFFIX) and not p.name.startswith(".")
             )
         except FileNotFoundError:
@@ -503,7 +504,9 @@ class LeaseJournal:
             if state.environment not in (None, self.state.environment):
                 log.warning(
                     "lease journal names another ShopSimulator; releasing through this run's",
-                    journal=where, journal_environment=state.environment, environment=self.state.environment,
+                    journal=where,
+                    journal_environment=state.environment,
+                    environment=self.state.environment,
                 )
             failed = 0
             for env_idx, lease_id in state.held.items():
@@ -572,7 +575,11 @@ def read_journals(storage: JournalStorage) -> list[JournalSummary]:
             continue
         summaries.append(
             JournalSummary(
-                name, len(state.held), state.resets_in_flight, state.environment, state.updated_at,
+                name,
+                len(state.held),
+                state.resets_in_flight,
+                state.environment,
+                state.updated_at,
                 None if state.process is None else state.process.is_alive(),
             )
         )

@@ -61,7 +61,6 @@ __all__ = [
 ]
 
 
-
 class RunStopped(Exception):
     """The run ended before its summary, with this exit code (the CLI prints the message)."""
 
@@ -81,7 +80,9 @@ class RunWriteError(RuntimeError):
     def __init__(self, path: Path, exc: OSError) -> None:
         self.retryable = exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS)
         hint = "free space and run the command again" if self.retryable else "the location is not writable"
-        super().__init__(f"cannot write {path}: {exc.strerror or exc} (errno {errno.errorcode.get(exc.errno or 0, exc.errno)}); {hint}")
+        super().__init__(
+            f"cannot write {path}: {exc.strerror or exc} (errno {errno.errorcode.get(exc.errno or 0, exc.errno)}); {hint}"
+        )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -345,7 +346,9 @@ async def _evaluate(
     config = prepared.config
     model = prepared.model()
     environment = prepared.environment()
-    journal = LeaseJournal(DirectoryJournalStorage(config.run_dir / "leases"), environment_url=prepared.environment_settings.base_url)
+    journal = LeaseJournal(
+        DirectoryJournalStorage(config.run_dir / "leases"), environment_url=prepared.environment_settings.base_url
+    )
     limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
     evaluation: asyncio.Task[Any] | None = None
 
@@ -357,7 +360,11 @@ async def _evaluate(
     with GracefulStop(stop_evaluation, cleanup=f"releasing leases (up to {grace:g} s)") as stop:
         try:
             await start_lease_tracking(
-                environment, journal, concurrency=config.experiment.concurrency, processes=1, configured=config.environment.max_leases,
+                environment,
+                journal,
+                concurrency=config.experiment.concurrency,
+                processes=1,
+                configured=config.environment.max_leases,
             )
             if stop.requested:
                 return True
@@ -369,7 +376,9 @@ async def _evaluate(
                 retry_failed=retry_failed,
             )
             pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
-            with RunProgress(len(prepared.jobs), before=len(prepared.jobs) - len(pending), enabled=show_progress and sys.stderr.isatty()) as bar:
+            with RunProgress(
+                len(prepared.jobs), before=len(prepared.jobs) - len(pending), enabled=show_progress and sys.stderr.isatty()
+            ) as bar:
                 evaluator.on_trace = bar.on_trace
                 evaluation = asyncio.ensure_future(evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior))
                 try:
@@ -395,7 +404,9 @@ def summarize_local(
 ) -> dict[str, Any]:
     """The summary of the run directory's winning records, written to summary.json (raises
     :class:`RunWriteError` when it cannot be written)."""
-    accumulator = SummaryAccumulator(requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested)
+    accumulator = SummaryAccumulator(
+        requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested
+    )
     index = store.load_index()
     for is_winner, record in store.iter_records(index):
         if is_winner:

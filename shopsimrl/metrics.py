@@ -521,9 +521,7 @@ class SummaryAccumulator:
     ``counts.not_in_plan``. ``requested``: the planned count when the ids are not at hand.
     """
 
-    def __init__(
-        self, *, requested_episode_ids: Collection[str] | None = None, requested: int | None = None
-    ) -> None:
+    def __init__(self, *, requested_episode_ids: Collection[str] | None = None, requested: int | None = None) -> None:
         self._plan_ids: frozenset[str] | None = None
         if requested_episode_ids is not None:
             if isinstance(requested_episode_ids, str):
@@ -533,9 +531,7 @@ class SummaryAccumulator:
             if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
                 raise ValueError(f"requested must be a non-negative integer, got {requested!r}")
             if self._plan_ids is not None and requested != len(self._plan_ids):
-                raise ValueError(
-                    f"requested={requested} disagrees with {len(self._plan_ids)} requested_episode_ids"
-                )
+                raise ValueError(f"requested={requested} disagrees with {len(self._plan_ids)} requested_episode_ids")
         self._requested = requested
         self._records = 0
         self._completed = 0
@@ -658,9 +654,7 @@ class SummaryAccumulator:
     def _add_step(self, step: Mapping[str, Any]) -> None:
         model = _mapping(step.get("model"))
         # The step-level objects are authoritative; the model's copies cover writers that omit them.
-        if _is_map(step.get("protocol_error")) or (
-            "protocol_error" not in step and _is_map(model.get("protocol_error"))
-        ):
+        if _is_map(step.get("protocol_error")) or ("protocol_error" not in step and _is_map(model.get("protocol_error"))):
             self._protocol_errors += 1
         policy_failure = step.get("policy_failure") if "policy_failure" in step else model.get("policy_failure")
         if _is_map(policy_failure):
@@ -726,7 +720,12 @@ class SummaryAccumulator:
         )
         notes = {
             name: estimate.note
-            for name, estimate in (("reward", reward), ("success", success), ("reward_itt", itt_reward), ("success_itt", itt_success))
+            for name, estimate in (
+                ("reward", reward),
+                ("success", success),
+                ("reward_itt", itt_reward),
+                ("success_itt", itt_success),
+            )
             if estimate.note is not None and estimate.observations
         }
 
@@ -799,9 +798,7 @@ class SummaryAccumulator:
             },
             "cost": {
                 "duration_ms_mean": self._episode_ms.stats.mean(),
-                "tokens": {
-                    key: self._tokens[key] for key in (*_TOKEN_KEYS, "reasoning_tokens") if key in self._tokens
-                },
+                "tokens": {key: self._tokens[key] for key in (*_TOKEN_KEYS, "reasoning_tokens") if key in self._tokens},
             },
             "errors": self._errors.as_dict(),
             "latency": {
@@ -820,13 +817,11 @@ class SummaryAccumulator:
             "failure_classes": self._failure_classes.as_dict(),
         }
 
-
     def _per_task(self) -> dict[str, Any]:
         """Tasks, repeats per task and, with repeats, pass@k and pass^k (unbiased estimators)."""
         tasks = self._tasks
         shapes: Counter[tuple[int, int]] = Counter(
-            (round(n), round(passes))
-            for n, passes in tasks.pairs(tasks.SUCCESS_N, tasks.PASSES)
+            (round(n), round(passes)) for n, passes in tasks.pairs(tasks.SUCCESS_N, tasks.PASSES)
         )
         sizes = [n for n, _ in shapes]
         block: dict[str, Any] = {
@@ -882,34 +877,56 @@ def summarize_traces(
 # --------------------------------------------------------------------------- table
 
 _TABLE_ROWS = (
-    ("run", "{run.experiment} · model {run.model_id} ({run.model_name}, checkpoint {run.checkpoint_id})"
-            " · split {run.split.name} · plan {run.plan_fingerprint:short}"),
-    ("episodes", "requested {counts.requested} · completed {counts.completed} · failed {counts.failed}"
-                 " · scored {counts.scored} · coverage {counts.coverage:%} · missing {counts.missing}"
-                 " · not in plan {counts.not_in_plan}"),
-    ("reward", "mean {primary.reward_mean} · sem {primary.reward_sem} · 95% CI {primary.reward_ci95:ci}"
-               " · score {primary.score:.2f}"),
+    (
+        "run",
+        "{run.experiment} · model {run.model_id} ({run.model_name}, checkpoint {run.checkpoint_id})"
+        " · split {run.split.name} · plan {run.plan_fingerprint:short}",
+    ),
+    (
+        "episodes",
+        "requested {counts.requested} · completed {counts.completed} · failed {counts.failed}"
+        " · scored {counts.scored} · coverage {counts.coverage:%} · missing {counts.missing}"
+        " · not in plan {counts.not_in_plan}",
+    ),
+    (
+        "reward",
+        "mean {primary.reward_mean} · sem {primary.reward_sem} · 95% CI {primary.reward_ci95:ci} · score {primary.score:.2f}",
+    ),
     ("success", "rate {primary.success_rate:%} · sem {primary.success_sem:%} · 95% CI {primary.success_ci95:ci%}"),
-    ("ITT", "reward {intent_to_treat.reward_mean} · 95% CI {intent_to_treat.reward_ci95:ci}"
-            " · success {intent_to_treat.success_rate:%} · over {intent_to_treat.episodes} episodes"
-            " (failures as 0: {intent_to_treat.failed_counted_as_zero},"
-            " infrastructure excluded: {intent_to_treat.failed_infrastructure_excluded})"),
-    ("tasks", "{per_task.tasks} · episodes per task {per_task.episodes_per_task.min}–{per_task.episodes_per_task.max}"
-              " · pass@k {per_task.pass_at_k:kv} · pass^k {per_task.pass_hat_k:kv}"),
+    (
+        "ITT",
+        "reward {intent_to_treat.reward_mean} · 95% CI {intent_to_treat.reward_ci95:ci}"
+        " · success {intent_to_treat.success_rate:%} · over {intent_to_treat.episodes} episodes"
+        " (failures as 0: {intent_to_treat.failed_counted_as_zero},"
+        " infrastructure excluded: {intent_to_treat.failed_infrastructure_excluded})",
+    ),
+    (
+        "tasks",
+        "{per_task.tasks} · episodes per task {per_task.episodes_per_task.min}–{per_task.episodes_per_task.max}"
+        " · pass@k {per_task.pass_at_k:kv} · pass^k {per_task.pass_hat_k:kv}",
+    ),
     ("components", "{reward_components:kv}"),
-    ("steps", "mean {behavior.steps_mean:.2f} · model steps {behavior.model_steps}"
-              " · protocol errors {behavior.protocol_errors} ({behavior.protocol_error_rate:%})"
-              " · policy failures {behavior.policy_failures} ({behavior.policy_failure_rate:%})"
-              " {behavior.policy_failure_codes:kv}"),
-    ("actions", "total {behavior.total_actions} · invalid {behavior.invalid_actions}"
-                " ({behavior.invalid_action_rate:%})"),
+    (
+        "steps",
+        "mean {behavior.steps_mean:.2f} · model steps {behavior.model_steps}"
+        " · protocol errors {behavior.protocol_errors} ({behavior.protocol_error_rate:%})"
+        " · policy failures {behavior.policy_failures} ({behavior.policy_failure_rate:%})"
+        " {behavior.policy_failure_codes:kv}",
+    ),
+    ("actions", "total {behavior.total_actions} · invalid {behavior.invalid_actions} ({behavior.invalid_action_rate:%})"),
     ("termination", "{behavior.termination_reasons:kv}"),
-    ("latency", "model step p50 {latency.model_step_ms.p50:.0f} ms · p95 {latency.model_step_ms.p95:.0f} ms"
-                " · mean {latency.model_step_ms.mean:.0f} ms (n={latency.model_step_ms.count})"
-                " · episode p50 {latency.episode_ms.p50:.0f} ms · p95 {latency.episode_ms.p95:.0f} ms"),
+    (
+        "latency",
+        "model step p50 {latency.model_step_ms.p50:.0f} ms · p95 {latency.model_step_ms.p95:.0f} ms"
+        " · mean {latency.model_step_ms.mean:.0f} ms (n={latency.model_step_ms.count})"
+        " · episode p50 {latency.episode_ms.p50:.0f} ms · p95 {latency.episode_ms.p95:.0f} ms",
+    ),
     ("cost", "episode mean {cost.duration_ms_mean:.0f} ms · tokens {cost.tokens:kv}"),
-    ("retries", "model calls {retries.model_calls_retried} (+{retries.model_retry_attempts} attempts)"
-                " · episodes {retries.episodes_retried} · superseded {retries.superseded_attempts}"),
+    (
+        "retries",
+        "model calls {retries.model_calls_retried} (+{retries.model_retry_attempts} attempts)"
+        " · episodes {retries.episodes_retried} · superseded {retries.superseded_attempts}",
+    ),
     ("throughput", "{throughput.episodes_per_hour:.1f} episodes/h"),
     ("errors", "{errors:kv}"),
     ("failures", "{failure_classes:kv}"),

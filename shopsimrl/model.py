@@ -148,9 +148,7 @@ class ChatModel(Protocol):
         """JSON-safe description recorded as ``provenance.model`` (never secrets)."""
         ...
 
-    async def generate(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], seed: int | None = None
-    ) -> ModelOutput:
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], seed: int | None = None) -> ModelOutput:
         """One reply; unusable replies come back with ``protocol_error``/``policy_failure`` set."""
         ...
 
@@ -197,7 +195,9 @@ class OpenAICompatibleSettings:
             if not isinstance(value, str) or not value.strip():
                 raise ModelConfigError(f"model setting {name!r} must be a non-blank string, got {value!r}")
         if not self.base_url.startswith(("http://", "https://")):
-            raise ModelConfigError(f"model setting 'base_url' must start with http:// or https://, got {redact_uri(self.base_url)!r}")
+            raise ModelConfigError(
+                f"model setting 'base_url' must start with http:// or https://, got {redact_uri(self.base_url)!r}"
+            )
         try:
             parts = urlsplit(self.base_url)
         except ValueError:
@@ -241,8 +241,7 @@ class OpenAICompatibleSettings:
         for key in self.extra_body:
             if key in RESERVED_BODY_KEYS:
                 raise ModelConfigError(
-                    f"model setting 'extra_body' may not set the reserved request key {key!r}; "
-                    f"use the dedicated setting instead"
+                    f"model setting 'extra_body' may not set the reserved request key {key!r}; use the dedicated setting instead"
                 )
         object.__setattr__(self, "extra_body", _frozen_json("extra_body", self.extra_body))
 
@@ -382,7 +381,9 @@ class OpenAICompatibleChatModel:
         try:
             response = await self._http().request("GET", url, headers=self._headers(), timeout=self._timeout())
         except httpx.HTTPError as exc:
-            raise ModelRequestError(self._redact(f"GET {shown} failed: {_describe(exc)}"), status_code=None, attempts=[]) from None
+            raise ModelRequestError(
+                self._redact(f"GET {shown} failed: {_describe(exc)}"), status_code=None, attempts=[]
+            ) from None
         status = response.status_code
         if status != 200:
             text = self._redact(response.text[:ERROR_BODY_CHARS])
@@ -400,11 +401,14 @@ class OpenAICompatibleChatModel:
         s = self.settings
         if s.assistant_content_empty_string:
             messages = [
-                {**m, "content": ""} if m.get("role") == "assistant" and m.get("content") is None else m
-                for m in messages
+                {**m, "content": ""} if m.get("role") == "assistant" and m.get("content") is None else m for m in messages
             ]
         body: dict[str, Any] = {
-            "model": s.model, "messages": messages, "stream": s.stream, "temperature": s.temperature, "max_tokens": s.max_tokens
+            "model": s.model,
+            "messages": messages,
+            "stream": s.stream,
+            "temperature": s.temperature,
+            "max_tokens": s.max_tokens,
         }
         if s.top_p is not None:
             body["top_p"] = s.top_p
@@ -418,9 +422,7 @@ class OpenAICompatibleChatModel:
         body.update(_thaw(s.extra_body))
         return body
 
-    async def generate(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], seed: int | None = None
-    ) -> ModelOutput:
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], seed: int | None = None) -> ModelOutput:
         s = self.settings
         headers = {"Content-Type": "application/json", **self._headers()}
         payload = wire_json(self._body(messages, tools, seed))  # sampling values are validated finite
@@ -431,7 +433,13 @@ class OpenAICompatibleChatModel:
         attempts: list[dict[str, Any]] = []
 
         async def attempt(current: Attempt) -> ModelOutput:
-            record: dict[str, Any] = {"attempt": current.number, "latency_ms": None, "status": None, "error": None, "backoff_ms": 0.0}
+            record: dict[str, Any] = {
+                "attempt": current.number,
+                "latency_ms": None,
+                "status": None,
+                "error": None,
+                "backoff_ms": 0.0,
+            }
             attempts.append(record)
             try:
                 if s.stream:
@@ -459,7 +467,9 @@ class OpenAICompatibleChatModel:
             record = attempts[-1]
             record["backoff_ms"] = round(failed.delay_s * 1000.0, 3)
             status = getattr(failed.error, "status", None)
-            _log.warning("model_request_retry", attempt=failed.number, status=status, error=record["error"][:200], delay_s=failed.delay_s)
+            _log.warning(
+                "model_request_retry", attempt=failed.number, status=status, error=record["error"][:200], delay_s=failed.delay_s
+            )
 
         def exhausted(last: Attempt, elapsed_s: float) -> ModelRequestError:
             return ModelRequestError(
@@ -505,7 +515,9 @@ class OpenAICompatibleChatModel:
         """``max_retries`` attempts; base·2^n capped at ``max_backoff_seconds`` plus up to 1 s of jitter,
         or the server's Retry-After (capped)."""
         s = self.settings
-        return Backoff(attempts=s.max_retries, base_delay_s=s.retry_backoff_seconds, max_delay_s=s.max_backoff_seconds, jitter="additive")
+        return Backoff(
+            attempts=s.max_retries, base_delay_s=s.retry_backoff_seconds, max_delay_s=s.max_backoff_seconds, jitter="additive"
+        )
 
     def _status_error(self, url: str, response: httpx.Response, text: str) -> Exception:
         status = response.status_code
@@ -638,11 +650,21 @@ class _StreamAssembler:
         tool_calls = []
         for index in sorted(self.calls):
             call = self.calls[index]
-            call_id = call["id"] or "call-stream-" + sha256_hex(
-                canonical_json({"response_id": response_id, "index": index, "name": call["name"], "arguments": call["arguments"]})
-            )[:24]
+            call_id = (
+                call["id"]
+                or "call-stream-"
+                + sha256_hex(
+                    canonical_json(
+                        {"response_id": response_id, "index": index, "name": call["name"], "arguments": call["arguments"]}
+                    )
+                )[:24]
+            )
             tool_calls.append(
-                {"id": call_id, "type": call["type"] or "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+                {
+                    "id": call_id,
+                    "type": call["type"] or "function",
+                    "function": {"name": call["name"], "arguments": call["arguments"]},
+                }
             )
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) if self.content else None}
         if self.reasoning:

@@ -111,8 +111,12 @@ class RunProgress:
         """Count a persisted attempt; at debug level also log it (the line a shard worker logs)."""
         final = record["final"] if isinstance(record.get("final"), dict) else {}
         log.debug(
-            "episode_finished", episode_id=record.get("episode_id"), status=record.get("status"), reward=final.get("reward"),
-            failure_class=record.get("failure_class"), will_retry=will_retry,
+            "episode_finished",
+            episode_id=record.get("episode_id"),
+            status=record.get("status"),
+            reward=final.get("reward"),
+            failure_class=record.get("failure_class"),
+            will_retry=will_retry,
         )
         if record.get("status") == "completed":
             self.completed += 1
@@ -214,6 +218,11 @@ class ShardedRunProgress(RunProgress):
         done = sum(state.done for state in self._shards)
         mean = f"{sum(self._rewards.values()) / len(self._rewards):.3f}" if self._rewards else "-"
         self._progress.update(
-            self._task, total=max(0, self.total - self.before), completed=done, before=self.before,
-            reward=mean, failed=self.failed, retries=self.retries,
+            self._task,
+            total=max(0, self.total - self.before),
+            completed=done,
+            before=self.before,
+            reward=mean,
+            failed=self.failed,
+            retries=self.retries,
         )

@@ -120,9 +120,7 @@ class PromptBuilder:
             except OSError as exc:
                 raise PromptConfigError(f"cannot read system_prompt_file {path}: {exc.strerror or exc}") from exc
             except UnicodeDecodeError as exc:
-                raise PromptConfigError(
-                    f"system_prompt_file {path} is not valid UTF-8 (byte offset {exc.start})"
-                ) from exc
+                raise PromptConfigError(f"system_prompt_file {path} is not valid UTF-8 (byte offset {exc.start})") from exc
             if not text.strip():
                 raise PromptConfigError(f"system_prompt_file {path} is empty")
             return cls(text, source="file")
@@ -192,17 +190,13 @@ def action_tools(observation_state: Mapping[str, Any]) -> list[dict[str, Any]]:
     if search_available:
         tools.append(_function_tool("search", _SEARCH_TOOL_DESCRIPTION, "query", {"minLength": 1}, _QUERY_DESCRIPTION))
     if actions:
-        tools.append(
-            _function_tool("click", _CLICK_TOOL_DESCRIPTION, "value", {"enum": list(actions)}, _VALUE_DESCRIPTION)
-        )
+        tools.append(_function_tool("click", _CLICK_TOOL_DESCRIPTION, "value", {"enum": list(actions)}, _VALUE_DESCRIPTION))
     if not tools:
         raise NoActionToolsError(f"page {page!r} exposes no callable action tools (no search box, nothing to click)")
     return tools
 
 
-def _function_tool(
-    name: str, description: str, argument: str, constraint: dict[str, Any], about: str
-) -> dict[str, Any]:
+def _function_tool(name: str, description: str, argument: str, constraint: dict[str, Any], about: str) -> dict[str, Any]:
     return {
         "type": "function",
         "function": {

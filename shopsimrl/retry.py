@@ -74,8 +74,9 @@ Exhausted = Callable[[Attempt, float], BaseException]
 """(the last attempt, seconds spent) → the error to raise instead of the last one."""
 
 
-def _next_delay(backoff: Backoff, attempt: Attempt, exc: BaseException, retryable: Retryable,
-                retry_after: RetryAfter | None, elapsed: float) -> float | None:
+def _next_delay(
+    backoff: Backoff, attempt: Attempt, exc: BaseException, retryable: Retryable, retry_after: RetryAfter | None, elapsed: float
+) -> float | None:
     """The delay before another attempt, or None when the error is to be raised."""
     attempt.error = exc
     if not retryable(exc):

@@ -176,7 +176,9 @@ class Evaluator:
                     if remaining == 0:
                         all_done.set()
 
-        runners = [asyncio.create_task(run_episodes(), name=f"episode-runner-{i}") for i in range(min(self.concurrency, len(pending)))]
+        runners = [
+            asyncio.create_task(run_episodes(), name=f"episode-runner-{i}") for i in range(min(self.concurrency, len(pending)))
+        ]
         try:
             await all_done.wait()
         finally:

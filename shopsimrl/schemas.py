@@ -115,7 +115,9 @@ def json_safe(value: Any) -> Any:
     return repr(value)
 
 
-_SECRET_QUERY_KEY = re.compile(r"(^|[_.-])(api|access)?[_-]?(key|token|secret|password|passwd|sig|signature|credential|auth)s?($|[_.-])", re.I)
+_SECRET_QUERY_KEY = re.compile(
+    r"(^|[_.-])(api|access)?[_-]?(key|token|secret|password|passwd|sig|signature|credential|auth)s?($|[_.-])", re.I
+)
 
 
 def redact_uri(uri: str) -> str:
@@ -167,9 +169,7 @@ class EpisodeJob:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EpisodeJob:
         try:
-            job = cls(
-                task_id=data["task_id"], sample_id=data["sample_id"], seed=data["seed"], split=data["split"]
-            )
+            job = cls(task_id=data["task_id"], sample_id=data["sample_id"], seed=data["seed"], split=data["split"])
         except (KeyError, TypeError) as exc:
             raise TraceFormatError(f"job record needs task_id, sample_id, seed, split: {data!r}") from exc
         for name in ("task_id", "sample_id", "seed"):

@@ -85,9 +85,7 @@ class JsonSkillBank:
     """Global and task-scoped skills from one JSON file, loaded and validated once."""
 
     def __init__(self, path: str | Path, max_skills: int | None = None) -> None:
-        if max_skills is not None and (
-            isinstance(max_skills, bool) or not isinstance(max_skills, int) or max_skills < 0
-        ):
+        if max_skills is not None and (isinstance(max_skills, bool) or not isinstance(max_skills, int) or max_skills < 0):
             raise SkillBankError(f"max_skills must be a non-negative integer or None, got {max_skills!r}")
         self.path = Path(path)
         self.max_skills = max_skills
@@ -134,9 +132,7 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SkillBankError(
-            f"skill bank {path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from exc
+        raise SkillBankError(f"skill bank {path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
 
 
 def _parse_bank(path: Path, bank: Any) -> tuple[str, str, list[tuple[Skill, frozenset[int] | None]]]:
@@ -192,9 +188,7 @@ def _parse_bank(path: Path, bank: Any) -> tuple[str, str, list[tuple[Skill, froz
         if not enabled:
             continue
         scope = "global" if task_ids is None else "task"
-        skill = Skill(
-            skill_id=skill_id, content=content, version=str(version), metadata={**metadata, "selection_scope": scope}
-        )
+        skill = Skill(skill_id=skill_id, content=content, version=str(version), metadata={**metadata, "selection_scope": scope})
         entries.append((skill, task_ids))
     return schema_version, bank_version, entries
 

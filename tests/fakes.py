@@ -27,7 +27,9 @@ def tool_output(name: str, arguments: dict[str, Any], **kwargs: Any) -> ModelOut
 
 
 class FakeModel:
-    def __init__(self, outputs: list[ModelOutput | Exception] | Callable[[list[dict[str, Any]], list[dict[str, Any]]], ModelOutput]) -> None:
+    def __init__(
+        self, outputs: list[ModelOutput | Exception] | Callable[[list[dict[str, Any]], list[dict[str, Any]]], ModelOutput]
+    ) -> None:
         self.outputs = outputs
         self.calls: list[dict[str, Any]] = []
         self.closed = False
@@ -48,18 +50,37 @@ class FakeModel:
         self.closed = True
 
 
-HOME_STATE = {"observation_version": "shopping-observation-v7", "page_type": "search_home", "search_available": True, "actions": []}
+HOME_STATE = {
+    "observation_version": "shopping-observation-v7",
+    "page_type": "search_home",
+    "search_available": True,
+    "actions": [],
+}
 
 
 def results_state(actions: list[str]) -> dict[str, Any]:
-    return {"observation_version": "shopping-observation-v7", "page_type": "search_results", "search_available": False, "actions": actions}
+    return {
+        "observation_version": "shopping-observation-v7",
+        "page_type": "search_results",
+        "search_available": False,
+        "actions": actions,
+    }
 
 
 def env_result(state: dict[str, Any], *, done: bool = False, reward: float = 0.0, **extra: Any) -> dict[str, Any]:
     result = {
-        "done": done, "over": done, "reward": reward, "observation": f"page:{state['page_type']}",
-        "observation_state": state, "message": "Continue interaction", "env_idx": 3, "idx": "slot-3-7",
-        "reward_detail": {}, "purchase": {}, "goal": {}, "lease_id": "a" * 32,
+        "done": done,
+        "over": done,
+        "reward": reward,
+        "observation": f"page:{state['page_type']}",
+        "observation_state": state,
+        "message": "Continue interaction",
+        "env_idx": 3,
+        "idx": "slot-3-7",
+        "reward_detail": {},
+        "purchase": {},
+        "goal": {},
+        "lease_id": "a" * 32,
         "action_feedback": {"valid": True, "reason": "executed"},
     }
     result.update(extra)
@@ -68,8 +89,14 @@ def env_result(state: dict[str, Any], *, done: bool = False, reward: float = 0.0
 
 def purchase_result(reward: float = 1.0) -> dict[str, Any]:
     detail = {"r_strict": reward, "r_success": int(reward == 1.0), "r_type": 1.0, "termination_reason": "purchase"}
-    return env_result({**HOME_STATE, "page_type": "terminal", "search_available": False}, done=True, reward=reward,
-                      reward_detail=detail, termination_reason="purchase", goal={"asin": "000000000001"})
+    return env_result(
+        {**HOME_STATE, "page_type": "terminal", "search_available": False},
+        done=True,
+        reward=reward,
+        reward_detail=detail,
+        termination_reason="purchase",
+        goal={"asin": "000000000001"},
+    )
 
 
 class FakeEpisode:
@@ -87,11 +114,20 @@ class FakeEpisode:
         self.environment_version = "shopsimulator-paper-aligned-v8"
         self.observation_version = "shopping-observation-v7"
         return {
-            "task_instruction": "买一个蓝牙耳机", "observation": "页面：搜索首页\n", "observation_state": dict(self.env.reset_state),
-            "message": f"Task {task_id} started", "env_idx": 3, "idx": task_id, "task_mode": "persona",
-            "interaction_mode": "single_turn", "environment_version": "shopsimulator-paper-aligned-v8",
-            "user_persona": {"用户ID": "u1", "__reasoning__": "secret"}, "lease_id": "a" * 32,
-            "private_task_instruction": "PRIVATE", "goal_options": ["黑色"], "reason_key": None,
+            "task_instruction": "买一个蓝牙耳机",
+            "observation": "页面：搜索首页\n",
+            "observation_state": dict(self.env.reset_state),
+            "message": f"Task {task_id} started",
+            "env_idx": 3,
+            "idx": task_id,
+            "task_mode": "persona",
+            "interaction_mode": "single_turn",
+            "environment_version": "shopsimulator-paper-aligned-v8",
+            "user_persona": {"用户ID": "u1", "__reasoning__": "secret"},
+            "lease_id": "a" * 32,
+            "private_task_instruction": "PRIVATE",
+            "goal_options": ["黑色"],
+            "reason_key": None,
         }
 
     async def step(self, action: str) -> dict[str, Any]:
@@ -105,8 +141,14 @@ class FakeEpisode:
     async def terminate(self, reason: str) -> dict[str, Any]:
         self.env.terminations.append(reason)
         detail = {"r_strict": 0.0, "r_success": 0, "termination_reason": reason}
-        return env_result(HOME_STATE, done=True, reward=0.0, reward_detail=detail, termination_reason=reason,
-                          message=f"Episode terminated: {reason}")
+        return env_result(
+            HOME_STATE,
+            done=True,
+            reward=0.0,
+            reward_detail=detail,
+            termination_reason=reason,
+            message=f"Episode terminated: {reason}",
+        )
 
     async def close(self) -> None:
         self.env.closes += 1

@@ -80,7 +80,9 @@ class OpenAIStub:
             if not message.get("more_body"):
                 break
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        self.requests.append(Received(scope["method"], scope["path"], headers, body, scope.get("query_string", b"").decode("latin-1")))
+        self.requests.append(
+            Received(scope["method"], scope["path"], headers, body, scope.get("query_string", b"").decode("latin-1"))
+        )
         if scope["method"] == "GET" and scope["path"].endswith("/models"):
             data = {"object": "list", "data": [{"id": m, "object": "model"} for m in self.served_models]}
             await _send(send, Reply(json=data))

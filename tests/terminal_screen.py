@@ -48,12 +48,14 @@ def screen_lines(output: str) -> list[str]:
             continue  # an operating system command (window title, hyperlink)
         else:
             line = lines[row].ljust(col)
-            lines[row] = line[:col] + token + line[col + len(token):]
+            lines[row] = line[:col] + token + line[col + len(token) :]
             col += len(token)
     return [line.rstrip() for line in lines]
 
 
-def run_on_terminal(command: list[str], *, env: dict[str, str], cwd: Path, timeout: float = 300, columns: int = 200) -> tuple[int, str]:
+def run_on_terminal(
+    command: list[str], *, env: dict[str, str], cwd: Path, timeout: float = 300, columns: int = 200
+) -> tuple[int, str]:
     """Run ``command`` with stdin, stdout and stderr on one pseudo-terminal; returns (exit code, output)."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))

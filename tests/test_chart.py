@@ -60,15 +60,19 @@ class Helm:
     env: dict[str, str]
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            [str(self.binary), *args], capture_output=True, text=True, env=self.env, timeout=120
-        )
+        proc = subprocess.run([str(self.binary), *args], capture_output=True, text=True, env=self.env, timeout=120)
         if check and proc.returncode != 0:
             raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stderr}")
         return proc
 
-    def template(self, *values: Path, sets: dict[str, str] | None = None, release: str = RELEASE,
-                 set_strings: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def template(
+        self,
+        *values: Path,
+        sets: dict[str, str] | None = None,
+        release: str = RELEASE,
+        set_strings: dict[str, str] | None = None,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[str]:
         args = ["template", release, str(CHART), "--namespace", "evals"]
         for path in values:
             args += ["-f", str(path)]
@@ -78,8 +82,9 @@ class Helm:
             args += ["--set-string", f"{key}={value}"]
         return self.run(*args, check=check)
 
-    def render(self, *values: Path, sets: dict[str, str] | None = None, release: str = RELEASE,
-               set_strings: dict[str, str] | None = None) -> list[Doc]:
+    def render(
+        self, *values: Path, sets: dict[str, str] | None = None, release: str = RELEASE, set_strings: dict[str, str] | None = None
+    ) -> list[Doc]:
         return parse_docs(self.template(*values, sets=sets, release=release, set_strings=set_strings).stdout)
 
 
@@ -108,7 +113,10 @@ def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "install-helm.sh")],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, f"scripts/install-helm.sh failed:\n{proc.stderr}"
     binary = Path(proc.stdout.strip().splitlines()[-1])
@@ -169,8 +177,12 @@ def validate_all(docs: Iterator[dict[str, Any]], origin: str) -> int:
 def test_ci_matrix_is_complete() -> None:
     names = {p.name for p in CI_VALUES}
     assert names >= {
-        "default-values.yaml", "testbed-smoke-values.yaml", "external-services-values.yaml",
-        "vllm-values.yaml", "s3-secret-values.yaml", "networkpolicy-values.yaml",
+        "default-values.yaml",
+        "testbed-smoke-values.yaml",
+        "external-services-values.yaml",
+        "vllm-values.yaml",
+        "s3-secret-values.yaml",
+        "networkpolicy-values.yaml",
     }
     assert K8S_VERSIONS[1] >= "1.33", "kubernetes-validate ships no schema for 1.33 or later"
 
@@ -199,8 +211,15 @@ def test_missing_storage_location_names_the_keys(helm: Helm) -> None:
 
 def test_missing_config_says_how_to_give_it(helm: Helm) -> None:
     for sets in ({}, {"config": ""}):
-        proc = helm.run("template", RELEASE, str(CHART), "--set", "storage.baseUri=s3://b/r",
-                        *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], check=False)
+        proc = helm.run(
+            "template",
+            RELEASE,
+            str(CHART),
+            "--set",
+            "storage.baseUri=s3://b/r",
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+            check=False,
+        )
         assert proc.returncode != 0
         assert "config: missing; give the experiment YAML, e.g. --set-file config=" in proc.stderr
 
@@ -212,8 +231,10 @@ def test_renders_print_no_warnings(helm: Helm, tmp_path: Path) -> None:
     as_string = tmp_path / "string.yaml"
     as_string.write_text(yaml.safe_dump({"config": (ROOT / "configs" / "qwen35_4b_val.yaml").read_text()}))
     renders = [[path] for path in CI_VALUES] + [[CHART / "ci" / "default-values.yaml", as_string]]
-    assert any("config" in yaml.safe_load(path.read_text()) and isinstance(yaml.safe_load(path.read_text())["config"], dict)
-               for path in CI_VALUES)
+    assert any(
+        "config" in yaml.safe_load(path.read_text()) and isinstance(yaml.safe_load(path.read_text())["config"], dict)
+        for path in CI_VALUES
+    )
     for values in renders:
         proc = helm.template(*values)
         assert proc.stderr == "", f"{[v.name for v in values]}: {proc.stderr}"
@@ -222,8 +243,9 @@ def test_renders_print_no_warnings(helm: Helm, tmp_path: Path) -> None:
 def test_old_clusters_are_refused(helm: Helm) -> None:
     proc = helm.template(CHART / "ci" / "default-values.yaml", check=False)
     assert proc.returncode == 0
-    old = helm.run("template", RELEASE, str(CHART), "-f", str(CHART / "ci" / "default-values.yaml"),
-                   "--kube-version", "1.28.0", check=False)
+    old = helm.run(
+        "template", RELEASE, str(CHART), "-f", str(CHART / "ci" / "default-values.yaml"), "--kube-version", "1.28.0", check=False
+    )
     assert old.returncode != 0 and "kubeVersion" in old.stderr
 
 
@@ -331,7 +353,8 @@ def test_reducer_ends_with_a_partial_summary_and_is_not_retried_once_it_wrote_on
     rules = job["spec"]["podFailurePolicy"]["rules"]
     (fail_job,) = [r for r in rules if r["action"] == "FailJob"]
     assert fail_job["onExitCodes"] == {
-        "containerName": "reducer", "operator": "In",
+        "containerName": "reducer",
+        "operator": "In",
         "values": [ExitCode.EPISODES_FAILED, ExitCode.BAD_INPUT, ExitCode.FINGERPRINT_MISMATCH],
     }
     assert ExitCode.RETRYABLE not in fail_job["onExitCodes"]["values"]
@@ -350,7 +373,9 @@ def test_reducer_may_watch_its_worker_job_with_the_least_rights(helm: Helm, matr
     assert container(worker_job["spec"]["template"]["spec"], "worker")["image"] == "shopsimrl:dev"
     no_image = helm.template(CHART / "ci" / "testbed-smoke-values.yaml", sets={"reducer.image.repository": ""}, check=False)
     assert no_image.returncode != 0
-    assert "reducer.watchWorkerJob needs the Kubernetes client" in no_image.stderr and "reducer.image.repository" in no_image.stderr
+    assert (
+        "reducer.watchWorkerJob needs the Kubernetes client" in no_image.stderr and "reducer.image.repository" in no_image.stderr
+    )
     assert worker_job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     role = only(docs, "Role")
     assert role["rules"] == [
@@ -368,17 +393,18 @@ def test_reducer_may_watch_its_worker_job_with_the_least_rights(helm: Helm, matr
     off = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"reducer.enabled": "false"})
     assert not [d for d in off if d.kind in ("Role", "RoleBinding")]
     # Without the watch the reducer runs the worker image.
-    unwatched = helm.render(CHART / "ci" / "testbed-smoke-values.yaml",
-                            sets={"reducer.watchWorkerJob": "false", "reducer.image.repository": ""})
-    assert container(only(unwatched, "Job", "job-reducer.yaml")["spec"]["template"]["spec"], "reducer")["image"] == "shopsimrl:dev"
+    unwatched = helm.render(
+        CHART / "ci" / "testbed-smoke-values.yaml", sets={"reducer.watchWorkerJob": "false", "reducer.image.repository": ""}
+    )
+    assert (
+        container(only(unwatched, "Job", "job-reducer.yaml")["spec"]["template"]["spec"], "reducer")["image"] == "shopsimrl:dev"
+    )
 
 
 def test_pod_hardening(matrix: dict[str, list[Doc]]) -> None:
     for name, docs in matrix.items():
         for doc in docs:
-            if doc.kind not in ("Job", "Deployment") or doc.source in (
-                "deployment-vllm.yaml", "deployment-shopsimulator.yaml"
-            ):
+            if doc.kind not in ("Job", "Deployment") or doc.source in ("deployment-vllm.yaml", "deployment-shopsimulator.yaml"):
                 continue
             pod = doc.body["spec"]["template"]["spec"]
             assert pod["securityContext"]["runAsNonRoot"] is True, (name, doc.source)
@@ -436,8 +462,9 @@ def test_job_name_is_stable_and_changes_with_the_evaluation(helm: Helm) -> None:
 
 def test_long_names_stay_valid_dns_labels(helm: Helm) -> None:
     release = "eval-" + "x" * 48
-    docs = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", release=release,
-                       sets={"run.name": "Run_Name.With-" + "y" * 40})
+    docs = helm.render(
+        CHART / "ci" / "testbed-smoke-values.yaml", release=release, sets={"run.name": "Run_Name.With-" + "y" * 40}
+    )
     job = only(docs, "Job", "job-worker.yaml")
     name = job["metadata"]["name"]
     # Pod hostnames are "<job>-<index>": keep room for a five-digit index.
@@ -456,8 +483,7 @@ def test_config_map_mounts_the_config_beside_the_image_configs(matrix: dict[str,
     job = only(docs, "Job", "job-worker.yaml")
     assert cm["metadata"]["name"] == job["metadata"]["name"] + "-config"
     config = yaml.safe_load(cm["data"][f"{RELEASE}.yaml"])
-    assert config["tasks"] == {"split_file": "splits/persona_splits.v1.json", "split": "val",
-                               "sample_size": None, "repeats": 1}
+    assert config["tasks"] == {"split_file": "splits/persona_splits.v1.json", "split": "val", "sample_size": None, "repeats": 1}
     # An explicit null is meaningful (no API key) and must survive Helm's value merging.
     assert "api_key_env" in config["model"] and config["model"]["api_key_env"] is None
     # Exactly the user's config: nothing merged in from chart defaults.
@@ -465,8 +491,12 @@ def test_config_map_mounts_the_config_beside_the_image_configs(matrix: dict[str,
     assert config == given
     worker = container(job["spec"]["template"]["spec"], "worker")
     (mount,) = [m for m in worker["volumeMounts"] if m["name"] == "config"]
-    assert mount == {"name": "config", "mountPath": f"/app/configs/{RELEASE}.yaml",
-                     "subPath": f"{RELEASE}.yaml", "readOnly": True}
+    assert mount == {
+        "name": "config",
+        "mountPath": f"/app/configs/{RELEASE}.yaml",
+        "subPath": f"{RELEASE}.yaml",
+        "readOnly": True,
+    }
     assert env_of(worker)["SHOPSIMRL_CONFIG"]["value"] == mount["mountPath"]
 
 
@@ -515,7 +545,9 @@ def _materialize_config(docs: list[Doc], root: Path) -> Path:
     return app_configs / Path(env_of(worker)["SHOPSIMRL_CONFIG"]["value"]).relative_to("/app/configs")
 
 
-def _pod_command(c: dict[str, Any], overrides: dict[str, str], extra: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+def _pod_command(
+    c: dict[str, Any], overrides: dict[str, str], extra: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The process a container of the rendered pod runs, with Kubernetes' $(VAR) expansion."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SHOPSIMRL_", "JOB_COMPLETION"))}
     for name, entry in env_of(c).items():
@@ -528,9 +560,7 @@ def _pod_command(c: dict[str, Any], overrides: dict[str, str], extra: dict[str, 
 
 
 @pytest.mark.slow
-def test_rendered_smoke_pods_run_a_sharded_evaluation_end_to_end(
-    matrix: dict[str, list[Doc]], tmp_path: Path
-) -> None:
+def test_rendered_smoke_pods_run_a_sharded_evaluation_end_to_end(matrix: dict[str, list[Doc]], tmp_path: Path) -> None:
     """Run the smoke release's containers as local processes: wait-ready, each shard, reducer.
 
     Services are the same testbed apps the chart deploys, S3 is a moto server standing in for
@@ -552,8 +582,7 @@ def test_rendered_smoke_pods_run_a_sharded_evaluation_end_to_end(
     try:
         host, port = moto.get_host_and_port()
         s3_url = f"http://{host}:{port}"
-        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_url},
-                               use_listings_cache=False)
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_url}, use_listings_cache=False)
         fs.mkdir("shopsimrl")
         with running_server(create_shop_app()) as shop_url, running_server(create_policy_app()) as policy_url:
             overrides = {
@@ -597,8 +626,7 @@ def test_repository_config_via_set_file(helm: Helm, tmp_path: Path) -> None:
     from shopsimrl.config import load_experiment_config
 
     source = ROOT / "configs" / "qwen35_4b_val.yaml"
-    proc = helm.run("template", RELEASE, str(CHART), "--set", "storage.baseUri=s3://b/evals",
-                    "--set-file", f"config={source}")
+    proc = helm.run("template", RELEASE, str(CHART), "--set", "storage.baseUri=s3://b/evals", "--set-file", f"config={source}")
     docs = parse_docs(proc.stdout)
     assert only(docs, "ConfigMap")["data"][f"{RELEASE}.yaml"].strip() == source.read_text().strip()
     config = load_experiment_config(_materialize_config(docs, tmp_path), load_dotenv=False)
@@ -631,8 +659,10 @@ def test_secrets_only_by_reference(helm: Helm, matrix: dict[str, list[Doc]]) -> 
         env = env_of(c)
         refs = {"SHOPSIMRL_API_KEY": ("shopsimrl-model", "api-key")}
         if c["name"] == "worker":
-            refs |= {"AWS_ACCESS_KEY_ID": ("shopsimrl-s3", "AWS_ACCESS_KEY_ID"),
-                     "AWS_SECRET_ACCESS_KEY": ("shopsimrl-s3", "AWS_SECRET_ACCESS_KEY")}
+            refs |= {
+                "AWS_ACCESS_KEY_ID": ("shopsimrl-s3", "AWS_ACCESS_KEY_ID"),
+                "AWS_SECRET_ACCESS_KEY": ("shopsimrl-s3", "AWS_SECRET_ACCESS_KEY"),
+            }
             assert env["AWS_ENDPOINT_URL"]["value"] == "https://s3.example.internal"
             assert env["AWS_DEFAULT_REGION"]["value"] == "eu-central-1"
         for name, (secret, key) in refs.items():
@@ -641,13 +671,21 @@ def test_secrets_only_by_reference(helm: Helm, matrix: dict[str, list[Doc]]) -> 
     # The config names the variable when the values do not.
     ext = only(matrix["external-services-values.yaml"], "Job", "job-worker.yaml")["spec"]["template"]["spec"]
     assert env_of(container(ext, "worker"))["SHOPSIMRL_MODEL_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "model-api-key", "key": "token"}
+        "name": "model-api-key",
+        "key": "token",
+    }
 
 
 @pytest.mark.parametrize(
     "key",
-    ["model.apiKey.value", "model.apiKey.apiKey", "storage.credentials.secretAccessKey",
-     "storage.credentials.accessKeyId", "vllm.hfToken.token", "storage.secretAccessKey"],
+    [
+        "model.apiKey.value",
+        "model.apiKey.apiKey",
+        "storage.credentials.secretAccessKey",
+        "storage.credentials.accessKeyId",
+        "vllm.hfToken.token",
+        "storage.secretAccessKey",
+    ],
 )
 def test_no_value_can_carry_a_secret_inline(helm: Helm, key: str) -> None:
     proc = helm.template(CHART / "ci" / "s3-secret-values.yaml", set_strings={key: SENTINEL}, check=False)
@@ -697,18 +735,39 @@ def test_schema_rejects_bad_values(helm: Helm, sets: dict[str, str], message: st
         ({"job.maxFailedIndexes": "9"}, "job.maxFailedIndexes (9) exceeds job.shards (8)"),
         ({"shopsimulator.enabled": "true"}, "shopsimulator.enabled needs shopsimulator.image.repository"),
         # default-values: 8 shards, config concurrency 32
-        ({"environment.slots": "64"}, "8 worker pods at once × concurrency 32 = 256 episodes in flight exceed the 64 "
-                                       "ShopSimulator slots (environment.slots)"),
+        (
+            {"environment.slots": "64"},
+            "8 worker pods at once × concurrency 32 = 256 episodes in flight exceed the 64 "
+            "ShopSimulator slots (environment.slots)",
+        ),
         ({"environment.slots": "64", "worker.concurrency": "16"}, "8 worker pods at once × concurrency 16 = 128"),
-        ({"environment.slots": "256", "worker.processes": "2"},
-         "8 worker pods at once × 2 processes × concurrency 32 = 512 episodes in flight exceed the 256"),
-        ({"shopsimulator.enabled": "true", "shopsimulator.image.repository": "s", "shopsimulator.image.tag": "v8",
-          "shopsimulator.slots": "100"}, "= 256 episodes in flight exceed the 100 ShopSimulator slots (shopsimulator.slots)"),
-        ({"testbed.enabled": "true", "testbed.shop.slots": "20", "job.parallelism": "2"},
-         "2 worker pods at once × concurrency 32 = 64 episodes in flight exceed the 20 ShopSimulator slots (testbed.shop.slots)"),
-        ({"shopsimulator.enabled": "true", "shopsimulator.image.repository": "s", "shopsimulator.image.tag": "v8",
-          "shopsimulator.env[0].name": "SHOPSIM_ENV_SLOTS", "shopsimulator.env[0].value": "nine"},
-         "shopsimulator.env sets SHOPSIM_ENV_SLOTS; set shopsimulator.slots instead"),
+        (
+            {"environment.slots": "256", "worker.processes": "2"},
+            "8 worker pods at once × 2 processes × concurrency 32 = 512 episodes in flight exceed the 256",
+        ),
+        (
+            {
+                "shopsimulator.enabled": "true",
+                "shopsimulator.image.repository": "s",
+                "shopsimulator.image.tag": "v8",
+                "shopsimulator.slots": "100",
+            },
+            "= 256 episodes in flight exceed the 100 ShopSimulator slots (shopsimulator.slots)",
+        ),
+        (
+            {"testbed.enabled": "true", "testbed.shop.slots": "20", "job.parallelism": "2"},
+            "2 worker pods at once × concurrency 32 = 64 episodes in flight exceed the 20 ShopSimulator slots (testbed.shop.slots)",
+        ),
+        (
+            {
+                "shopsimulator.enabled": "true",
+                "shopsimulator.image.repository": "s",
+                "shopsimulator.image.tag": "v8",
+                "shopsimulator.env[0].name": "SHOPSIM_ENV_SLOTS",
+                "shopsimulator.env[0].value": "nine",
+            },
+            "shopsimulator.env sets SHOPSIM_ENV_SLOTS; set shopsimulator.slots instead",
+        ),
     ],
 )
 def test_inconsistent_values_fail_with_the_keys_named(helm: Helm, sets: dict[str, str], message: str) -> None:
@@ -739,7 +798,9 @@ def test_the_shipped_manifests_and_docs_agree_on_slots() -> None:
     env = base["spec"]["template"]["spec"]["containers"][0]["env"]
     slots = int(next(e["value"] for e in env if e["name"] == "SHOPSIM_ENV_SLOTS"))
     docs = (ROOT / "docs/kubernetes.md").read_text()
-    example = yaml.safe_load(docs.split("A minimal `my-values.yaml` for the shared services:")[1].split("```yaml")[1].split("```")[0])
+    example = yaml.safe_load(
+        docs.split("A minimal `my-values.yaml` for the shared services:")[1].split("```yaml")[1].split("```")[0]
+    )
     in_flight = example["job"]["shards"] * example["config"]["experiment"]["concurrency"]
     assert in_flight <= slots == example["environment"]["slots"]
 
@@ -767,8 +828,11 @@ def test_schema_and_values_describe_the_same_keys() -> None:
         assert node.get("additionalProperties") is False, f"{path or 'root'}: additionalProperties must be false"
         props = node["properties"]
         missing.extend(f"{path}{k} (in values.yaml, not in the schema)" for k in values if k not in props)
-        missing.extend(f"{path}{k} (in the schema, not in values.yaml)" for k in props
-                       if k not in values and not (path == "" and k == "global"))
+        missing.extend(
+            f"{path}{k} (in the schema, not in values.yaml)"
+            for k in props
+            if k not in values and not (path == "" and k == "global")
+        )
         for key, value in values.items():
             if key not in props:
                 continue
@@ -841,8 +905,7 @@ def test_testbed_mode_points_the_workers_at_its_services(matrix: dict[str, list[
     for match, command in ((model, "policy"), (shop, "shop")):
         svc = services[match.group(1)]
         assert svc["spec"]["ports"][0]["port"] == int(match.group(2))
-        (deploy,) = [d for d in deployments.values()
-                     if d["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]]
+        (deploy,) = [d for d in deployments.values() if d["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]]
         c = deploy["spec"]["template"]["spec"]["containers"][0]
         assert c["args"][:2] == ["testbed", command]
         # The testbed's own image (docker/testbed.Dockerfile), with the worker image's tag.
@@ -888,8 +951,11 @@ def test_network_policy_allows_only_what_the_worker_needs(matrix: dict[str, list
     assert all(rule.get("to") for rule in egress), "a rule without `to` would allow any destination"
     dns = egress[0]
     assert {p["port"] for p in dns["ports"]} == {53} and {p["protocol"] for p in dns["ports"]} == {"UDP", "TCP"}
-    components = {r["to"][0]["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
-                  for r in egress[1:] if "podSelector" in r["to"][0] and "namespaceSelector" not in r["to"][0]}
+    components = {
+        r["to"][0]["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+        for r in egress[1:]
+        if "podSelector" in r["to"][0] and "namespaceSelector" not in r["to"][0]
+    }
     assert components == {"testbed-policy", "testbed-shop"}
     storage = egress[-1]
     assert {"ipBlock": {"cidr": "52.95.0.0/16"}} in storage["to"]
@@ -905,8 +971,14 @@ def test_labels_come_from_the_helpers(matrix: dict[str, list[Doc]]) -> None:
     for docs in matrix.values():
         for doc in docs:
             labels = doc.body["metadata"]["labels"]
-            for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
-                        "app.kubernetes.io/managed-by", "app.kubernetes.io/part-of", "helm.sh/chart"):
+            for key in (
+                "app.kubernetes.io/name",
+                "app.kubernetes.io/instance",
+                "app.kubernetes.io/component",
+                "app.kubernetes.io/managed-by",
+                "app.kubernetes.io/part-of",
+                "helm.sh/chart",
+            ):
                 assert key in labels, (doc.source, key)
 
 
@@ -917,12 +989,19 @@ def render_notes(helm: Helm, tmp_path: Path, *sets: str) -> str:
     if not chart.exists():
         shutil.copytree(CHART, chart)
         shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
-        (chart / "templates" / "notes-preview.yaml").write_text(
-            'notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n'
-        )
-    proc = helm.run("template", RELEASE, str(chart), "-f", str(CHART / "ci" / "default-values.yaml"),
-                    "--namespace", "evals", "--show-only", "templates/notes-preview.yaml",
-                    *[arg for pair in sets for arg in ("--set", pair)])
+        (chart / "templates" / "notes-preview.yaml").write_text('notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
+    proc = helm.run(
+        "template",
+        RELEASE,
+        str(chart),
+        "-f",
+        str(CHART / "ci" / "default-values.yaml"),
+        "--namespace",
+        "evals",
+        "--show-only",
+        "templates/notes-preview.yaml",
+        *[arg for pair in sets for arg in ("--set", pair)],
+    )
     return str(yaml.safe_load(proc.stdout)["notes"])
 
 
@@ -954,8 +1033,9 @@ def test_notes_follow_every_worker_pod_the_job_can_create(
 
 @pytest.mark.parametrize("overlay", ["base", "overlays/dev", "overlays/prod", "overlays/smoke"])
 def test_kustomizations_render_valid_manifests(helm: Helm, overlay: str) -> None:
-    proc = subprocess.run([str(helm.kubectl), "kustomize", str(ROOT / "k8s" / overlay)],
-                          capture_output=True, text=True, timeout=120, env=helm.env)
+    proc = subprocess.run(
+        [str(helm.kubectl), "kustomize", str(ROOT / "k8s" / overlay)], capture_output=True, text=True, timeout=120, env=helm.env
+    )
     assert proc.returncode == 0, proc.stderr
     docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
     assert validate_all(iter(docs), overlay) == len(docs) > 0

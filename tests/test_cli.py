@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shopsimrl", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "shopsimrl", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120
+    )
 
 
 def test_plan_val_lists_400_reference_seeded_episodes() -> None:
@@ -44,7 +46,9 @@ def test_test_split_guard(tmp_path: Path) -> None:
     bank = tmp_path / "bank.json"
     bank.write_text(json.dumps({"skills": [{"skill_id": "a", "content": "x"}]}), encoding="utf-8")
     config = (ROOT / "configs" / "qwen35_4b_test.yaml").read_text(encoding="utf-8")
-    config = config.replace("splits/", str(ROOT / "configs" / "splits") + "/").replace("prompts/", str(ROOT / "configs" / "prompts") + "/")
+    config = config.replace("splits/", str(ROOT / "configs" / "splits") + "/").replace(
+        "prompts/", str(ROOT / "configs" / "prompts") + "/"
+    )
     (tmp_path / "t.yaml").write_text(config.replace("path: null", f"path: {bank}"), encoding="utf-8")
     with_skills = cli("plan", str(tmp_path / "t.yaml"), "--final-test")
     assert with_skills.returncode == 2 and "skills.path: null" in with_skills.stderr
@@ -137,9 +141,7 @@ def unwritable_dir(tmp_path: Path) -> Iterator[Path]:
         ("UNWRITABLE/run", ["access denied", "permissions"]),
     ],
 )
-def test_bad_run_locations_exit_2_in_one_line(
-    tmp_path: Path, unwritable_dir: Path, location: str, fragments: list[str]
-) -> None:
+def test_bad_run_locations_exit_2_in_one_line(tmp_path: Path, unwritable_dir: Path, location: str, fragments: list[str]) -> None:
     config = small_config(tmp_path)
     location = location.replace("FILE", str(config)).replace("UNWRITABLE", str(unwritable_dir))
     work = tmp_path / "cwd"
@@ -162,7 +164,9 @@ def test_credentials_in_a_run_uri_are_refused_and_never_printed(tmp_path: Path, 
     location = location.replace("/ABS", str(tmp_path / "abs"))
     work = tmp_path / "cwd"
     work.mkdir()
-    args = ("plan", str(small_config(tmp_path)), "--shards", "2", "--run", location) if command == "plan" else ("status", location)
+    args = (
+        ("plan", str(small_config(tmp_path)), "--shards", "2", "--run", location) if command == "plan" else ("status", location)
+    )
     result = cli(*args, cwd=work, env=without(AWS_ENDPOINT_URL="http://127.0.0.1:1"))
     assert_one_line_bad_input(result)
     assert PASSWORD not in result.stdout + result.stderr
@@ -171,7 +175,10 @@ def test_credentials_in_a_run_uri_are_refused_and_never_printed(tmp_path: Path, 
 
 @pytest.mark.parametrize(
     ("variable", "url"),
-    [("SHOPSIMRL_MODEL_BASE_URL", f"http://alice:{PASSWORD}@127.0.0.1:1/v1"), ("SHOPSIMRL_ENV_BASE_URL", f"http://alice:{PASSWORD}@127.0.0.1:1")],
+    [
+        ("SHOPSIMRL_MODEL_BASE_URL", f"http://alice:{PASSWORD}@127.0.0.1:1/v1"),
+        ("SHOPSIMRL_ENV_BASE_URL", f"http://alice:{PASSWORD}@127.0.0.1:1"),
+    ],
 )
 def test_credentials_in_service_url_overrides_exit_2(tmp_path: Path, variable: str, url: str) -> None:
     result = cli("plan", str(small_config(tmp_path)), cwd=tmp_path, env=without(**{variable: url}))
@@ -219,7 +226,9 @@ def test_bad_experiment_values_exit_2(tmp_path: Path, experiment: str, fragments
 )
 def test_non_finite_or_negative_budgets_exit_2(tmp_path: Path, variable: str, value: str, fragment: str) -> None:
     config = small_config(tmp_path)
-    result = cli("plan", str(config), "--shards", "1", "--run", str(tmp_path / "run"), cwd=tmp_path, env=without(**{variable: value}))
+    result = cli(
+        "plan", str(config), "--shards", "1", "--run", str(tmp_path / "run"), cwd=tmp_path, env=without(**{variable: value})
+    )
     assert_one_line_bad_input(result, fragment)
 
 

@@ -28,7 +28,14 @@ def test_c1_shipped_qwen_configs(name: str) -> None:
     config = load_experiment_config(ROOT / "configs" / name)
     m = config.model
     assert (m.id, m.name, m.checkpoint_id) == ("qwen35-4b", "Qwen/Qwen3.5-4B", "qwen35-4b-base-hf")
-    assert (m.temperature, m.top_p, m.max_tokens, m.tool_choice, m.api_key_env, m.trust_env) == (0.6, 1.0, 4096, "auto", None, False)
+    assert (m.temperature, m.top_p, m.max_tokens, m.tool_choice, m.api_key_env, m.trust_env) == (
+        0.6,
+        1.0,
+        4096,
+        "auto",
+        None,
+        False,
+    )
     assert m.extra_body == {"chat_template_kwargs": {"enable_thinking": True}} and "thinking_budget" not in str(m.extra_body)
     assert config.runtime.max_steps == 30 and config.skills.path is None and config.skills.max_skills is None
     assert config.tasks.split == name.split("_")[2].split(".")[0]
@@ -236,7 +243,11 @@ async def test_environment_and_model_max_retries_both_count_total_attempts(tmp_p
 @pytest.mark.parametrize("section", ["model", "environment"])
 def test_service_urls_with_credentials_are_refused_without_echoing_them(tmp_path: Path, section: str) -> None:
     url = "http://alice:s3cr3t-pw@127.0.0.1:1/v1" if section == "model" else "http://alice:s3cr3t-pw@127.0.0.1:1"
-    text = MINIMAL.replace("base_url: http://127.0.0.1:1/v1", f"base_url: '{url}'") if section == "model" else MINIMAL + f"environment: {{base_url: '{url}'}}\n"
+    text = (
+        MINIMAL.replace("base_url: http://127.0.0.1:1/v1", f"base_url: '{url}'")
+        if section == "model"
+        else MINIMAL + f"environment: {{base_url: '{url}'}}\n"
+    )
     with pytest.raises(ConfigError) as caught:
         load_experiment_config(write(tmp_path, text))
     message = str(caught.value)
@@ -249,14 +260,20 @@ def test_service_urls_with_credentials_are_refused_without_echoing_them(tmp_path
 @pytest.mark.parametrize(
     ("variable", "value", "expected"),
     [
-        ("SHOPSIMRL_MODEL_BASE_URL", "http://alice:s3cr3t-pw@vllm:8000/v1", "SHOPSIMRL_MODEL_BASE_URL: must not contain user:password@"),
+        (
+            "SHOPSIMRL_MODEL_BASE_URL",
+            "http://alice:s3cr3t-pw@vllm:8000/v1",
+            "SHOPSIMRL_MODEL_BASE_URL: must not contain user:password@",
+        ),
         ("SHOPSIMRL_ENV_BASE_URL", "http://alice:s3cr3t-pw@shop:5700", "SHOPSIMRL_ENV_BASE_URL: must not contain user:password@"),
         ("SHOPSIMRL_ENV_BASE_URL", "http://shop:5700/?x=1", "SHOPSIMRL_ENV_BASE_URL: must not have a ?query"),
         ("SHOPSIMRL_FLUSH_SECONDS", "inf", "SHOPSIMRL_FLUSH_SECONDS: Input should be a finite number"),
         ("SHOPSIMRL_FLUSH_SECONDS", "nan", "SHOPSIMRL_FLUSH_SECONDS: Input should be a finite number"),
     ],
 )
-def test_bad_worker_settings_are_named_and_masked(monkeypatch: pytest.MonkeyPatch, variable: str, value: str, expected: str) -> None:
+def test_bad_worker_settings_are_named_and_masked(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, expected: str
+) -> None:
     from pydantic import ValidationError
 
     from shopsimrl.config import describe_settings_error
@@ -280,11 +297,17 @@ def test_bad_worker_settings_are_named_and_masked(monkeypatch: pytest.MonkeyPatc
     ],
 )
 def test_malformed_service_urls_are_refused(tmp_path: Path, section: str, url: str, problem: str) -> None:
-    text = MINIMAL.replace("base_url: http://127.0.0.1:1/v1", f"base_url: '{url}'") if section == "model" else MINIMAL + f"environment: {{base_url: '{url}'}}\n"
+    text = (
+        MINIMAL.replace("base_url: http://127.0.0.1:1/v1", f"base_url: '{url}'")
+        if section == "model"
+        else MINIMAL + f"environment: {{base_url: '{url}'}}\n"
+    )
     with pytest.raises(ConfigError, match=rf"{section}\.base_url: {re.escape(problem)}"):
         load_experiment_config(write(tmp_path, text))
 
 
 def test_a_model_url_may_carry_a_query(tmp_path: Path) -> None:
-    config = load_experiment_config(write(tmp_path, MINIMAL.replace("http://127.0.0.1:1/v1", "'http://127.0.0.1:1/v1?api-version=2024-06-01'")))
+    config = load_experiment_config(
+        write(tmp_path, MINIMAL.replace("http://127.0.0.1:1/v1", "'http://127.0.0.1:1/v1?api-version=2024-06-01'"))
+    )
     assert config.model.base_url == "http://127.0.0.1:1/v1?api-version=2024-06-01"

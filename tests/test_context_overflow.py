@@ -26,54 +26,111 @@ from shopsimrl.traces import is_completed
 from tests.fakes import FakeEnvironment
 from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 
-TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "search", "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}},
+    }
+]
 MESSAGES = [{"role": "system", "content": "你是购物助手"}, {"role": "user", "content": "买一件红色T恤"}]
 KEY = "sk-test-overflow-0123456789"
 
 OVERFLOW_BODIES = {
-    "vllm-prompt": {"error": {
-        "message": "This model's maximum context length is 32768 tokens. However, your request has 40000 input tokens. "
-                   "Please reduce the length of the input messages.",
-        "type": "BadRequestError", "param": None, "code": 400}},
-    "vllm-max-tokens": {"error": {
-        "message": "'max_tokens' or 'max_completion_tokens' is too large: 512. This model's maximum context length is "
-                   "4096 tokens and your request has 3700 input tokens (512 > 4096 - 3700).",
-        "type": "BadRequestError", "param": None, "code": 400}},
-    "vllm-older": {"object": "error",
+    "vllm-prompt": {
+        "error": {
+            "message": "This model's maximum context length is 32768 tokens. However, your request has 40000 input tokens. "
+            "Please reduce the length of the input messages.",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    },
+    "vllm-max-tokens": {
+        "error": {
+            "message": "'max_tokens' or 'max_completion_tokens' is too large: 512. This model's maximum context length is "
+            "4096 tokens and your request has 3700 input tokens (512 > 4096 - 3700).",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    },
+    "vllm-older": {
+        "object": "error",
         "message": "This model's maximum context length is 4096 tokens. However, you requested 4600 tokens (4088 in the "
-                   "messages, 512 in the completion). Please reduce the length of the messages or completion.",
-        "type": "BadRequestError", "param": None, "code": 400},
-    "vllm-newer": {"error": {
-        "message": "You passed 98305 input tokens and requested 512 output tokens. However, the model's context length "
-                   "is only 98816 tokens, resulting in a maximum input length of 98304 tokens. Please reduce the length "
-                   "of the input prompt. (parameter=input_tokens, value=98305)",
-        "type": "BadRequestError", "param": "input_tokens", "code": 400}},
-    "sglang-prompt": {"object": "error",
+        "messages, 512 in the completion). Please reduce the length of the messages or completion.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    },
+    "vllm-newer": {
+        "error": {
+            "message": "You passed 98305 input tokens and requested 512 output tokens. However, the model's context length "
+            "is only 98816 tokens, resulting in a maximum input length of 98304 tokens. Please reduce the length "
+            "of the input prompt. (parameter=input_tokens, value=98305)",
+            "type": "BadRequestError",
+            "param": "input_tokens",
+            "code": 400,
+        }
+    },
+    "sglang-prompt": {
+        "object": "error",
         "message": "The input (40000 tokens) is longer than the model's context length (32768 tokens).",
-        "type": "BadRequest", "param": None, "code": 400},
-    "sglang-total": {"object": "error",
+        "type": "BadRequest",
+        "param": None,
+        "code": 400,
+    },
+    "sglang-total": {
+        "object": "error",
         "message": "Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a "
-                   "total of 33000 tokens: 32488 tokens from the input messages and 512 tokens for the completion. "
-                   "Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
-        "type": "BadRequest", "param": None, "code": 400},
-    "llama.cpp": {"error": {
-        "code": 400, "message": "request (9412 tokens) exceeds the available context size (8192 tokens), try increasing it",
-        "type": "exceed_context_size_error", "n_prompt_tokens": 9412, "n_ctx": 8192}},
-    "llama.cpp-older": {"error": {
-        "code": 400, "message": "the request exceeds the available context size, try increasing it",
-        "type": "exceed_context_size_error"}},
-    "llama-cpp-python": {"error": {
-        "message": "This model's maximum context length is 8192 tokens. However, you requested 8700 tokens (8188 in the "
-                   "messages, 512 in the completion). Please reduce the length of the messages or completion.",
-        "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}},
-    "openai": {"error": {
-        "message": "This model's maximum context length is 128000 tokens. However, your messages resulted in 130000 "
-                   "tokens. Please reduce the length of the messages.",
-        "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}},
-    "openai-configured-limit": {"error": {
-        "message": "Input tokens exceed the configured limit of 272000 tokens. Your messages resulted in 509178 tokens. "
-                   "Please reduce the length of the messages.",
-        "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}},
+        "total of 33000 tokens: 32488 tokens from the input messages and 512 tokens for the completion. "
+        "Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+        "type": "BadRequest",
+        "param": None,
+        "code": 400,
+    },
+    "llama.cpp": {
+        "error": {
+            "code": 400,
+            "message": "request (9412 tokens) exceeds the available context size (8192 tokens), try increasing it",
+            "type": "exceed_context_size_error",
+            "n_prompt_tokens": 9412,
+            "n_ctx": 8192,
+        }
+    },
+    "llama.cpp-older": {
+        "error": {
+            "code": 400,
+            "message": "the request exceeds the available context size, try increasing it",
+            "type": "exceed_context_size_error",
+        }
+    },
+    "llama-cpp-python": {
+        "error": {
+            "message": "This model's maximum context length is 8192 tokens. However, you requested 8700 tokens (8188 in the "
+            "messages, 512 in the completion). Please reduce the length of the messages or completion.",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+    },
+    "openai": {
+        "error": {
+            "message": "This model's maximum context length is 128000 tokens. However, your messages resulted in 130000 "
+            "tokens. Please reduce the length of the messages.",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+    },
+    "openai-configured-limit": {
+        "error": {
+            "message": "Input tokens exceed the configured limit of 272000 tokens. Your messages resulted in 509178 tokens. "
+            "Please reduce the length of the messages.",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+    },
 }
 
 
@@ -91,7 +148,9 @@ def stub(server: tuple[OpenAIStub, str]) -> OpenAIStub:
 
 
 @pytest.fixture
-async def make(server: tuple[OpenAIStub, str], monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Callable[..., OpenAICompatibleChatModel]]:
+async def make(
+    server: tuple[OpenAIStub, str], monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Callable[..., OpenAICompatibleChatModel]]:
     monkeypatch.setenv("SHOPSIMRL_TEST_KEY", KEY)
     made: list[OpenAICompatibleChatModel] = []
     sleeps: list[float] = []
@@ -139,12 +198,22 @@ async def test_sglang_overflow_inside_a_stream_is_a_context_length_policy_failur
     assert "longer than the model's context length" in out.policy_failure["message"]
 
 
-@pytest.mark.parametrize("reply", [
-    Reply(status=400, json={"error": {"message": "max_tokens must be at least 1, got 0.", "type": "BadRequestError", "code": 400}}),
-    Reply(status=400, json={"error": {"message": "context length exceeded"}}),  # not any server's wording
-    Reply(status=404, json={"error": {"message": "The model `stub-model` does not exist.", "type": "NotFoundError", "code": 404}}),
-    Reply(status=422, json={"detail": [{"loc": ["body", "messages"], "msg": "field required"}]}),
-], ids=["bad-max-tokens", "vague", "unknown-model", "validation"])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        Reply(
+            status=400,
+            json={"error": {"message": "max_tokens must be at least 1, got 0.", "type": "BadRequestError", "code": 400}},
+        ),
+        Reply(status=400, json={"error": {"message": "context length exceeded"}}),  # not any server's wording
+        Reply(
+            status=404,
+            json={"error": {"message": "The model `stub-model` does not exist.", "type": "NotFoundError", "code": 404}},
+        ),
+        Reply(status=422, json={"detail": [{"loc": ["body", "messages"], "msg": "field required"}]}),
+    ],
+    ids=["bad-max-tokens", "vague", "unknown-model", "validation"],
+)
 async def test_other_client_errors_stay_request_errors(stub: OpenAIStub, make: Any, reply: Reply) -> None:
     stub.queue(reply)
     with pytest.raises(ModelRequestError) as info:
@@ -153,9 +222,15 @@ async def test_other_client_errors_stay_request_errors(stub: OpenAIStub, make: A
 
 
 async def test_max_tokens_that_cannot_fit_the_window_is_a_configuration_error(stub: OpenAIStub, make: Any) -> None:
-    body = {"error": {"message": "'max_tokens' or 'max_completion_tokens' is too large: 8192. This model's maximum context "
-                                 "length is 4096 tokens and your request has 60 input tokens (8192 > 4096 - 60).",
-                      "type": "BadRequestError", "param": None, "code": 400}}
+    body = {
+        "error": {
+            "message": "'max_tokens' or 'max_completion_tokens' is too large: 8192. This model's maximum context "
+            "length is 4096 tokens and your request has 60 input tokens (8192 > 4096 - 60).",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    }
     stub.queue(Reply(status=400, json=body), Reply(status=400, json=OVERFLOW_BODIES["llama.cpp"]))
     with pytest.raises(ModelRequestError, match=r"model.max_tokens \(8192\) is not smaller than .* \(4096 tokens\)"):
         await make(max_tokens=8192).generate(MESSAGES, TOOLS)
@@ -194,8 +269,9 @@ async def test_testbed_policy_answers_like_vllm_when_the_prompt_does_not_fit() -
 
     window = 300
     with running_server(create_app(PolicySettings(max_model_len=window))) as url:
-        adapter = OpenAICompatibleChatModel(OpenAICompatibleSettings(
-            model="shopsim-heuristic", base_url=url + "/v1", api_key_env=None, max_tokens=64))
+        adapter = OpenAICompatibleChatModel(
+            OpenAICompatibleSettings(model="shopsim-heuristic", base_url=url + "/v1", api_key_env=None, max_tokens=64)
+        )
         try:
             fits = await adapter.generate(MESSAGES, TOOLS)
             assert fits.policy_failure is None and fits.usage["prompt_tokens"] + 64 <= window
@@ -206,6 +282,9 @@ async def test_testbed_policy_answers_like_vllm_when_the_prompt_does_not_fit() -
             huge = [*MESSAGES, {"role": "user", "content": "页面" * window}]
             prompt = await adapter.generate(huge, TOOLS)
             assert prompt.policy_failure is not None
-            assert f"This model's maximum context length is {window} tokens. However, your request has" in prompt.policy_failure["message"]
+            assert (
+                f"This model's maximum context length is {window} tokens. However, your request has"
+                in prompt.policy_failure["message"]
+            )
         finally:
             await adapter.aclose()

@@ -25,8 +25,14 @@ WINDOW = "3600"
 
 
 def run(config: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress", *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -109,23 +115,32 @@ def test_summary_json_names_its_run_and_summarize_of_legacy_traces_says_what_it_
         "plan_fingerprint": manifest["plan_fingerprint"],
         "split": {"name": "val", "task_count": split["task_count"], "task_ids_sha256": split["task_ids_sha256"]},
         "versions": {
-            "shopsimrl": __version__, "pipeline": manifest["plan"]["pipeline_version"],
-            "fingerprint": manifest["fingerprint_version"], "manifest_schema": MANIFEST_SCHEMA_VERSION,
-            "trace_schema": TRACE_SCHEMA_VERSION, "summary_schema": SUMMARY_SCHEMA_VERSION,
+            "shopsimrl": __version__,
+            "pipeline": manifest["plan"]["pipeline_version"],
+            "fingerprint": manifest["fingerprint_version"],
+            "manifest_schema": MANIFEST_SCHEMA_VERSION,
+            "trace_schema": TRACE_SCHEMA_VERSION,
+            "summary_schema": SUMMARY_SCHEMA_VERSION,
         },
     }
     assert "named · model shopsim-heuristic (shopsim-heuristic, checkpoint ckpt-0042) · split val" in result.stdout
 
-    resummarized = subprocess.run([sys.executable, "-m", "shopsimrl", "summarize", str(run_dir)],
-                                  capture_output=True, text=True, cwd=ROOT, timeout=60)
+    resummarized = subprocess.run(
+        [sys.executable, "-m", "shopsimrl", "summarize", str(run_dir)], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert resummarized.returncode == 0, resummarized.stderr
     assert json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["run"] == summary["run"]
 
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     shutil.copy(ROOT / "tests/fixtures/legacy_v4_traces.jsonl", legacy / "traces.jsonl")
-    old = subprocess.run([sys.executable, "-m", "shopsimrl", "summarize", str(legacy), "--requested", "6"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    old = subprocess.run(
+        [sys.executable, "-m", "shopsimrl", "summarize", str(legacy), "--requested", "6"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert old.returncode == 0, old.stderr
     identity = json.loads((legacy / "summary.json").read_text(encoding="utf-8"))["run"]
     assert identity["uri"] == str(legacy.resolve())

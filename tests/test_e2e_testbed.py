@@ -20,8 +20,14 @@ pytestmark = pytest.mark.slow
 
 
 def run(config: Path, env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress", *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
+    )
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -46,9 +52,14 @@ def test_smoke_config_completes_and_releases_every_lease(tmp_path: Path) -> None
 
 def test_injected_faults_are_retried_or_recorded_and_no_lease_leaks(tmp_path: Path) -> None:
     knobs = {
-        "SHOPSIM_POLICY_RATE_429": "0.15", "SHOPSIM_POLICY_RATE_500": "0.1", "SHOPSIM_POLICY_RETRY_AFTER_S": "0",
-        "SHOPSIM_POLICY_RATE_NON_JSON": "0.05", "SHOPSIM_POLICY_RATE_NO_TOOL_CALL": "0.1",
-        "SHOPSIM_POLICY_RATE_LENGTH": "0.03", "SHOPSIM_FAULT_RATE_5XX": "0.03", "SHOPSIM_SEED": "7",
+        "SHOPSIM_POLICY_RATE_429": "0.15",
+        "SHOPSIM_POLICY_RATE_500": "0.1",
+        "SHOPSIM_POLICY_RETRY_AFTER_S": "0",
+        "SHOPSIM_POLICY_RATE_NON_JSON": "0.05",
+        "SHOPSIM_POLICY_RATE_NO_TOOL_CALL": "0.1",
+        "SHOPSIM_POLICY_RATE_LENGTH": "0.03",
+        "SHOPSIM_FAULT_RATE_5XX": "0.03",
+        "SHOPSIM_SEED": "7",
     }
     with start_testbed(**knobs) as bed:
         config = write_config(tmp_path, name="faults", sample_size=12)
@@ -57,8 +68,8 @@ def test_injected_faults_are_retried_or_recorded_and_no_lease_leaks(tmp_path: Pa
         summary = json.loads((tmp_path / "runs/faults/summary.json").read_text())
         counts = summary["counts"]
         assert counts["completed"] + counts["failed"] == 12 and counts["missing"] == 0
-        assert summary["retries"]["model_calls_retried"] > 0          # 429/500 were retried by the adapter
-        assert summary["behavior"]["protocol_errors"] > 0             # text replies got repair turns
+        assert summary["retries"]["model_calls_retried"] > 0  # 429/500 were retried by the adapter
+        assert summary["behavior"]["protocol_errors"] > 0  # text replies got repair turns
         for record in records(tmp_path / "runs/faults"):
             if record["status"] == "failed":
                 assert record["failure_class"] and record["error"]["stage"]
@@ -70,8 +81,13 @@ def test_resume_after_kill_9_reruns_no_completed_episode(tmp_path: Path) -> None
     with start_testbed(SHOPSIM_POLICY_LATENCY_MS="40") as bed:
         config = write_config(tmp_path, name="crash", sample_size=24, concurrency=3)
         run_dir = tmp_path / "runs/crash"
-        process = subprocess.Popen([sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress"],
-                                   env=bed.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress"],
+            env=bed.env(),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if (run_dir / "traces.jsonl").exists() and len(records(run_dir)) >= 6:
@@ -92,7 +108,11 @@ def test_resume_after_kill_9_reruns_no_completed_episode(tmp_path: Path) -> None
 def test_api_key_never_reaches_run_files_or_logs(tmp_path: Path) -> None:
     secret = "sk-test-4f9c2e7d1a8b6053"
     with start_testbed() as bed:
-        config = write_config(tmp_path, name="secret", sample_size=2).read_text().replace("api_key_env: null", "api_key_env: SHOPSIMRL_TEST_KEY")
+        config = (
+            write_config(tmp_path, name="secret", sample_size=2)
+            .read_text()
+            .replace("api_key_env: null", "api_key_env: SHOPSIMRL_TEST_KEY")
+        )
         (tmp_path / "secret.yaml").write_text(config)
         result = run(tmp_path / "secret.yaml", bed.env(SHOPSIMRL_TEST_KEY=secret, SHOPSIMRL_LOG_FORMAT="json"))
         assert result.returncode == 0, result.stderr[-3000:]
@@ -117,8 +137,14 @@ def test_sigterm_stops_a_local_run_with_exit_3_and_releases_every_lease(tmp_path
     with start_testbed(SHOPSIM_POLICY_LATENCY_MS="60") as bed:
         config = write_config(tmp_path, name="term", sample_size=40, concurrency=4)
         run_dir = tmp_path / "runs/term"
-        process = subprocess.Popen([sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress"],
-                                   env=bed.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress"],
+            env=bed.env(),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not ((run_dir / "traces.jsonl").exists() and len(records(run_dir)) >= 3):
             time.sleep(0.05)

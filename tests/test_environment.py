@@ -334,9 +334,7 @@ async def test_reset_missing_fields_fail_and_the_lease_is_still_released(
 
 
 @pytest.mark.parametrize("patch", [{"env_idx": DROP}, {"env_idx": True}, {"lease_id": ""}])
-async def test_reset_without_a_usable_lease_is_an_error(
-    stub: ShopStub, make_env: Factory, patch: dict[str, Any]
-) -> None:
+async def test_reset_without_a_usable_lease_is_an_error(stub: ShopStub, make_env: Factory, patch: dict[str, Any]) -> None:
     stub.script("reset", Reply(patch=patch))
     with pytest.raises(EnvironmentResponseError, match=r"env_idx|lease_id"):
         await make_env().open_episode().reset(5)
@@ -376,9 +374,7 @@ async def test_pinned_version_mismatch_fails_and_releases(stub: ShopStub, make_e
     await episode.close()
     assert stub.leases == {}
 
-    pinned = make_env(
-        expected_environment_version=ENVIRONMENT_VERSION, expected_observation_version=OBSERVATION_VERSION
-    )
+    pinned = make_env(expected_environment_version=ENVIRONMENT_VERSION, expected_observation_version=OBSERVATION_VERSION)
     episode = pinned.open_episode()
     await episode.reset(6)
     await episode.close()

@@ -30,7 +30,9 @@ def runtime(model, env, *, max_steps: int = 30, skills=None) -> AgentRuntime:
 
 
 async def test_r1_happy_path() -> None:
-    model = FakeModel([tool_output("search", {"query": "蓝牙耳机"}, reasoning="先搜索"), tool_output("click", {"value": "buy now"})])
+    model = FakeModel(
+        [tool_output("search", {"query": "蓝牙耳机"}, reasoning="先搜索"), tool_output("click", {"value": "buy now"})]
+    )
     env = FakeEnvironment()
     trace = await runtime(model, env, skills=OneSkill()).run(JOB)
     assert trace["schema_version"] == TRACE_SCHEMA_VERSION and trace["status"] == "completed" and is_completed(trace)
@@ -56,14 +58,18 @@ async def test_r1_happy_path() -> None:
 
 async def test_r2_action_limit_terminates_once() -> None:
     model = FakeModel([tool_output("search", {"query": "x"})])
-    env = FakeEnvironment(steps=[env_result({"observation_version": "v", "page_type": "search_home", "search_available": True, "actions": []})])
+    env = FakeEnvironment(
+        steps=[env_result({"observation_version": "v", "page_type": "search_home", "search_available": True, "actions": []})]
+    )
     trace = await runtime(model, env, max_steps=2).run(JOB)
     assert env.terminations == ["action_limit"] and trace["status"] == "completed"
     assert trace["final"]["termination_reason"] == "action_limit" and len(trace["steps"]) == 2
 
 
 async def test_r3_generation_length_is_a_scored_policy_failure() -> None:
-    cut = ModelOutput(reasoning="思考被截断", finish_reason="length", policy_failure={"code": "generation_length", "message": "cut"})
+    cut = ModelOutput(
+        reasoning="思考被截断", finish_reason="length", policy_failure={"code": "generation_length", "message": "cut"}
+    )
     env = FakeEnvironment()
     trace = await runtime(FakeModel([cut]), env).run(JOB)
     assert trace["status"] == "completed" and trace["final"]["reward"] == 0.0
@@ -75,7 +81,9 @@ async def test_r3_generation_length_is_a_scored_policy_failure() -> None:
 
 
 async def test_r4_text_reply_gets_a_user_repair_turn() -> None:
-    text = ModelOutput(content="Action: search[耳机]", finish_reason="stop", protocol_error={"code": "tool_call_count", "message": "no call"})
+    text = ModelOutput(
+        content="Action: search[耳机]", finish_reason="stop", protocol_error={"code": "tool_call_count", "message": "no call"}
+    )
     model = FakeModel([text, tool_output("search", {"query": "耳机"}), tool_output("click", {"value": "buy now"})])
     env = FakeEnvironment()
     trace = await runtime(model, env).run(JOB)
@@ -92,7 +100,13 @@ async def test_r4_text_reply_gets_a_user_repair_turn() -> None:
 
 
 async def test_r5_wrong_argument_keys_get_a_tool_repair_turn() -> None:
-    model = FakeModel([tool_output("search", {"wrong": "x"}), tool_output("search", {"query": "耳机"}), tool_output("click", {"value": "buy now"})])
+    model = FakeModel(
+        [
+            tool_output("search", {"wrong": "x"}),
+            tool_output("search", {"query": "耳机"}),
+            tool_output("click", {"value": "buy now"}),
+        ]
+    )
     trace = await runtime(model, FakeEnvironment()).run(JOB)
     assert trace["steps"][0]["protocol_error"]["code"] == "invalid_tool_arguments"
     assert trace["conversation"][2]["role"] == "assistant" and trace["conversation"][2]["tool_calls"]
@@ -102,7 +116,9 @@ async def test_r5_wrong_argument_keys_get_a_tool_repair_turn() -> None:
 
 async def test_r6_out_of_enum_click_reaches_the_environment() -> None:
     invalid = env_result(results_state(["buy now"]), action_feedback={"valid": False, "reason": "unavailable_action"})
-    model = FakeModel([tool_output("search", {"query": "x"}), tool_output("click", {"value": "92"}), tool_output("click", {"value": "buy now"})])
+    model = FakeModel(
+        [tool_output("search", {"query": "x"}), tool_output("click", {"value": "92"}), tool_output("click", {"value": "buy now"})]
+    )
     env = FakeEnvironment(steps=[env_result(results_state(["buy now"])), invalid, purchase_result()])
     trace = await runtime(model, env).run(JOB)
     assert env.actions[1] == "click[92]" and "protocol_error" not in trace["steps"][1]
@@ -110,8 +126,11 @@ async def test_r6_out_of_enum_click_reaches_the_environment() -> None:
 
 async def test_truncated_tool_call_is_generation_length_not_a_repair() -> None:
     # What the adapter returns for finish_reason=length with broken argument JSON (weak point 4).
-    cut = ModelOutput(tool_calls=[call("search", '{"query": "耳')], finish_reason="length",
-                      policy_failure={"code": "generation_length", "message": "cut"})
+    cut = ModelOutput(
+        tool_calls=[call("search", '{"query": "耳')],
+        finish_reason="length",
+        policy_failure={"code": "generation_length", "message": "cut"},
+    )
     env = FakeEnvironment()
     trace = await runtime(FakeModel([cut]), env).run(JOB)
     assert env.terminations == ["generation_length"] and "protocol_error" not in trace["steps"][0]

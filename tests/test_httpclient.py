@@ -81,7 +81,7 @@ async def test_no_answer_within_the_read_timeout_is_a_read_timeout() -> None:
 async def test_a_body_cut_off_is_a_protocol_error() -> None:
     async def truncated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nContent-Type: application/json\r\n\r\n{\"partial\":")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\nContent-Type: application/json\r\n\r\n{"partial":')
         await writer.drain()
         writer.close()
 

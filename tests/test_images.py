@@ -107,7 +107,9 @@ main()
 def test_a_command_of_a_missing_extra_exits_2_naming_it(tmp_path: Path, missing: str, args: list[str], extra: str) -> None:
     """What the worker image answers to the testbed commands and to a reducer without the client."""
     args = [str(tmp_path) if a == "RUN" else a for a in args]
-    result = subprocess.run([sys.executable, "-c", _WITHOUT, missing, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT, missing, *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and f"pip install 'shopsimrl[{extra}]'" in line and f"shopsimrl-{extra} image" in line
@@ -144,7 +146,9 @@ def _copy_sources(dockerfile: Path) -> set[str]:
 
 
 def test_the_build_context_holds_everything_both_dockerfiles_copy() -> None:
-    rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    rules = [
+        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")
+    ]
     assert rules[0] == "*", "the context is an allow-list"
     allowed = {rule[1:].rstrip("/") for rule in rules if rule.startswith("!")}
     for dockerfile in (WORKER_DOCKERFILE, TESTBED_DOCKERFILE):

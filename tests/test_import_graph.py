@@ -17,19 +17,44 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shopsimrl"
 LAYERS: dict[str, tuple[str, ...]] = {
     "cli": ("shopsimrl.__main__", "shopsimrl.cli"),
     "scheduling": (
-        "shopsimrl.experiment", "shopsimrl.lease_journal", "shopsimrl.local_run", "shopsimrl.progress", "shopsimrl.scheduler",
-        "shopsimrl.sharded", "shopsimrl.sharded.kube", "shopsimrl.sharded.layout", "shopsimrl.sharded.local_job",
-        "shopsimrl.sharded.objectstore", "shopsimrl.sharded.reduce", "shopsimrl.sharded.status", "shopsimrl.sharded.worker",
+        "shopsimrl.experiment",
+        "shopsimrl.lease_journal",
+        "shopsimrl.local_run",
+        "shopsimrl.progress",
+        "shopsimrl.scheduler",
+        "shopsimrl.sharded",
+        "shopsimrl.sharded.kube",
+        "shopsimrl.sharded.layout",
+        "shopsimrl.sharded.local_job",
+        "shopsimrl.sharded.objectstore",
+        "shopsimrl.sharded.reduce",
+        "shopsimrl.sharded.status",
+        "shopsimrl.sharded.worker",
     ),
     "episode": ("shopsimrl.episode",),
     "adapters": (
-        "shopsimrl.environment", "shopsimrl.httpclient", "shopsimrl.model", "shopsimrl.prompts", "shopsimrl.retry", "shopsimrl.skills",
+        "shopsimrl.environment",
+        "shopsimrl.httpclient",
+        "shopsimrl.model",
+        "shopsimrl.prompts",
+        "shopsimrl.retry",
+        "shopsimrl.skills",
     ),
     # Records and what every layer uses: trace/plan/summary shapes, config and splits, exit
     # codes, logging, the event loop and signal handling.
     "records": (
-        "shopsimrl", "shopsimrl.config", "shopsimrl.eventloop", "shopsimrl.exitcodes", "shopsimrl.logs", "shopsimrl.manifest",
-        "shopsimrl.metrics", "shopsimrl.planning", "shopsimrl.schemas", "shopsimrl.stopping", "shopsimrl.tasks", "shopsimrl.traces",
+        "shopsimrl",
+        "shopsimrl.config",
+        "shopsimrl.eventloop",
+        "shopsimrl.exitcodes",
+        "shopsimrl.logs",
+        "shopsimrl.manifest",
+        "shopsimrl.metrics",
+        "shopsimrl.planning",
+        "shopsimrl.schemas",
+        "shopsimrl.stopping",
+        "shopsimrl.tasks",
+        "shopsimrl.traces",
     ),
 }
 RANK = {layer: rank for rank, layer in enumerate(reversed(LAYERS))}
@@ -167,7 +192,9 @@ def layer_problems(edges: list[Import]) -> list[str]:
         target_layer = LAYER_OF.get(edge.target)
         if source_tb:
             if target_layer not in TESTBED_MAY_IMPORT:
-                problems.append(f"{edge}: the testbed may import only the core's {', '.join(TESTBED_MAY_IMPORT)} layer, not {target_layer}")
+                problems.append(
+                    f"{edge}: the testbed may import only the core's {', '.join(TESTBED_MAY_IMPORT)} layer, not {target_layer}"
+                )
             continue
         source_layer = LAYER_OF.get(edge.source)
         if source_layer is not None and target_layer is not None and RANK[target_layer] > RANK[source_layer]:
@@ -218,7 +245,8 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
     _, edges = import_graph(package)
     (cycle,) = cycles(edges)
     assert {(e.source, e.target, e.kind) for e in cycle} == {
-        ("shopsimrl.schemas", "shopsimrl.traces", "type_checking"), ("shopsimrl.traces", "shopsimrl.schemas", "module"),
+        ("shopsimrl.schemas", "shopsimrl.traces", "type_checking"),
+        ("shopsimrl.traces", "shopsimrl.schemas", "module"),
     }
     assert ("shopsimrl.episode", "shopsimrl.model", "module") in {(e.source, e.target, e.kind) for e in edges}
     problems = "\n".join(layer_problems(edges))

@@ -65,9 +65,7 @@ def make_job(
             parallelism=4,
             completion_mode="Indexed",
             suspend=suspend,
-            template=k8s.V1PodTemplateSpec(
-                spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="worker", image="shopsimrl")])
-            ),
+            template=k8s.V1PodTemplateSpec(spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="worker", image="shopsimrl")])),
         ),
         status=k8s.V1JobStatus(completed_indexes=completed, failed_indexes=failed, conditions=conditions),
     )
@@ -81,9 +79,7 @@ def terminated(name: str, code: int, reason: str = "Error", at: datetime = T0, m
         ready=False,
         restart_count=0,
         state=k8s.V1ContainerState(
-            terminated=k8s.V1ContainerStateTerminated(
-                exit_code=code, reason=reason, finished_at=at, message=message
-            )
+            terminated=k8s.V1ContainerStateTerminated(exit_code=code, reason=reason, finished_at=at, message=message)
         ),
     )
 
@@ -213,7 +209,11 @@ def test_failed_readiness_init_container_is_reported() -> None:
         init=[terminated("wait-ready", 3, message="environment_not_ready after 600 s")],
         containers=[
             k8s.V1ContainerStatus(
-                name="worker", image="x", image_id="", ready=False, restart_count=0,
+                name="worker",
+                image="x",
+                image_id="",
+                ready=False,
+                restart_count=0,
                 state=k8s.V1ContainerState(waiting=k8s.V1ContainerStateWaiting(reason="PodInitializing")),
             )
         ],
@@ -282,7 +282,9 @@ def test_job_report_failure_counts_use_the_controller_annotation() -> None:
     assert report.indexes[2].state is IndexState.FAILED
     # A disruption is ignored by the chart's podFailurePolicy and must not count.
     disrupted = make_pod(
-        "w-1-d", 1, "Failed",
+        "w-1-d",
+        1,
+        "Failed",
         conditions=[k8s.V1PodCondition(type="DisruptionTarget", status="True")],
     )
     assert job_report(make_job(completions=3), [disrupted]).indexes[1].failures == 0
@@ -355,10 +357,14 @@ def _api_stub(jobs: list[k8s.V1Job], pods: list[k8s.V1Pod], seen: list[tuple[str
 
 
 def test_load_release_status_through_the_api(tmp_path) -> None:
-    old = make_job("eval-ckpt-00000000", completions=2, completed="0-1", uid="uid-0",
-                   conditions=[k8s.V1JobCondition(type="Complete", status="True")])
-    new = make_job("eval-ckpt-11111111", completions=2, completed="0", failed="1", uid="uid-1",
-                   created=T0 + timedelta(hours=1))
+    old = make_job(
+        "eval-ckpt-00000000",
+        completions=2,
+        completed="0-1",
+        uid="uid-0",
+        conditions=[k8s.V1JobCondition(type="Complete", status="True")],
+    )
+    new = make_job("eval-ckpt-11111111", completions=2, completed="0", failed="1", uid="uid-1", created=T0 + timedelta(hours=1))
     other_release = make_job("other-22222222", uid="uid-2")
     other_release.metadata.labels["app.kubernetes.io/instance"] = "other"
     pods = [
@@ -369,9 +375,7 @@ def test_load_release_status_through_the_api(tmp_path) -> None:
     with running_server(_api_stub([old, new, other_release], pods, seen)) as url:
         configuration = k8s.Configuration(host=url)
         api = k8s.ApiClient(configuration)
-        status = load_release_status(
-            "evals", "eval-ckpt", batch_api=k8s.BatchV1Api(api), core_api=k8s.CoreV1Api(api)
-        )
+        status = load_release_status("evals", "eval-ckpt", batch_api=k8s.BatchV1Api(api), core_api=k8s.CoreV1Api(api))
     assert [j.name for j in status.jobs] == ["eval-ckpt-11111111", "eval-ckpt-00000000"]
     newest = status.jobs[0]
     assert newest.failed == (1,) and newest.succeeded == (0,)
@@ -442,7 +446,8 @@ def test_status_of_a_real_indexed_job_on_k3s() -> None:
                         k8s.V1PodFailurePolicyRule(
                             action="FailIndex",
                             on_exit_codes=k8s.V1PodFailurePolicyOnExitCodesRequirement(
-                                container_name="worker", operator="In",
+                                container_name="worker",
+                                operator="In",
                                 values=[int(ExitCode.FINGERPRINT_MISMATCH)],
                             ),
                         )
@@ -452,9 +457,7 @@ def test_status_of_a_real_indexed_job_on_k3s() -> None:
                     metadata=k8s.V1ObjectMeta(labels=labels),
                     spec=k8s.V1PodSpec(
                         restart_policy="Never",
-                        containers=[
-                            k8s.V1Container(name="worker", image="busybox:1.36", command=["sh", "-c", script])
-                        ],
+                        containers=[k8s.V1Container(name="worker", image="busybox:1.36", command=["sh", "-c", script])],
                     ),
                 ),
             ),

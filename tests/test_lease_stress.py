@@ -30,17 +30,13 @@ pytestmark = pytest.mark.slow
 SEED = 20261130
 # SHOPSIMRL_LEASE_TRIALS="local,sharded,kill" scales the trials up for a reliability measurement
 # (docs/benchmarks.md); the defaults are what the suite runs.
-LOCAL_TRIALS, SHARDED_TRIALS, KILL_TRIALS = (
-    int(n) for n in os.environ.get("SHOPSIMRL_LEASE_TRIALS", "24,20,10").split(",")
-)
+LOCAL_TRIALS, SHARDED_TRIALS, KILL_TRIALS = (int(n) for n in os.environ.get("SHOPSIMRL_LEASE_TRIALS", "24,20,10").split(","))
 SLOTS = 2
 
 
 @pytest.fixture(scope="module")
 def bed() -> Iterator[LocalTestbed]:
-    with start_testbed(
-        SHOPSIM_ENV_SLOTS=str(SLOTS), SHOPSIM_KEEP_ORPHAN_RESETS="1", SHOPSIM_POLICY_LATENCY_MS="15"
-    ) as testbed:
+    with start_testbed(SHOPSIM_ENV_SLOTS=str(SLOTS), SHOPSIM_KEEP_ORPHAN_RESETS="1", SHOPSIM_POLICY_LATENCY_MS="15") as testbed:
         yield testbed
 
 
@@ -82,7 +78,11 @@ def test_local_runs_release_every_lease_on_sigterm_and_sigint(bed: LocalTestbed,
         config = write_config(tmp_path, name=f"local-{trial}", sample_size=60, concurrency=8)
         process = subprocess.Popen(
             [sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress"],
-            env=bed.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=bed.env(),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         wait_until_leased(bed, process)
         time.sleep(delay)
@@ -110,7 +110,11 @@ def test_sharded_runs_release_every_lease_on_ctrl_c_and_sigterm(bed: LocalTestbe
         config = write_config(tmp_path, name=f"sharded-{trial}", sample_size=60, concurrency=8)
         process = subprocess.Popen(
             [sys.executable, "-m", "shopsimrl", "run", str(config), "--shards", "3", "--run", str(tmp_path / f"run-{trial}")],
-            env=bed.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=bed.env(),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
             start_new_session=True,
         )
         wait_until_leased(bed, process)
@@ -173,4 +177,6 @@ def test_kill_9_then_restart_releases_the_journaled_leases(bed: LocalTestbed, tm
         in_flight_total += in_flight
         if leaked:  # a reset in flight at the kill was granted to nobody: start the next trial clean
             httpx.post(f"{bed.shop_url}/api/shop_agent", json={"action": "release_all"}, timeout=10)
-    print(f"kill -9 trials: {KILL_TRIALS}, slots leaked after restart: {leaked_total}, resets in flight at the kills: {in_flight_total}")
+    print(
+        f"kill -9 trials: {KILL_TRIALS}, slots leaked after restart: {leaked_total}, resets in flight at the kills: {in_flight_total}"
+    )

@@ -308,12 +308,23 @@ def dead_process_identity() -> ProcessIdentity:
     return alive
 
 
-def write_journal(directory: Path, name: str, process: ProcessIdentity, leases: list[dict[str, Any]], url: str, in_flight: int = 0) -> None:
+def write_journal(
+    directory: Path, name: str, process: ProcessIdentity, leases: list[dict[str, Any]], url: str, in_flight: int = 0
+) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / name).write_text(json.dumps({
-        "schema_version": "shopsimrl-lease-journal-v1", "writer": name[:-5], "process": process.to_dict(),
-        "environment": url, "updated_at": "2026-11-30T00:00:00+00:00", "resets_in_flight": in_flight, "leases": leases,
-    }))
+    (directory / name).write_text(
+        json.dumps(
+            {
+                "schema_version": "shopsimrl-lease-journal-v1",
+                "writer": name[:-5],
+                "process": process.to_dict(),
+                "environment": url,
+                "updated_at": "2026-11-30T00:00:00+00:00",
+                "resets_in_flight": in_flight,
+                "leases": leases,
+            }
+        )
+    )
 
 
 async def test_recovery_releases_a_dead_processs_leases_before_new_ones_are_taken(tmp_path: Path) -> None:

@@ -166,7 +166,11 @@ def test_wrapped_handler_shows_tool_results_and_enforces_max_tokens() -> None:
     handler = tool_results_handler(_stock_like_handler)
     messages = [
         {"role": "user", "content": "task"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "PAGE-2"},
     ]
     long_output = _FakeLlama(produce=500)

@@ -21,8 +21,13 @@ from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 
 
 def trace(episode_id: str, status: str = "completed", reward: float = 1.0) -> dict:
-    return {"schema_version": "shopsimrl-episode-v4", "episode_id": episode_id, "status": status,
-            "final": {"done": status == "completed", "reward": reward}, "steps": []}
+    return {
+        "schema_version": "shopsimrl-episode-v4",
+        "episode_id": episode_id,
+        "status": status,
+        "final": {"done": status == "completed", "reward": reward},
+        "steps": [],
+    }
 
 
 PLAN = {"experiment": "x", "model": {"model": "m", "sampling": {"temperature": 0.6}}, "jobs": [{"task_id": 1}]}
@@ -173,7 +178,10 @@ def run_on_a_full_disk(mode: str, seed: Path, disk: Path, args: list[str]) -> Fu
         )
         proc = subprocess.run(
             ["unshare", "-rm", "bash", "-c", script, str(disk), str(seed), "-", "-", "-", *command],
-            capture_output=True, text=True, cwd=REPO, timeout=120,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
             env={**_cli_env(), "_LIST": _LIST_FILES, "DISK": str(disk), "LISTING": str(listing)},
         )
         assert proc.returncode not in (97, 98), proc.stderr
@@ -184,8 +192,12 @@ def run_on_a_full_disk(mode: str, seed: Path, disk: Path, args: list[str]) -> Fu
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
             resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256))
 
-        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120, env=_cli_env(), preexec_fn=limit_file_size)
-        listing.write_text(subprocess.run([sys.executable, "-c", _LIST_FILES, str(disk)], capture_output=True, text=True, check=True).stdout)
+        proc = subprocess.run(
+            command, capture_output=True, text=True, cwd=REPO, timeout=120, env=_cli_env(), preexec_fn=limit_file_size
+        )
+        listing.write_text(
+            subprocess.run([sys.executable, "-c", _LIST_FILES, str(disk)], capture_output=True, text=True, check=True).stdout
+        )
     return FullDiskResult(proc.returncode, proc.stderr, json.loads(listing.read_text()))
 
 

@@ -28,8 +28,16 @@ REFERENCE_KEYS = {
     "counts": {"requested", "trace_files", "completed", "failed", "scored", "coverage"},
     "primary": {"reward_mean", "reward_sem", "success_rate"},
     "behavior": {
-        "steps_mean", "model_steps", "protocol_errors", "protocol_error_rate", "policy_failures",
-        "policy_failure_rate", "total_actions", "invalid_actions", "invalid_action_rate", "termination_reasons",
+        "steps_mean",
+        "model_steps",
+        "protocol_errors",
+        "protocol_error_rate",
+        "policy_failures",
+        "policy_failure_rate",
+        "total_actions",
+        "invalid_actions",
+        "invalid_action_rate",
+        "termination_reasons",
     },
     "cost": {"duration_ms_mean", "tokens"},
 }
@@ -40,7 +48,9 @@ REFERENCE_KEYS = {
 
 def _usage(prompt: int, completion: int, reasoning: int | None = None) -> dict[str, Any]:
     usage: dict[str, Any] = {
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
     if reasoning is not None:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
@@ -49,43 +59,75 @@ def _usage(prompt: int, completion: int, reasoning: int | None = None) -> dict[s
 
 def _model(usage: dict[str, Any] | None = None, latency: float = 500.0, **extra: Any) -> dict[str, Any]:
     model = {
-        "content": None, "reasoning": "思考", "finish_reason": "tool_calls",
-        "tool_calls": [{"call_id": "c1", "name": "click", "arguments": {"value": "buy now"},
-                        "raw_arguments": "{\"value\": \"buy now\"}"}],
-        "usage": usage, "response_id": "r1", "metadata": {}, "latency_ms": latency,
-        "protocol_error": None, "policy_failure": None, "raw_response": None,
+        "content": None,
+        "reasoning": "思考",
+        "finish_reason": "tool_calls",
+        "tool_calls": [
+            {"call_id": "c1", "name": "click", "arguments": {"value": "buy now"}, "raw_arguments": '{"value": "buy now"}'}
+        ],
+        "usage": usage,
+        "response_id": "r1",
+        "metadata": {},
+        "latency_ms": latency,
+        "protocol_error": None,
+        "policy_failure": None,
+        "raw_response": None,
     }
     model.update(extra)
     return model
 
 
-def _action_step(
-    index: int, valid: bool = True, usage: dict[str, Any] | None = None, **model_extra: Any
-) -> dict[str, Any]:
+def _action_step(index: int, valid: bool = True, usage: dict[str, Any] | None = None, **model_extra: Any) -> dict[str, Any]:
     reason = "executed" if valid else "incomplete_options"
     feedback = {"action": "click[buy now]", "valid": valid, "reason": reason, "message": "…"}
     environment = {
-        "done": False, "reward": 0.0, "observation": "页面", "message": "Continue interaction", "idx": "slot-0-1",
-        "reward_detail": {}, "purchase": {}, "goal": {}, "over": False, "observation_state": {},
+        "done": False,
+        "reward": 0.0,
+        "observation": "页面",
+        "message": "Continue interaction",
+        "idx": "slot-0-1",
+        "reward_detail": {},
+        "purchase": {},
+        "goal": {},
+        "over": False,
+        "observation_state": {},
         "action_feedback": feedback,
     }
-    return {"step_index": index, "observation": "页面", "tools": [], "model": _model(usage, **model_extra),
-            "action": "click[buy now]", "environment": environment}
+    return {
+        "step_index": index,
+        "observation": "页面",
+        "tools": [],
+        "model": _model(usage, **model_extra),
+        "action": "click[buy now]",
+        "environment": environment,
+    }
 
 
 def _protocol_step(index: int) -> dict[str, Any]:
     error = {"code": "tool_call_count", "message": "expected exactly one tool call"}
-    return {"step_index": index, "observation": "页面", "tools": [],
-            "model": _model(None, protocol_error=error, tool_calls=[]), "action": None, "environment": None,
-            "protocol_error": error,
-            "protocol_feedback": {"type": "tool_protocol_error", "code": "tool_call_count"}}
+    return {
+        "step_index": index,
+        "observation": "页面",
+        "tools": [],
+        "model": _model(None, protocol_error=error, tool_calls=[]),
+        "action": None,
+        "environment": None,
+        "protocol_error": error,
+        "protocol_feedback": {"type": "tool_protocol_error", "code": "tool_call_count"},
+    }
 
 
 def _policy_step(index: int) -> dict[str, Any]:
     failure = {"code": "generation_length", "message": "finish_reason=length"}
-    return {"step_index": index, "observation": "页面", "tools": [],
-            "model": _model(None, policy_failure=failure, tool_calls=[], finish_reason="length"),
-            "action": None, "environment": None, "policy_failure": failure}
+    return {
+        "step_index": index,
+        "observation": "页面",
+        "tools": [],
+        "model": _model(None, policy_failure=failure, tool_calls=[], finish_reason="length"),
+        "action": None,
+        "environment": None,
+        "policy_failure": failure,
+    }
 
 
 def _trace(
@@ -104,17 +146,33 @@ def _trace(
     """A v4 record; each episode id is its own task unless ``task_id`` says otherwise."""
     final = None
     if status == "completed":
-        final = {"done": True, "over": True, "reward": reward, "termination_reason": reason,
-                 "reward_detail": {"r_strict": reward, "r_success": success,
-                                   "reward_version": "shopsimulator-paper-reward-v2"}}
+        final = {
+            "done": True,
+            "over": True,
+            "reward": reward,
+            "termination_reason": reason,
+            "reward_detail": {"r_strict": reward, "r_success": success, "reward_version": "shopsimulator-paper-reward-v2"},
+        }
     record = {
-        "schema_version": TRACE_SCHEMA_VERSION, "episode_id": episode_id, "status": status,
-        "job": {"task_id": zlib.crc32(episode_id.encode()) if task_id is None else task_id,
-                "sample_id": 0, "seed": 7, "split": "val"},
+        "schema_version": TRACE_SCHEMA_VERSION,
+        "episode_id": episode_id,
+        "status": status,
+        "job": {
+            "task_id": zlib.crc32(episode_id.encode()) if task_id is None else task_id,
+            "sample_id": 0,
+            "seed": 7,
+            "split": "val",
+        },
         "provenance": {},
-        "started_at": "2025-08-30T10:00:00+00:00", "ended_at": "2025-08-30T10:01:00+00:00", "duration_ms": duration_ms,
-        "reset": None, "selected_skills": [], "conversation": [], "steps": steps if steps is not None else [],
-        "final": final, "error": error,
+        "started_at": "2025-08-30T10:00:00+00:00",
+        "ended_at": "2025-08-30T10:01:00+00:00",
+        "duration_ms": duration_ms,
+        "reset": None,
+        "selected_skills": [],
+        "conversation": [],
+        "steps": steps if steps is not None else [],
+        "final": final,
+        "error": error,
     }
     record.update(extra)
     return record
@@ -216,19 +274,33 @@ def test_legacy_fixture_summary_matches_hand_computation() -> None:
     assert primary["success_rate"] == 0.25 and primary["success_sem"] == pytest.approx(0.25)
     assert primary["success_ci95"] == pytest.approx(list(wilson_interval(0.25, 3.0, 3.182446305284263)), rel=1e-12)
     assert summary["intervals"] == {
-        "confidence": 0.95, "method": "task-clustered-score-t", "cluster": "task_id", "clusters": 4, "notes": {},
+        "confidence": 0.95,
+        "method": "task-clustered-score-t",
+        "cluster": "task_id",
+        "clusters": 4,
+        "notes": {},
     }
     # Intent to treat: the two failed episodes (no failure_class: written before it existed) count as 0.
     itt = summary["intent_to_treat"]
     assert (itt["episodes"], itt["failed_counted_as_zero"], itt["failed_unclassified"]) == (6, 2, 2)
     assert itt["reward_mean"] == primary["reward_mean_itt"] == 0.25 and itt["score"] == 25.0
     assert itt["success_rate"] == primary["success_rate_itt"] == pytest.approx(1 / 6)
-    assert summary["per_task"] == {"tasks": 4, "episodes_per_task": {"min": 1, "max": 1}, "pass_at_k": None,
-                                   "pass_hat_k": None, "tasks_at_k": None}
+    assert summary["per_task"] == {
+        "tasks": 4,
+        "episodes_per_task": {"min": 1, "max": 1},
+        "pass_at_k": None,
+        "pass_hat_k": None,
+        "tasks_at_k": None,
+    }
 
     assert summary["reward_components"] == {
-        "r_att": 0.375, "r_loose": 0.4375, "r_option": 0.375, "r_price": 0.5,
-        "r_strict": 0.375, "r_success": 0.25, "r_type": 0.5,
+        "r_att": 0.375,
+        "r_loose": 0.4375,
+        "r_option": 0.375,
+        "r_price": 0.5,
+        "r_strict": 0.375,
+        "r_success": 0.25,
+        "r_type": 0.5,
     }
     assert list(summary["reward_components"]) == sorted(summary["reward_components"])
 
@@ -242,7 +314,10 @@ def test_legacy_fixture_summary_matches_hand_computation() -> None:
 
     assert summary["cost"]["duration_ms_mean"] == pytest.approx(13836.5)
     assert summary["cost"]["tokens"] == {
-        "prompt_tokens": 12500, "completion_tokens": 5146, "total_tokens": 17646, "reasoning_tokens": 4600,
+        "prompt_tokens": 12500,
+        "completion_tokens": 5146,
+        "total_tokens": 17646,
+        "reasoning_tokens": 4600,
     }
     assert summary["errors"] == {"ModelRequestError": 1, "RuntimeError": 1}
     assert summary["failure_classes"] == {"unknown": 2}
@@ -257,7 +332,10 @@ def test_legacy_fixture_summary_matches_hand_computation() -> None:
     assert summary["latency"]["episode_ms"]["p95"] == 20000.0
 
     assert summary["retries"] == {
-        "model_calls_retried": 0, "model_retry_attempts": 0, "episodes_retried": 0, "superseded_attempts": 0,
+        "model_calls_retried": 0,
+        "model_retry_attempts": 0,
+        "episodes_retried": 0,
+        "superseded_attempts": 0,
     }
     # Earliest start 10:00:00 (a completed episode), latest end 11:00:00 (the failed one): one hour.
     assert summary["throughput"]["episodes_per_hour"] == pytest.approx(4.0)
@@ -300,8 +378,7 @@ def _reference_formulas(records: list[dict[str, Any]], requested: int) -> dict[s
                 components.setdefault(key, []).append(float(value))
     steps = [s for r in done for s in r["steps"]]
     actions = [s["environment"] for s in steps if isinstance(s.get("environment"), dict)]
-    invalid = [e for e in actions
-               if isinstance(e.get("action_feedback"), dict) and e["action_feedback"].get("valid") is False]
+    invalid = [e for e in actions if isinstance(e.get("action_feedback"), dict) and e["action_feedback"].get("valid") is False]
     tokens: Counter[str] = Counter()
     for step in steps:
         usage = step["model"].get("usage") or {}
@@ -313,18 +390,28 @@ def _reference_formulas(records: list[dict[str, Any]], requested: int) -> dict[s
             tokens["reasoning_tokens"] += reasoning
     protocol = sum(isinstance(s.get("protocol_error"), dict) for s in steps)
     return {
-        "counts": {"requested": requested, "trace_files": len(records), "completed": len(done),
-                   "failed": len(records) - len(done), "scored": len(rewards), "coverage": len(done) / requested},
-        "reward_mean": fmean(rewards), "reward_sem": stdev(rewards) / math.sqrt(len(rewards)),
-        "success_rate": fmean(successes), "components": {k: fmean(v) for k, v in sorted(components.items())},
-        "steps_mean": fmean(len(r["steps"]) for r in done), "model_steps": len(steps),
-        "protocol_error_rate": protocol / len(steps), "invalid_action_rate": len(invalid) / len(actions),
-        "termination_reasons": dict(sorted(
-            Counter(str(r["final"].get("termination_reason", "unknown")) for r in done).items()
-        )),
-        "duration_ms_mean": fmean(r["duration_ms"] for r in done), "tokens": dict(tokens),
-        "errors": dict(sorted(Counter(str((r.get("error") or {}).get("type") or "unknown") for r in records
-                                      if not is_completed(r)).items())),
+        "counts": {
+            "requested": requested,
+            "trace_files": len(records),
+            "completed": len(done),
+            "failed": len(records) - len(done),
+            "scored": len(rewards),
+            "coverage": len(done) / requested,
+        },
+        "reward_mean": fmean(rewards),
+        "reward_sem": stdev(rewards) / math.sqrt(len(rewards)),
+        "success_rate": fmean(successes),
+        "components": {k: fmean(v) for k, v in sorted(components.items())},
+        "steps_mean": fmean(len(r["steps"]) for r in done),
+        "model_steps": len(steps),
+        "protocol_error_rate": protocol / len(steps),
+        "invalid_action_rate": len(invalid) / len(actions),
+        "termination_reasons": dict(sorted(Counter(str(r["final"].get("termination_reason", "unknown")) for r in done).items())),
+        "duration_ms_mean": fmean(r["duration_ms"] for r in done),
+        "tokens": dict(tokens),
+        "errors": dict(
+            sorted(Counter(str((r.get("error") or {}).get("type") or "unknown") for r in records if not is_completed(r)).items())
+        ),
     }
 
 
@@ -344,8 +431,16 @@ def test_random_traces_match_the_reference_formulas() -> None:
                 usage = _usage(rng.randint(100, 3000), rng.randint(1, 500), rng.choice([None, rng.randint(0, 100)]))
                 steps.append(_action_step(index, rng.random() < 0.7, usage))
         reward = rng.choice([0.0, 1.0, rng.random(), rng.random() / 3])
-        records.append(_trace(f"e{n}", reward=reward, success=int(reward == 1.0), steps=steps,
-                              reason=rng.choice(["purchase", "action_limit", None]), duration_ms=rng.uniform(1, 9e4)))
+        records.append(
+            _trace(
+                f"e{n}",
+                reward=reward,
+                success=int(reward == 1.0),
+                steps=steps,
+                reason=rng.choice(["purchase", "action_limit", None]),
+                duration_ms=rng.uniform(1, 9e4),
+            )
+        )
     expected = _reference_formulas(records, requested=420)
     summary = summarize_traces(records, requested=420)
     assert {k: summary["counts"][k] for k in expected["counts"]} == expected["counts"]
@@ -419,8 +514,13 @@ def test_odd_rewards_are_not_scored_and_missing_keys_never_raise() -> None:
         _trace("text", reward="1.0"),
         _trace("ok", reward=0.25, success=0),
         {"schema_version": TRACE_SCHEMA_VERSION, "status": "completed", "final": {"done": True}},  # bare minimum
-        {"schema_version": TRACE_SCHEMA_VERSION, "status": "completed",
-         "final": {"done": True, "termination_reason": None}, "steps": "not-a-list", "duration_ms": "slow"},
+        {
+            "schema_version": TRACE_SCHEMA_VERSION,
+            "status": "completed",
+            "final": {"done": True, "termination_reason": None},
+            "steps": "not-a-list",
+            "duration_ms": "slow",
+        },
         {"schema_version": "shopsimrl-episode-v9", "status": "completed", "final": {"done": True}},
         {"status": "completed", "final": {"done": False}, "error": "not an object"},
         {},
@@ -474,8 +574,16 @@ def test_throughput_span_and_unknown_span() -> None:
 
 @pytest.mark.parametrize(
     ("df", "expected"),
-    [(1, 12.706204736), (2, 4.302652730), (3, 3.182446305), (10, 2.228138852), (30, 2.042272456),
-     (100, 1.983971519), (1000, 1.962339081), (10**9, 1.959963985)],
+    [
+        (1, 12.706204736),
+        (2, 4.302652730),
+        (3, 3.182446305),
+        (10, 2.228138852),
+        (30, 2.042272456),
+        (100, 1.983971519),
+        (1000, 1.962339081),
+        (10**9, 1.959963985),
+    ],
 )
 def test_student_t_quantile_known_values(df: int, expected: float) -> None:
     assert student_t_quantile(0.975, df) == pytest.approx(expected, abs=1e-8)
@@ -569,8 +677,15 @@ def test_memory_is_flat_in_the_number_of_records() -> None:
             return _failed(episode_id(n), error_type=error_type, task_id=n % tasks)
         usage = _usage(900, rng.randint(1, 400), 10)
         step = _action_step(1, rng.random() < 0.2, usage, latency=rng.lognormvariate(6, 1))
-        return _trace(episode_id(n), reward=rng.random(), success=rng.randint(0, 1), steps=[step], task_id=n % tasks,
-                      duration_ms=rng.uniform(1e3, 1e5), ended_at=f"2025-08-30T1{n % 10}:00:00+00:00")
+        return _trace(
+            episode_id(n),
+            reward=rng.random(),
+            success=rng.randint(0, 1),
+            steps=[step],
+            task_id=n % tasks,
+            duration_ms=rng.uniform(1e3, 1e5),
+            ended_at=f"2025-08-30T1{n % 10}:00:00+00:00",
+        )
 
     for n in range(1_000):
         accumulator.add(record(n))
@@ -615,11 +730,14 @@ def test_format_summary_table_shows_the_headline_numbers() -> None:
 
 def test_format_summary_table_accepts_a_reference_v2_summary() -> None:
     legacy_summary = {
-        "schema_version": "shopsimrl-eval-summary-v2", "created_at": CREATED,
+        "schema_version": "shopsimrl-eval-summary-v2",
+        "created_at": CREATED,
         "counts": {"requested": 2, "trace_files": 2, "completed": 2, "failed": 0, "scored": 2, "coverage": 1.0},
         "primary": {"reward_mean": 0.5, "reward_sem": 0.5, "success_rate": 0.5},
-        "reward_components": {}, "behavior": {"termination_reasons": {"purchase": 2}},
-        "cost": {"tokens": {}}, "errors": {},
+        "reward_components": {},
+        "behavior": {"termination_reasons": {"purchase": 2}},
+        "cost": {"tokens": {}},
+        "errors": {},
     }
     table = format_summary_table(legacy_summary)
     assert "95% CI –" in table and "missing –" in table and "purchase 2" in table
@@ -631,12 +749,26 @@ def test_an_unfinished_view_counts_as_its_record() -> None:
     legacy = [json.loads(line) for line in (FIXTURES / "legacy_v4_traces.jsonl").read_text(encoding="utf-8").splitlines() if line]
     failed = [r for r in legacy if r.get("status") != "completed"]
     odd: list[dict[str, Any]] = [
-        {"episode_id": "e1", "status": "failed", "job": {"task_id": 7}, "error": {"type": "ReadTimeout"}, "failure_class": "infrastructure",
-         "started_at": "2026-01-01T00:00:00+00:00", "ended_at": "2026-01-01T00:01:00+00:00", "steps": [{"model": {"latency_ms": 5}}]},
+        {
+            "episode_id": "e1",
+            "status": "failed",
+            "job": {"task_id": 7},
+            "error": {"type": "ReadTimeout"},
+            "failure_class": "infrastructure",
+            "started_at": "2026-01-01T00:00:00+00:00",
+            "ended_at": "2026-01-01T00:01:00+00:00",
+            "steps": [{"model": {"latency_ms": 5}}],
+        },
         {"episode_id": "e2", "status": "failed", "job": {"task_id": True}, "error": "not an object", "failure_class": None},
         {"episode_id": "e3", "status": "failed", "job": None, "failure_class": "policy", "ended_at": "bad time"},
-        {"episode_id": "e4", "schema_version": TRACE_SCHEMA_VERSION, "status": "completed", "final": {"done": False, "reward": 1.0},
-         "job": {"task_id": 9}, "error": {"type": None}},
+        {
+            "episode_id": "e4",
+            "schema_version": TRACE_SCHEMA_VERSION,
+            "status": "completed",
+            "final": {"done": False, "reward": 1.0},
+            "job": {"task_id": 9},
+            "error": {"type": None},
+        },
     ]
     records = failed + odd
     assert len(failed) >= 1

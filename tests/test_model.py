@@ -95,7 +95,9 @@ def stream_chunks(*deltas: dict[str, Any], finish: str = "tool_calls", usage: di
         for d in deltas
     ]
     chunks.append({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
-    chunks.append({"id": "chatcmpl-s", "choices": [], "usage": usage or {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}})
+    chunks.append(
+        {"id": "chatcmpl-s", "choices": [], "usage": usage or {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}}
+    )
     return chunks
 
 

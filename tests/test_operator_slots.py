@@ -36,8 +36,9 @@ def full(bed: LocalTestbed) -> Iterator[LocalTestbed]:
 
 
 def shopsimrl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shopsimrl", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "shopsimrl", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
 
 
 def test_env_slots_shows_the_pool(full: LocalTestbed) -> None:

@@ -38,8 +38,11 @@ def test_retries_until_success_with_doubling_delays_and_reports_each_retry() -> 
     sleeps: list[float] = []
     retried: list[tuple[int, str, float]] = []
     result = retry_sync(
-        call, Backoff(attempts=5, base_delay_s=0.5), retryable=lambda exc: isinstance(exc, Flaky),
-        on_retry=lambda a: retried.append((a.number, str(a.error), a.delay_s)), sleep=sleeps.append,
+        call,
+        Backoff(attempts=5, base_delay_s=0.5),
+        retryable=lambda exc: isinstance(exc, Flaky),
+        on_retry=lambda a: retried.append((a.number, str(a.error), a.delay_s)),
+        sleep=sleeps.append,
     )
     assert result == "done" and calls == [1, 2, 3]
     assert sleeps == [0.5, 1.0] and retried == [(1, "failure 1", 0.5), (2, "failure 2", 1.0)]
@@ -49,8 +52,13 @@ def test_an_error_that_is_not_retryable_is_raised_at_once_even_with_a_translatio
     calls, call = failing(1, Fatal)
     sleeps: list[float] = []
     with pytest.raises(Fatal, match="failure 1"):
-        retry_sync(call, Backoff(attempts=5), retryable=lambda exc: isinstance(exc, Flaky),
-                   exhausted=lambda a, s: RuntimeError("never"), sleep=sleeps.append)
+        retry_sync(
+            call,
+            Backoff(attempts=5),
+            retryable=lambda exc: isinstance(exc, Flaky),
+            exhausted=lambda a, s: RuntimeError("never"),
+            sleep=sleeps.append,
+        )
     assert calls == [1] and sleeps == []
 
 
@@ -66,7 +74,9 @@ def test_exhausted_attempts_raise_the_last_error_or_its_translation() -> None:
         return RuntimeError(f"gave up after {last.number}: {last.error}")
 
     with pytest.raises(RuntimeError, match="gave up after 2: failure 2") as info:
-        retry_sync(call, Backoff(attempts=2, base_delay_s=0), retryable=lambda exc: True, exhausted=translate, sleep=lambda s: None)
+        retry_sync(
+            call, Backoff(attempts=2, base_delay_s=0), retryable=lambda exc: True, exhausted=translate, sleep=lambda s: None
+        )
     # No cause unless the translation names one: the last error's text may hold a secret.
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
@@ -75,7 +85,9 @@ def test_the_budget_stops_a_retry_that_would_end_past_it() -> None:
     calls, call = failing(10)
     sleeps: list[float] = []
     with pytest.raises(Flaky):
-        retry_sync(call, Backoff(attempts=100, base_delay_s=100.0, budget_s=250.0), retryable=lambda exc: True, sleep=sleeps.append)
+        retry_sync(
+            call, Backoff(attempts=100, base_delay_s=100.0, budget_s=250.0), retryable=lambda exc: True, sleep=sleeps.append
+        )
     # The sleeps are recorded, not slept: the budget sees only the real seconds of the calls
     # (far below the 50 s of margin), so 100 and 200 s fit and 400 s would end past 250 s.
     assert sleeps == [100.0, 200.0] and calls == [1, 2, 3]
@@ -96,8 +108,16 @@ def test_retry_after_replaces_the_backoff_and_is_capped() -> None:
             raise answer
         return "ok"
 
-    assert retry_sync(call, Backoff(attempts=5, base_delay_s=1.0, max_delay_s=30.0), retryable=lambda exc: True,
-                      retry_after=lambda exc: exc.after, sleep=sleeps.append) == "ok"  # type: ignore[attr-defined]
+    assert (
+        retry_sync(
+            call,
+            Backoff(attempts=5, base_delay_s=1.0, max_delay_s=30.0),
+            retryable=lambda exc: True,
+            retry_after=lambda exc: exc.after,
+            sleep=sleeps.append,
+        )
+        == "ok"
+    )  # type: ignore[attr-defined]
     assert sleeps == [7.0, 30.0, 4.0]  # the third falls back to base · 2^2
 
 

@@ -16,9 +16,16 @@ JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in (1, 2, 
 
 
 def trace(job: EpisodeJob, status: str, failure_class: str | None = None, reward: float = 1.0) -> dict:
-    return {"schema_version": "shopsimrl-episode-v4", "episode_id": job.episode_id, "status": status,
-            "job": job.to_dict(), "final": {"done": True, "reward": reward} if status == "completed" else None,
-            "steps": [], "error": None if status == "completed" else {"type": "X"}, "failure_class": failure_class}
+    return {
+        "schema_version": "shopsimrl-episode-v4",
+        "episode_id": job.episode_id,
+        "status": status,
+        "job": job.to_dict(),
+        "final": {"done": True, "reward": reward} if status == "completed" else None,
+        "steps": [],
+        "error": None if status == "completed" else {"type": "X"},
+        "failure_class": failure_class,
+    }
 
 
 class ScriptedRuntime:

@@ -21,7 +21,11 @@ def test_json_safe_replaces_what_canonical_json_refuses() -> None:
 
 def test_job_records_are_validated() -> None:
     assert EpisodeJob.from_dict({"task_id": 1, "sample_id": 0, "seed": 5, "split": "val"}).episode_id == "task-000001__sample-000"
-    for bad in ({"task_id": -1, "sample_id": 0, "seed": 5, "split": "val"}, {"task_id": 1}, {"task_id": True, "sample_id": 0, "seed": 1, "split": "v"}):
+    for bad in (
+        {"task_id": -1, "sample_id": 0, "seed": 5, "split": "val"},
+        {"task_id": 1},
+        {"task_id": True, "sample_id": 0, "seed": 1, "split": "v"},
+    ):
         try:
             EpisodeJob.from_dict(bad)
         except TraceFormatError:
@@ -31,7 +35,10 @@ def test_job_records_are_validated() -> None:
 
 def test_public_surface_is_pinned() -> None:
     assert sorted(schemas.__all__) == sorted(
-        name for name in vars(schemas) if not name.startswith("_") and name.isidentifier()
+        name
+        for name in vars(schemas)
+        if not name.startswith("_")
+        and name.isidentifier()
         and getattr(getattr(schemas, name), "__module__", "shopsimrl.schemas") == "shopsimrl.schemas"
         and name not in {"annotations", "Any", "Literal", "TraceStatus"}
         and not isinstance(getattr(schemas, name), type(schemas))
@@ -40,17 +47,30 @@ def test_public_surface_is_pinned() -> None:
 
 def test_redaction_keeps_everything_else_verbatim() -> None:
     assert redact_uri("http://u:p@[::1]:8080/v1") == "http://[::1]:8080/v1"
-    assert redact_uri("https://Host.Example:443/v1?flag&design=x&access_token=abc;v") == "https://Host.Example:443/v1?flag&design=x&access_token=REDACTED"
+    assert (
+        redact_uri("https://Host.Example:443/v1?flag&design=x&access_token=abc;v")
+        == "https://Host.Example:443/v1?flag&design=x&access_token=REDACTED"
+    )
     assert redact_uri("https://h/v1?sig=1&author=me&monkey=2") == "https://h/v1?sig=REDACTED&author=me&monkey=2"
 
 
 # Fingerprints identify existing runs: a change to canonical JSON (key order, separators, float
 # or escape formatting) would make every frozen run refuse its own config (exit 42).
 REFERENCE_PLAN = {
-    "pipeline_version": "shopsimrl-v0.5", "fingerprint_version": "semantic-plan-v2", "experiment": "réf “plan”",
-    "model_id": "qwen", "model": {"model": "Qwen/Qwen3.5-4B", "checkpoint_id": None,
-                                  "sampling": {"temperature": 0.7, "top_p": 1e-05, "max_tokens": 512,
-                                               "extra_body": {"min_p": 0.05, "big": 12345678901234567890}}},
+    "pipeline_version": "shopsimrl-v0.5",
+    "fingerprint_version": "semantic-plan-v2",
+    "experiment": "réf “plan”",
+    "model_id": "qwen",
+    "model": {
+        "model": "Qwen/Qwen3.5-4B",
+        "checkpoint_id": None,
+        "sampling": {
+            "temperature": 0.7,
+            "top_p": 1e-05,
+            "max_tokens": 512,
+            "extra_body": {"min_p": 0.05, "big": 12345678901234567890},
+        },
+    },
     "task_split": {"name": "val", "task_count": 3, "task_ids_sha256": "ab" * 32},
     "runtime": {"max_steps": 30, "ratio": 1e16, "negative": -0.0, "tab\tkey": "line\nbreak\u2028\x7f😀"},
     "jobs": [{"task_id": t, "sample_id": s, "seed": t * 7 + s, "split": "val"} for t in (1, 2, 3) for s in (0, 1)],

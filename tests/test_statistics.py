@@ -28,20 +28,28 @@ TASKS = 40
 REPLICATIONS = 600
 
 
-def record(task_id: int, sample_id: int, reward: float | None, success: int | None = None, *,
-           failure_class: str | None = None) -> dict[str, Any]:
+def record(
+    task_id: int, sample_id: int, reward: float | None, success: int | None = None, *, failure_class: str | None = None
+) -> dict[str, Any]:
     """A minimal v4 record: completed with a reward, or failed with ``failure_class``."""
     failed = failure_class is not None
     final = None
     if not failed:
         success = int(reward == 1.0) if success is None else success
-        final = {"done": True, "reward": reward, "termination_reason": "purchase",
-                 "reward_detail": {"r_strict": reward, "r_success": success}}
+        final = {
+            "done": True,
+            "reward": reward,
+            "termination_reason": "purchase",
+            "reward_detail": {"r_strict": reward, "r_success": success},
+        }
     return {
-        "schema_version": TRACE_SCHEMA_VERSION, "episode_id": f"task-{task_id:06d}__sample-{sample_id:03d}",
+        "schema_version": TRACE_SCHEMA_VERSION,
+        "episode_id": f"task-{task_id:06d}__sample-{sample_id:03d}",
         "status": "failed" if failed else "completed",
         "job": {"task_id": task_id, "sample_id": sample_id, "seed": 1, "split": "val"},
-        "steps": [], "final": final, "failure_class": failure_class,
+        "steps": [],
+        "final": final,
+        "failure_class": failure_class,
         "error": {"stage": "model_step_1", "type": "X", "message": "m"} if failed else None,
     }
 
@@ -194,8 +202,12 @@ def test_summary_reports_pass_k_per_task_with_repeats() -> None:
 
 def test_intent_to_treat_counts_every_non_infrastructure_failure_as_zero() -> None:
     records = [record(t, 0, 1.0) for t in range(6)]
-    records += [record(6, 0, None, failure_class="model_error"), record(7, 0, None, failure_class="runtime_error"),
-                record(8, 0, None, failure_class="environment_error"), record(9, 0, None, failure_class="infrastructure")]
+    records += [
+        record(6, 0, None, failure_class="model_error"),
+        record(7, 0, None, failure_class="runtime_error"),
+        record(8, 0, None, failure_class="environment_error"),
+        record(9, 0, None, failure_class="infrastructure"),
+    ]
     summary = summarize_traces(records)
     assert summary["primary"]["reward_mean"] == 1.0 and summary["counts"]["scored"] == 6
     itt = summary["intent_to_treat"]

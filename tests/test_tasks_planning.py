@@ -36,8 +36,12 @@ def test_golden_vectors() -> None:
 def test_e1_sampled_plan_matches_reference() -> None:
     jobs = build_jobs(EvaluationPlan(split="val", task_ids=(2, 5, 9, 11), seed=42, sample_size=2, repeats=3))
     assert [(j.task_id, j.sample_id, j.seed) for j in jobs] == [
-        (2, 0, 601474708), (2, 1, 2538819599), (2, 2, 3494624964),
-        (11, 0, 2306725763), (11, 1, 1700471070), (11, 2, 1228260246),
+        (2, 0, 601474708),
+        (2, 1, 2538819599),
+        (2, 2, 3494624964),
+        (11, 0, 2306725763),
+        (11, 1, 1700471070),
+        (11, 2, 1228260246),
     ]
     assert {j.sample_id for j in jobs} == {0, 1, 2}
     assert len({j.seed for j in jobs}) == 6
@@ -124,7 +128,9 @@ def test_planning_is_identical_across_processes() -> None:
         "print(json.dumps([x.to_dict() for x in j]))"
     )
     outputs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed}).stdout
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed}
+        ).stdout
         for seed in ("1", "2")
     }
     assert len(outputs) == 1
@@ -132,15 +138,19 @@ def test_planning_is_identical_across_processes() -> None:
     assert len(jobs) == 1000 and jobs[0].seed == episode_seed(20260830, jobs[0].task_id, 0)
 
 
-
 def test_test_guard_cannot_be_sidestepped(tmp_path: Path) -> None:
-    path = write(tmp_path / "s.json", {"splits": {
-        "Held": {"task_ids": [1, 2], "role": "Test"},
-        "copy": {"task_ids": [2, 3], "role": "val"},
-        "clean": {"task_ids": [4, 5], "role": "val"},
-        "TEST": {"task_ids": [9]},
-    }})
-    assert load_task_split(path, "Held").is_test      # role in another case
-    assert load_task_split(path, "copy").is_test      # re-lists a held-out task under another role
-    assert load_task_split(path, "TEST").is_test      # the name, in another case
+    path = write(
+        tmp_path / "s.json",
+        {
+            "splits": {
+                "Held": {"task_ids": [1, 2], "role": "Test"},
+                "copy": {"task_ids": [2, 3], "role": "val"},
+                "clean": {"task_ids": [4, 5], "role": "val"},
+                "TEST": {"task_ids": [9]},
+            }
+        },
+    )
+    assert load_task_split(path, "Held").is_test  # role in another case
+    assert load_task_split(path, "copy").is_test  # re-lists a held-out task under another role
+    assert load_task_split(path, "TEST").is_test  # the name, in another case
     assert not load_task_split(path, "clean").is_test

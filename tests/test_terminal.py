@@ -82,10 +82,14 @@ def test_help_at_80_columns_shows_every_option_whole(path: list[str], command: A
     result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"}, prog_name="shopsimrl")
     assert result.exit_code == 0, result.output
     text = result.output
-    names = [name for param in command.params if param.param_type_name == "option" for name in (*param.opts, *param.secondary_opts)]
+    names = [
+        name for param in command.params if param.param_type_name == "option" for name in (*param.opts, *param.secondary_opts)
+    ]
     assert names, path
     for name in names:
-        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), f"{name} is not shown whole in `{' '.join(path)} --help`:\n{text}"
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), (
+            f"{name} is not shown whole in `{' '.join(path)} --help`:\n{text}"
+        )
     assert "<bool>" not in text and "…" not in text
     assert max(map(len, text.splitlines())) <= 80, text
 
@@ -113,7 +117,9 @@ def test_plan_prints_a_table_and_json_with_the_flag() -> None:
     assert "model" in lines and re.search(r"^  sampling\.temperature\s+0\.6$", table.stdout, re.M)
     assert "first 5 of 400 episodes" in lines
     for job in report["first_jobs"]:
-        assert re.search(rf"^  {job['episode_id']}\s+{job['task_id']}\s+{job['sample_id']}\s+{job['seed']}\s+val$", table.stdout, re.M)
+        assert re.search(
+            rf"^  {job['episode_id']}\s+{job['task_id']}\s+{job['sample_id']}\s+{job['seed']}\s+val$", table.stdout, re.M
+        )
 
 
 def test_summarize_on_a_sharded_run_points_to_reduce(tmp_path: Path) -> None:
@@ -134,7 +140,9 @@ def test_summarize_on_a_sharded_run_points_to_reduce(tmp_path: Path) -> None:
 def test_a_bad_log_setting_is_bad_input_naming_the_variable(variable: str, value: str) -> None:
     result = cli("plan", "configs/qwen35_4b_val.yaml", env=clean_env(**{variable: value}))
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: invalid environment variable {variable}"), result.stderr
+    assert (
+        result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: invalid environment variable {variable}")
+    ), result.stderr
 
 
 def test_quiet_and_verbose_exclude_each_other() -> None:
@@ -250,7 +258,10 @@ def test_sharded_progress_follows_restarts_retries_and_committed_shards() -> Non
     progress = ShardedRunProgress([4, 4, 4], enabled=True, console=terminal_console(buffer))
 
     def finished(shard: int, episode: str, status: str = "completed", will_retry: bool = False, reward: float = 1.0) -> None:
-        progress.on_worker_event(shard, {"event": "episode_finished", "episode_id": episode, "status": status, "reward": reward, "will_retry": will_retry})
+        progress.on_worker_event(
+            shard,
+            {"event": "episode_finished", "episode_id": episode, "status": status, "reward": reward, "will_retry": will_retry},
+        )
 
     with progress:
         progress.on_worker_event(0, {"event": "shard_resumed", "jobs": 4, "completed": 1})
@@ -328,7 +339,9 @@ def test_a_sharded_run_on_a_terminal_shows_one_bar_over_all_shards(bed: LocalTes
     assert_logs_above_the_bar(lines, expected_logs=6)
     assert any(BAR.search(line) and "6 + 6 / 12" in line for line in lines), "\n".join(lines)
     episode_lines = [line for line in lines if "episode_finished" in line]
-    assert len(episode_lines) == 6 and all("[debug" in line and "shard=1" in line for line in episode_lines), "\n".join(episode_lines)
+    assert len(episode_lines) == 6 and all("[debug" in line and "shard=1" in line for line in episode_lines), "\n".join(
+        episode_lines
+    )
 
 
 class Coordinator:
@@ -419,7 +432,9 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_sigterm_to_the_coordinator_stops_every_worker_and_frees_their_leases(slow_bed: LocalTestbed, tmp_path: Path) -> None:
     config = write_config(tmp_path, name="term", sample_size=12, concurrency=2)
-    coordinator = Coordinator([*SHOPSIMRL, "run", str(config), "--shards", "2", "--run", str(tmp_path / "run")], bed_env(slow_bed))
+    coordinator = Coordinator(
+        [*SHOPSIMRL, "run", str(config), "--shards", "2", "--run", str(tmp_path / "run")], bed_env(slow_bed)
+    )
     for shard in (0, 1):
         coordinator.wait_for(lambda line, shard=shard: "lease budget" in line and f"shard={shard}" in line)
     coordinator.process.send_signal(signal.SIGTERM)

@@ -15,11 +15,19 @@ from shopsimrl.sharded.worker import commit_shard
 from shopsimrl.traces import Verdict, WinnerPicker, encode_trace_line, trace_skeleton
 
 
-def record(episode_id: str, status: str, *, attempt: int | None = None, ended_at: str | None = None, error: str = "") -> dict[str, Any]:
-    rec: dict[str, Any] = {"schema_version": "shopsimrl-episode-v4", "episode_id": episode_id, "status": status,
-                           "final": {"done": True, "reward": 1.0} if status == "completed" else None,
-                           "ended_at": ended_at, "error": {"type": error} if error else None,
-                           "failure_class": None if status == "completed" else "infrastructure", "steps": []}
+def record(
+    episode_id: str, status: str, *, attempt: int | None = None, ended_at: str | None = None, error: str = ""
+) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "schema_version": "shopsimrl-episode-v4",
+        "episode_id": episode_id,
+        "status": status,
+        "final": {"done": True, "reward": 1.0} if status == "completed" else None,
+        "ended_at": ended_at,
+        "error": {"type": error} if error else None,
+        "failure_class": None if status == "completed" else "infrastructure",
+        "steps": [],
+    }
     if attempt is not None:
         rec["attempt"] = attempt
     return rec
@@ -42,14 +50,24 @@ def winners(records: list[dict[str, Any]]) -> tuple[dict[str, str], list[str], l
     ("records", "winner", "superseded"),
     [
         # a completed record beats every unfinished attempt, even one with a higher attempt number
-        ([record("e", "failed", attempt=1), record("e", "completed", attempt=2), record("e", "failed", attempt=3)], "#1", ["#0", "#2"]),
+        (
+            [record("e", "failed", attempt=1), record("e", "completed", attempt=2), record("e", "failed", attempt=3)],
+            "#1",
+            ["#0", "#2"],
+        ),
         # the first completed record in reading order wins; the next one is a duplicate, not superseded
         ([record("e", "completed", attempt=2), record("e", "completed", attempt=1)], "#0", []),
         # no completed record: the highest attempt, whatever the reading order
         ([record("e", "failed", attempt=3), record("e", "failed", attempt=2)], "#0", ["#1"]),
         # same attempt (two writers of one shard): the later ended_at
-        ([record("e", "failed", attempt=1, ended_at="2026-01-01T00:00:02+00:00"),
-          record("e", "failed", attempt=1, ended_at="2026-01-01T00:00:01+00:00")], "#0", ["#1"]),
+        (
+            [
+                record("e", "failed", attempt=1, ended_at="2026-01-01T00:00:02+00:00"),
+                record("e", "failed", attempt=1, ended_at="2026-01-01T00:00:01+00:00"),
+            ],
+            "#0",
+            ["#1"],
+        ),
         # records of the earlier implementation (no attempt, no ended_at): the one read later
         ([record("e", "failed"), record("e", "failed")], "#1", ["#0"]),
     ],
@@ -61,11 +79,23 @@ def test_the_winner_rule(records: list[dict[str, Any]], winner: str, superseded:
 
 def test_verdicts_and_the_order_of_unfinished_winners() -> None:
     picker: WinnerPicker[str] = WinnerPicker()
-    offers = [picker.offer(rec, tag) for rec, tag in [
-        (record("b", "failed", attempt=1), "b1"), (record("a", "failed", attempt=1), "a1"),
-        (record("c", "completed"), "c1"), (record("c", "completed"), "c2"), (record("b", "failed", attempt=2), "b2"),
-    ]]
-    assert [o.verdict for o in offers] == [Verdict.UNFINISHED, Verdict.UNFINISHED, Verdict.COMPLETED, Verdict.DUPLICATE, Verdict.UNFINISHED]
+    offers = [
+        picker.offer(rec, tag)
+        for rec, tag in [
+            (record("b", "failed", attempt=1), "b1"),
+            (record("a", "failed", attempt=1), "a1"),
+            (record("c", "completed"), "c1"),
+            (record("c", "completed"), "c2"),
+            (record("b", "failed", attempt=2), "b2"),
+        ]
+    ]
+    assert [o.verdict for o in offers] == [
+        Verdict.UNFINISHED,
+        Verdict.UNFINISHED,
+        Verdict.COMPLETED,
+        Verdict.DUPLICATE,
+        Verdict.UNFINISHED,
+    ]
     assert offers[4].loser == "b1" and picker.completed == {"c": "c1"}
     assert picker.unfinished() == ["a1", "b2"]  # in the reading order of the winning records
 
@@ -76,15 +106,21 @@ def test_both_run_stores_pick_the_same_winners(tmp_path: Path) -> None:
     jobs = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in (1, 2)]
     first, second = (job.episode_id for job in jobs)
     records = [
-        record(first, "failed", attempt=3, error="Third"), record(first, "failed", attempt=2, error="Second"),
-        record(second, "failed", attempt=1, error="Early"), record(second, "completed", attempt=2),
+        record(first, "failed", attempt=3, error="Third"),
+        record(first, "failed", attempt=2, error="Second"),
+        record(second, "failed", attempt=1, error="Early"),
+        record(second, "completed", attempt=2),
         record(second, "completed", attempt=3),
     ]
     local = LocalRunStore(tmp_path / "local")
     for rec in records:
         local.save_trace(rec)
     index = local.load_index()
-    local_winners = {(r["episode_id"], r["status"], (r["error"] or {}).get("type"), r["attempt"]) for won, r in local.iter_records(index) if won}
+    local_winners = {
+        (r["episode_id"], r["status"], (r["error"] or {}).get("type"), r["attempt"])
+        for won, r in local.iter_records(index)
+        if won
+    }
     assert local_winners == {(first, "failed", "Third", 3), (second, "completed", None, 2)}
 
     plan = {"experiment": "x", "jobs": [job.to_dict() for job in jobs]}

@@ -44,7 +44,10 @@ def start_testbed(**knobs: str) -> Iterator[LocalTestbed]:
     shop_port, policy_port = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "shopsimrl", "testbed", "up", "--shop-port", str(shop_port), "--policy-port", str(policy_port)],
-        cwd=ROOT, env={**os.environ, **knobs}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env={**os.environ, **knobs},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     bed = LocalTestbed(f"http://127.0.0.1:{shop_port}", f"http://127.0.0.1:{policy_port}/v1", process)
     try:
@@ -67,13 +70,15 @@ def start_testbed(**knobs: str) -> Iterator[LocalTestbed]:
             process.kill()
 
 
-def write_config(directory: Path, *, name: str, sample_size: int, concurrency: int = 4, extra_model: str = "", max_steps: int = 30) -> Path:
+def write_config(
+    directory: Path, *, name: str, sample_size: int, concurrency: int = 4, extra_model: str = "", max_steps: int = 30
+) -> Path:
     """A testbed config in ``directory`` with absolute paths (runs land in ``directory/runs``)."""
     path = directory / f"{name}.yaml"
     path.write_text(
         f"""
-experiment: {{name: {name}, output_dir: {directory / 'runs'}, seed: 20260830, concurrency: {concurrency}}}
-tasks: {{split_file: {ROOT / 'configs/splits/persona_splits.v1.json'}, split: val, sample_size: {sample_size}}}
+experiment: {{name: {name}, output_dir: {directory / "runs"}, seed: 20260830, concurrency: {concurrency}}}
+tasks: {{split_file: {ROOT / "configs/splits/persona_splits.v1.json"}, split: val, sample_size: {sample_size}}}
 environment: {{base_url: http://127.0.0.1:1}}
 runtime: {{max_steps: {max_steps}, max_episode_retries: 2}}
 model:

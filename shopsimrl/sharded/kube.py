@@ -171,10 +171,7 @@ class JobReport:
             "active": format_index_ranges(self.active),
             "pending": format_index_ranges(self.pending),
             "counts": {state.value: len(self._with(state)) for state in IndexState},
-            "indexes": [
-                {"index": s.index, "state": s.state.value, "pods": s.pods, "failures": s.failures}
-                for s in self.indexes
-            ],
+            "indexes": [{"index": s.index, "state": s.state.value, "pods": s.pods, "failures": s.failures} for s in self.indexes],
             "failures": [f.to_dict() for f in self.failures],
         }
 
@@ -406,9 +403,7 @@ def release_selector(release: str) -> str:
     return f"app.kubernetes.io/instance={release},app.kubernetes.io/component=worker"
 
 
-def api_clients(
-    *, kubeconfig: str | None = None, context: str | None = None
-) -> tuple[k8s.BatchV1Api, k8s.CoreV1Api]:
+def api_clients(*, kubeconfig: str | None = None, context: str | None = None) -> tuple[k8s.BatchV1Api, k8s.CoreV1Api]:
     """API clients from the pod's service account, else from the kubeconfig."""
     api_client: k8s.ApiClient | None = None
     if kubeconfig is None and context is None:
@@ -421,9 +416,7 @@ def api_clients(
         try:
             api_client = k8s_config.new_client_from_config(config_file=kubeconfig, context=context)
         except (k8s_config.ConfigException, OSError) as exc:
-            raise KubeUnavailableError(
-                f"no Kubernetes access: not in a cluster and no usable kubeconfig ({exc})"
-            ) from exc
+            raise KubeUnavailableError(f"no Kubernetes access: not in a cluster and no usable kubeconfig ({exc})") from exc
     return k8s.BatchV1Api(api_client), k8s.CoreV1Api(api_client)
 
 

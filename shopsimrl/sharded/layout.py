@@ -91,6 +91,7 @@ _ZSTD_LEVEL = 3
 """zstd level of the parts: ratio 15 on testbed traces at ~350 MB/s to compress and ~1 GB/s to
 read back; higher levels gain little ratio for a fraction of the speed (docs/benchmarks.md)."""
 
+
 class ShardMapError(ValueError):
     """shards.json is unreadable or disagrees with the requested shard count (exit 2)."""
 
@@ -197,7 +198,9 @@ class ShardMap:
             version = data.get("schema_version") if isinstance(data, dict) else None
             raise ShardMapError(f"{where}: not a shard map of version {SHARD_MAP_SCHEMA_VERSION} (schema_version {version!r})")
         if data.get("assignment") != SHARD_ASSIGNMENT:
-            raise ShardMapError(f"{where}: unknown shard assignment {data.get('assignment')!r}; this shopsimrl knows {SHARD_ASSIGNMENT}")
+            raise ShardMapError(
+                f"{where}: unknown shard assignment {data.get('assignment')!r}; this shopsimrl knows {SHARD_ASSIGNMENT}"
+            )
         shards = data.get("shards")
         count = data.get("count")
         if not isinstance(count, int) or not isinstance(shards, list) or len(shards) != count:
@@ -208,12 +211,18 @@ class ShardMap:
             if not isinstance(episode_ids, list) or entry.get("index") != i:
                 raise ShardMapError(f"{where}: shards[{i}] needs 'index' {i} and an 'episode_ids' list")
             if fingerprint(episode_ids) != entry.get("episode_ids_sha256"):
-                raise ShardMapError(f"{where}: shards[{i}].episode_ids_sha256 does not match its episode ids; the file was edited")
+                raise ShardMapError(
+                    f"{where}: shards[{i}].episode_ids_sha256 does not match its episode ids; the file was edited"
+                )
             ids.append(episode_ids)
         manifest_sha, plan_ids_sha = data.get("manifest_sha256"), data.get("episode_ids_sha256")
         return cls(
-            count, str(data.get("plan_fingerprint")), ids, data["assignment"],
-            manifest_sha if isinstance(manifest_sha, str) else None, plan_ids_sha if isinstance(plan_ids_sha, str) else None,
+            count,
+            str(data.get("plan_fingerprint")),
+            ids,
+            data["assignment"],
+            manifest_sha if isinstance(manifest_sha, str) else None,
+            plan_ids_sha if isinstance(plan_ids_sha, str) else None,
         )
 
 
@@ -492,7 +501,9 @@ def scan_shard(
 def check_shard_map(shard_map: ShardMap, jobs: Sequence[EpisodeJob], plan_fingerprint: str, where: str) -> None:
     """The one check that shards.json is the plan's shard map (worker, reducer and status)."""
     if shard_map.plan_fingerprint != plan_fingerprint:
-        raise ShardMapError(f"{where}/shards.json belongs to plan {shard_map.plan_fingerprint[:12]}…, not {plan_fingerprint[:12]}…")
+        raise ShardMapError(
+            f"{where}/shards.json belongs to plan {shard_map.plan_fingerprint[:12]}…, not {plan_fingerprint[:12]}…"
+        )
     try:
         expected = _assign([job.episode_id for job in jobs], shard_map.count)
     except PlanError as exc:

@@ -56,7 +56,13 @@ _REPORTED_CODES = _FINAL_CODES | {int(ExitCode.EPISODES_FAILED)}
 
 # One line per episode attempt or per part: the progress bar stands for them at the default level.
 _RELAYED_AT_DEBUG = {"episode_finished", "part_written"}
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 # How long a finished worker's last lines may take to arrive before its outcome is logged.
 _DRAIN_S = 5.0
 
@@ -226,8 +232,11 @@ def run_indexed(
     # Where a worker logs if this process dies and its pipe closes: this process's own stderr.
     fallback_fd = os.dup(2)
     base_env = {
-        **os.environ, **(env or {}),
-        "SHOPSIMRL_LOG_FORMAT": "json", "SHOPSIMRL_LOG_LEVEL": worker_level, "SHOPSIMRL_LOG_FALLBACK_FD": str(fallback_fd),
+        **os.environ,
+        **(env or {}),
+        "SHOPSIMRL_LOG_FORMAT": "json",
+        "SHOPSIMRL_LOG_LEVEL": worker_level,
+        "SHOPSIMRL_LOG_FALLBACK_FD": str(fallback_fd),
     }
     outcomes = [IndexOutcome(i) for i in range(shards)]
     waiting = list(range(shards))  # indexes not yet started (or due for a restart)

@@ -70,12 +70,26 @@ class RunLocationError(ValueError):
 
 # Errors that mean "the request may never have been processed or the store is overloaded".
 _TRANSIENT_NAMES = {
-    "ConnectionError", "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError",
-    "TimeoutError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-    "ConnectionClosedError", "ClientConnectionError", "ServerDisconnectedError", "ClientOSError",
-    "ClientPayloadError", "ServerTimeoutError", "ResponseStreamingError", "IncompleteReadError",
+    "ConnectionError",
+    "ConnectionResetError",
+    "ConnectionAbortedError",
+    "BrokenPipeError",
+    "TimeoutError",
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ClientConnectionError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "ClientPayloadError",
+    "ServerTimeoutError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
 }
-_TRANSIENT_TEXT = re.compile(r"SlowDown|Throttl|ServiceUnavailable|\b50[0234]\b|InternalError|RequestTimeout|reduce your request rate", re.I)
+_TRANSIENT_TEXT = re.compile(
+    r"SlowDown|Throttl|ServiceUnavailable|\b50[0234]\b|InternalError|RequestTimeout|reduce your request rate", re.I
+)
 
 
 # How each backend answers a create-only write (``If-None-Match: *``) whose key exists, as s3fs
@@ -424,4 +438,3 @@ class ObjectStore:
                 self.fs.rm_file(path)
 
         self._call(f"delete {rel} in", rm)
-

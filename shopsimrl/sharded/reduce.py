@@ -91,8 +91,9 @@ def _read_parts(store: ShardedRunStore, index: int, names: list[str]) -> dict[st
     return held
 
 
-def _tally(parts: list[bytes], shard_ids: set[str], accumulator: SummaryAccumulator, result: _ShardResult,
-           not_in_plan_sample: list[str]) -> None:
+def _tally(
+    parts: list[bytes], shard_ids: set[str], accumulator: SummaryAccumulator, result: _ShardResult, not_in_plan_sample: list[str]
+) -> None:
     """One pass over the committed parts, in part order, through the winner rule of
     :mod:`shopsimrl.traces`: a completed winner is counted at once; an unfinished attempt waits
     (as a small view) until a completed record or a later attempt supersedes it; those still
@@ -182,7 +183,13 @@ def _reduce_shard(
     else:
         return result
     result.parts = len(names)
-    _tally([part[1] for part in (held[name] for name in names) if part is not None], shard_ids, accumulator, result, not_in_plan_sample)
+    _tally(
+        [part[1] for part in (held[name] for name in names) if part is not None],
+        shard_ids,
+        accumulator,
+        result,
+        not_in_plan_sample,
+    )
     return result
 
 
@@ -191,7 +198,9 @@ def _why_missing(result: _ShardResult) -> str:
         return "no commit marker verifies: " + (result.problems[0] if result.problems else "unknown")
     if result.listed_parts:
         return f"no commit marker; {result.listed_parts} parts written: the worker did not finish (still running, crashed or interrupted)"
-    return "no commit marker and no parts: the worker never wrote an episode (not started, or it failed before, e.g. in wait-ready)"
+    return (
+        "no commit marker and no parts: the worker never wrote an episode (not started, or it failed before, e.g. in wait-ready)"
+    )
 
 
 def reduce_run(
@@ -251,7 +260,11 @@ def reduce_run(
         summary["incomplete"] = {
             "reason": incomplete_reason or "not every shard has a verified commit marker",
             "missing_shards": [
-                {"shard": r.index, "state": r.state, "why": "; ".join(filter(None, [(missing_why or {}).get(r.index), _why_missing(r)]))}
+                {
+                    "shard": r.index,
+                    "state": r.state,
+                    "why": "; ".join(filter(None, [(missing_why or {}).get(r.index), _why_missing(r)])),
+                }
                 for r in missing
             ],
         }
@@ -273,7 +286,9 @@ class WaitResult:
 GiveUp = Callable[[list[int]], tuple[str, dict[int, str]] | None]
 
 
-def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float = 5.0, give_up: GiveUp | None = None) -> WaitResult:
+def wait_for_markers(
+    store: ShardedRunStore, *, timeout: float, interval: float = 5.0, give_up: GiveUp | None = None
+) -> WaitResult:
     """Poll until every shard has a marker, the timeout passes, or ``give_up`` (asked with the
     pending shards after every poll) returns a reason and per-shard notes: those shards will
     never commit (their Job indexes failed for good)."""
@@ -288,5 +303,7 @@ def wait_for_markers(store: ShardedRunStore, *, timeout: float, interval: float 
         if verdict is not None:
             return WaitResult(pending, verdict[0], verdict[1])
         if time.monotonic() + interval > deadline:
-            return WaitResult(pending, f"the reducer stopped waiting after {timeout:g} s (--timeout) with {len(pending)} shards uncommitted")
+            return WaitResult(
+                pending, f"the reducer stopped waiting after {timeout:g} s (--timeout) with {len(pending)} shards uncommitted"
+            )
         time.sleep(interval)

@@ -52,7 +52,8 @@ def shard_status(store: ShardedRunStore, *, now: datetime | None = None) -> dict
         markers = [
             marker
             for _, marker in store.read_markers(index, listing.markers)
-            if marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index)) is None
+            if marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index))
+            is None
         ]
         if markers:
             # Progress from the markers' own counts (the reducer verifies the parts): the one

@@ -246,7 +246,9 @@ def plan_run(prepared: Any, store: ShardedRunStore, shards: int | None) -> tuple
 
 def _terminated(signum: int, frame: object) -> None:
     # Outside the evaluation there is nothing buffered: stop where we are, with the retryable code.
-    raise _Stop(ExitCode.RETRYABLE, f"signal {signum} while planning or committing; finished episodes are saved, restart to resume")
+    raise _Stop(
+        ExitCode.RETRYABLE, f"signal {signum} while planning or committing; finished episodes are saved, restart to resume"
+    )
 
 
 def run_worker(options: WorkerOptions) -> ExitCode:
@@ -274,7 +276,9 @@ def _exit_code(options: WorkerOptions) -> ExitCode:
         return _run_worker(options)
     except _Stop as stop:
         _ignore_signals()  # already stopping: report, then exit
-        (log.warning if stop.code == ExitCode.RETRYABLE else log.error)("worker_stopped", exit_code=int(stop.code), reason=str(stop))
+        (log.warning if stop.code == ExitCode.RETRYABLE else log.error)(
+            "worker_stopped", exit_code=int(stop.code), reason=str(stop)
+        )
         return stop.code
     except FingerprintMismatchError as exc:
         _ignore_signals()
@@ -322,7 +326,9 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
         log.warning("parts_not_trusted", parts=sorted(check.distrusted))
         state = scan_shard(store, index, shard_ids, exclude=check.distrusted)
     if check.verified:
-        committed = {eid for marker in check.verified for part in marker["parts"] for eid in state.part_completed.get(part["name"], ())}
+        committed = {
+            eid for marker in check.verified for part in marker["parts"] for eid in state.part_completed.get(part["name"], ())
+        }
         if committed >= shard_ids:
             log.info("shard_already_committed", completed=len(jobs))
             return ExitCode.OK
@@ -346,8 +352,15 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
         outcome, written = _evaluate_in_processes(options, index, pending, state, loops, sharing, writer, plan_fp)
     else:
         sink = PartSink(
-            store, index, writer, state.next_seq, flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds,
-            plan_fingerprint=plan_fp, resumed=state.completed, heartbeat_seconds=settings.heartbeat_seconds,
+            store,
+            index,
+            writer,
+            state.next_seq,
+            flush_episodes=settings.flush_episodes,
+            flush_seconds=settings.flush_seconds,
+            plan_fingerprint=plan_fp,
+            resumed=state.completed,
+            heartbeat_seconds=settings.heartbeat_seconds,
         )
         sink.report_progress()
         outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, sharing))
@@ -358,7 +371,13 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
         raise _Stop(ExitCode.RETRYABLE, f"interrupted; finished episodes are saved in {store.display_uri}, restart to resume")
 
     marker, completed = commit_shard(
-        store, index, shard_map.episode_ids[index], plan_fp=plan_fp, writer=writer, state=state, exclude=check.distrusted,
+        store,
+        index,
+        shard_map.episode_ids[index],
+        plan_fp=plan_fp,
+        writer=writer,
+        state=state,
+        exclude=check.distrusted,
         written=written,
     )
     log.info("shard_committed", marker=marker, completed=completed, failed=len(jobs) - completed, config=config.name)
@@ -385,8 +404,14 @@ class _SliceSpec:
 
 
 def _evaluate_in_processes(
-    options: WorkerOptions, shard: int, pending: list[EpisodeJob], state: ShardState, loops: int, sharing: int,
-    session: str, plan_fingerprint: str,
+    options: WorkerOptions,
+    shard: int,
+    pending: list[EpisodeJob],
+    state: ShardState,
+    loops: int,
+    sharing: int,
+    session: str,
+    plan_fingerprint: str,
 ) -> tuple[str, list[WrittenPart]]:
     """Run ``pending`` in ``loops`` processes, job k in process k mod loops; each writes its own
     parts (its own writer id) and journals its own leases. Returns the combined outcome and the
@@ -399,11 +424,18 @@ def _evaluate_in_processes(
         if not ids:
             continue
         spec = _SliceSpec(
-            options=options, shard=shard, episode_ids=ids,
+            options=options,
+            shard=shard,
+            episode_ids=ids,
             prior_attempts={eid: state.attempts[eid] for eid in ids if eid in state.attempts},
-            writer=secrets.token_hex(4), first_seq=state.next_seq, sharing=sharing,
-            log_settings=current_settings(), parent=os.getpid(),
-            session=session, plan_fingerprint=plan_fingerprint, resumed=frozenset(state.completed),
+            writer=secrets.token_hex(4),
+            first_seq=state.next_seq,
+            sharing=sharing,
+            log_settings=current_settings(),
+            parent=os.getpid(),
+            session=session,
+            plan_fingerprint=plan_fingerprint,
+            resumed=frozenset(state.completed),
         )
         receive, send = context.Pipe(duplex=False)
         process = context.Process(target=_slice_main, args=(spec, send), name=f"shard-{shard}-loop-{k}", daemon=False)
@@ -465,9 +497,15 @@ def _slice_main(spec: _SliceSpec, send: Any) -> None:
         state = ShardState(attempts=dict(spec.prior_attempts))
         settings = options.settings
         sink = PartSink(
-            store, spec.shard, spec.writer, spec.first_seq,
-            flush_episodes=settings.flush_episodes, flush_seconds=settings.flush_seconds,
-            plan_fingerprint=spec.plan_fingerprint, resumed=spec.resumed, session=spec.session,
+            store,
+            spec.shard,
+            spec.writer,
+            spec.first_seq,
+            flush_episodes=settings.flush_episodes,
+            flush_seconds=settings.flush_seconds,
+            plan_fingerprint=spec.plan_fingerprint,
+            resumed=spec.resumed,
+            session=spec.session,
             heartbeat_seconds=settings.heartbeat_seconds,
         )
         sink.report_progress()
@@ -596,7 +634,10 @@ async def _evaluate(
         timer = asyncio.ensure_future(sink.flush_stale_parts())
         try:
             await start_lease_tracking(
-                environment, journal, concurrency=config.experiment.concurrency, processes=processes,
+                environment,
+                journal,
+                concurrency=config.experiment.concurrency,
+                processes=processes,
                 configured=config.environment.max_leases,
             )
             if not stop.requested:

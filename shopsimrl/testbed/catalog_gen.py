@@ -45,8 +45,15 @@ from .catalog_vocab import (
 )
 
 __all__ = [
-    "CATALOG_VERSION", "DEFAULT_OUT", "TOTAL_TASKS", "build_catalog", "catalog_bytes",
-    "default_splits_path", "load_persona_ids", "main", "read_catalog",
+    "CATALOG_VERSION",
+    "DEFAULT_OUT",
+    "TOTAL_TASKS",
+    "build_catalog",
+    "catalog_bytes",
+    "default_splits_path",
+    "load_persona_ids",
+    "main",
+    "read_catalog",
 ]
 
 CATALOG_VERSION = "shopsim-synthetic-catalog-v1"
@@ -60,16 +67,34 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "catalog.v1.json.gz"
 _OPENERS = ("我想买一{u}{n}", "帮我找一{u}{n}", "想入手一{u}{n}", "请帮我挑一{u}{n}", "打算买一{u}{n}", "在找一{u}{n}")
 _SIMPLE_OPENERS = ("想买一{u}{n}", "找一{u}{n}", "求推荐一{u}{n}", "想入手一{u}{n}", "帮忙挑一{u}{n}")
 _ATTR_LEADS = ("，要求", "，希望", "，最好", "，条件是", "，需要")
-_CONTEXTS = ("平时自己用", "准备送人", "家里旧的该换了", "想趁活动入手", "朋友推荐过这类", "之前那款用坏了",
-             "给家里人准备的", "第一次买这类东西")
+_CONTEXTS = (
+    "平时自己用",
+    "准备送人",
+    "家里旧的该换了",
+    "想趁活动入手",
+    "朋友推荐过这类",
+    "之前那款用坏了",
+    "给家里人准备的",
+    "第一次买这类东西",
+)
 _CLOSINGS = ("麻烦帮我挑一款合适的", "请帮我选一下", "尽量找靠谱的店铺", "谢谢", "急用，尽快下单", "直接帮我下单就好")
-_LONG_CLOSINGS = ("平时用得比较多，质量一定要靠谱", "看了好几家还没决定，麻烦帮我挑一款", "对这类东西不太懂，请按上面的条件选",
-                  "之前买过的不太满意，这次想选好一点的")
+_LONG_CLOSINGS = (
+    "平时用得比较多，质量一定要靠谱",
+    "看了好几家还没决定，麻烦帮我挑一款",
+    "对这类东西不太懂，请按上面的条件选",
+    "之前买过的不太满意，这次想选好一点的",
+)
 _SIMPLE_TAILS = ("自己用", "送人用", "急用", "家里用", "帮忙挑下")
 _FILLERS = (
-    "做工细致，细节经得起推敲", "品质稳定，售后有保障", "适合多种场景，满足日常所需",
-    "出厂前逐件检验", "用料扎实，手感出色", "设计简洁，容易上手", "口碑回购款，好评不断",
-    "支持七天无理由退换", "库存充足，当天发货",
+    "做工细致，细节经得起推敲",
+    "品质稳定，售后有保障",
+    "适合多种场景，满足日常所需",
+    "出厂前逐件检验",
+    "用料扎实，手感出色",
+    "设计简洁，容易上手",
+    "口碑回购款，好评不断",
+    "支持七天无理由退换",
+    "库存充足，当天发货",
 )
 _TITLE_EXTRAS = ("2025新款", "2024新款", "官方正品", "爆款", "热卖", "限时特惠", "品质款")
 
@@ -79,6 +104,7 @@ def _digest(*parts: object) -> str:
 
 
 # -- the reward's attribute matcher (token-set ratio over \W+-split, casefolded tokens) --
+
 
 def _token_set_ratio(a: str, b: str) -> int:
     ta = set(re.sub(r"\W+", " ", a.casefold()).split())
@@ -96,6 +122,7 @@ def _token_set_ratio(a: str, b: str) -> int:
 
 
 # -- prices --
+
 
 def _nice(x: float) -> float:
     """A shop-like price at or just below ``x``: 19.9, 299.0, 1999.0."""
@@ -126,6 +153,7 @@ def _cn_amount(n: int) -> str | None:
 
 
 # -- products --
+
 
 @dataclass
 class _Draft:
@@ -225,11 +253,24 @@ def _draft(leaf: Leaf, task_id: int, rng: random.Random, brands: list[str], word
         key, _, value = item.partition("：")
         head = f"【{key}】{value}，" if value else f"【{item}】"
         bullets.append(head + rng.choice(_FILLERS))
-    description = (f"{brand}{leaf.noun}，{'、'.join(tags)}。规格参数：{'；'.join(slot_attrs)}。"
-                   + "，".join(rng.sample(_FILLERS, 2)) + "。")
+    description = (
+        f"{brand}{leaf.noun}，{'、'.join(tags)}。规格参数：{'；'.join(slot_attrs)}。" + "，".join(rng.sample(_FILLERS, 2)) + "。"
+    )
     product_category = leaf.path if rng.random() < 0.3 else leaf.path.split("›")[-1]
-    return _Draft(task_id, leaf, brand, brand + rng.choice(SHOP_SUFFIXES), title, slot_attrs + tags,
-                  options, price_axis, base, bullets, description, product_category)
+    return _Draft(
+        task_id,
+        leaf,
+        brand,
+        brand + rng.choice(SHOP_SUFFIXES),
+        title,
+        slot_attrs + tags,
+        options,
+        price_axis,
+        base,
+        bullets,
+        description,
+        product_category,
+    )
 
 
 class _LeafIndex:
@@ -274,6 +315,7 @@ def _pick_goal_attrs(draft: _Draft, own: int, index: _LeafIndex, rng: random.Ran
 
 # -- instructions and personas --
 
+
 def _attr_phrase(attr: str, rng: random.Random) -> str:
     key, _, value = attr.partition("：")
     if not value:
@@ -298,8 +340,12 @@ def _budget(gold: float, rng: random.Random, persona: bool) -> tuple[str, str, f
     if kind == "range":
         low = max(step, top - step * rng.randint(1, 3))
         return f"价格在{low}-{top}元之间", f"{low}-{top}元", float(top)
-    full = {"within": f"预算在{top}元以内", "below": f"预算{top}元以下", "cap": f"价格不超过{top}元",
-            "cn_cap": f"预算不超过{cn}"}[kind]
+    full = {
+        "within": f"预算在{top}元以内",
+        "below": f"预算{top}元以下",
+        "cap": f"价格不超过{top}元",
+        "cn_cap": f"预算不超过{cn}",
+    }[kind]
     return full, f"{top}元以内", float(top)
 
 
@@ -338,8 +384,9 @@ def _price_rank_habit(d: _Draft, goal_opts: dict[str, str], upper: float | None)
     return None
 
 
-def _persona(d: _Draft, goal_attrs: list[str], goal_opts: dict[str, str], short_budget: str, upper: float | None,
-             rng: random.Random) -> tuple[str, dict[str, Any]]:
+def _persona(
+    d: _Draft, goal_attrs: list[str], goal_opts: dict[str, str], short_budget: str, upper: float | None, rng: random.Random
+) -> tuple[str, dict[str, Any]]:
     """(instruction_simple, user_persona): the short text names the kind and one or two goals; the
     profile describes the person, from which only some of the remaining goals can be inferred."""
     noun = d.leaf.noun
@@ -354,8 +401,9 @@ def _persona(d: _Draft, goal_attrs: list[str], goal_opts: dict[str, str], short_
         second = rng.choice(extra)
         named.append(second)
         axis, _, value = second.partition("：")
-        simple += "，" + (rng.choice(("要{v}的", "{a}选{v}")).format(a=axis, v=value) if axis in goal_opts
-                         else _mention(second, rng))
+        simple += "，" + (
+            rng.choice(("要{v}的", "{a}选{v}")).format(a=axis, v=value) if axis in goal_opts else _mention(second, rng)
+        )
     if len(simple) < 20:
         simple += "，" + rng.choice(_SIMPLE_TAILS)
 
@@ -398,8 +446,12 @@ def _persona(d: _Draft, goal_attrs: list[str], goal_opts: dict[str, str], short_
     others = sorted({leaf.path.split("›")[0] for leaf in LEAVES} - {domain})
     spend_lo = _budget_step(d.base_price) * rng.randint(1, 4)
     trade: dict[str, Any] = {
-        "近一年订单数": rng.randint(2, 120), "客单价区间": f"{spend_lo}-{spend_lo * 3}元", "价格敏感度": pick["价格敏感度"],
-        "常用支付方式": pick["支付方式"], "优惠偏好": pick["优惠偏好"], "近期购买": rng.sample(PAST_ITEMS, rng.randint(2, 4)),
+        "近一年订单数": rng.randint(2, 120),
+        "客单价区间": f"{spend_lo}-{spend_lo * 3}元",
+        "价格敏感度": pick["价格敏感度"],
+        "常用支付方式": pick["支付方式"],
+        "优惠偏好": pick["优惠偏好"],
+        "近期购买": rng.sample(PAST_ITEMS, rng.randint(2, 4)),
     }
     prefs: dict[str, Any] = {"风格倾向": pick["风格倾向"], "购买动机": pick["购买动机"]}
     if taste:
@@ -419,18 +471,30 @@ def _persona(d: _Draft, goal_attrs: list[str], goal_opts: dict[str, str], short_
         trade["消费习惯"] = habit
     profile: dict[str, Any] = {
         "用户ID": "U" + _digest("user", d.task_id)[:10].upper(),
-        "性别": pick["性别"], "年龄段": pick["年龄段"], "城市等级": pick["城市等级"], "职业": pick["职业"],
-        "会员等级": pick["会员等级"], "兴趣标签": rng.sample(INTERESTS, 3),
+        "性别": pick["性别"],
+        "年龄段": pick["年龄段"],
+        "城市等级": pick["城市等级"],
+        "职业": pick["职业"],
+        "会员等级": pick["会员等级"],
+        "兴趣标签": rng.sample(INTERESTS, 3),
     }
     if life:
         profile["生活情况"] = "；".join(life)
-    profile["行为特征"] = {"活跃时段": pick["活跃时段"], "浏览习惯": pick["浏览习惯"], "近30天访问次数": rng.randint(3, 80),
-                       "常逛类目": [domain, *rng.sample(others, 2)], "购物习惯": rng.sample(HABITS, 2)}
+    profile["行为特征"] = {
+        "活跃时段": pick["活跃时段"],
+        "浏览习惯": pick["浏览习惯"],
+        "近30天访问次数": rng.randint(3, 80),
+        "常逛类目": [domain, *rng.sample(others, 2)],
+        "购物习惯": rng.sample(HABITS, 2),
+    }
     profile["交易特征"] = trade
     profile["偏好"] = prefs
     wanted = goal_attrs + [f"{a}={v}" for a, v in goal_opts.items()]
-    profile["__reasoning__"] = (f"该用户近期多次浏览{noun}，购买动机为{pick['购买动机']}；本次目标：{'、'.join(wanted)}"
-                                + (f"；心理价位{short_budget}" if short_budget else "") + "。")
+    profile["__reasoning__"] = (
+        f"该用户近期多次浏览{noun}，购买动机为{pick['购买动机']}；本次目标：{'、'.join(wanted)}"
+        + (f"；心理价位{short_budget}" if short_budget else "")
+        + "。"
+    )
     return simple, profile
 
 
@@ -439,7 +503,7 @@ def _record(d: _Draft, goal_attrs: list[str], rng: random.Random, is_persona: bo
     if d.options:
         others = [a for a in d.options if a != d.price_axis]
         axes = ([d.price_axis] if d.price_axis else []) + [a for a in others if rng.random() < (0.45 if d.price_axis else 0.6)]
-        for axis in (axes or [rng.choice(list(d.options))]):
+        for axis in axes or [rng.choice(list(d.options))]:
             goal_opts[axis] = rng.choice(d.options[axis])[0]
     gold_price = d.base_price
     if d.price_axis:
@@ -465,26 +529,34 @@ def _record(d: _Draft, goal_attrs: list[str], rng: random.Random, is_persona: bo
     persona: dict[str, Any] | None = None
     if is_persona:
         # Persona text has its own generator so that its wording never shifts the goals of later tasks.
-        simple, persona = _persona(d, goal_attrs, goal_opts, short_budget, upper if has_budget else None,
-                                   random.Random(f"{_SEED}:persona:{d.task_id}"))
+        simple, persona = _persona(
+            d, goal_attrs, goal_opts, short_budget, upper if has_budget else None, random.Random(f"{_SEED}:persona:{d.task_id}")
+        )
 
     rec: dict[str, Any] = {
-        "asin": "", "title": d.title, "shop_name": d.shop_name, "category": d.leaf.path,
+        "asin": "",
+        "title": d.title,
+        "shop_name": d.shop_name,
+        "category": d.leaf.path,
         "product_category": d.product_category,
         "pricing": _pricing(d),
         "customization_options": {axis: [{"value": v, "price": p} for v, p in vals] for axis, vals in d.options.items()},
-        "attribute": d.attrs, "full_description": d.description, "small_description": d.bullets,
+        "attribute": d.attrs,
+        "full_description": d.description,
+        "small_description": d.bullets,
         "images": [],
-        "instructions": [{
-            "task_id": d.task_id,
-            "task_uid": "shopsim-" + _digest("task", d.task_id)[:24],
-            "instruction_index": 0,
-            "instruction": text,
-            "instruction_simple": simple,
-            "attributes": goal_attrs,
-            "instruction_options": [v.lower() for v in goal_opts.values()],
-            "price_upper": upper if (is_persona and has_budget) else None,
-        }],
+        "instructions": [
+            {
+                "task_id": d.task_id,
+                "task_uid": "shopsim-" + _digest("task", d.task_id)[:24],
+                "instruction_index": 0,
+                "instruction": text,
+                "instruction_simple": simple,
+                "attributes": goal_attrs,
+                "instruction_options": [v.lower() for v in goal_opts.values()],
+                "price_upper": upper if (is_persona and has_budget) else None,
+            }
+        ],
     }
     if persona is not None:
         rec["user_persona"] = persona
@@ -515,6 +587,7 @@ def _build_leaf(leaf: Leaf, task_ids: list[int], persona_ids: frozenset[int]) ->
 
 
 # -- catalog --
+
 
 def load_persona_ids(path: Path) -> list[int]:
     """All task ids of the ``splits`` of a persona split file, ascending; ValueError names the problem."""
@@ -550,7 +623,7 @@ def build_catalog(persona_ids: list[int], total: int = TOTAL_TASKS) -> list[dict
     random.Random(f"{_SEED}:assign").shuffle(order)
     records: list[dict[str, Any]] = []
     for k, leaf in enumerate(LEAVES):
-        records.extend(_build_leaf(leaf, sorted(order[k::len(LEAVES)]), persona))
+        records.extend(_build_leaf(leaf, sorted(order[k :: len(LEAVES)]), persona))
     records.sort(key=lambda r: r["source_product_index"])
     seen: set[str] = set()
     for rec in records:  # ASINs are assigned globally so that uniqueness is checked across leaves

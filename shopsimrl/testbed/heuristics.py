@@ -152,11 +152,7 @@ def _contradicted(wants: _Wants, product: Product) -> list[str]:
     """Instruction pairs whose key the product lists with a different value (``适用年龄：幼童``)."""
     shown = [a.partition("：") for a in _attribute_list(product)]
     keys = {norm(k) for k, sep, _ in shown if sep}
-    return [
-        f"{k}：{v}"
-        for k, v in wants.pairs
-        if norm(k) in keys and not _has_attribute(product, f"{k}：{v}")
-    ]
+    return [f"{k}：{v}" for k, v in wants.pairs if norm(k) in keys and not _has_attribute(product, f"{k}：{v}")]
 
 
 def _missing_attributes(wants: _Wants, product: Product) -> list[str]:
@@ -401,13 +397,17 @@ def _product(ctx: _Context) -> Decision | None:
         value = desired[axis]
         selected = ctx.obs.axes.get(axis, (None, []))[0]
         entry = f"{axis}={value}"
-        if (selected is None or norm(selected) != norm(value)) and entry in ctx.clicks and not (ctx.obs.last_invalid and entry == last):
+        if (
+            (selected is None or norm(selected) != norm(value))
+            and entry in ctx.clicks
+            and not (ctx.obs.last_invalid and entry == last)
+        ):
             return _click(entry, f"用户想要「{value}」，选择规格 {axis}。")
     for axis, (selected, _values) in ctx.obs.axes.items():
         entries = [e for e in grouped.get(axis, []) if e not in tried]
         if selected is None and entries:
             pick = entries[0] if ctx.rng is None else ctx.rng.choice(entries)
-            return _click(pick, f"规格「{axis}」尚未选择，任务没有指定，选择「{pick[len(axis) + 1:]}」。")
+            return _click(pick, f"规格「{axis}」尚未选择，任务没有指定，选择「{pick[len(axis) + 1 :]}」。")
     if BUY not in ctx.clicks:
         unselected = [axis for axis, (selected, _) in ctx.obs.axes.items() if selected is None]
         if unselected and any(grouped.get(a) for a in unselected):

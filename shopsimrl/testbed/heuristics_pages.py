@@ -444,8 +444,6 @@ def offered(tools: list[dict[str, Any]] | None) -> dict[str, list[str] | None]:
     return out
 
 
-
-
 # --------------------------------------------------------------------------- user profile
 
 PROFILE_LABEL = "用户个人文档："
@@ -500,7 +498,9 @@ def parse_preferences(system_text: str) -> Preferences:
             if isinstance(value, list):
                 attributes += [text for text in map(_scalar, value) if text]
             elif isinstance(value, dict):
-                options += [(str(axis).strip(), text) for axis, text in zip(value, map(_scalar, value.values()), strict=True) if text]
+                options += [
+                    (str(axis).strip(), text) for axis, text in zip(value, map(_scalar, value.values()), strict=True) if text
+                ]
             elif text := _scalar(value):
                 if any(word in key for word in _BUDGET_KEYS):
                     budget = parse_budget(text if any(w in text for w in _BUDGET_KEYS) else "预算" + text)

@@ -236,7 +236,9 @@ def _build_wheel(python: Path, cache: Path) -> tuple[Path, float]:
             with proc:
                 _follow_build(proc.stdout, log, started)
         if proc.returncode != 0:
-            raise InstallError(f"building llama-cpp-python failed (exit {proc.returncode}); full log: {log_path}\n{_tail(log_path)}")
+            raise InstallError(
+                f"building llama-cpp-python failed (exit {proc.returncode}); full log: {log_path}\n{_tail(log_path)}"
+            )
         built = sorted(Path(scratch).glob("llama_cpp_python-*.whl"))
         if not built:
             raise InstallError(f"pip wheel produced no llama_cpp_python wheel; log: {log_path}")
@@ -337,7 +339,13 @@ def _free_port() -> int:
 
 
 def server_command(
-    model: Path, *, python: Path, port: int, host: str = "127.0.0.1", n_ctx: int = 8192, n_threads: int = 2,
+    model: Path,
+    *,
+    python: Path,
+    port: int,
+    host: str = "127.0.0.1",
+    n_ctx: int = 8192,
+    n_threads: int = 2,
     alias: str = MODEL_ALIAS,
 ) -> list[str]:
     """``python -I <this file> run-server ...``: isolated mode, so only ``python``'s own environment
@@ -353,7 +361,9 @@ def _tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     for message in messages:
         if message.get("role") == "tool":
             content = message.get("content")
-            out.append({"role": "user", "content": content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)})
+            out.append(
+                {"role": "user", "content": content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)}
+            )
         else:
             out.append(message)
     return out
@@ -440,7 +450,9 @@ class LlamaServer:
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
-                raise InstallError(f"llama.cpp server exited with {self.process.returncode}; log {self.log_path}:\n{self.log_tail()}")
+                raise InstallError(
+                    f"llama.cpp server exited with {self.process.returncode}; log {self.log_path}:\n{self.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
                 reply = httpx.get(f"{self.base_url}/models", timeout=2.0, trust_env=False)
                 if reply.status_code == 200 and self.alias in [item["id"] for item in reply.json()["data"]]:

@@ -158,9 +158,7 @@ def _restrict_tools(tools: list[dict[str, Any]], tool_choice: Any) -> list[dict[
 class _Completion:
     """One answer before rendering: either a tool call or plain text, plus token accounting."""
 
-    def __init__(
-        self, decision: Decision | None, reasoning: bool, prompt_tokens: int, max_tokens: int | None
-    ) -> None:
+    def __init__(self, decision: Decision | None, reasoning: bool, prompt_tokens: int, max_tokens: int | None) -> None:
         self.name = decision.tool if decision else None
         self.arguments = json.dumps(decision.arguments, ensure_ascii=False) if decision else None
         self.reasoning = decision.reasoning if (decision and reasoning) else None
@@ -360,7 +358,7 @@ async def _stream(
 
     yield chunk({"role": "assistant", "content": ""})
     if broken:
-        yield b"data: {\"id\": \"" + response_id.encode() + b"\", \"choices\": [\n\n"
+        yield b'data: {"id": "' + response_id.encode() + b'", "choices": [\n\n'
         yield b"data: [DONE]\n\n"
         return
     for piece in _pieces(completion.reasoning or "", 8) if completion.reasoning else []:
@@ -398,4 +396,3 @@ def create_app(settings: PolicySettings | None = None) -> Starlette:
 def serve(host: str = "127.0.0.1", port: int = 8000, settings: PolicySettings | None = None) -> None:
     """Serve the heuristic policy in the foreground until interrupted."""
     serve_forever(create_app(settings), host, port)
-

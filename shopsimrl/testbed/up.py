@@ -30,7 +30,10 @@ def serve_both(host: str = "127.0.0.1", shop_port: int = 5700, policy_port: int 
                 break
             await asyncio.sleep(0.05)
         if shop.started and policy.started:
-            print(f"shop (ShopSimulator-compatible): http://{host}:{shop_port}   healthz: http://{host}:{shop_port}/healthz", flush=True)
+            print(
+                f"shop (ShopSimulator-compatible): http://{host}:{shop_port}   healthz: http://{host}:{shop_port}/healthz",
+                flush=True,
+            )
             print(f"policy (OpenAI-compatible):      http://{host}:{policy_port}/v1   model: shopsim-heuristic", flush=True)
             print("Ctrl-C stops both.", flush=True)
         # uvicorn installs the signal handlers; on Ctrl-C both servers leave serve() cleanly.

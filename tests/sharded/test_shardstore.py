@@ -36,10 +36,17 @@ FAST_RETRY = RetryPolicy(base_delay_s=0.01, max_delay_s=0.05, budget_s=30, attem
 
 
 def trace(job: EpisodeJob, status: str = "completed", reward: float = 0.5, attempt: int = 1) -> dict:
-    return {"schema_version": "shopsimrl-episode-v4", "episode_id": job.episode_id, "status": status, "attempt": attempt,
-            "job": job.to_dict(), "final": {"done": status == "completed", "reward": reward} if status == "completed" else None,
-            "steps": [], "failure_class": None if status == "completed" else "infrastructure",
-            "error": None if status == "completed" else {"type": "ConnectError"}}
+    return {
+        "schema_version": "shopsimrl-episode-v4",
+        "episode_id": job.episode_id,
+        "status": status,
+        "attempt": attempt,
+        "job": job.to_dict(),
+        "final": {"done": status == "completed", "reward": reward} if status == "completed" else None,
+        "steps": [],
+        "failure_class": None if status == "completed" else "infrastructure",
+        "error": None if status == "completed" else {"type": "ConnectError"},
+    }
 
 
 def lines(*records: dict) -> bytes:
@@ -58,9 +65,18 @@ def records_of(store: ShardedRunStore, index: int, name: str) -> list[dict]:
 
 def commit(store: ShardedRunStore, index: int, shard_map, parts: list[tuple[str, bytes, int]], completed: int) -> None:
     ids = shard_map.episode_ids[index]
-    store.create_marker(index, marker_document(
-        shard=index, plan_fingerprint=fingerprint(PLAN), completed=completed, failed=len(ids) - completed,
-        episode_ids_sha256=fingerprint(ids), parts=[part_entry(n, d, r) for n, d, r in parts], writer="test"))
+    store.create_marker(
+        index,
+        marker_document(
+            shard=index,
+            plan_fingerprint=fingerprint(PLAN),
+            completed=completed,
+            failed=len(ids) - completed,
+            episode_ids_sha256=fingerprint(ids),
+            parts=[part_entry(n, d, r) for n, d, r in parts],
+            writer="test",
+        ),
+    )
 
 
 def test_manifest_is_create_only_and_mismatch_is_refused(backend: Backend) -> None:
@@ -151,10 +167,15 @@ def test_retries_ride_out_faults_and_a_dead_store_is_unavailable(moto_endpoint: 
     for key, value in S3_TEST_ENV.items():
         monkeypatch.setenv(key, value)
     bucket = _make_bucket(moto_endpoint, S3_TEST_ENV["AWS_ACCESS_KEY_ID"], S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"])
-    proxy = FaultProxy(moto_endpoint, FaultPlan(seed=7, burst_probability=0.06, burst_length=3, drop_probability=0.05, lost_response_probability=0.05))
+    proxy = FaultProxy(
+        moto_endpoint,
+        FaultPlan(seed=7, burst_probability=0.06, burst_length=3, drop_probability=0.05, lost_response_probability=0.05),
+    )
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.start())
     try:
-        store = ShardedRunStore(f"s3://{bucket}/faulty", retry=RetryPolicy(base_delay_s=0.01, max_delay_s=0.05, budget_s=30, attempts=30))
+        store = ShardedRunStore(
+            f"s3://{bucket}/faulty", retry=RetryPolicy(base_delay_s=0.01, max_delay_s=0.05, budget_s=30, attempts=30)
+        )
         store.initialize(PLAN)
         names = [store.write_part(0, i, "abcdef01", lines(trace(JOBS[i])))[0] for i in range(8)]
         assert store.list_shard(0).parts == names
@@ -181,7 +202,9 @@ def test_uri_credentials_are_redacted() -> None:
 def test_reducer_refuses_a_manifest_of_an_unknown_version(tmp_path: Path) -> None:
     store = ShardedRunStore(str(tmp_path / "run"))
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "manifest.json").write_text('{\n  "schema_version": "shopsimrl-run-manifest-v9",\n  "plan_fingerprint": "' + "0" * 64 + '"\n}')
+    (tmp_path / "run" / "manifest.json").write_text(
+        '{\n  "schema_version": "shopsimrl-run-manifest-v9",\n  "plan_fingerprint": "' + "0" * 64 + '"\n}'
+    )
     with pytest.raises(ManifestError, match="unsupported manifest schema_version"):
         reduce_run(store)
 
@@ -210,8 +233,10 @@ def test_each_server_answers_a_conflicting_create_and_every_answer_means_exists(
 
 def test_a_lost_put_response_is_not_an_error(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each create-only object once: the PUT lands, its answer is lost, the retry meets the object."""
-    lost = [Scripted("PUT", rf"/{re.escape(name)}$", "lost_response")
-            for name in ("manifest.json", "jobs.jsonl", "shards.json", "part-00000-abcdef01.jsonl.zst", "_SUCCESS.json")]
+    lost = [
+        Scripted("PUT", rf"/{re.escape(name)}$", "lost_response")
+        for name in ("manifest.json", "jobs.jsonl", "shards.json", "part-00000-abcdef01.jsonl.zst", "_SUCCESS.json")
+    ]
     proxy = FaultProxy(s3_server.endpoint, FaultPlan(script=lost))
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.start())
     try:
@@ -227,7 +252,9 @@ def test_a_lost_put_response_is_not_an_error(s3_server: S3Server, monkeypatch: p
     assert all(entry.fired for entry in lost) and proxy.injected["lost_response"] == len(lost)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
     listing = ShardedRunStore(f"s3://{s3_server.bucket}/lost").list_shard(0)
-    assert marker == "_SUCCESS.json" and listing.markers == ["_SUCCESS.json"] and listing.parts == ["part-00000-abcdef01.jsonl.zst"]
+    assert (
+        marker == "_SUCCESS.json" and listing.markers == ["_SUCCESS.json"] and listing.parts == ["part-00000-abcdef01.jsonl.zst"]
+    )
     assert completed == len(ids)
 
 
@@ -267,7 +294,9 @@ class TurnGate:
             self._arrived.add(label)
             self._cond.notify_all()
             turn = self.order.index(label)
-            if not self._cond.wait_for(lambda: self._arrived >= set(self.order) and set(self.order[:turn]) <= self._done, timeout=60):
+            if not self._cond.wait_for(
+                lambda: self._arrived >= set(self.order) and set(self.order[:turn]) <= self._done, timeout=60
+            ):
                 raise TimeoutError(f"committer {label} never got its turn")
 
     def leave(self, label: str) -> None:
@@ -370,15 +399,29 @@ def test_a_marker_that_does_not_verify_is_ignored_beside_one_that_does(backend: 
     p2 = lines(*[trace(j) for j in jobs[5:]])
     n1, s1 = store.write_part(0, 0, "11111111", p1)
     n2, s2 = store.write_part(0, 1, "11111111", p2)
-    bad = marker_document(shard=0, plan_fingerprint=fingerprint(PLAN), completed=10, failed=0, episode_ids_sha256=fingerprint(ids),
-                          parts=[{**part_entry(n1, s1, 5), "sha256": "0" * 64}, part_entry(n2, s2, 5)], writer="11111111")
+    bad = marker_document(
+        shard=0,
+        plan_fingerprint=fingerprint(PLAN),
+        completed=10,
+        failed=0,
+        episode_ids_sha256=fingerprint(ids),
+        parts=[{**part_entry(n1, s1, 5), "sha256": "0" * 64}, part_entry(n2, s2, 5)],
+        writer="11111111",
+    )
     assert store.create_marker(0, bad) == "_SUCCESS.json"
     alone = reduce_run(store, write=False)
     assert alone["shards"]["corrupt"] == [0] and alone["counts"]["completed"] == 0 and not alone["complete"]
     assert "does not verify" in alone["incomplete"]["missing_shards"][0]["why"]
 
-    good = marker_document(shard=0, plan_fingerprint=fingerprint(PLAN), completed=5, failed=5, episode_ids_sha256=fingerprint(ids),
-                           parts=[part_entry(n2, s2, 5)], writer="22222222")
+    good = marker_document(
+        shard=0,
+        plan_fingerprint=fingerprint(PLAN),
+        completed=5,
+        failed=5,
+        episode_ids_sha256=fingerprint(ids),
+        parts=[part_entry(n2, s2, 5)],
+        writer="22222222",
+    )
     assert store.create_marker(0, good) == "_SUCCESS-22222222.json"
     healed = reduce_run(store, write=False)
     row = healed["shards"]["per_shard"][0]

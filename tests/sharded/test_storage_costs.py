@@ -29,12 +29,27 @@ PAGE = "搜索结果：第1页\n" + "".join(f"[{i}] 商品{i}：简约玻璃水�
 
 def trace(job: EpisodeJob, status: str = "completed", *, observation: str = PAGE) -> dict:
     done = status == "completed"
-    steps = [{"step_index": k, "observation": {"text": observation}, "model": {"latency_ms": 10.0 + k},
-              "environment": {"reward": 0.0, "done": k == 5}} for k in range(6)]
-    return {"schema_version": "shopsimrl-episode-v4", "episode_id": job.episode_id, "status": status, "attempt": 1,
-            "job": job.to_dict(), "steps": steps if done else [], "conversation": [{"role": "user", "content": observation}],
-            "final": {"done": True, "reward": 0.5} if done else None,
-            "failure_class": None if done else "infrastructure", "error": None if done else {"type": "ConnectError"}}
+    steps = [
+        {
+            "step_index": k,
+            "observation": {"text": observation},
+            "model": {"latency_ms": 10.0 + k},
+            "environment": {"reward": 0.0, "done": k == 5},
+        }
+        for k in range(6)
+    ]
+    return {
+        "schema_version": "shopsimrl-episode-v4",
+        "episode_id": job.episode_id,
+        "status": status,
+        "attempt": 1,
+        "job": job.to_dict(),
+        "steps": steps if done else [],
+        "conversation": [{"role": "user", "content": observation}],
+        "final": {"done": True, "reward": 0.5} if done else None,
+        "failure_class": None if done else "infrastructure",
+        "error": None if done else {"type": "ConnectError"},
+    }
 
 
 def lines(*records: dict) -> bytes:
@@ -93,12 +108,18 @@ def test_a_torn_compressed_part_keeps_the_lines_before_the_cut(backend: Backend)
 
 
 def test_jobs_jsonl_lines_are_the_canonical_json_of_each_job(tmp_path: Path) -> None:
-    jobs = [EpisodeJob(task_id=t, sample_id=s, seed=t * 977 + s, split=split)
-            for t in (0, 7, 123456) for s in (0, 3) for split in ("val", "tëst\"\\\n\x01\x7f\u2028😀")]
+    jobs = [
+        EpisodeJob(task_id=t, sample_id=s, seed=t * 977 + s, split=split)
+        for t in (0, 7, 123456)
+        for s in (0, 3)
+        for split in ("val", 'tëst"\\\n\x01\x7f\u2028😀')
+    ]
     store = ShardedRunStore(str(tmp_path / "run"))
     store.initialize({"experiment": "canon", "jobs": [j.to_dict() for j in jobs]})
     store.ensure_shard_map(jobs, 5, fingerprint({"experiment": "canon", "jobs": [j.to_dict() for j in jobs]}))
-    expected = "".join(canonical_json({**j.to_dict(), "episode_id": j.episode_id, "shard": i % 5}) + "\n" for i, j in enumerate(jobs))
+    expected = "".join(
+        canonical_json({**j.to_dict(), "episode_id": j.episode_id, "shard": i % 5}) + "\n" for i, j in enumerate(jobs)
+    )
     assert store.read_bytes("jobs.jsonl") == expected.encode("utf-8")
 
 
@@ -106,7 +127,9 @@ def test_jobs_jsonl_lines_are_the_canonical_json_of_each_job(tmp_path: Path) -> 
 
 
 @pytest.mark.s3
-def test_a_run_and_its_reduce_read_each_stored_byte_at_most_once_on_s3(moto_endpoint: str, testbed: Testbed, tmp_path: Path) -> None:
+def test_a_run_and_its_reduce_read_each_stored_byte_at_most_once_on_s3(
+    moto_endpoint: str, testbed: Testbed, tmp_path: Path
+) -> None:
     """Every request goes through a counting proxy in front of moto: the workers never read a
     part (not after writing it, not at commit), the reducer reads each once, status none."""
     from .conftest import _make_bucket
@@ -128,8 +151,11 @@ def test_a_run_and_its_reduce_read_each_stored_byte_at_most_once_on_s3(moto_endp
         proxy.stop()
 
     def total(method: str, traffic=after_run, parts: bool | None = None) -> int:  # type: ignore[no-untyped-def]
-        return sum(size for (m, key), size in traffic.items()
-                   if m == method and not key.endswith("?list") and (parts is None or ("/part-" in key) == parts))
+        return sum(
+            size
+            for (m, key), size in traffic.items()
+            if m == method and not key.endswith("?list") and (parts is None or ("/part-" in key) == parts)
+        )
 
     part_keys = {key for (method, key) in after_run if method == "PUT" and "/part-" in key}
     assert part_keys and all(key.endswith(".jsonl.zst") for key in part_keys)
@@ -140,9 +166,15 @@ def test_a_run_and_its_reduce_read_each_stored_byte_at_most_once_on_s3(moto_endp
     # The frozen plan (manifest.json, shards.json, jobs.jsonl) is read whole by every worker to
     # check it, by the reducer, and once after its create-only write: a fixed cost per worker
     # (docs/sharded_runs.md §2); every other object is read at most once per byte stored.
-    plan = sum(size for (m, key), size in after_run.items() if m == "GET" and key.rsplit("/", 1)[-1] in ("manifest.json", "shards.json", "jobs.jsonl"))
-    print(f"\n[storage] stored {stored} B ({total('PUT', parts=True)} B of parts), read {read} B ({plan} B of the frozen plan): "
-          f"{read / stored:.2f} reads per stored byte, {(read - plan) / stored:.2f} without the plan")
+    plan = sum(
+        size
+        for (m, key), size in after_run.items()
+        if m == "GET" and key.rsplit("/", 1)[-1] in ("manifest.json", "shards.json", "jobs.jsonl")
+    )
+    print(
+        f"\n[storage] stored {stored} B ({total('PUT', parts=True)} B of parts), read {read} B ({plan} B of the frozen plan): "
+        f"{read / stored:.2f} reads per stored byte, {(read - plan) / stored:.2f} without the plan"
+    )
     assert read - plan <= stored
     # status read no part: only markers, progress objects and the plan.
     assert not any("/part-" in key and size for (method, key), size in (proxy.transferred - after_run).items() if method == "GET")
@@ -168,8 +200,9 @@ def test_status_reads_progress_objects_never_parts_and_shows_a_stale_heartbeat(b
     uri = backend.uri("beat")
     store, shard_ids = planned(uri, shards=2)
     jobs = [job for job in JOBS if job.episode_id in shard_ids[0]]
-    sink = PartSink(store, 0, "5eed5eed", 0, flush_episodes=2, flush_seconds=60, plan_fingerprint=fingerprint(PLAN),
-                    heartbeat_seconds=30)
+    sink = PartSink(
+        store, 0, "5eed5eed", 0, flush_episodes=2, flush_seconds=60, plan_fingerprint=fingerprint(PLAN), heartbeat_seconds=30
+    )
     sink.report_progress()  # as a worker does when it starts
     sink.save_trace(trace(jobs[0]))
     sink.save_trace(trace(jobs[1], "failed"))  # the second record fills the buffer: a part, then progress
@@ -202,8 +235,9 @@ def test_a_finished_interval_beats_again_from_the_flush_timer(tmp_path: Path) ->
     """The flush timer's call rewrites the progress object once a heartbeat interval passed, and
     not before."""
     store, _ = planned(str(tmp_path / "run"))
-    sink = PartSink(store, 0, "abcdabcd", 0, flush_episodes=10, flush_seconds=60, plan_fingerprint=fingerprint(PLAN),
-                    heartbeat_seconds=0.05)
+    sink = PartSink(
+        store, 0, "abcdabcd", 0, flush_episodes=10, flush_seconds=60, plan_fingerprint=fingerprint(PLAN), heartbeat_seconds=0.05
+    )
     path = tmp_path / "run" / "shards" / "00000" / "_PROGRESS-abcdabcd.json"
     sink.flush_if_stale()
     first = path.read_bytes()
@@ -244,13 +278,32 @@ def test_status_adds_up_the_processes_of_one_worker(tmp_path: Path) -> None:
     jobs = [job for job in JOBS if job.episode_id in ids]
     resumed = {jobs[0].episode_id}
     for writer, job in (("1111aaaa", jobs[1]), ("2222bbbb", jobs[2])):
-        sink = PartSink(store, 0, writer, 1, flush_episodes=1, flush_seconds=60, plan_fingerprint=fingerprint(PLAN),
-                        resumed=resumed, session="0000ffff", heartbeat_seconds=30)
+        sink = PartSink(
+            store,
+            0,
+            writer,
+            1,
+            flush_episodes=1,
+            flush_seconds=60,
+            plan_fingerprint=fingerprint(PLAN),
+            resumed=resumed,
+            session="0000ffff",
+            heartbeat_seconds=30,
+        )
         sink.save_trace(trace(job))
     row = shard_status(NoPartReads(uri))["shards"][0]
     assert row["completed"] == 3 and row["writers"] == 2
     # A later worker that found those 3 and completed 1 more: 4, not 3 + 4.
-    later = PartSink(store, 0, "3333cccc", 3, flush_episodes=1, flush_seconds=60, plan_fingerprint=fingerprint(PLAN),
-                     resumed={j.episode_id for j in jobs[:3]}, heartbeat_seconds=30)
+    later = PartSink(
+        store,
+        0,
+        "3333cccc",
+        3,
+        flush_episodes=1,
+        flush_seconds=60,
+        plan_fingerprint=fingerprint(PLAN),
+        resumed={j.episode_id for j in jobs[:3]},
+        heartbeat_seconds=30,
+    )
     later.save_trace(trace(jobs[3]))
     assert shard_status(NoPartReads(uri))["shards"][0]["completed"] == 4

@@ -58,10 +58,15 @@ def test_reduced_summary_names_its_run_and_clusters_repeats_across_shards(
 def test_manifest_head_reads_the_identity_without_the_job_list() -> None:
     from shopsimrl.manifest import build_manifest
 
-    plan = {"pipeline_version": "v", "fingerprint_version": "f", "experiment": "e", "model_id": "m",
-            "model": {"model": "Qwen/Qwen3.5-4B", "checkpoint_id": "step-900", "sampling": {"extra_body": {"k": "\u201c}"}}},
-            "task_split": {"name": "val", "task_count": 2, "task_ids_sha256": "ab" * 32},
-            "jobs": [{"task_id": n, "sample_id": 0, "seed": n, "split": "val"} for n in range(20_000)]}
+    plan = {
+        "pipeline_version": "v",
+        "fingerprint_version": "f",
+        "experiment": "e",
+        "model_id": "m",
+        "model": {"model": "Qwen/Qwen3.5-4B", "checkpoint_id": "step-900", "sampling": {"extra_body": {"k": "\u201c}"}}},
+        "task_split": {"name": "val", "task_count": 2, "task_ids_sha256": "ab" * 32},
+        "jobs": [{"task_id": n, "sample_id": 0, "seed": n, "split": "val"} for n in range(20_000)],
+    }
     data = (json.dumps(build_manifest(plan), ensure_ascii=False, indent=2) + "\n").encode("utf-8")
     head = manifest_head(data[:4096])
     assert head is not None and "jobs" not in head["plan"]

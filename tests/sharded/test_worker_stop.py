@@ -41,7 +41,9 @@ def release_holding_proxy(upstream: str) -> Iterator[tuple[str, threading.Event,
         body = await request.body()
         if hold.is_set() and b'"release_one"' in body:
             await asyncio.to_thread(let_go.wait, 120)
-        upstream_reply = await client.request(request.method, request.url.path, content=body, headers={"content-type": "application/json"})
+        upstream_reply = await client.request(
+            request.method, request.url.path, content=body, headers={"content-type": "application/json"}
+        )
         return Response(upstream_reply.content, status_code=upstream_reply.status_code, media_type="application/json")
 
     app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
@@ -121,8 +123,22 @@ def test_workers_stop_when_the_coordinator_is_killed(testbed: Testbed, tmp_path:
     log_path = tmp_path / "run.log"  # the workers inherit the coordinator's stderr
     with log_path.open("wb") as log:
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "shopsimrl", "run", str(config), "--shards", "2", "--run", str(tmp_path / "run"), "--no-progress"],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
+            [
+                sys.executable,
+                "-m",
+                "shopsimrl",
+                "run",
+                str(config),
+                "--shards",
+                "2",
+                "--run",
+                str(tmp_path / "run"),
+                "--no-progress",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
         )
     free_before = testbed.healthz()["free_slots"]
     deadline = time.monotonic() + 60

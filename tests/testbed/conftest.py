@@ -78,9 +78,7 @@ class ShopClient:
         return self.ok(action="interact", env_idx=episode["env_idx"], lease_id=episode["lease_id"], response=response)
 
     def terminate(self, episode: dict[str, Any], reason: str = "generation_length") -> dict[str, Any]:
-        return self.ok(
-            action="terminate", env_idx=episode["env_idx"], lease_id=episode["lease_id"], termination_reason=reason
-        )
+        return self.ok(action="terminate", env_idx=episode["env_idx"], lease_id=episode["lease_id"], termination_reason=reason)
 
     def release(self, episode: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return self.call(action="release_one", env_idx=episode["env_idx"], lease_id=episode["lease_id"])

@@ -44,6 +44,7 @@ def split_ids() -> dict[str, list[int]]:
 
 # -- helpers that restate the reward rules of the contract (independently of the generator) --
 
+
 def _tokens(text: str) -> set[str]:
     return set(re.sub(r"\W+", " ", text.casefold()).split())
 
@@ -111,6 +112,7 @@ def _budget_in_text(text: str) -> float | None:
 
 # -- determinism and the command line --
 
+
 def test_regeneration_reproduces_committed_bytes(committed_bytes: bytes) -> None:
     rebuilt = catalog_bytes(build_catalog(load_persona_ids(SPLITS)))
     assert rebuilt == committed_bytes, "run: python -m shopsimrl.testbed.catalog_gen"
@@ -119,8 +121,9 @@ def test_regeneration_reproduces_committed_bytes(committed_bytes: bytes) -> None
     assert committed_bytes[10:26] == b"catalog.v1.json\0"
 
 
-def test_cli_writes_then_check_detects_tampering(tmp_path: Path, committed_bytes: bytes,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_then_check_detects_tampering(
+    tmp_path: Path, committed_bytes: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "catalog.json.gz"
     assert main(["--out", str(out), "--splits", str(SPLITS)]) == 0
     assert out.read_bytes() == committed_bytes
@@ -146,6 +149,7 @@ def test_committed_file_size_limit(committed_bytes: bytes) -> None:
 
 # -- coverage of the real split --
 
+
 def test_every_split_task_is_a_persona_task(records: list[dict[str, Any]], split_ids: dict[str, list[int]]) -> None:
     by_task = {r["instructions"][0]["task_id"]: r for r in records}
     assert len(by_task) == len(records), "task ids must be unique"
@@ -165,8 +169,16 @@ def test_every_split_task_is_a_persona_task(records: list[dict[str, Any]], split
 
 # -- record format --
 
-_INSTRUCTION_KEYS = {"task_id", "task_uid", "instruction_index", "instruction", "instruction_simple", "attributes",
-                     "instruction_options", "price_upper"}
+_INSTRUCTION_KEYS = {
+    "task_id",
+    "task_uid",
+    "instruction_index",
+    "instruction",
+    "instruction_simple",
+    "attributes",
+    "instruction_options",
+    "price_upper",
+}
 _PERSONA_KEYS = {"用户ID", "性别", "年龄段", "城市等级", "行为特征", "交易特征", "偏好", "__reasoning__"}
 
 
@@ -232,6 +244,7 @@ def test_full_instruction_names_every_goal(records: list[dict[str, Any]]) -> Non
 
 
 # -- persona tasks: partial, indirect disclosure --
+
 
 def _persona_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if "user_persona" in r]
@@ -371,6 +384,7 @@ def test_option_price_kinds_and_single_price_axis(records: list[dict[str, Any]])
 
 
 # -- content: domains, near-duplicates, solvability --
+
 
 def test_domains_and_near_duplicate_density(records: list[dict[str, Any]]) -> None:
     by_leaf: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)

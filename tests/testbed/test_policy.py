@@ -25,71 +25,125 @@ HOME = "页面：搜索首页\n\n页面能力：\n- 支持商品搜索\n"
 
 CATALOG: dict[str, dict[str, Any]] = {
     "100000000001": {
-        "title": "有线入耳式耳机 白色 重低音", "price": "39.0", "brand": "声浪旗舰店",
-        "category": "数码›影音›耳机", "attrs": ["有线", "入耳式"], "options": {},
+        "title": "有线入耳式耳机 白色 重低音",
+        "price": "39.0",
+        "brand": "声浪旗舰店",
+        "category": "数码›影音›耳机",
+        "attrs": ["有线", "入耳式"],
+        "options": {},
     },
     "100000000002": {
-        "title": "主动降噪蓝牙耳机 头戴式 黑色", "price": "599.0", "brand": "静音坊",
-        "category": "数码›影音›耳机", "attrs": ["主动降噪", "蓝牙5.3"], "options": {"颜色分类": ["黑色", "白色"]},
+        "title": "主动降噪蓝牙耳机 头戴式 黑色",
+        "price": "599.0",
+        "brand": "静音坊",
+        "category": "数码›影音›耳机",
+        "attrs": ["主动降噪", "蓝牙5.3"],
+        "options": {"颜色分类": ["黑色", "白色"]},
     },
     "100000000003": {
-        "title": "主动降噪蓝牙耳机 入耳式 长续航", "price": "199.0 to 259.0", "brand": "听风数码",
-        "category": "数码›影音›耳机", "attrs": ["主动降噪", "蓝牙"],
+        "title": "主动降噪蓝牙耳机 入耳式 长续航",
+        "price": "199.0 to 259.0",
+        "brand": "听风数码",
+        "category": "数码›影音›耳机",
+        "attrs": ["主动降噪", "蓝牙"],
         "options": {"颜色分类": ["白色", "黑色"], "尺码": ["s", "m", "l"]},
     },
     # Dash cams for the persona tests: only 0203 has every wanted attribute and the wanted card.
     "200000000201": {
-        "title": "鲸落行车记录仪 高清夜视 前后双录", "price": "109.0 to 249.0", "brand": "鲸落企业店",
-        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：后视镜式", "高清夜视"],
+        "title": "鲸落行车记录仪 高清夜视 前后双录",
+        "price": "109.0 to 249.0",
+        "brand": "鲸落企业店",
+        "category": "汽车用品›车载电器›行车记录仪",
+        "attrs": ["清晰度：四K", "安装方式：后视镜式", "高清夜视"],
         "options": {"存储卡": ["无卡", "三十二g"]},
     },
     "200000000202": {
-        "title": "云麓行车记录仪 四K 碰撞锁存", "price": "529.0 to 709.0", "brand": "云麓优选店",
-        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存"],
+        "title": "云麓行车记录仪 四K 碰撞锁存",
+        "price": "529.0 to 709.0",
+        "brand": "云麓优选店",
+        "category": "汽车用品›车载电器›行车记录仪",
+        "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存"],
         "options": {"存储卡": ["六十四g", "一百二十八g"]},
     },
     "200000000203": {
-        "title": "曦禾M28行车记录仪 循环录像 四K", "price": "619.0 to 1299.0", "brand": "曦禾旗舰店",
-        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存", "广角"],
+        "title": "曦禾M28行车记录仪 循环录像 四K",
+        "price": "619.0 to 1299.0",
+        "brand": "曦禾旗舰店",
+        "category": "汽车用品›车载电器›行车记录仪",
+        "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存", "广角"],
         "options": {"存储卡": ["无卡", "三十二g", "六十四g"]},
     },
     "200000000204": {
-        "title": "半夏行车记录仪 四K 免走线 碰撞锁存 广角", "price": "979.0 to 1199.0", "brand": "半夏专营店",
-        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存", "广角"],
+        "title": "半夏行车记录仪 四K 免走线 碰撞锁存 广角",
+        "price": "979.0 to 1199.0",
+        "brand": "半夏专营店",
+        "category": "汽车用品›车载电器›行车记录仪",
+        "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存", "广角"],
         "options": {"存储卡": ["三十二g"]},
     },
     "200000000205": {  # not listed: opened directly to test a missing option value
-        "title": "松间行车记录仪 四K 广角", "price": "439.0 to 729.0", "brand": "松间旗舰店",
-        "category": "汽车用品›车载电器›行车记录仪", "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存", "广角"],
+        "title": "松间行车记录仪 四K 广角",
+        "price": "439.0 to 729.0",
+        "brand": "松间旗舰店",
+        "category": "汽车用品›车载电器›行车记录仪",
+        "attrs": ["清晰度：四K", "安装方式：免走线", "高清夜视", "碰撞锁存", "广角"],
         "options": {"存储卡": ["六十四g", "一百二十八g"]},
     },
 }
-CATALOG.update({
-    "300000000301": {
-        "title": "清屿儿童运动鞋 轻便 系带", "price": "209.0", "brand": "清屿旗舰店", "category": "鞋靴›童鞋›儿童运动鞋",
-        "attrs": ["适用年龄：幼童", "鞋底：防滑大底", "闭合方式：系带"], "options": {"尺码": ["27", "33"]},
-    },
-    "300000000302": {
-        "title": "苇岸儿童运动鞋 防撞 防滑大底", "price": "219.0", "brand": "苇岸优选店", "category": "鞋靴›童鞋›儿童运动鞋",
-        "attrs": ["适用年龄：中大童", "鞋底：防滑大底", "闭合方式：系带"], "options": {"尺码": ["27", "30", "31"]},
-    },
-})
+CATALOG.update(
+    {
+        "300000000301": {
+            "title": "清屿儿童运动鞋 轻便 系带",
+            "price": "209.0",
+            "brand": "清屿旗舰店",
+            "category": "鞋靴›童鞋›儿童运动鞋",
+            "attrs": ["适用年龄：幼童", "鞋底：防滑大底", "闭合方式：系带"],
+            "options": {"尺码": ["27", "33"]},
+        },
+        "300000000302": {
+            "title": "苇岸儿童运动鞋 防撞 防滑大底",
+            "price": "219.0",
+            "brand": "苇岸优选店",
+            "category": "鞋靴›童鞋›儿童运动鞋",
+            "attrs": ["适用年龄：中大童", "鞋底：防滑大底", "闭合方式：系带"],
+            "options": {"尺码": ["27", "30", "31"]},
+        },
+    }
+)
 DASHCAMS = ["200000000201", "200000000202", "200000000204", "200000000203"]  # listing order: the match is last
 DASHCAM_TASK = "帮忙挑一台行车记录仪，高清夜视，预算900元以内"
 DASHCAM_PROFILE: dict[str, Any] = {
-    "用户ID": "U1", "性别": "女", "交易特征": {"客单价区间": "100-300元"},
-    "偏好": {"关注属性": ["高清夜视", "碰撞锁存", "安装方式：免走线", "广角", "清晰度：四K"],
-             "规格偏好": {"存储卡": "三十二G"}, "购买动机": "囤货", "风格倾向": "颜值优先"},
+    "用户ID": "U1",
+    "性别": "女",
+    "交易特征": {"客单价区间": "100-300元"},
+    "偏好": {
+        "关注属性": ["高清夜视", "碰撞锁存", "安装方式：免走线", "广角", "清晰度：四K"],
+        "规格偏好": {"存储卡": "三十二G"},
+        "购买动机": "囤货",
+        "风格倾向": "颜值优先",
+    },
     "行为特征": {"常逛类目": ["汽车用品", "家居"]},
 }
 
 
 def results_page(asins: list[str], *, page: int = 1, pages: int = 1, query: str = "蓝牙耳机") -> tuple[str, list[str]]:
-    lines = ["页面：搜索结果", f"搜索词：{query}", f"结果：第 {page}/{pages} 页，共 {len(asins)} 项，当前显示排名 1-{len(asins)}", "", "商品列表："]
+    lines = [
+        "页面：搜索结果",
+        f"搜索词：{query}",
+        f"结果：第 {page}/{pages} 页，共 {len(asins)} 项，当前显示排名 1-{len(asins)}",
+        "",
+        "商品列表：",
+    ]
     for rank, asin in enumerate(asins, 1):
         item = CATALOG[asin]
-        lines += [f"{rank}. {item['title']}", f"   ASIN：{asin}", f"   价格：{item['price']}", f"   品牌：{item['brand']}",
-                  f"   类别：{item['category']}", f"   关键属性：{'；'.join(item['attrs'])}"]
+        lines += [
+            f"{rank}. {item['title']}",
+            f"   ASIN：{asin}",
+            f"   价格：{item['price']}",
+            f"   品牌：{item['brand']}",
+            f"   类别：{item['category']}",
+            f"   关键属性：{'；'.join(item['attrs'])}",
+        ]
     if not asins:
         lines.append("（本页没有商品）")
     lines += ["", "上次交互结果：", "- 结果：成功", "- 说明：搜索已执行", "", "可点击元素：", "- back to search"]
@@ -102,8 +156,18 @@ def product_page(asin: str, selected: dict[str, str], *, price: str | None = Non
     item = CATALOG[asin]
     options: dict[str, list[str]] = item["options"]
     missing = [axis for axis in options if axis not in selected]
-    lines = ["页面：商品详情", "商品：", f"- 标题：{item['title']}", f"- ASIN：{asin}", f"- 价格：{price or item['price']}",
-             f"- 品牌：{item['brand']}", f"- 类别：{item['category']}", f"- 关键属性：{'；'.join(item['attrs'])}", "", "规格选择："]
+    lines = [
+        "页面：商品详情",
+        "商品：",
+        f"- 标题：{item['title']}",
+        f"- ASIN：{asin}",
+        f"- 价格：{price or item['price']}",
+        f"- 品牌：{item['brand']}",
+        f"- 类别：{item['category']}",
+        f"- 关键属性：{'；'.join(item['attrs'])}",
+        "",
+        "规格选择：",
+    ]
     for axis, values in options.items():
         state = f"已选择 {selected[axis]}" if axis in selected else "尚未选择"
         lines += [f"- {axis}：{state}", f"  可选值：{' / '.join(values)}"]
@@ -121,12 +185,20 @@ def tools_for(search: bool, actions: list[str]) -> list[dict[str, Any]]:
     """The dynamic tools the runtime offers for a page."""
     tools: list[dict[str, Any]] = []
     if search:
-        params = {"type": "object", "properties": {"query": {"type": "string", "minLength": 1}},
-                  "required": ["query"], "additionalProperties": False}
+        params = {
+            "type": "object",
+            "properties": {"query": {"type": "string", "minLength": 1}},
+            "required": ["query"],
+            "additionalProperties": False,
+        }
         tools.append({"type": "function", "function": {"name": "search", "description": "搜索商品", "parameters": params}})
     if actions:
-        params = {"type": "object", "properties": {"value": {"type": "string", "enum": list(actions)}},
-                  "required": ["value"], "additionalProperties": False}
+        params = {
+            "type": "object",
+            "properties": {"value": {"type": "string", "enum": list(actions)}},
+            "required": ["value"],
+            "additionalProperties": False,
+        }
         tools.append({"type": "function", "function": {"name": "click", "description": "点击", "parameters": params}})
     return tools
 
@@ -145,8 +217,11 @@ class Conversation:
     def step(self, tool: str, argument: str, observation: str) -> None:
         self.calls += 1
         key = "query" if tool == "search" else "value"
-        call = {"id": f"call-{self.calls}", "type": "function",
-                "function": {"name": tool, "arguments": json.dumps({key: argument}, ensure_ascii=False)}}
+        call = {
+            "id": f"call-{self.calls}",
+            "type": "function",
+            "function": {"name": tool, "arguments": json.dumps({key: argument}, ensure_ascii=False)},
+        }
         self.messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         self.messages.append({"role": "tool", "tool_call_id": f"call-{self.calls}", "content": observation})
 
@@ -236,8 +311,13 @@ def test_protocol_error_feedback_keeps_deciding_on_the_last_page() -> None:
     text, actions = results_page(["100000000001", "100000000003"])
     conv.step("search", "蓝牙耳机", text)
     conv.messages.append({"role": "assistant", "content": "我想想"})
-    feedback = {"type": "tool_protocol_error", "code": "tool_call_count", "message": "需要一个工具调用",
-                "instruction": "未执行任何环境动作，请在同一页面重新调用。", "available_tools": ["click"]}
+    feedback = {
+        "type": "tool_protocol_error",
+        "code": "tool_call_count",
+        "message": "需要一个工具调用",
+        "instruction": "未执行任何环境动作，请在同一页面重新调用。",
+        "available_tools": ["click"],
+    }
     conv.messages.append({"role": "user", "content": json.dumps(feedback, ensure_ascii=False)})
     decision = decide(conv.messages, tools_for(False, actions))
     assert decision is not None and decision.arguments == {"value": "100000000003"}
@@ -245,8 +325,12 @@ def test_protocol_error_feedback_keeps_deciding_on_the_last_page() -> None:
 
 def test_never_leaves_the_offered_enum_or_searches_when_not_offered() -> None:
     rng = random.Random(7)
-    pages = [results_page(["100000000001", "100000000002", "100000000003"], page=2, pages=3),
-             product_page("100000000003", {"颜色分类": "黑色"}), product_page("100000000002", {}), (HOME, [])]
+    pages = [
+        results_page(["100000000001", "100000000002", "100000000003"], page=2, pages=3),
+        product_page("100000000003", {"颜色分类": "黑色"}),
+        product_page("100000000002", {}),
+        (HOME, []),
+    ]
     pool = ["back to search", "< prev", "next >", "buy now", "100000000002", "999999999999", "颜色分类=白色", "尺码=l"]
     for trial in range(60):
         text, actions = pages[trial % len(pages)]
@@ -272,7 +356,10 @@ def test_observation_parser_reads_listing_and_option_blocks() -> None:
     text, _ = results_page(["100000000002", "100000000003"])
     obs = parse_observation(text)
     assert obs.page == "搜索结果"
-    assert [(p.rank, p.asin, p.price) for p in obs.products] == [(1, "100000000002", "599.0"), (2, "100000000003", "199.0 to 259.0")]
+    assert [(p.rank, p.asin, p.price) for p in obs.products] == [
+        (1, "100000000002", "599.0"),
+        (2, "100000000003", "199.0 to 259.0"),
+    ]
     assert obs.products[1].attributes == "主动降噪；蓝牙"
     page, _ = product_page("100000000003", {"颜色分类": "黑色"})
     obs = parse_observation(page)
@@ -282,9 +369,19 @@ def test_observation_parser_reads_listing_and_option_blocks() -> None:
 
 @pytest.mark.parametrize(
     ("text", "upper"),
-    [("预算在1000元以下", 1000), ("价格在70元左右", 77), ("价格在130-140元之间", 140), ("预算1万2以内", 12000),
-     ("预算不超过一千八", 1800), ("预算就二十来块钱", 22), ("五元以内", 5), ("预算4k+", None), ("价格要超过20元", None),
-     ("买一双42码的鞋", None), ("价格实惠的一款包", None)],
+    [
+        ("预算在1000元以下", 1000),
+        ("价格在70元左右", 77),
+        ("价格在130-140元之间", 140),
+        ("预算1万2以内", 12000),
+        ("预算不超过一千八", 1800),
+        ("预算就二十来块钱", 22),
+        ("五元以内", 5),
+        ("预算4k+", None),
+        ("价格要超过20元", None),
+        ("买一双42码的鞋", None),
+        ("价格实惠的一款包", None),
+    ],
 )
 def test_budget_parser(text: str, upper: float | None) -> None:
     assert parse_budget(text) == upper
@@ -301,7 +398,8 @@ def test_keywords_drop_fillers_and_price_phrases() -> None:
 
 def test_preferences_come_from_the_profile_json_in_the_system_message() -> None:
     system = "购物助手规则……\n\n用户个人文档：\n" + json.dumps(
-        {**DASHCAM_PROFILE, "偏好": {**DASHCAM_PROFILE["偏好"], "预算": "三百左右"}}, ensure_ascii=False)
+        {**DASHCAM_PROFILE, "偏好": {**DASHCAM_PROFILE["偏好"], "预算": "三百左右"}}, ensure_ascii=False
+    )
     prefs = parse_preferences(system)
     assert prefs.attributes == ("高清夜视", "碰撞锁存", "安装方式：免走线", "广角", "清晰度：四K")
     assert prefs.options == (("存储卡", "三十二G"),) and prefs.budget == 330
@@ -403,8 +501,16 @@ def served(request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
 
 
 def body_for(conv: Conversation, tools: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"model": "shopsim-heuristic", "messages": conv.messages, "tools": tools, "tool_choice": "auto",
-            "temperature": 0.0, "max_tokens": 512, "seed": 11, **extra}
+    return {
+        "model": "shopsim-heuristic",
+        "messages": conv.messages,
+        "tools": tools,
+        "tool_choice": "auto",
+        "temperature": 0.0,
+        "max_tokens": 512,
+        "seed": 11,
+        **extra,
+    }
 
 
 def settings(**knobs: Any) -> PolicySettings:
@@ -451,10 +557,11 @@ def test_stream_assembles_to_the_same_tool_call_with_usage_and_done(served: http
     body = body_for(conv, tools_for(False, actions))
     plain = served.post("/v1/chat/completions", json=body).json()
     events: list[str] = []
-    with served.stream("POST", "/v1/chat/completions",
-                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+    with served.stream(
+        "POST", "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-") for c in chunks)
@@ -537,7 +644,10 @@ def test_fault_timeout_outlasts_a_short_client_timeout(served: httpx.Client) -> 
 
 def test_fault_draws_are_seeded_per_request_body_and_retries_draw_again() -> None:
     knobs = settings(rate_500=0.5, fault_seed=5)
-    bodies = [body_for(Conversation(f"我想买一款{kind}"), tools_for(True, [])) for kind in ("台灯", "水杯", "键盘", "鼠标", "耳机", "背包")]
+    bodies = [
+        body_for(Conversation(f"我想买一款{kind}"), tools_for(True, []))
+        for kind in ("台灯", "水杯", "键盘", "鼠标", "耳机", "背包")
+    ]
 
     def statuses() -> list[int]:
         with running_server(create_app(knobs)) as base, httpx.Client(base_url=base, trust_env=False) as client:
@@ -559,8 +669,12 @@ def test_settings_reject_bad_rates_and_read_the_environment(monkeypatch: pytest.
     assert loaded.model_id == "heuristic-x" and loaded.rate_length == 0.25
 
 
-def play(served: httpx.Client, conv: Conversation, listing_asins: list[str], prices: dict[tuple[str, str], str] | None = None,
-         ) -> tuple[str | None, dict[str, str], int]:
+def play(
+    served: httpx.Client,
+    conv: Conversation,
+    listing_asins: list[str],
+    prices: dict[tuple[str, str], str] | None = None,
+) -> tuple[str | None, dict[str, str], int]:
     """Play the tiny shop against the served policy until it buys: (asin, options, steps)."""
     page, actions, search, chosen, current = HOME, [], True, {}, None
     listing: tuple[str, list[str]] = (HOME, [])

@@ -157,7 +157,8 @@ def test_a_queued_reset_whose_client_hung_up(keep_orphans: bool) -> None:
         with socket.create_connection((host, int(port))) as raw:
             raw.sendall(
                 b"POST /api/shop_agent HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
             )
             deadline = time.monotonic() + 10
             while pool._waiting == 0:  # the server has the reset and queued it
@@ -310,9 +311,7 @@ def test_cp12_buy_now_requires_complete_options(shop: ShopClient) -> None:
     assert searched["action_feedback"]["reason"] == "search_unavailable"
     assert searched["action_feedback"]["message"] == "当前页面不提供搜索操作"
     after = searched["observation_state"]
-    assert {k: v for k, v in after.items() if k != "last_action"} == {
-        k: v for k, v in before.items() if k != "last_action"
-    }
+    assert {k: v for k, v in after.items() if k != "last_action"} == {k: v for k, v in before.items() if k != "last_action"}
     for label in ("click[Buy Now]", "click[ buy now]"):
         assert shop.act(episode, label)["action_feedback"]["reason"] == "unavailable_action"
 
@@ -333,7 +332,9 @@ def test_cp13_text_observation(shop: ShopClient) -> None:
     product = shop.act(episode, f"click[{KETTLE_GOLD}]")
     shop.act(episode, "click[颜色分类=白色]")
     text = shop.act(episode, "click[buy now]")["observation"]
-    assert text.startswith("页面：商品详情\n商品：\n- 标题：不锈钢电水壶 1.7L大容量 快速烧水\n- ASIN：100000000001\n- 价格：99.0\n")
+    assert text.startswith(
+        "页面：商品详情\n商品：\n- 标题：不锈钢电水壶 1.7L大容量 快速烧水\n- ASIN：100000000001\n- 价格：99.0\n"
+    )
     assert "- 颜色分类：已选择 白色\n  可选值：白色 / 黑色\n- 容量：尚未选择\n  可选值：1.7l / 1.5l\n仍需选择：容量\n" in text
     assert "- 结果：无效\n- 说明：购买前还需选择规格轴：容量\n- 原因代码：incomplete_options\n" in text
     assert text.endswith("可点击元素：\n- back to search\n- < prev\n- 颜色分类=黑色\n- 容量=1.7l\n- 容量=1.5l\n")
@@ -516,9 +517,7 @@ def test_cp22_action_extraction(shop: ShopClient, response: str, reason: str, ac
 def test_cp23_private_fields_of_the_reset_response(shop: ShopClient) -> None:
     status, default = shop.call(action="reset", idx=1460, if_persona=True, include_private_goal=False)
     client_checks("reset", status, default)
-    assert not {"private_task_instruction", "goal_options", "reason_key", "instruction", "instruction_simple"} & set(
-        default
-    )
+    assert not {"private_task_instruction", "goal_options", "reason_key", "instruction", "instruction_simple"} & set(default)
     assert default["task_instruction"] == "帮我挑个能保温的电水壶" and default["task_mode"] == "persona"
     assert default["user_persona"] == {"用户ID": "u-1460", "行为特征": {"购物频率": "每周", "偏好": "智能家电"}}
     assert default["observation"].startswith("页面：搜索首页")
@@ -674,12 +673,19 @@ async def test_many_concurrent_leases_are_distinct(make_shop) -> None:
                 *(
                     http.post(
                         "/api/shop_agent",
-                        json={"action": "interact", "env_idx": e["env_idx"], "lease_id": e["lease_id"], "response": "search[电水壶]"},
+                        json={
+                            "action": "interact",
+                            "env_idx": e["env_idx"],
+                            "lease_id": e["lease_id"],
+                            "response": "search[电水壶]",
+                        },
                     )
                     for e in episodes
                 )
             )
-            assert all(s.json()["result"]["idx"] == f"slot-{e['env_idx']}-{e['idx']}" for s, e in zip(steps, episodes, strict=True))
+            assert all(
+                s.json()["result"]["idx"] == f"slot-{e['env_idx']}-{e['idx']}" for s, e in zip(steps, episodes, strict=True)
+            )
 
 
 def test_packaged_catalog_serves_its_tasks() -> None:

@@ -100,9 +100,7 @@ def product_from_record(record: dict[str, Any], *, path: Path | str = "<record>"
         values: list[str] = []
         for position, entry in enumerate(entries):
             if not isinstance(entry, dict) or not isinstance(entry.get("value"), str):
-                raise CatalogError(
-                    f"{_where(path, index, 'customization_options')}[{axis!r}][{position}] needs a string 'value'"
-                )
+                raise CatalogError(f"{_where(path, index, 'customization_options')}[{axis!r}][{position}] needs a string 'value'")
             values.append(entry["value"].strip().replace("/", " | ").lower())
         options[str(axis)] = values
         customization[str(axis)] = entries
@@ -156,8 +154,7 @@ def build_goal(
             price_upper = math.nan
         if not math.isfinite(price_upper) or price_upper < 0:
             raise CatalogError(
-                f"{_where(path, position, 'instructions[0].price_upper')} must be a finite number >= 0, "
-                f"got {raw_upper!r}"
+                f"{_where(path, position, 'instructions[0].price_upper')} must be a finite number >= 0, got {raw_upper!r}"
             )
     else:
         price_upper = explicit_budget_from_instruction(simple_text)

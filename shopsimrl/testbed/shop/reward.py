@@ -129,39 +129,51 @@ _NEXT = -1.0
 _RULES: list[_Rule] = [
     # 预算1万2以内 -> 12000
     (
-        re.compile(rf"{_PRICE_WORD}(?:金额)?(?:控制)?(?:在|为|是)?\s*(?P<a>\d+)\s*万\s*(?P<b>\d+)\s*(?:千)?\s*"
-                   r"(?P<q>以内|以下|之内|左右|上下)?"),
+        re.compile(
+            rf"{_PRICE_WORD}(?:金额)?(?:控制)?(?:在|为|是)?\s*(?P<a>\d+)\s*万\s*(?P<b>\d+)\s*(?:千)?\s*"
+            r"(?P<q>以内|以下|之内|左右|上下)?"
+        ),
         lambda m: _tolerant(float(m["a"]) * 10_000 + float(m["b"]) * 1_000, m["q"]),
     ),
     # 价格在10-20之间 (currency optional, closing word required)
     (
-        re.compile(rf"{_PRICE_WORD}{_LEAD}(?P<n1>{_NUM})\s*(?P<s1>{_SCALE})\s*(?:{_CUR})?\s*{_RANGE_SEP}\s*"
-                   rf"(?P<n2>{_NUM})\s*(?P<s2>{_SCALE})\s*(?:{_CUR})?\s*(?:之间|以内|以下|之内)"),
+        re.compile(
+            rf"{_PRICE_WORD}{_LEAD}(?P<n1>{_NUM})\s*(?P<s1>{_SCALE})\s*(?:{_CUR})?\s*{_RANGE_SEP}\s*"
+            rf"(?P<n2>{_NUM})\s*(?P<s2>{_SCALE})\s*(?:{_CUR})?\s*(?:之间|以内|以下|之内)"
+        ),
         lambda m: _range_upper(m) or _NEXT,
     ),
     # 30元到40元 (price word optional, currency at the upper end required)
     (
-        re.compile(rf"(?:{_PRICE_WORD})?{_LEAD}(?P<n1>{_NUM})\s*(?P<s1>{_SCALE})\s*(?:{_CUR})?\s*{_RANGE_SEP}\s*"
-                   rf"(?P<n2>{_NUM})\s*(?P<s2>{_SCALE})\s*{_CUR}"),
+        re.compile(
+            rf"(?:{_PRICE_WORD})?{_LEAD}(?P<n1>{_NUM})\s*(?P<s1>{_SCALE})\s*(?:{_CUR})?\s*{_RANGE_SEP}\s*"
+            rf"(?P<n2>{_NUM})\s*(?P<s2>{_SCALE})\s*{_CUR}"
+        ),
         lambda m: _range_upper(m) or _NEXT,
     ),
     # 不超过 2199 元
     (
-        re.compile(rf"(?:{_PRICE_WORD})?(?:金额)?[^，。；;]{{0,8}}?(?:{_UPPER_CUES})\s*"
-                   rf"(?P<n>{_NUM})\s*(?P<s>{_SCALE})\s*{_CUR}"),
+        re.compile(
+            rf"(?:{_PRICE_WORD})?(?:金额)?[^，。；;]{{0,8}}?(?:{_UPPER_CUES})\s*"
+            rf"(?P<n>{_NUM})\s*(?P<s>{_SCALE})\s*{_CUR}"
+        ),
         lambda m: _positive(_amount(m["n"], m["s"])),
     ),
     # lower bounds only (超过20元, 4k+): not a ceiling, so no budget
     (
-        re.compile(rf"{_PRICE_WORD}[^，。；;]{{0,8}}?(?:不低于|至少|(?<!不要)(?<!不能)(?<!不)(?<!别)(?:超过|高于))\s*"
-                   rf"{_NUM}\s*{_SCALE}\s*(?:{_CUR})?"),
+        re.compile(
+            rf"{_PRICE_WORD}[^，。；;]{{0,8}}?(?:不低于|至少|(?<!不要)(?<!不能)(?<!不)(?<!别)(?:超过|高于))\s*"
+            rf"{_NUM}\s*{_SCALE}\s*(?:{_CUR})?"
+        ),
         lambda m: None,
     ),
     (re.compile(rf"{_PRICE_WORD}[^，。；;]{{0,8}}?{_NUM}\s*{_SCALE}\s*\+"), lambda m: None),
     # 预算在1000元以下 / 预算就二十来块钱 / 价格在70元左右
     (
-        re.compile(rf"{_PRICE_WORD}(?:金额)?[^\d{_CN}，。；;]{{0,12}}?(?P<n>{_NUM})\s*(?P<s>{_SCALE})\s*"
-                   rf"(?P<fuzz>来|多)?\s*(?:{_CUR})?\s*(?P<q>以内|以下|之内|左右|上下|大约|上下浮动|内)?"),
+        re.compile(
+            rf"{_PRICE_WORD}(?:金额)?[^\d{_CN}，。；;]{{0,12}}?(?P<n>{_NUM})\s*(?P<s>{_SCALE})\s*"
+            rf"(?P<fuzz>来|多)?\s*(?:{_CUR})?\s*(?P<q>以内|以下|之内|左右|上下|大约|上下浮动|内)?"
+        ),
         lambda m: _prefixed(m) if _prefixed(m) is not None else _NEXT,
     ),
     (
@@ -256,11 +268,7 @@ def _indexed_axes(product: Product) -> dict[str, dict[str, float | None]]:
 
 def price_affecting_axes(product: Product) -> list[str]:
     """Axes whose options carry more than one distinct price."""
-    return [
-        axis
-        for axis, values in _indexed_axes(product).items()
-        if len({p for p in values.values() if p is not None}) > 1
-    ]
+    return [axis for axis, values in _indexed_axes(product).items() if len({p for p in values.values() if p is not None}) > 1]
 
 
 def _resolution(status: str, price: float | None, method: str, evidence: dict[str, Any]) -> dict[str, Any]:
@@ -365,14 +373,11 @@ def attribute_reward(product: Product, goal: Mapping[str, Any]) -> tuple[float, 
     required = list(goal.get("attributes") or [])
     if not required:
         return 1.0, 0
-    searchable = " ".join(
-        [product.title, " ".join(map(str, product.bullet_points)), product.description]
-    ).casefold()
+    searchable = " ".join([product.title, " ".join(map(str, product.bullet_points)), product.description]).casefold()
     matches = sum(
         1
         for wanted in required
-        if any(fuzzy_token_set_ratio(have, wanted) > 85 for have in product.attributes)
-        or str(wanted).casefold() in searchable
+        if any(fuzzy_token_set_ratio(have, wanted) > 85 for have in product.attributes) or str(wanted).casefold() in searchable
     )
     return matches / len(required), matches
 

@@ -176,10 +176,7 @@ class SearchIndex:
         self.size = len(rows)
         # bm25() weights are positional over all declared columns; the leading 0 is the ASIN.
         weights = ", ".join(str(w) for w in (0.0, *FIELD_WEIGHTS.values()))
-        self._sql = (
-            f"SELECT asin FROM products WHERE products MATCH ? "
-            f"ORDER BY bm25(products, {weights}) ASC, asin ASC LIMIT ?"
-        )
+        self._sql = f"SELECT asin FROM products WHERE products MATCH ? ORDER BY bm25(products, {weights}) ASC, asin ASC LIMIT ?"
 
     def search(self, text: object, k: int = TOP_K) -> list[str]:
         tokens = search_tokens(text)

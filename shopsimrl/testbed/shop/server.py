@@ -252,9 +252,7 @@ class ShopService:
 
     # ------------------------------------------------------------------ dispatch
 
-    async def handle(
-        self, data: dict[str, Any], client_gone: asyncio.Event | None = None
-    ) -> tuple[int, dict[str, Any]]:
+    async def handle(self, data: dict[str, Any], client_gone: asyncio.Event | None = None) -> tuple[int, dict[str, Any]]:
         """Answer one request; ``client_gone`` is set when the caller's connection closes."""
         action = data.get("action")
         await self._delay()
@@ -360,9 +358,7 @@ class ShopService:
         self.sessions[slot] = session
         persona = {k: v for k, v in goal["user_persona"].items() if k != "__reasoning__"}
         result: dict[str, Any] = {
-            "task_instruction": (
-                goal["instruction_simple"] if if_persona and goal["user_persona"] else goal["instruction_text"]
-            ),
+            "task_instruction": (goal["instruction_simple"] if if_persona and goal["user_persona"] else goal["instruction_text"]),
             "observation": observation,
             "observation_state": state,
             "message": f"Task {idx} started",
