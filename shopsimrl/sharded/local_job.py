@@ -305,8 +305,12 @@ def run_indexed(
                     log.error("index_failed", index=index, exit_code=code, restarts=outcome.restarts)
             wait(poll_interval_s)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        # Once stopping, later signals stay logged and ignored until the process exits: restoring
+        # the default action here would let a second SIGTERM kill the coordinator (exit -15)
+        # while it reports the interruption.
+        if not interrupted:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         for process in running.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

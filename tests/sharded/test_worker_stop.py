@@ -174,3 +174,37 @@ def _state(pid: int) -> str:
         return {"Z": "zombie", "X": "dead"}.get(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0], "alive")
     except OSError:
         return "dead"
+
+
+COORDINATOR_SIGNALLED_TWICE = """
+import os, signal, sys
+from pathlib import Path
+from shopsimrl.sharded.local_job import run_indexed
+
+sent = []
+def first_signal() -> None:  # the first signal, from inside the coordinator's loop
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+result = run_indexed(sys.argv[1], Path(sys.argv[2]), 2, on_tick=first_signal, poll_interval_s=0.02)
+os.kill(os.getpid(), signal.SIGTERM)  # a second one after the workers ended, while it reports
+print("interrupted" if result.interrupted else "not interrupted", result.exit_code.name)
+"""
+
+
+def test_a_second_signal_after_the_workers_ended_does_not_kill_the_coordinator(tmp_path: Path) -> None:
+    """`run --shards`: the first SIGTERM stops the workers; one arriving after they exited, while
+    the coordinator reports, used to meet the restored default action and kill it (exit -15)."""
+    missing = tmp_path / "no-such-config.yaml"  # the workers exit at once: the race needs no timing
+    result = subprocess.run(
+        [sys.executable, "-c", COORDINATOR_SIGNALLED_TWICE, str(tmp_path / "run"), str(missing)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    output = result.stdout + result.stderr  # structlog is not configured here: its lines go to stdout
+    assert "interrupted RETRYABLE" in output.splitlines()
+    assert "already_stopping" in output
