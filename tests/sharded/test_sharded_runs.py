@@ -91,8 +91,12 @@ def test_sigterm_flushes_then_resume_completes(backend: Backend, testbed: Testbe
     store = ShardedRunStore(uri)
     finished_before = set(worker.finished_episodes())
     listing = store.list_shard(0)
-    assert len(listing.parts) == 1 and not listing.marker
-    saved = {record["episode_id"] for record in iter_part_records(listing.parts[0], store.read_part(0, listing.parts[0]) or b"")}
+    # The stop flushes at once, and again after the episodes in flight are cancelled: an episode
+    # that finished between the two lands in a second part. Nothing is committed.
+    assert 1 <= len(listing.parts) <= 2 and not listing.marker
+    saved = {
+        record["episode_id"] for part in listing.parts for record in iter_part_records(part, store.read_part(0, part) or b"")
+    }
     # Every logged episode was flushed; the signal may also land between an episode's save and
     # its log line, so the part can hold one more than the log shows.
     assert finished_before <= saved and len(saved - finished_before) <= 1
