@@ -28,6 +28,7 @@ worker writes there from then on, so its last lines (stopping, releasing leases)
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -207,6 +208,11 @@ def _drain(output: _WorkerOutput, timeout: float) -> None:
         output.stream.close()
 
 
+def _ignore_stop_signals() -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def run_indexed(
     run: str,
     config: Path,
@@ -325,4 +331,9 @@ def run_indexed(
         for output in outputs.values():
             _drain(output, _DRAIN_S)
         os.close(fallback_fd)
+        if interrupted:
+            # Python resets handlers written in Python to the default action while it shuts down,
+            # so a second SIGTERM in that window would still kill the coordinator (exit -15). Until
+            # then on_signal logs it; from the exit on it is ignored (an ignored signal stays so).
+            atexit.register(_ignore_stop_signals)
     return ShardedRunResult(outcomes, interrupted)
