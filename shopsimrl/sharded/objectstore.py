@@ -269,6 +269,25 @@ def _open_local(path_text: str, uri: str) -> tuple[Any, str]:
 # --------------------------------------------------------------------------- the store
 
 
+def _write_local_temp(path: str, data: bytes) -> str:
+    """``data`` written and fsynced to a new temporary file beside ``path`` (a name readers skip:
+    ``TEMP_PREFIX``); returns its path. A failed write removes it: a full disk must not leave a
+    temporary file behind on every retry."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f"{TEMP_PREFIX}{os.getpid()}-{random.getrandbits(48):012x}")
+    try:
+        with open(tmp, "xb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
 class ObjectStore:
     """Whole objects under one run location, every call retried as :class:`RetryPolicy` allows."""
 
@@ -369,20 +388,14 @@ class ObjectStore:
         if self.local:
             # A hard link is the local create-only primitive that also never exposes a torn
             # object: the data is complete and fsynced before the final name appears.
-            directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
-            tmp = os.path.join(directory, f"{TEMP_PREFIX}{os.getpid()}-{random.getrandbits(48):012x}")
+            tmp = _write_local_temp(path, data)
             try:
-                with open(tmp, "xb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
                 os.link(tmp, path)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
             with contextlib.suppress(OSError):
-                fd = os.open(directory, os.O_RDONLY)
+                fd = os.open(os.path.dirname(path), os.O_RDONLY)
                 try:
                     os.fsync(fd)
                 finally:
@@ -404,17 +417,10 @@ class ObjectStore:
 
         def put() -> None:
             if self.local:
-                directory = os.path.dirname(path)
-                os.makedirs(directory, exist_ok=True)
-                tmp = os.path.join(directory, f"{TEMP_PREFIX}{os.getpid()}-{random.getrandbits(48):012x}")
+                tmp = _write_local_temp(path, data)
                 try:
-                    with open(tmp, "wb") as handle:
-                        handle.write(data)
-                        handle.flush()
-                        os.fsync(handle.fileno())
                     os.replace(tmp, path)
                 except BaseException:
-                    # A full disk must not leave a temporary file behind on every retry.
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
                     raise
