@@ -10,7 +10,7 @@ CONSTRAINTS := constraints.txt
 # The llama.cpp server of the real-LLM test: an environment of its own, never .venv.
 LLM_CACHE ?= .cache/llm
 
-.PHONY: install test lint llm-server check-venv constraints demo demo-s3 smoke smoke-llm bench reduce status clean
+.PHONY: install test lint llm-server browser check-venv constraints demo demo-s3 smoke smoke-llm bench reduce status clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo "install: $(VENV) with the project and its test extras, pinned by $(CONSTRAINTS) (about 2 minutes)"
@@ -20,9 +20,14 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 install: $(STAMP)  ## create .venv and install the project with its test extras (pinned by constraints.txt)
 
-test: $(STAMP) llm-server  ## run the whole test suite (the README's test command)
+test: $(STAMP) llm-server browser  ## run the whole test suite (the README's test command)
 	@echo "test: pytest over tests/ (about 15 minutes on 2 cores; one dot per test)"
-	SHOPSIMRL_LLM_CACHE=$(abspath $(LLM_CACHE)) SHOPSIMRL_LLM_REQUIRED=1 $(BIN)/pytest -q
+	SHOPSIMRL_LLM_CACHE=$(abspath $(LLM_CACHE)) SHOPSIMRL_LLM_REQUIRED=1 \
+	  SHOPSIMRL_BROWSER_REQUIRED=$$(command -v chromium >/dev/null && command -v chromedriver >/dev/null && echo 1) \
+	  $(BIN)/pytest -q
+
+browser:  ## Debian's chromium and chromium-driver for the browser tests (apt-get when root and missing)
+	scripts/install-browser.sh
 
 # ruff (lint and format) and mypy, configured in pyproject.toml. `ruff format $(LINT_PATHS)` fixes
 # what the format check finds.

@@ -16,6 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shopsimrl"
 # Highest first. An import may point into its own layer or any layer below it, never above.
 LAYERS: dict[str, tuple[str, ...]] = {
     "cli": ("shopsimrl.__main__", "shopsimrl.cli"),
+    # Tools over finished runs; they read runs through the layers below, nothing below imports them.
+    "research": ("shopsimrl.research", "shopsimrl.research.runs"),
     "scheduling": (
         "shopsimrl.experiment",
         "shopsimrl.lease_journal",

@@ -130,22 +130,27 @@ def _tally(
     result.episodes_rerun = len(rerun)
 
 
-def _reduce_shard(
-    store: ShardedRunStore,
-    index: int,
-    shard_map: ShardMap,
-    plan_fp: str,
-    accumulator: SummaryAccumulator,
-    not_in_plan_sample: list[str],
-    include_uncommitted: bool,
-) -> _ShardResult:
+@dataclass
+class ShardParts:
+    """The parts of one shard that count, each read once: those a verified commit marker lists
+    (or, with ``include_uncommitted``, every listed part of a shard without a marker)."""
+
+    result: _ShardResult
+    parts: list[tuple[str, bytes]] = field(default_factory=list)
+    """``(part name, compressed bytes)`` in part order."""
+
+
+def read_shard_parts(
+    store: ShardedRunStore, index: int, shard_map: ShardMap, plan_fp: str, *, include_uncommitted: bool = False
+) -> ShardParts:
+    """Verify a shard's commit markers and read the parts they commit (the reducer's and the
+    research readers' one view of a shard's output)."""
     ids = shard_map.episode_ids[index]
     result = _ShardResult(index=index, jobs=len(ids))
     listing = store.list_shard(index)
     result.foreign = listing.foreign
     result.temporary_objects = len(listing.temporary)
     result.listed_parts = len(listing.parts)
-    shard_ids = set(ids)
 
     candidates: list[tuple[str, dict[str, Any]]] = []
     for name, marker in store.read_markers(index, listing.markers):
@@ -169,28 +174,42 @@ def _reduce_shard(
         result.markers, result.ignored_markers = len(verified), len(candidates) - len(verified)
         if not verified:
             result.state = "corrupt"  # committed output that does not verify is not trusted at all
-            return result
+            return ShardParts(result)
         committed = {part["name"] for marker in verified for part in marker["parts"]}
         names = [name for name in names if name in committed]  # a marker was ignored: only what the others verify
         result.state = "committed"
         result.uncommitted_parts = sum(1 for name in listing.parts if name not in committed)
     elif listing.markers:
         result.state = "corrupt"
-        return result
+        return ShardParts(result)
     elif include_uncommitted:
         names = list(listing.parts)
         held = _read_parts(store, index, names)
     else:
-        return result
+        return ShardParts(result)
     result.parts = len(names)
-    _tally(
-        [part[1] for part in (held[name] for name in names) if part is not None],
-        shard_ids,
-        accumulator,
-        result,
-        not_in_plan_sample,
-    )
-    return result
+    return ShardParts(result, [(name, part[1]) for name, part in ((name, held[name]) for name in names) if part is not None])
+
+
+def _reduce_shard(
+    store: ShardedRunStore,
+    index: int,
+    shard_map: ShardMap,
+    plan_fp: str,
+    accumulator: SummaryAccumulator,
+    not_in_plan_sample: list[str],
+    include_uncommitted: bool,
+) -> _ShardResult:
+    shard = read_shard_parts(store, index, shard_map, plan_fp, include_uncommitted=include_uncommitted)
+    if shard.result.state == "committed" or (include_uncommitted and shard.result.state == "uncommitted"):
+        _tally(
+            [data for _, data in shard.parts],
+            set(shard_map.episode_ids[index]),
+            accumulator,
+            shard.result,
+            not_in_plan_sample,
+        )
+    return shard.result
 
 
 def _why_missing(result: _ShardResult) -> str:

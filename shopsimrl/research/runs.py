@@ -1,0 +1,219 @@
+"""One reader for every kind of run: a local run directory (``traces.jsonl``), a sharded run at
+any location (``s3://…``, any fsspec URL, or a local directory with ``shards.json``), and run
+directories of the earlier implementation (v4 traces, with or without a manifest).
+
+A sharded run is read from its committed shards (the parts a verified commit marker lists),
+as the reducer reads it: no merged file is needed. Each episode is represented by its winning
+record (:mod:`shopsimrl.traces`' winner rule, the one both stores and the reducer apply).
+
+    run = open_run("s3://bucket/runs/ckpt-1200")
+    for record in run.records():      # streams: one shard's parts in memory at a time
+        ...
+    run.record("task-000003__sample-000")   # one episode, through an index built once
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from shopsimrl.local_run import LocalRunStore
+from shopsimrl.manifest import ManifestError, run_identity
+from shopsimrl.schemas import EpisodeJob, TraceFormatError, redact_uri
+from shopsimrl.sharded.layout import (
+    RunNotPlannedError,
+    ShardedRunStore,
+    ShardMapError,
+    iter_part_records,
+    load_frozen_plan,
+)
+from shopsimrl.sharded.objectstore import RunLocationError
+from shopsimrl.sharded.reduce import read_shard_parts
+from shopsimrl.traces import WinnerPicker, parse_trace_line
+
+__all__ = ["EpisodeSource", "Run", "RunReadError", "open_run"]
+
+
+class RunReadError(ValueError):
+    """The location is not a readable run, or an episode is not in it (exit 2)."""
+
+
+@dataclass(frozen=True)
+class EpisodeSource:
+    """Where an episode's winning record lies: a file or part of the run, and its position there
+    (byte offset in ``traces.jsonl``; line number among a part's records)."""
+
+    name: str
+    position: int
+    shard: int | None = None
+    attempts: int = 1
+
+
+@dataclass
+class Run:
+    """An opened run. ``kind`` is ``local`` or ``sharded``; ``manifest`` is None for traces of the
+    earlier implementation written without one."""
+
+    location: str
+    """Where it was opened, credentials removed."""
+    kind: Literal["local", "sharded"]
+    manifest: dict[str, Any] | None
+    include_uncommitted: bool = False
+    shard_states: dict[int, str] = field(default_factory=dict)
+    """Sharded runs: per shard ``committed``, ``uncommitted`` or ``corrupt`` (filled by a read)."""
+    unreadable_lines: int = 0
+    _local: LocalRunStore | None = None
+    _store: ShardedRunStore | None = None
+    _index: dict[str, EpisodeSource] | None = None
+    _part_cache: tuple[tuple[int, str], list[dict[str, Any] | None]] | None = None
+
+    # -- identity and plan ------------------------------------------------------------------
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        plan = (self.manifest or {}).get("plan")
+        return plan if isinstance(plan, dict) else None
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """The summary's ``run`` block: experiment, model, checkpoint, fingerprint, split."""
+        return run_identity(self.manifest, uri=self.location)
+
+    @property
+    def jobs(self) -> list[EpisodeJob] | None:
+        """The frozen job list (task, sample, seed, split; ``episode_id`` derived), None without a
+        manifest."""
+        jobs = (self.plan or {}).get("jobs")
+        if not isinstance(jobs, list):
+            return None
+        try:
+            return [EpisodeJob.from_dict(job) for job in jobs]
+        except TraceFormatError as exc:
+            raise RunReadError(f"{self.location}/manifest.json: {exc}") from None
+
+    # -- records ----------------------------------------------------------------------------
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """The winning record of every episode that has one, streamed. Sharded runs: shard by
+        shard, committed shards only unless the run was opened with ``include_uncommitted``."""
+        if self._local is not None:
+            yield from self._local_records()
+        else:
+            yield from self._sharded_records()
+
+    def index(self) -> dict[str, EpisodeSource]:
+        """``episode_id`` → where its winning record lies (one pass over the run, kept)."""
+        if self._index is None:
+            for _ in self.records():
+                pass
+        assert self._index is not None
+        return self._index
+
+    def record(self, episode_id: str) -> dict[str, Any]:
+        """One episode's winning record (reads one line, or one part of a sharded run)."""
+        source = self.index().get(episode_id)
+        if source is None:
+            raise RunReadError(f"{self.location} has no episode {episode_id!r}")
+        if self._local is not None:
+            with self._local.traces_path.open("rb") as handle:
+                handle.seek(source.position)
+                record = parse_trace_line(handle.readline().strip())
+        else:
+            record = self._part_records(source)[source.position]
+        if record is None or record.get("episode_id") != episode_id:
+            raise RunReadError(f"{self.location}: the record of {episode_id} changed since the run was indexed; open it again")
+        return record
+
+    # -- local run directories --------------------------------------------------------------
+
+    def _local_records(self) -> Iterator[dict[str, Any]]:
+        assert self._local is not None
+        resume = self._local.load_index()
+        self.unreadable_lines = resume.bad_lines
+        index: dict[str, EpisodeSource] = {}
+        name = self._local.traces_path.name
+        for is_winner, record in self._local.iter_records(resume):
+            if is_winner:
+                state = resume.episodes[record["episode_id"]]
+                index[record["episode_id"]] = EpisodeSource(name, state.offset, attempts=state.attempts)
+                yield record
+        self._index = index
+
+    # -- sharded runs -----------------------------------------------------------------------
+
+    def _sharded_records(self) -> Iterator[dict[str, Any]]:
+        assert self._store is not None
+        frozen = load_frozen_plan(self._store)
+        index: dict[str, EpisodeSource] = {}
+        unreadable = 0
+        for shard in range(frozen.shard_map.count):
+            parts = read_shard_parts(
+                self._store, shard, frozen.shard_map, frozen.fingerprint, include_uncommitted=self.include_uncommitted
+            )
+            self.shard_states[shard] = parts.result.state
+            shard_ids = set(frozen.shard_map.episode_ids[shard])
+            decoded = [(name, list(iter_part_records(name, data))) for name, data in parts.parts]
+            picker: WinnerPicker[tuple[int, int]] = WinnerPicker()
+            attempts: dict[str, int] = {}
+            for part_no, (_, records) in enumerate(decoded):
+                for line_no, record in enumerate(records):
+                    if record is None:
+                        unreadable += 1
+                    elif record["episode_id"] in shard_ids:
+                        picker.offer(record, (part_no, line_no))
+                        attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
+            winners = {picker.winner(episode_id): episode_id for episode_id in attempts}
+            for part_no, (name, records) in enumerate(decoded):
+                for line_no, record in enumerate(records):
+                    episode_id = winners.get((part_no, line_no))
+                    if episode_id is not None and record is not None:
+                        index[episode_id] = EpisodeSource(name, line_no, shard=shard, attempts=attempts[episode_id])
+                        yield record
+        self.unreadable_lines = unreadable
+        self._index = index
+
+    def _part_records(self, source: EpisodeSource) -> list[dict[str, Any] | None]:
+        """A part's records, the last part read kept (a viewer opens neighbouring episodes)."""
+        assert self._store is not None and source.shard is not None
+        key = (source.shard, source.name)
+        if self._part_cache is None or self._part_cache[0] != key:
+            data = self._store.read_part(source.shard, source.name)
+            if data is None:
+                raise RunReadError(f"{self.location}: part {source.name} of shard {source.shard} is gone; open the run again")
+            self._part_cache = (key, list(iter_part_records(source.name, data)))
+        return self._part_cache[1]
+
+
+def open_run(location: str | Path, *, include_uncommitted: bool = False) -> Run:
+    """Open a run for reading. Raises :class:`RunReadError` naming the location when it holds no
+    run, or its manifest or shard map is unreadable."""
+    text = str(location)
+    shown = redact_uri(text) if "://" in text else text
+    try:
+        if "://" not in text and not (Path(text) / "shards.json").exists():
+            return _open_local(Path(text), shown)
+        store = ShardedRunStore(text)
+        manifest = store.read_manifest()
+        load_frozen_plan(store)  # the worker's and the reducer's checks of manifest and shard map
+    except RunNotPlannedError as exc:
+        raise RunReadError(str(exc)) from None
+    except (ManifestError, ShardMapError, TraceFormatError, RunLocationError) as exc:
+        raise RunReadError(f"{shown}: {exc}") from None
+    return Run(shown, "sharded", manifest, include_uncommitted=include_uncommitted, _store=store)
+
+
+def _open_local(path: Path, shown: str) -> Run:
+    if path.is_file():
+        raise RunReadError(f"{shown} is a file; give the run directory that holds traces.jsonl (and manifest.json)")
+    store = LocalRunStore(path)
+    if not store.traces_path.exists():
+        if not path.exists():
+            raise RunReadError(f"{shown} does not exist")
+        raise RunReadError(f"{shown} holds no traces.jsonl and no shards.json: not a run directory")
+    try:
+        manifest = store.read_manifest()
+    except ManifestError as exc:
+        raise RunReadError(str(exc)) from None
+    return Run(shown, "local", manifest, _local=store)

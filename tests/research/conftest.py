@@ -1,0 +1,120 @@
+"""Runs for the research tools, made once per session by the real CLI against the real testbed:
+a local run and a 4-shard run of the same plan on moto S3, and the earlier implementation's v4
+traces as a run directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.sharded.conftest import S3_TEST_ENV, Backend, _make_bucket, cli, moto_endpoint, testbed, worker_env, write_config
+from tests.testbed_process import LocalTestbed
+
+__all__ = ["moto_endpoint", "testbed"]  # session fixtures shared with the sharded tests
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@dataclass
+class ResearchRuns:
+    local: Path
+    """A local run directory (traces.jsonl) of ``episodes`` testbed episodes."""
+    sharded: str
+    """The same plan as a 4-shard run on moto S3 (``s3://…``)."""
+    legacy: Path
+    """A run directory holding only v4 traces of the earlier implementation."""
+    env: dict[str, str]
+    """The S3 settings a reader of the sharded run needs (add them to a subprocess's environment)."""
+    episodes: int
+
+
+@pytest.fixture(scope="session")
+def research_runs(tmp_path_factory: pytest.TempPathFactory, testbed: LocalTestbed, moto_endpoint: str) -> Iterator[ResearchRuns]:
+    base = tmp_path_factory.mktemp("research-runs")
+    episodes = 24
+    config = write_config(base, testbed, episodes=episodes, name="research", concurrency=4)
+    local = cli("run", str(config), env=worker_env(Backend("local", str(base))))
+    assert local.returncode == 0, local.stderr[-3000:]
+    (local_dir,) = (base / "local-runs").iterdir()
+
+    s3 = Backend("s3", "", {**S3_TEST_ENV, "AWS_ENDPOINT_URL": moto_endpoint})
+    bucket = _make_bucket(moto_endpoint, s3.env["AWS_ACCESS_KEY_ID"], s3.env["AWS_SECRET_ACCESS_KEY"])
+    uri = f"s3://{bucket}/runs/research"
+    env = worker_env(s3)
+    sharded = cli("run", str(config), "--shards", "4", "--run", uri, env=env)
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+
+    legacy = base / "legacy-run"
+    legacy.mkdir()
+    shutil.copy(FIXTURES / "legacy_v4_traces.jsonl", legacy / "traces.jsonl")
+    yield ResearchRuns(local_dir, uri, legacy, s3.env, episodes)
+
+
+@pytest.fixture
+def s3_env(research_runs: ResearchRuns, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The S3 settings in this process too (readers opened in the test talk to moto)."""
+    for name, value in research_runs.env.items():
+        monkeypatch.setenv(name, value)
+    return research_runs.env
+
+
+# --------------------------------------------------------------------------- a real browser
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / ".cache" / "test-artifacts"
+"""Screenshots the browser tests save (ignored by git; kept after the run for a person to look at)."""
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    """Headless Debian Chromium driven by Selenium through Debian's chromedriver. Skips when they
+    are not installed, unless ``SHOPSIMRL_BROWSER_REQUIRED=1`` (``make test`` sets it when they are)."""
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or driver_path is None:
+        if os.environ.get("SHOPSIMRL_BROWSER_REQUIRED") == "1":
+            pytest.fail("SHOPSIMRL_BROWSER_REQUIRED=1 but chromium/chromedriver are missing (scripts/install-browser.sh)")
+        pytest.skip("chromium and chromium-driver are not installed (scripts/install-browser.sh)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    # The machine's network is closed: without the background-networking flags Chromium keeps
+    # trying Google's hosts. Root needs --no-sandbox.
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,1000",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
+    driver.set_page_load_timeout(60)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def console_errors(driver: Any) -> list[str]:
+    """The page's console errors since the last call (SEVERE entries of the browser log)."""
+    return [entry["message"] for entry in driver.get_log("browser") if entry.get("level") == "SEVERE"]
+
+
+def screenshot(driver: Any, name: str) -> Path:
+    path = ARTIFACTS / f"{name}.png"
+    driver.save_screenshot(str(path))
+    return path

@@ -1,0 +1,78 @@
+"""The research tools' run reader: local, sharded on S3 (committed shards, no merged file) and v4."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shopsimrl.local_run import LocalRunStore
+from shopsimrl.research.runs import RunReadError, open_run
+from shopsimrl.traces import is_completed
+
+from .conftest import ResearchRuns
+
+
+def test_local_and_sharded_runs_of_one_plan_read_the_same_episodes(research_runs: ResearchRuns, s3_env: dict[str, str]) -> None:
+    local = open_run(research_runs.local)
+    sharded = open_run(research_runs.sharded)
+    assert local.kind == "local" and sharded.kind == "sharded"
+    assert local.manifest is not None and sharded.manifest is not None
+    assert local.manifest["plan_fingerprint"] == sharded.manifest["plan_fingerprint"]
+    assert "testing-secret" not in json.dumps(sharded.identity)
+
+    by_id = {record["episode_id"]: record for record in local.records()}
+    sharded_by_id = {record["episode_id"]: record for record in sharded.records()}
+    assert len(by_id) == research_runs.episodes and set(by_id) == set(sharded_by_id)
+    assert set(by_id) == {job.episode_id for job in local.jobs or []}
+    assert sharded.shard_states == {0: "committed", 1: "committed", 2: "committed", 3: "committed"}
+    for episode_id, record in by_id.items():
+        assert is_completed(record)
+        assert sharded_by_id[episode_id]["final"]["reward"] == record["final"]["reward"]
+        # One episode without reading the run again: a byte offset locally, a part on S3.
+        assert local.record(episode_id) == record
+        assert sharded.record(episode_id) == sharded_by_id[episode_id]
+    assert {source.shard for source in sharded.index().values()} == {0, 1, 2, 3}
+
+
+def test_the_winning_attempt_is_read_and_torn_lines_are_counted(tmp_path: Path) -> None:
+    store = LocalRunStore(tmp_path / "run")
+    failed = {"schema_version": "shopsimrl-episode-v4", "episode_id": "e1", "status": "failed", "attempt": 1, "final": None}
+    won = {**failed, "status": "completed", "attempt": 2, "final": {"done": True, "reward": 0.5}}
+    store.save_trace(failed)
+    store.save_trace(won)
+    with store.traces_path.open("ab") as handle:
+        handle.write(b'{"episode_id": "e2", "sta')  # a torn last line
+    run = open_run(store.run_dir)
+    assert list(run.records()) == [won]
+    assert run.unreadable_lines == 1 and run.index()["e1"].attempts == 2
+    with pytest.raises(RunReadError, match="no episode 'e2'"):
+        run.record("e2")
+
+
+def test_v4_traces_without_a_manifest(research_runs: ResearchRuns) -> None:
+    run = open_run(research_runs.legacy)
+    records = list(run.records())
+    assert run.manifest is None and run.jobs is None and len(records) == 6
+    assert run.identity["plan_fingerprint"] is None
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p / "missing", "does not exist"),
+        (lambda p: (p / "empty").mkdir() or p / "empty", "not a run directory"),
+        (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "is a file"),
+    ],
+)
+def test_what_is_not_a_run_is_named(tmp_path: Path, make, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RunReadError, match=message):
+        open_run(make(tmp_path))
+
+
+def test_a_bad_manifest_is_named(tmp_path: Path) -> None:
+    (tmp_path / "traces.jsonl").write_text("")
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(RunReadError, match=r"manifest\.json"):
+        open_run(tmp_path)
