@@ -512,6 +512,56 @@ def unfinished_view(record: Mapping[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- accumulator
 
 
+@dataclass(slots=True)
+class StepFacts:
+    """What the metrics count of one step (the summary's and the research tools' one reading)."""
+
+    protocol_error: bool
+    policy_failure: str | None
+    """The policy failure's code (``unknown`` when it has none), None without one."""
+    acted: bool
+    """An action reached the environment."""
+    invalid_action: bool
+    tokens: dict[str, int]
+    latency_ms: float | None
+    retries: int
+    """Model-call attempts beyond the first."""
+
+
+def step_facts(step: Mapping[str, Any]) -> StepFacts:
+    model = _mapping(step.get("model"))
+    # The step-level objects are authoritative; the model's copies cover writers that omit them.
+    protocol_error = _is_map(step.get("protocol_error")) or (
+        "protocol_error" not in step and _is_map(model.get("protocol_error"))
+    )
+    policy_failure = step.get("policy_failure") if "policy_failure" in step else model.get("policy_failure")
+    environment = step.get("environment")
+    acted = _is_map(environment)
+    feedback = _mapping(environment).get("action_feedback")
+    usage = _mapping(model.get("usage"))
+    tokens = {}
+    for key in _TOKEN_KEYS:
+        count = _count_value(usage.get(key))
+        if count is not None:
+            tokens[key] = count
+    reasoning = _count_value(_mapping(usage.get("completion_tokens_details")).get("reasoning_tokens"))
+    if reasoning is not None:
+        tokens["reasoning_tokens"] = reasoning
+    latency = _number(model.get("latency_ms"))
+    attempt_count = _count_value(model.get("attempt_count", step.get("attempt_count"))) or 1
+    attempts = model.get("attempts", step.get("attempts"))
+    tries = max(attempt_count, len(attempts) if isinstance(attempts, list) else 0, 1)
+    return StepFacts(
+        protocol_error=bool(protocol_error),
+        policy_failure=str(policy_failure.get("code") or "unknown") if _is_map(policy_failure) else None,
+        acted=acted,
+        invalid_action=_is_map(feedback) and bool(feedback) and feedback.get("valid") is False,
+        tokens=tokens,
+        latency_ms=latency if latency is not None and latency >= 0 else None,
+        retries=tries - 1,
+    )
+
+
 class SummaryAccumulator:
     """Streams trace records (the winning record per episode, chosen by the caller) into a
     summary; memory does not grow with the number of episodes (sums, counters and fixed-size
@@ -652,37 +702,20 @@ class SummaryAccumulator:
                     self._add_step(step)
 
     def _add_step(self, step: Mapping[str, Any]) -> None:
-        model = _mapping(step.get("model"))
-        # The step-level objects are authoritative; the model's copies cover writers that omit them.
-        if _is_map(step.get("protocol_error")) or ("protocol_error" not in step and _is_map(model.get("protocol_error"))):
-            self._protocol_errors += 1
-        policy_failure = step.get("policy_failure") if "policy_failure" in step else model.get("policy_failure")
-        if _is_map(policy_failure):
+        facts = step_facts(step)
+        self._protocol_errors += facts.protocol_error
+        if facts.policy_failure is not None:
             self._policy_failures += 1
-            self._policy_codes.add(str(policy_failure.get("code") or "unknown"))
-        environment = step.get("environment")
-        if _is_map(environment):
-            self._actions += 1
-            feedback = environment.get("action_feedback")
-            if _is_map(feedback) and feedback and feedback.get("valid") is False:
-                self._invalid_actions += 1
-        usage = _mapping(model.get("usage"))
-        for key in _TOKEN_KEYS:
-            count = _count_value(usage.get(key))
-            if count is not None:
-                self._tokens[key] = self._tokens.get(key, 0) + count
-        reasoning = _count_value(_mapping(usage.get("completion_tokens_details")).get("reasoning_tokens"))
-        if reasoning is not None:
-            self._tokens["reasoning_tokens"] = self._tokens.get("reasoning_tokens", 0) + reasoning
-        latency = _number(model.get("latency_ms"))
-        if latency is not None and latency >= 0:
-            self._step_latency.add(latency)
-        attempt_count = _count_value(model.get("attempt_count", step.get("attempt_count"))) or 1
-        attempts = model.get("attempts", step.get("attempts"))
-        tries = max(attempt_count, len(attempts) if isinstance(attempts, list) else 0, 1)
-        if tries > 1:
+            self._policy_codes.add(facts.policy_failure)
+        self._actions += facts.acted
+        self._invalid_actions += facts.invalid_action
+        for key, count in facts.tokens.items():
+            self._tokens[key] = self._tokens.get(key, 0) + count
+        if facts.latency_ms is not None:
+            self._step_latency.add(facts.latency_ms)
+        if facts.retries:
             self._calls_retried += 1
-            self._retry_attempts += tries - 1
+            self._retry_attempts += facts.retries
 
     def note_superseded_attempt(self, record: Mapping[str, Any]) -> None:
         """Count an earlier attempt of an episode (e.g. a failed try later retried).
