@@ -1,14 +1,36 @@
-"""HTTP for the model and environment adapters: httpx's types, aiohttp's connection pool.
+"""HTTP for the model and environment adapters: httpx's types over a lean HTTP/1.1 client.
 
 The adapters speak httpx: they get ``httpx.Response`` objects, pass ``httpx.Timeout`` and handle
-httpx's exception hierarchy. Underneath, requests go through aiohttp's connection pool and its
-C HTTP parser. Measured on the real path (docs/benchmarks.md, "Throughput"): httpx's own pool
-(httpcore) scans every pooled connection on each request, so its CPU per request grows with the
-episodes in flight; httpx's client layer (URL parsing, cookies, redirects, auth hooks) costs
-more than the request itself; aiohttp costs the same per request at any concurrency.
+httpx's exception hierarchy. Underneath, ``http://`` origins go through shopsimrl.http11 (asyncio
+protocols, httptools' C parser, a LIFO keep-alive pool per origin); ``https://`` origins (hosted
+model endpoints), URLs with user:password@ and services created with ``trust_env`` (proxies from
+the environment) go through aiohttp's pool and its TLS, proxy and auth support. Measured on the
+real path (docs/benchmarks.md, "HTTP clients"): httpx's own pool (httpcore) scans every pooled
+connection on each request, so its CPU per request grows with the episodes in flight; httpx's
+client layer costs more than the request itself; aiohttp costs the same at any concurrency, and
+the lean client less than aiohttp.
 
-Every aiohttp failure is mapped to the httpx error that says whether the request may have
-reached the server, which decides if a non-idempotent call may be sent again:
+Every failure is raised as the httpx error that says whether the request may have reached the
+server, which decides if a non-idempotent call may be sent again. ``http://`` (shopsimrl.http11):
+
+===============================================================  ===================  ==============
+failure                                                          httpx                request sent?
+===============================================================  ===================  ==============
+connection refused, unknown host, other connect errors           ConnectError         no
+no connection within ``timeout.connect``                         ConnectTimeout       no
+no free pooled connection within ``timeout.pool``                PoolTimeout          no
+a header the client sets itself, or a line break in a header     LocalProtocolError   no (not retried)
+the socket does not take the request within ``timeout.write``    WriteTimeout         maybe
+no byte of the answer for ``timeout.read``                       ReadTimeout          maybe
+a kept-alive connection closed before any byte of the answer:
+  GET, HEAD, PUT, DELETE, OPTIONS, TRACE are sent once more on a
+  new connection; others (POST) fail                             RemoteProtocolError  maybe
+the server hangs up before the answer or its body is complete    RemoteProtocolError  maybe
+an answer that is not HTTP/1.x                                   RemoteProtocolError  maybe
+the connection reset or failed during the exchange               ReadError            maybe
+===============================================================  ===================  ==============
+
+``https://`` and the other aiohttp cases:
 
 ========================================  ===========================  ==============
 aiohttp                                   httpx                        request sent?
@@ -27,11 +49,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
 import yarl
+
+from shopsimrl import http11
 
 __all__ = ["HttpService", "request_not_sent"]
 
@@ -80,6 +106,28 @@ class _Body(httpx.AsyncByteStream):
         self._response.release()
 
 
+class _LeanBody(httpx.AsyncByteStream):
+    """A streamed response body, read from shopsimrl.http11 as it arrives."""
+
+    def __init__(self, answer: http11.Answer) -> None:
+        self._answer = answer
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return http11.iterate(self._answer)
+
+    async def aclose(self) -> None:
+        http11.close_stream(self._answer)
+
+
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    """Where a plain-http URL is sent: the pool's key, the request target and the Host header."""
+
+    address: tuple[str, int]
+    target: str
+    host: str
+
+
 class HttpService:
     """The connection pool to one upstream service (a model server, ShopSimulator).
 
@@ -99,6 +147,9 @@ class HttpService:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._urls: dict[str, yarl.URL] = {}
+        self._origins: dict[str, _Origin | None] = {}
+        self._pools: dict[tuple[str, int], http11.Pool] = {}
+        self._pools_loop: asyncio.AbstractEventLoop | None = None
         self._timeouts: dict[tuple[Any, ...], aiohttp.ClientTimeout] = {}
 
     def _open(self) -> aiohttp.ClientSession:
@@ -114,6 +165,47 @@ class HttpService:
             self._session = aiohttp.ClientSession(connector=connector, trust_env=self.trust_env, auto_decompress=False)
             self._loop = loop
         return self._session
+
+    def _origin(self, url: str) -> _Origin | None:
+        """The lean client's view of ``url``; None where aiohttp serves it (https, credentials, proxies)."""
+        try:
+            return self._origins[url]
+        except KeyError:
+            pass
+        if len(self._origins) > 256:  # the adapters use a handful of URLs; never grow without bound
+            self._origins.clear()
+        parts = urlsplit(url)
+        origin = None
+        if parts.scheme == "http" and not self.trust_env and "@" not in parts.netloc and parts.hostname:
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            origin = _Origin((parts.hostname, parts.port or 80), target, parts.netloc)
+        self._origins[url] = origin
+        return origin
+
+    def _pool(self, origin: _Origin) -> http11.Pool:
+        loop = asyncio.get_running_loop()
+        if self._pools_loop is not loop:
+            self._pools = {}  # those of an ended event loop cannot be used (or closed) from this one
+            self._pools_loop = loop
+        pool = self._pools.get(origin.address)
+        if pool is None:
+            pool = self._pools[origin.address] = http11.Pool(
+                *origin.address, limit=self.max_connections, keepalive_expiry=self.keepalive_expiry, keep_alive=self.keep_alive
+            )
+        return pool
+
+    async def _lean_send(
+        self,
+        origin: _Origin,
+        method: str,
+        content: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout: httpx.Timeout,
+        *,
+        stream: bool,
+    ) -> tuple[int, list[tuple[bytes, bytes]], http11.Answer]:
+        data = http11.request_bytes(method, origin.target, origin.host, content, headers, keep_alive=self.keep_alive)
+        return await http11.exchange(self._pool(origin), method, data, timeout, stream=stream)
 
     def _url(self, url: str) -> yarl.URL:
         parsed = self._urls.get(url)
@@ -159,6 +251,10 @@ class HttpService:
         timeout: httpx.Timeout,
     ) -> httpx.Response:
         """Send, and read the whole answer."""
+        origin = self._origin(url)
+        if origin is not None:
+            status, raw_headers, answer = await self._lean_send(origin, method, content, headers, timeout, stream=False)
+            return httpx.Response(status, headers=raw_headers, content=http11.body(answer))
         response = await self._send(method, url, content, headers, timeout)
         try:
             body = await response.read()
@@ -179,14 +275,23 @@ class HttpService:
         timeout: httpx.Timeout,
     ) -> AsyncIterator[httpx.Response]:
         """Send; the answer's body is read as it arrives (``aiter_lines``, ``aread``)."""
-        response = await self._send(method, url, content, headers, timeout)
-        wrapped = httpx.Response(response.status, headers=response.raw_headers, stream=_Body(response))
+        origin = self._origin(url)
+        if origin is not None:
+            status, raw_headers, answer = await self._lean_send(origin, method, content, headers, timeout, stream=True)
+            wrapped = httpx.Response(status, headers=raw_headers, stream=_LeanBody(answer))
+        else:
+            response = await self._send(method, url, content, headers, timeout)
+            wrapped = httpx.Response(response.status, headers=response.raw_headers, stream=_Body(response))
         try:
             yield wrapped
         finally:
             await wrapped.aclose()
 
     async def aclose(self) -> None:
+        pools, self._pools = self._pools, {}
+        if self._pools_loop is asyncio.get_running_loop():
+            for pool in pools.values():
+                pool.close()
         session, self._session = self._session, None
         # A pool opened in an event loop that has since ended cannot be closed from this one.
         if session is not None and self._loop is asyncio.get_running_loop():

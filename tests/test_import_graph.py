@@ -36,6 +36,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "episode": ("shopsimrl.episode",),
     "adapters": (
         "shopsimrl.environment",
+        "shopsimrl.http11",
         "shopsimrl.httpclient",
         "shopsimrl.model",
         "shopsimrl.prompts",
