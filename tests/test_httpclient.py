@@ -1,18 +1,23 @@
 """The adapters' HTTP client maps every transport failure to the httpx error that says whether
 the request may have reached the server (real sockets: a closed port and raw TCP servers that
-misbehave in exactly one way each)."""
+misbehave in exactly one way each), one test per row of shopsimrl.httpclient's table; it keeps
+connections alive, frames chunked, sized and close-delimited bodies, streams, and talks to the
+real testbed shop and policy processes."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 
 import httpx
+import orjson
 import pytest
 
 from shopsimrl.httpclient import HttpService, request_not_sent
+from tests.testbed_process import LocalTestbed, start_testbed
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -113,3 +118,525 @@ async def test_a_healthy_exchange_reuses_one_connection() -> None:
         finally:
             await service.aclose()
     assert len(connections) == 1
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+async def read_requests(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The requests arriving on one connection, until the client closes it."""
+    while True:
+        try:
+            yield await read_request(reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+
+def answer(body: bytes = b"{}", *, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%b\r\n%b" % (len(body), extra, body)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Let the event loop run until ``condition`` holds (bounded: a few seconds)."""
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+# --------------------------------------------------------------------------- the table, row by row
+
+
+async def test_no_connection_within_the_connect_timeout_is_a_connect_timeout_never_sent() -> None:
+    # A listening socket whose accept queue is full: the kernel drops further SYNs, connects hang.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            fillers.append(filler)
+            filler.connect_ex(("127.0.0.1", port))
+        service = HttpService(max_connections=4)
+        try:
+            with pytest.raises(httpx.ConnectTimeout) as failure:
+                await service.request("GET", f"http://127.0.0.1:{port}/x", timeout=httpx.Timeout(5.0, connect=0.3))
+        finally:
+            await service.aclose()
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+    assert request_not_sent(failure.value)
+
+
+async def test_no_free_connection_within_the_pool_timeout_is_a_pool_timeout_never_sent() -> None:
+    arrived: list[bytes] = []
+    first_in = asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for request in read_requests(reader):
+            arrived.append(request)
+            first_in.set()
+            await asyncio.sleep(30)
+
+    async with raw_server(hold) as url:
+        service = HttpService(max_connections=1)
+        try:
+            first = asyncio.create_task(service.request("POST", f"{url}/x", content=b"1", timeout=httpx.Timeout(30.0)))
+            await first_in.wait()
+            with pytest.raises(httpx.PoolTimeout) as failure:
+                await service.request("POST", f"{url}/x", content=b"2", timeout=httpx.Timeout(30.0, pool=0.2))
+            first.cancel()
+        finally:
+            await service.aclose()
+    assert request_not_sent(failure.value)
+    assert len(arrived) == 1 and arrived[0].endswith(b"1")  # the second never left
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"X-Evil": "a\r\nX-Injected: 1"}, {"X-Evil": "a\nb"}, {"Content-Length": "3"}, {"Host": "elsewhere"}, {"X-Name": "caf\u00e9\u2603"}],
+)
+async def test_a_bad_or_client_owned_header_is_a_local_protocol_error_and_nothing_is_sent(headers: dict[str, str]) -> None:
+    connections: list[int] = []
+
+    async def count(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        writer.close()
+
+    async with raw_server(count) as url:
+        service = HttpService(max_connections=4)
+        try:
+            with pytest.raises(httpx.LocalProtocolError):
+                await service.request("POST", f"{url}/x", content=b"{}", headers=headers, timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+    assert connections == []
+
+
+async def test_a_socket_that_never_takes_the_request_is_a_write_timeout() -> None:
+    stalled = asyncio.Event()
+
+    async def never_read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await stalled.wait()  # reads nothing: the kernel buffers on both sides fill up
+        writer.close()
+
+    async with raw_server(never_read) as url:
+        service = HttpService(max_connections=4)
+        try:
+            with pytest.raises(httpx.WriteTimeout) as failure:
+                await service.request(
+                    "POST", f"{url}/x", content=b"x" * (64 << 20), timeout=httpx.Timeout(5.0, write=0.3, read=None)
+                )
+        finally:
+            stalled.set()
+            await service.aclose()
+    assert not request_not_sent(failure.value)
+
+
+async def test_a_stall_in_the_middle_of_the_body_is_a_read_timeout() -> None:
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"partial\":")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    async with raw_server(stall) as url:
+        with pytest.raises(httpx.ReadTimeout) as failure:
+            await post(url, read=0.3)
+    assert not request_not_sent(failure.value)
+
+
+async def test_the_read_timeout_is_inactivity_not_a_deadline_for_the_whole_answer() -> None:
+    # 20 pieces 0.1 s apart take ~2 s in all, twice the read timeout; no gap comes close to it.
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n")
+        for _ in range(20):
+            await asyncio.sleep(0.1)
+            writer.write(b"x")
+            await writer.drain()
+
+    async with raw_server(trickle) as url:
+        response = await post(url, read=1.0)
+    assert response.content == b"x" * 20
+
+
+async def test_a_kept_alive_connection_closed_before_the_answer_resends_a_get_once_on_a_new_connection() -> None:
+    seen: list[bytes] = []
+
+    async def drop_the_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
+        async for request in read_requests(reader):
+            seen.append(request)
+            if served == 1:  # the second request on this connection: hang up without a byte
+                writer.close()
+                return
+            served += 1
+            writer.write(answer(b'{"n": %d}' % len(seen)))
+            await writer.drain()
+
+    async with raw_server(drop_the_second) as url:
+        service = HttpService(max_connections=4)
+        try:
+            first = await service.request("GET", f"{url}/x", timeout=httpx.Timeout(5.0))
+            second = await service.request("GET", f"{url}/x", timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+    assert first.json() == {"n": 1} and second.json() == {"n": 3}
+    assert len(seen) == 3  # the dropped GET and its resend on a fresh connection
+
+
+async def test_a_kept_alive_connection_closed_before_the_answer_fails_a_post_without_resending_it() -> None:
+    seen: list[bytes] = []
+
+    async def drop_the_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for request in read_requests(reader):
+            seen.append(request)
+            if len(seen) == 2:
+                writer.close()
+                return
+            writer.write(answer())
+            await writer.drain()
+
+    async with raw_server(drop_the_second) as url:
+        service = HttpService(max_connections=4)
+        try:
+            await service.request("POST", f"{url}/x", content=b"1", timeout=httpx.Timeout(5.0))
+            with pytest.raises(httpx.RemoteProtocolError) as failure:
+                await service.request("POST", f"{url}/x", content=b"2", timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+    assert not request_not_sent(failure.value)  # the server may have acted on it
+    assert len(seen) == 2  # and it was not sent again
+
+
+async def test_an_idle_connection_the_server_closed_is_not_used_so_a_post_goes_out_once_and_succeeds() -> None:
+    seen: list[bytes] = []
+    closed_after_first = asyncio.Event()
+
+    async def one_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for request in read_requests(reader):
+            seen.append(request)
+            writer.write(answer())  # no "Connection: close": the client keeps it for later
+            await writer.drain()
+            writer.close()
+            closed_after_first.set()
+            return
+
+    async with raw_server(one_per_connection) as url:
+        service = HttpService(max_connections=4)
+        try:
+            await service.request("POST", f"{url}/x", content=b"1", timeout=httpx.Timeout(5.0))
+            await closed_after_first.wait()
+            await until(lambda: not any(pool.idle for pool in service._pools.values()))
+            second = await service.request("POST", f"{url}/x", content=b"2", timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+    assert second.status_code == 200
+    assert [request[-1:] for request in seen] == [b"1", b"2"]
+
+
+async def test_an_answer_that_is_not_http_is_a_protocol_error() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    async with raw_server(garbage) as url:
+        with pytest.raises(httpx.RemoteProtocolError) as failure:
+            await post(url)
+    assert not request_not_sent(failure.value)
+
+
+async def test_a_chunked_body_cut_off_is_a_protocol_error() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n10\r\nonly")
+        await writer.drain()
+        writer.close()
+
+    async with raw_server(cut) as url:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await post(url)
+
+
+async def test_a_connection_reset_during_the_exchange_is_a_read_error() -> None:
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+        writer.transport.abort()
+
+    async with raw_server(reset) as url:
+        with pytest.raises(httpx.ReadError) as failure:
+            await post(url)
+    assert not request_not_sent(failure.value)
+
+
+# --------------------------------------------------------------------------- framing and the pool
+
+
+async def test_chunked_and_close_delimited_bodies_are_read_whole() -> None:
+    connections: list[int] = []
+
+    async def framings(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        async for request in read_requests(reader):
+            if b"/chunked" in request:
+                writer.write(b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{"a\r\n6\r\n": [1]\r\n1\r\n}\r\n0\r\n\r\n')
+            elif b"/sized" in request:
+                writer.write(answer(b'"again"'))
+            else:
+                writer.write(b'HTTP/1.1 200 OK\r\n\r\n{"until": "close"}')
+                await writer.drain()
+                writer.close()
+                return
+            await writer.drain()
+
+    async with raw_server(framings) as url:
+        service = HttpService(max_connections=1)
+        try:
+            chunked = await service.request("GET", f"{url}/chunked", timeout=httpx.Timeout(5.0))
+            again = await service.request("GET", f"{url}/sized", timeout=httpx.Timeout(5.0))
+            until_close = await service.request("GET", f"{url}/close", timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+    assert chunked.json() == {"a": [1]} and again.json() == "again" and until_close.json() == {"until": "close"}
+    assert len(connections) == 1  # max_connections=1 and every answer framed: one connection served all three
+
+
+async def test_interim_answers_are_skipped_and_head_answers_have_no_body() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for request in read_requests(reader):
+            if request.startswith(b"HEAD"):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + answer(b'"final"'))
+            await writer.drain()
+
+    async with raw_server(serve) as url:
+        service = HttpService(max_connections=2)
+        try:
+            head = await service.request("HEAD", f"{url}/x", timeout=httpx.Timeout(5.0))
+            final = await service.request("GET", f"{url}/x", timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-length"] == "1000"
+    assert final.status_code == 200 and final.json() == "final" and "link" not in final.headers
+
+
+async def test_the_server_saying_connection_close_and_keep_alive_false_are_honoured() -> None:
+    connections: list[list[bytes]] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests: list[bytes] = []
+        connections.append(requests)
+        async for request in read_requests(reader):
+            requests.append(request)
+            writer.write(answer(extra=b"Connection: close\r\n" if b"/bye" in request else b""))
+            await writer.drain()
+
+    async with raw_server(serve) as url:
+        service = HttpService(max_connections=4)
+        closing = HttpService(max_connections=4, keep_alive=False)
+        try:
+            for path in ("/bye", "/bye", "/stay", "/stay"):
+                await service.request("GET", f"{url}{path}", timeout=httpx.Timeout(5.0))
+            for _ in range(2):
+                await closing.request("GET", f"{url}/stay", timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+            await closing.aclose()
+    assert [len(requests) for requests in connections] == [1, 1, 2, 1, 1]
+    assert all(b"connection: close" in requests[0].lower() for requests in connections[3:])
+
+
+async def test_the_pool_opens_at_most_max_connections_and_queues_the_rest() -> None:
+    connections: list[int] = []
+    served = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        connections.append(1)
+        async for _ in read_requests(reader):
+            await asyncio.sleep(0.01)
+            served += 1
+            writer.write(answer(b"%d" % served))
+            await writer.drain()
+
+    async with raw_server(serve) as url:
+        service = HttpService(max_connections=3)
+        try:
+            responses = await asyncio.gather(
+                *(service.request("POST", f"{url}/x", content=b"{}", timeout=httpx.Timeout(10.0)) for _ in range(40))
+            )
+        finally:
+            await service.aclose()
+    assert sorted(int(r.content) for r in responses) == list(range(1, 41))
+    assert len(connections) == 3
+
+
+async def test_a_cancelled_request_frees_its_connection_slot() -> None:
+    arrived = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for request in read_requests(reader):
+            if b"/slow" in request:
+                arrived.set()
+                await asyncio.sleep(30)
+            writer.write(answer())
+            await writer.drain()
+
+    async with raw_server(serve) as url:
+        service = HttpService(max_connections=1)
+        try:
+            slow = asyncio.create_task(service.request("GET", f"{url}/slow", timeout=httpx.Timeout(30.0)))
+            await arrived.wait()
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            response = await service.request("GET", f"{url}/fast", timeout=httpx.Timeout(5.0, pool=2.0))
+        finally:
+            await service.aclose()
+    assert response.status_code == 200
+
+
+async def test_a_stream_delivers_each_piece_before_the_server_sends_the_next() -> None:
+    client_has_first = asyncio.Event()
+
+    async def sse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _ in read_requests(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(b"d\r\ndata: first\n\n\r\n")
+            await writer.drain()
+            await client_has_first.wait()  # the next piece only after the client has shown it the first
+            writer.write(b"e\r\ndata: second\n\n\r\n0\r\n\r\n")
+            await writer.drain()
+
+    async with raw_server(sse) as url:
+        service = HttpService(max_connections=1)
+        try:
+            lines = []
+            async with service.stream("POST", f"{url}/x", content=b"{}", timeout=httpx.Timeout(5.0)) as response:
+                async for line in response.aiter_lines():
+                    lines.append(line)
+                    client_has_first.set()
+            again = await service.request("POST", f"{url}/x", content=b"{}", timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+    assert [line for line in lines if line] == ["data: first", "data: second"]
+    assert again.status_code == 200
+
+
+async def test_a_stream_closed_before_its_end_does_not_leave_its_connection_in_the_pool() -> None:
+    connections: list[int] = []
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        async for _ in read_requests(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            try:
+                while True:
+                    writer.write(b"6\r\ndata:\n\r\n")
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+            except ConnectionError:
+                return
+
+    async with raw_server(endless) as url:
+        service = HttpService(max_connections=1)
+        try:
+            for _ in range(2):
+                async with service.stream("GET", f"{url}/x", timeout=httpx.Timeout(5.0)) as response:
+                    async for _ in response.aiter_bytes():
+                        break
+        finally:
+            await service.aclose()
+    assert len(connections) == 2
+
+
+async def test_trust_env_sends_through_the_proxy_the_environment_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bytes] = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for request in read_requests(reader):
+            seen.append(request)
+            writer.write(answer(b'"via proxy"'))
+            await writer.drain()
+
+    async with raw_server(proxy) as proxy_url:
+        monkeypatch.setenv("HTTP_PROXY", proxy_url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        service = HttpService(max_connections=1, trust_env=True)
+        try:
+            response = await service.request("GET", "http://shop.invalid:5700/healthz", timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+    assert response.json() == "via proxy"
+    assert seen[0].startswith(b"GET http://shop.invalid:5700/healthz HTTP/1.1")
+
+
+# --------------------------------------------------------------------------- the real testbed
+
+
+@pytest.fixture(scope="module")
+def testbed() -> Iterator[LocalTestbed]:
+    with start_testbed() as bed:
+        yield bed
+
+
+async def test_the_testbed_shop_answers_many_concurrent_requests_over_a_few_connections(testbed: LocalTestbed) -> None:
+    service = HttpService(max_connections=8)
+    release = orjson.dumps({"action": "release_one", "env_idx": 0, "lease_id": "0" * 32})
+    try:
+        health = await service.request("GET", f"{testbed.shop_url}/healthz", timeout=httpx.Timeout(10.0))
+        answers = await asyncio.gather(
+            *(
+                service.request(
+                    "POST",
+                    f"{testbed.shop_url}/api/shop_agent",
+                    content=release,
+                    headers={"Content-Type": "application/json"},
+                    timeout=httpx.Timeout(10.0),
+                )
+                for _ in range(200)
+            )
+        )
+        pool = next(iter(service._pools.values()))
+        assert pool.count <= 8
+    finally:
+        await service.aclose()
+    assert health.json()["ready"] is True
+    assert {a.status_code for a in answers} == {answers[0].status_code} and answers[0].status_code >= 400
+    assert len({a.content for a in answers}) == 1 and answers[0].json()
+
+
+async def test_the_testbed_policy_streams_a_chat_completion(testbed: LocalTestbed) -> None:
+    service = HttpService(max_connections=2)
+    payload = orjson.dumps({"messages": [{"role": "user", "content": "hello"}], "stream": True, "seed": 1})
+    try:
+        events = []
+        async with service.stream(
+            "POST",
+            f"{testbed.model_url}/chat/completions",
+            content=payload,
+            headers={"Content-Type": "application/json"},
+            timeout=httpx.Timeout(10.0),
+        ) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+    finally:
+        await service.aclose()
+    assert events[-1] == "[DONE]"
+    assert all(orjson.loads(event)["object"] == "chat.completion.chunk" for event in events[:-1]) and len(events) > 1
