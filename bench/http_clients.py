@@ -9,8 +9,13 @@ cost; the server is another process) and requests/s:
 
 - httpx, default transport (httpcore): what the adapters used first;
 - httpx with the httpx-aiohttp transport (only if `httpx-aiohttp` is installed);
-- `HttpService` (shopsimrl.httpclient): aiohttp's pool, httpx's types, as the adapters use now;
-- aiohttp alone: the floor for any client built on it.
+- `HttpService` over aiohttp (shopsimrl.httpclient with trust_env, the path https:// origins
+  and proxies take): aiohttp's pool behind httpx's types, what the adapters used before the
+  lean client;
+- aiohttp alone: the floor for any client built on it;
+- `HttpService` (shopsimrl.httpclient): the lean HTTP/1.1 client behind httpx's types, what the
+  adapters use for http:// origins;
+- the lean client alone (shopsimrl.http11 without building an `httpx.Response`): its floor.
 
 Nothing is asserted; the choice and the figures are in docs/benchmarks.md.
 """
@@ -33,6 +38,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shopsimrl import http11
 from shopsimrl.httpclient import HttpService
 from shopsimrl.testbed.serving import free_port
 
@@ -80,13 +86,14 @@ async def bench(url: str, requests: int, concurrency: int) -> list[tuple[str, fl
         rows.append(("httpx + httpx-aiohttp transport", *await measure(via_transport, requests, concurrency)))
         await wrapped.aclose()
 
-    service = HttpService(max_connections=1024)
+    # trust_env sends HttpService through aiohttp (no proxy is set here, so it goes direct).
+    over_aiohttp = HttpService(max_connections=1024, trust_env=True)
 
-    async def via_service() -> None:
-        _ = (await service.request("POST", url, content=BODY, headers=HEADERS, timeout=TIMEOUT)).content
+    async def via_service_over_aiohttp() -> None:
+        _ = (await over_aiohttp.request("POST", url, content=BODY, headers=HEADERS, timeout=TIMEOUT)).content
 
-    rows.append(("HttpService (shopsimrl)", *await measure(via_service, requests, concurrency)))
-    await service.aclose()
+    rows.append(("HttpService over aiohttp", *await measure(via_service_over_aiohttp, requests, concurrency)))
+    await over_aiohttp.aclose()
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
 
@@ -96,6 +103,25 @@ async def bench(url: str, requests: int, concurrency: int) -> list[tuple[str, fl
 
     rows.append(("aiohttp alone", *await measure(via_aiohttp, requests, concurrency)))
     await session.close()
+
+    service = HttpService(max_connections=1024)
+
+    async def via_service() -> None:
+        _ = (await service.request("POST", url, content=BODY, headers=HEADERS, timeout=TIMEOUT)).content
+
+    rows.append(("HttpService (lean client)", *await measure(via_service, requests, concurrency)))
+    await service.aclose()
+
+    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
+    pool = http11.Pool(host, int(port), limit=1024, keepalive_expiry=5.0, keep_alive=True)
+    request = http11.request_bytes("POST", "/api/shop_agent", f"{host}:{port}", BODY, HEADERS, keep_alive=True)
+
+    async def via_lean() -> None:
+        _, _, answer = await http11.exchange(pool, "POST", request, TIMEOUT, stream=False)
+        _ = http11.body(answer)
+
+    rows.append(("lean client alone (no httpx types)", *await measure(via_lean, requests, concurrency)))
+    pool.close()
     return rows
 
 

@@ -200,7 +200,13 @@ async def test_no_free_connection_within_the_pool_timeout_is_a_pool_timeout_neve
 
 @pytest.mark.parametrize(
     "headers",
-    [{"X-Evil": "a\r\nX-Injected: 1"}, {"X-Evil": "a\nb"}, {"Content-Length": "3"}, {"Host": "elsewhere"}, {"X-Name": "caf\u00e9\u2603"}],
+    [
+        {"X-Evil": "a\r\nX-Injected: 1"},
+        {"X-Evil": "a\nb"},
+        {"Content-Length": "3"},
+        {"Host": "elsewhere"},
+        {"X-Name": "caf\u00e9\u2603"},
+    ],
 )
 async def test_a_bad_or_client_owned_header_is_a_local_protocol_error_and_nothing_is_sent(headers: dict[str, str]) -> None:
     connections: list[int] = []
@@ -242,7 +248,7 @@ async def test_a_socket_that_never_takes_the_request_is_a_write_timeout() -> Non
 async def test_a_stall_in_the_middle_of_the_body_is_a_read_timeout() -> None:
     async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"partial\":")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"partial":')
         await writer.drain()
         await asyncio.sleep(30)
 
@@ -390,7 +396,9 @@ async def test_chunked_and_close_delimited_bodies_are_read_whole() -> None:
         connections.append(1)
         async for request in read_requests(reader):
             if b"/chunked" in request:
-                writer.write(b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{"a\r\n6\r\n": [1]\r\n1\r\n}\r\n0\r\n\r\n')
+                writer.write(
+                    b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{"a\r\n6\r\n": [1]\r\n1\r\n}\r\n0\r\n\r\n'
+                )
             elif b"/sized" in request:
                 writer.write(answer(b'"again"'))
             else:
