@@ -146,6 +146,11 @@ class _Connection(asyncio.Protocol):
         else:
             self._fail(_closed_error(exc, "the server closed the connection without a complete answer"))
 
+    def eof_received(self) -> None:
+        if self.current is None:  # the server closed an idle connection: out of the pool now, not at connection_lost
+            self.close()
+        # returning None lets the transport close; connection_lost settles any answer in progress
+
     def pause_writing(self) -> None:
         self.writing_paused = True
 
@@ -248,6 +253,9 @@ class _Connection(asyncio.Protocol):
         self._cancel_timer()
         if current is not None:
             current.finish()
+        if self.reading_paused and self.transport is not None:  # the next answer must be read
+            self.reading_paused = False
+            self.transport.resume_reading()
         if keep and not self.closed:
             self.reused = True
             self.pool.release(self)
@@ -466,7 +474,9 @@ async def exchange(
     fresh = False
     while True:
         conn = await pool.acquire(timeout, fresh=fresh)
-        if conn.closed:  # closed by the server after it was handed over, before any write: take another
+        assert conn.transport is not None
+        if conn.closed or conn.transport.is_closing():  # the server hung up before this request was written
+            conn.close()
             continue
         current = Answer(conn, stream=stream, head_only=method == "HEAD")
         conn.start(current, data, timeout.read)

@@ -51,7 +51,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import httpx
@@ -177,7 +177,10 @@ class HttpService:
         parts = urlsplit(url)
         origin = None
         if parts.scheme == "http" and not self.trust_env and "@" not in parts.netloc and parts.hostname:
-            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            # Percent-encode what may not appear raw in a request line (spaces, non-ASCII), as httpx does.
+            target = quote(parts.path or "/", safe="/%:@!$&'()*+,;=~") + (
+                f"?{quote(parts.query, safe='/%:@!$&()*+,;=~?')}" if parts.query else ""
+            )
             origin = _Origin((parts.hostname, parts.port or 80), target, parts.netloc)
         self._origins[url] = origin
         return origin

@@ -648,3 +648,37 @@ async def test_the_testbed_policy_streams_a_chat_completion(testbed: LocalTestbe
         await service.aclose()
     assert events[-1] == "[DONE]"
     assert all(orjson.loads(event)["object"] == "chat.completion.chunk" for event in events[:-1]) and len(events) > 1
+
+
+async def test_a_large_stream_read_after_it_arrived_leaves_its_connection_reusable() -> None:
+    # The answer is written at once, so the client reads it in two pieces (an event loop reads at
+    # most 256 KiB at a time): the first stays under the high-water mark of unread stream bytes,
+    # the second crosses it and completes the answer. Reading pauses there, and the connection,
+    # back in the pool, must read again for the next answer.
+    sent = asyncio.Event()
+    size = 300_000
+
+    async def bulk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for request in read_requests(reader):
+            if b"/bulk" in request:
+                writer.write(answer(b"x" * size))
+                await writer.drain()
+                sent.set()
+            else:
+                writer.write(answer(b'"next"'))
+                await writer.drain()
+
+    async with raw_server(bulk) as url:
+        service = HttpService(max_connections=1)
+        try:
+            for _ in range(3):
+                sent.clear()
+                async with service.stream("GET", f"{url}/bulk", timeout=httpx.Timeout(5.0)) as response:
+                    await asyncio.wait_for(sent.wait(), 5)
+                    await asyncio.sleep(0.05)
+                    received = sum([len(chunk) async for chunk in response.aiter_raw()])
+                # bounded: a connection left paused would wait forever (a paused read is not a timeout)
+                following = await asyncio.wait_for(service.request("GET", f"{url}/next", timeout=httpx.Timeout(5.0)), 30)
+                assert received == size and following.json() == "next"
+        finally:
+            await service.aclose()
