@@ -19,6 +19,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # Tools over finished runs; they read runs through the layers below, nothing below imports them.
     "research": (
         "shopsimrl.research",
+        "shopsimrl.research.compare",
         "shopsimrl.research.episodes",
         "shopsimrl.research.paired_stats",
         "shopsimrl.research.runs",
