@@ -1,4 +1,4 @@
-"""``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, compare, testbed.
+"""``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, compare, report, testbed.
 
 Exit codes are those of :mod:`shopsimrl.exitcodes` (0 done, 1 some episodes failed, 2 bad input,
 3 interrupted/retryable, 42 the run exists with another fingerprint).
@@ -847,7 +847,7 @@ def env_release_all(
     typer.echo(f"{redact_uri(url)}: {message or 'released'}; before {before.describe()}, now {after.describe()}")
 
 
-# ----------------------------------------------------------------------------- research: compare
+# ----------------------------------------------------------------------------- research: compare, report
 
 RESAMPLES = typer.Option(10_000, "--resamples", min=1, help="Bootstrap resamples of tasks.")
 BOOTSTRAP_SEED = typer.Option(20260901, "--seed", help="Seed of the bootstrap resampling.")
@@ -893,6 +893,33 @@ def compare(
             Path(json_out).write_text(text + "\n", encoding="utf-8")
         except OSError as exc:
             _fail(ExitCode.BAD_INPUT, f"--json {json_out}: {exc.strerror or exc}")
+
+
+@app.command()
+def report(
+    runs: list[str] = typer.Argument(
+        ..., metavar="RUN [RUN…]", help="Runs (directories or URIs) in the order to show; the first is the baseline."
+    ),
+    output: Path = typer.Option(..., "-o", "--output", help="The HTML file to write."),
+    allow_partial: bool = ALLOW_PARTIAL,
+    resamples: int = RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """One self-contained HTML page over the runs: identity, plots, paired differences."""
+    _setup_logging(quiet, verbose)
+    module = _import_extra("shopsimrl.research.report", "research")
+    from shopsimrl.research.compare import CompareError
+    from shopsimrl.research.runs import RunReadError
+
+    try:
+        written = module.write_report(runs, output, allow_partial=allow_partial, resamples=resamples, seed=seed)
+    except (CompareError, RunReadError) as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except OSError as exc:
+        _fail(ExitCode.BAD_INPUT, f"-o {output}: {exc.strerror or exc}")
+    typer.echo(f"{output}: {len(runs)} runs, {len(written.figures)} figures")
 
 
 # ----------------------------------------------------------------------------- testbed

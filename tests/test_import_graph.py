@@ -22,6 +22,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.compare",
         "shopsimrl.research.episodes",
         "shopsimrl.research.paired_stats",
+        "shopsimrl.research.report",
         "shopsimrl.research.runs",
     ),
     "scheduling": (
