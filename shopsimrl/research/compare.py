@@ -191,15 +191,25 @@ def metrics_for(runs: Iterable[LoadedRun]) -> list[Metric]:
     return [*HEAD_METRICS, *(Metric(name, name, None, "completed") for name in components), *TAIL_METRICS]
 
 
-def _value(row: dict[str, Any], metric: Metric) -> tuple[float, float] | None:
-    """(numerator, denominator) of one episode, None when it does not count for the metric."""
-    if metric.population == "completed" and not row["completed"]:
-        return None
-    numerator = row.get(metric.numerator)
-    denominator = 1.0 if metric.denominator is None else row.get(metric.denominator)
-    if not isinstance(numerator, int | float) or not isinstance(denominator, int | float):
-        return None
-    return float(numerator), float(denominator)
+def _column(rows: Sequence[dict[str, Any]], key: str | None) -> np.ndarray:
+    """A row column as floats, NaN where it is missing or not a number (a denominator of None: 1)."""
+    if key is None:
+        return np.ones(len(rows))
+    values = (row.get(key) for row in rows)
+    return np.fromiter(
+        (float(v) if isinstance(v, int | float) and not isinstance(v, bool) else math.nan for v in values),
+        dtype=np.float64,
+        count=len(rows),
+    )
+
+
+def _values(rows: Sequence[dict[str, Any]], metric: Metric) -> tuple[np.ndarray, np.ndarray]:
+    """(numerator, denominator) per episode, NaN where the episode does not count for the metric."""
+    numerator, denominator = _column(rows, metric.numerator), _column(rows, metric.denominator)
+    if metric.population == "completed":
+        completed = np.fromiter((bool(row["completed"]) for row in rows), dtype=bool, count=len(rows))
+        numerator[~completed] = math.nan
+    return numerator, denominator
 
 
 # --------------------------------------------------------------------------- pairing
@@ -287,15 +297,12 @@ def _metric_table(
 ) -> list[dict[str, Any]]:
     """Per metric: pairs, tasks, both means, B − A and its bootstrap interval over tasks (and
     McNemar for success indicators)."""
-    shape = (len(pairs), len(metrics))
-    a_num, a_den, b_num, b_den = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
-    counted = np.zeros(shape, dtype=bool)
-    for i, (a, b) in enumerate(pairs):
-        for j, metric in enumerate(metrics):
-            va, vb = _value(a, metric), _value(b, metric)
-            if va is not None and vb is not None:
-                (a_num[i, j], a_den[i, j]), (b_num[i, j], b_den[i, j]) = va, vb
-                counted[i, j] = True
+    a_rows, b_rows = [a for a, _ in pairs], [b for _, b in pairs]
+    columns = [(*_values(a_rows, metric), *_values(b_rows, metric)) for metric in metrics]
+    a_num, a_den, b_num, b_den = (np.column_stack([c[k] for c in columns]).reshape(len(pairs), len(metrics)) for k in range(4))
+    counted = np.isfinite(a_num) & np.isfinite(a_den) & np.isfinite(b_num) & np.isfinite(b_den)
+    for matrix in (a_num, a_den, b_num, b_den):
+        matrix[~counted] = 0.0  # a pair that does not count adds nothing to either sum
     tasks = [a["task"] for a, _ in pairs]
     sums = cluster_sums(tasks, a_num, b_num, a_den, b_den)
     mean_a, mean_b, difference = sums.estimates()
