@@ -34,8 +34,9 @@ __all__ = ["Report", "build_report", "write_report"]
 
 _PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD")
 _SVG_STYLE: dict[Any, Any] = {"svg.fonttype": "none", "svg.hashsalt": "shopsimrl-report", "font.size": 9}
-"""Text stays text in the SVG; ids are deterministic (the same runs give the same file)."""
-_UNIT_METRICS_EXCLUDED = {"steps", "invalid_action_rate", "protocol_errors"}
+"""Text stays text in the SVG; element ids are deterministic (the hash salt)."""
+_TASK_ROWS = 200
+"""Per-task rows shown per comparison (the largest differences)."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def _behaviour_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
     figure = Figure(figsize=(max(7.0, 1.2 * len(runs) + 4), 3.4))
     steps_axes, invalid_axes = figure.subplots(1, 2)
     steps = [[row["steps"] for row in run.rows.values() if row["completed"]] or [0] for run in runs]
-    steps_axes.boxplot(steps, tick_labels=labels, showmeans=True)
+    steps_axes.boxplot(steps, tick_labels=labels, showmeans=True, showfliers=False)  # fliers: one mark per outlier
     steps_axes.set_title("steps per completed episode")
     steps_axes.grid(axis="y", alpha=0.3)
     rates = [_value(run.summary["behavior"]["invalid_action_rate"]) for run in runs]
@@ -224,11 +225,7 @@ def _cost_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
 
 def _forest_figure(comparisons: list[dict[str, Any]], labels: list[str]) -> Figure:
     """B − A with its interval for every metric on the reward scale, one colour per comparison."""
-    names = [
-        m["metric"]
-        for m in comparisons[0]["metrics"]
-        if m["metric"] not in _UNIT_METRICS_EXCLUDED and _on_unit_scale(m["metric"])
-    ]
+    names = [m["metric"] for m in comparisons[0]["metrics"] if _on_unit_scale(m["metric"])]
     rows = len(names)
     figure = Figure(figsize=(7.0, 0.32 * rows * len(comparisons) + 1.4))
     axes = figure.subplots()
@@ -425,7 +422,15 @@ def _comparison_section(comparison: dict[str, Any], title: str) -> str:
         ["A", "B", "episodes"], [[_e(t["a"]), _e(t["b"]), _e(t["episodes"])] for t in comparison["termination_transitions"]]
     )
     per_task = comparison["per_task"]
-    ordered = sorted(per_task["tasks"], key=lambda t: (t["b"] - t["a"], t["task"]))
+    # The largest differences both ways; every task is in `shopsimrl compare --json`.
+    moved = sorted(per_task["tasks"], key=lambda t: (-abs(t["b"] - t["a"]), t["task"]))[:_TASK_ROWS]
+    ordered = sorted(moved, key=lambda t: (t["b"] - t["a"], t["task"]))
+    more = len(per_task["tasks"]) - len(ordered)
+    more_note = (
+        f'<p class="note">{more} more tasks, with smaller differences, are in <code>shopsimrl compare --json</code>.</p>'
+        if more
+        else ""
+    )
     task_rows = [
         [_e(t["task"]), _e(t["category"]), _e(t["episodes"]), _num(t["a"]), _num(t["b"]), _e(t["outcome"])] for t in ordered
     ]
@@ -453,7 +458,7 @@ def _comparison_section(comparison: dict[str, Any], title: str) -> str:
         f"{dropped}<h3>Plan differences</h3><ul>{plan}</ul>"
         f"<h3>Paired differences</h3>{metrics}"
         f"<h3>Termination reasons (A → B)</h3>{transitions}"
-        f"<details><summary>Per task: {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses for B</summary>{tasks}</details>"
+        f"<details><summary>Per task: {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses for B</summary>{tasks}{more_note}</details>"
         f"<details><summary>By catalog category</summary>{categories}</details></section>"
     )
 
@@ -499,7 +504,7 @@ def build_report(
         ),
         (
             "Steps and invalid actions",
-            "Steps per completed episode (box: quartiles, triangle: mean) and the pooled invalid-action rate.",
+            "Steps per completed episode (box: quartiles, whiskers: 1.5 IQR, outliers not drawn, triangle: mean) and the pooled invalid-action rate.",
             lambda: _behaviour_figure(runs, labels),
         ),
         (
