@@ -266,10 +266,12 @@ def pair_runs(base: LoadedRun, other: LoadedRun, *, allow_partial: bool) -> Pair
     episode_ids = sorted(e for e in shared if e in base.rows and e in other.rows)
     if problems and not allow_partial:
         lines = "\n  ".join(message for _, message in problems.values())
-        raise CompareError(
-            f"{other.location} cannot be paired with {base.location}:\n  {lines}\n"
+        hint = (
             f"--allow-partial compares the {len(episode_ids)} episodes both runs have with the same job key"
+            if episode_ids
+            else "they share no episode with the same job key: not runs of one plan"
         )
+        raise CompareError(f"{other.location} cannot be paired with {base.location}:\n  {lines}\n{hint}")
     if not episode_ids:
         raise CompareError(f"{other.location} and {base.location} have no episode in common with the same job key")
     return Pairing(episode_ids, {reason: count for reason, (count, _) in problems.items()})
@@ -324,7 +326,7 @@ def _metric_table(
             "ci95": [interval.low, interval.high] if interval is not None else None,
         }
         if metric.binary:
-            entry["mcnemar"] = _mcnemar(a_num[rows, j], b_num[rows, j])
+            entry["mcnemar"] = _mcnemar(a_num[rows, j], b_num[rows, j]) if rows.size else None
         table.append(entry)
     return table
 
