@@ -96,18 +96,11 @@ class LoadedRun:
     job_keys: dict[str, tuple[Any, ...]]
     """``episode_id`` → (task_id, sample_id, seed, split): from the manifest's job list, or from
     the records when the run has no manifest."""
-    planned: bool
-    """Whether ``job_keys`` come from a frozen plan (then a planned episode may lack a record)."""
     rows: dict[str, dict[str, Any]]
     summary: dict[str, Any]
     """The summary of these records, computed as ``summary.json`` is."""
     shard_states: dict[int, str] = field(default_factory=dict)
     unreadable_lines: int = 0
-
-    @property
-    def label(self) -> str:
-        name = self.identity.get("checkpoint_id") or self.identity.get("experiment")
-        return f"{self.location} ({name})" if name else self.location
 
 
 def _slim(record: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +134,6 @@ def load_run(location: str) -> LoadedRun:
         run.identity,
         run.plan,
         keys,
-        jobs is not None,
         rows,
         summary,
         dict(run.shard_states),

@@ -39,7 +39,7 @@ __all__ = [
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 20260901
 _WEIGHTS_PER_CHUNK = 4_000_000
-"""Bound on the resampling weights held at once (resamples × clusters), about 32 MB."""
+"""Bound on the resampling weights held at once (resamples × clusters): about 100 MB with the draws."""
 
 Floats = npt.NDArray[np.float64]
 
@@ -52,10 +52,6 @@ class ClusterSums:
     a_den: Floats
     b_num: Floats
     b_den: Floats
-
-    @property
-    def clusters(self) -> int:
-        return int(self.a_num.shape[0])
 
     def estimates(self) -> tuple[Floats, Floats, Floats]:
         """(A, B, B − A) per metric, over every pair; NaN where a run's denominator sums to 0."""
