@@ -1,4 +1,4 @@
-"""``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, testbed.
+"""``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, compare, report, testbed.
 
 Exit codes are those of :mod:`shopsimrl.exitcodes` (0 done, 1 some episodes failed, 2 bad input,
 3 interrupted/retryable, 42 the run exists with another fingerprint).
@@ -845,6 +845,81 @@ def env_release_all(
     except ShopEnvironmentError as exc:
         _fail(ExitCode.RETRYABLE, f"{redact_uri(url)}: {exc}")
     typer.echo(f"{redact_uri(url)}: {message or 'released'}; before {before.describe()}, now {after.describe()}")
+
+
+# ----------------------------------------------------------------------------- research: compare, report
+
+RESAMPLES = typer.Option(10_000, "--resamples", min=1, help="Bootstrap resamples of tasks.")
+BOOTSTRAP_SEED = typer.Option(20260901, "--seed", help="Seed of the bootstrap resampling.")
+ALLOW_PARTIAL = typer.Option(
+    False,
+    "--allow-partial",
+    help="Compare the episodes the runs share when their job keys differ, and say how many were dropped.",
+)
+
+
+@app.command()
+def compare(
+    runs: list[str] = typer.Argument(
+        ..., metavar="RUN_A RUN_B [RUN…]", help="Runs (directories or URIs); the first is the baseline."
+    ),
+    json_out: str | None = typer.Option(
+        None, "--json", metavar="OUT", help="Also write the comparison as JSON to OUT ('-': stdout only)."
+    ),
+    allow_partial: bool = ALLOW_PARTIAL,
+    resamples: int = RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Paired comparison of runs of one job list: each run against the first, episode by episode."""
+    _setup_logging(quiet, verbose)
+    if len(runs) < 2:
+        _fail(ExitCode.BAD_INPUT, "compare needs at least two runs (RUN_A RUN_B)")
+    module = _import_extra("shopsimrl.research.compare", "research")
+    from shopsimrl.research.runs import RunReadError
+
+    try:
+        result = module.compare_runs(runs, allow_partial=allow_partial, resamples=resamples, seed=seed)
+    except (module.CompareError, RunReadError) as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    text = json.dumps(result, indent=2, ensure_ascii=False)
+    if json_out == "-":
+        typer.echo(text)
+        return
+    typer.echo(module.format_comparison(result))
+    if json_out is not None:
+        try:
+            Path(json_out).write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            _fail(ExitCode.BAD_INPUT, f"--json {json_out}: {exc.strerror or exc}")
+
+
+@app.command()
+def report(
+    runs: list[str] = typer.Argument(
+        ..., metavar="RUN [RUN…]", help="Runs (directories or URIs) in the order to show; the first is the baseline."
+    ),
+    output: Path = typer.Option(..., "-o", "--output", help="The HTML file to write."),
+    allow_partial: bool = ALLOW_PARTIAL,
+    resamples: int = RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """One self-contained HTML page over the runs: identity, plots, paired differences."""
+    _setup_logging(quiet, verbose)
+    module = _import_extra("shopsimrl.research.report", "research")
+    from shopsimrl.research.compare import CompareError
+    from shopsimrl.research.runs import RunReadError
+
+    try:
+        written = module.write_report(runs, output, allow_partial=allow_partial, resamples=resamples, seed=seed)
+    except (CompareError, RunReadError) as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except OSError as exc:
+        _fail(ExitCode.BAD_INPUT, f"-o {output}: {exc.strerror or exc}")
+    typer.echo(f"{output}: {len(runs)} runs, {len(written.figures)} figures")
 
 
 # ----------------------------------------------------------------------------- testbed

@@ -17,7 +17,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shopsimrl"
 LAYERS: dict[str, tuple[str, ...]] = {
     "cli": ("shopsimrl.__main__", "shopsimrl.cli"),
     # Tools over finished runs; they read runs through the layers below, nothing below imports them.
-    "research": ("shopsimrl.research", "shopsimrl.research.episodes", "shopsimrl.research.runs"),
+    "research": (
+        "shopsimrl.research",
+        "shopsimrl.research.compare",
+        "shopsimrl.research.episodes",
+        "shopsimrl.research.paired_stats",
+        "shopsimrl.research.report",
+        "shopsimrl.research.runs",
+    ),
     "scheduling": (
         "shopsimrl.experiment",
         "shopsimrl.lease_journal",

@@ -24,7 +24,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from pydantic import Field
@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from shopsimrl.schemas import canonical_json, json_safe, sha256_hex
 from shopsimrl.testbed.heuristics import Decision, decide
+from shopsimrl.testbed.heuristics_naive import decide_naive
 from shopsimrl.testbed.serving import serve_forever
 
 __all__ = ["FAULT_KINDS", "PolicySettings", "create_app", "serve"]
@@ -79,6 +80,9 @@ class PolicySettings(BaseSettings):
     """``finish_reason: length`` with the tool-call arguments JSON cut in half."""
     reasoning: bool = False
     """Send a short Chinese explanation of each decision as ``reasoning_content``."""
+    strategy: Literal["heuristic", "naive"] = "heuristic"
+    """``naive``: open the first search result and buy it without choosing options (the first
+    value of an axis the shop requires), a weaker policy for comparisons between runs."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -232,6 +236,13 @@ class _PolicyServer:
         draws = [rng.random() for _ in FAULT_KINDS]
         return next((kind for kind, rate, u in zip(FAULT_KINDS, rates, draws, strict=True) if u < rate), None)
 
+    def _decide(self, body: dict[str, Any], tools: list[dict[str, Any]]) -> Decision | None:
+        """The tool call of the configured strategy."""
+        if self.settings.strategy == "naive":
+            return decide_naive(body["messages"], tools)
+        temperature = float(body.get("temperature") or 0.0)
+        return decide(body["messages"], tools, seed=body.get("seed"), temperature=temperature)
+
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
@@ -282,8 +293,7 @@ class _PolicyServer:
         too_long = _context_error(s.max_model_len, prompt_tokens, max_tokens)
         if too_long is not None:
             return too_long
-        temperature = float(body.get("temperature") or 0.0)
-        decision = decide(body["messages"], tools, seed=body.get("seed"), temperature=temperature)
+        decision = self._decide(body, tools)
         completion = _Completion(decision, s.reasoning, prompt_tokens, max_tokens)
         if fault == "no_tool_call":
             completion.as_text(_TEXT_ONLY_REPLY)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.sharded.conftest import S3_TEST_ENV, Backend, _make_bucket, cli, moto_endpoint, testbed, worker_env, write_config
-from tests.testbed_process import LocalTestbed
+from tests.testbed_process import LocalTestbed, start_testbed
 
 __all__ = ["moto_endpoint", "testbed"]  # session fixtures shared with the sharded tests
 
@@ -54,6 +54,20 @@ def research_runs(tmp_path_factory: pytest.TempPathFactory, testbed: LocalTestbe
     legacy.mkdir()
     shutil.copy(FIXTURES / "legacy_v4_traces.jsonl", legacy / "traces.jsonl")
     yield ResearchRuns(local_dir, uri, legacy, s3.env, episodes)
+
+
+@pytest.fixture(scope="session")
+def naive_run(tmp_path_factory: pytest.TempPathFactory, research_runs: ResearchRuns) -> Path:
+    """The plan of ``research_runs`` run against a testbed whose policy is the naive strategy
+    (``SHOPSIM_POLICY_STRATEGY=naive``: the first result, bought without choosing options): a run
+    that differs from ``research_runs.local`` in the policy only (same plan and fingerprint)."""
+    base = tmp_path_factory.mktemp("naive-run")
+    with start_testbed(SHOPSIM_POLICY_STRATEGY="naive") as bed:
+        config = write_config(base, bed, episodes=research_runs.episodes, name="research", concurrency=4)
+        result = cli("run", str(config), env=worker_env(Backend("local", str(base))))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (base / "local-runs").iterdir()
+    return run_dir
 
 
 @pytest.fixture

@@ -718,3 +718,22 @@ def test_a_persona_episode_over_http_uses_the_profile(served: httpx.Client) -> N
     # 0201/0202 lack wanted attributes; 0204 has everything but starts at 979, over the 900 budget.
     assert (asin, options) == ("200000000203", {"存储卡": "三十二g"})
     assert steps <= 5  # search, open, select, buy: no detour needed when the listing shows everything
+
+
+@pytest.mark.parametrize("served", [PolicySettings(strategy="naive")], indirect=True)
+def test_the_naive_strategy_buys_the_first_result_with_the_first_option_values(served: httpx.Client) -> None:
+    """The same shop and task as the heuristic's episode above: the matching product is listed
+    second, and the task names black and size m; the naive strategy takes neither."""
+    bought = play(served, Conversation(), ["100000000002", "100000000003", "100000000001"])
+    assert bought == ("100000000002", {"颜色分类": "黑色"}, 4)  # search, open, the only axis's first value, buy
+    bought = play(served, Conversation(), ["100000000003", "100000000001"])
+    assert bought[:2] == ("100000000003", {"颜色分类": "白色", "尺码": "s"})
+
+
+def test_the_strategy_knob_reads_the_environment_and_names_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert PolicySettings().strategy == "heuristic"
+    monkeypatch.setenv("SHOPSIM_POLICY_STRATEGY", "naive")
+    assert PolicySettings().strategy == "naive"
+    monkeypatch.setenv("SHOPSIM_POLICY_STRATEGY", "random")
+    with pytest.raises(ValidationError, match="strategy"):
+        PolicySettings()

@@ -1,0 +1,577 @@
+"""``shopsimrl compare``: paired comparison of runs of one frozen job list (checkpoints of one
+evaluation, or runs that differ in prompt, skills or sampling).
+
+Episodes are paired by ``episode_id``: the same task, sample and seed in both runs. Runs whose
+job keys differ are refused, naming the difference, unless the caller allows a partial
+comparison over the episodes they share. With more than two runs each is compared with the
+first (the baseline), in order.
+
+Which episodes count (docs/research.md "compare"): the headline ``reward`` and ``success`` are
+the summary's own (``summary.json`` ``primary``): completed episodes only, so a pair counts when
+the episode completed in both runs. ``reward_itt`` and ``success_itt`` are the summary's
+intent-to-treat values: a failed episode counts 0, except one failed for infrastructure, which
+is excused (the pair drops out). Reward components, behaviour, tokens and latency are over pairs
+completed in both runs, as the summary counts them over completed episodes.
+"""
+
+from __future__ import annotations
+
+import math
+import unicodedata
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from shopsimrl.manifest import plan_diff
+from shopsimrl.metrics import SummaryAccumulator
+from shopsimrl.research.episodes import episode_row, task_key
+from shopsimrl.research.paired_stats import (
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEED,
+    cluster_sums,
+    mcnemar_exact,
+    percentile_interval,
+    resampled_differences,
+)
+from shopsimrl.research.runs import Run, open_run
+
+__all__ = [
+    "COMPARE_SCHEMA_VERSION",
+    "CompareError",
+    "LoadedRun",
+    "Metric",
+    "compare_loaded",
+    "compare_runs",
+    "format_comparison",
+    "load_run",
+]
+
+COMPARE_SCHEMA_VERSION = "shopsimrl-compare-v1"
+_SHOWN_IDS = 5
+_TIE = 1e-12
+"""Task mean differences below this are ties (float noise of equal rewards)."""
+
+
+class CompareError(ValueError):
+    """The runs cannot be compared as asked (exit 2); the message names the difference."""
+
+
+# --------------------------------------------------------------------------- runs
+
+
+_KEPT = (
+    "episode_id",
+    "completed",
+    "failure_class",
+    "termination_reason",
+    "category",
+    "reward",
+    "reward_itt",
+    "success",
+    "success_itt",
+    "steps",
+    "actions",
+    "invalid_actions",
+    "protocol_errors",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "model_latency_ms_total",
+    "duration_ms",
+)
+
+
+@dataclass
+class LoadedRun:
+    """A run read once: its identity, plan, job keys and one slim row per episode."""
+
+    location: str
+    kind: str
+    """``local``, ``sharded``, or ``legacy`` (traces of the earlier implementation, no manifest)."""
+    identity: dict[str, Any]
+    plan: dict[str, Any] | None
+    job_keys: dict[str, tuple[Any, ...]]
+    """``episode_id`` → (task_id, sample_id, seed, split): from the manifest's job list, or from
+    the records when the run has no manifest."""
+    rows: dict[str, dict[str, Any]]
+    summary: dict[str, Any]
+    """The summary of these records, computed as ``summary.json`` is."""
+    shard_states: dict[int, str] = field(default_factory=dict)
+    unreadable_lines: int = 0
+
+
+def _slim(record: dict[str, Any]) -> dict[str, Any]:
+    row = episode_row(record)
+    slim = {key: row[key] for key in _KEPT}
+    slim.update({key: value for key, value in row.items() if key.startswith("r_")})
+    slim["task"] = task_key(record)
+    slim["job_key"] = (row["task_id"], row["sample_id"], row["seed"], row["split"])
+    return slim
+
+
+def load_run(location: str) -> LoadedRun:
+    """Open and read a run (raises :class:`shopsimrl.research.runs.RunReadError`)."""
+    run: Run = open_run(location)
+    jobs = run.jobs
+    accumulator = SummaryAccumulator(requested_episode_ids=[job.episode_id for job in jobs] if jobs is not None else None)
+    rows: dict[str, dict[str, Any]] = {}
+    for record in run.records():
+        accumulator.add(record)
+        row = _slim(record)
+        rows[row["episode_id"]] = row
+    if jobs is not None:
+        keys = {job.episode_id: (job.task_id, job.sample_id, job.seed, job.split) for job in jobs}
+    else:
+        keys = {episode_id: row["job_key"] for episode_id, row in rows.items()}
+    kind = run.kind if run.manifest is not None else "legacy"
+    summary = accumulator.result()
+    return LoadedRun(
+        run.location,
+        kind,
+        run.identity,
+        run.plan,
+        keys,
+        rows,
+        summary,
+        dict(run.shard_states),
+        run.unreadable_lines,
+    )
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    numerator: str
+    denominator: str | None
+    """A row column summed as the denominator (a rate), or None for a mean per episode."""
+    population: Literal["completed", "itt"]
+    """``completed``: pairs completed in both runs; ``itt``: pairs with an intent-to-treat value
+    in both (failures count 0, infrastructure failures are excused)."""
+    binary: bool = False
+    """A success indicator: McNemar's exact test on the discordant pairs is added."""
+
+
+HEAD_METRICS = (
+    Metric("reward", "reward", None, "completed"),
+    Metric("success", "success", None, "completed", binary=True),
+    Metric("reward_itt", "reward_itt", None, "itt"),
+    Metric("success_itt", "success_itt", None, "itt", binary=True),
+)
+TAIL_METRICS = (
+    Metric("steps", "steps", None, "completed"),
+    Metric("invalid_action_rate", "invalid_actions", "actions", "completed"),
+    Metric("protocol_errors", "protocol_errors", None, "completed"),
+    Metric("prompt_tokens", "prompt_tokens", None, "completed"),
+    Metric("completion_tokens", "completion_tokens", None, "completed"),
+    Metric("total_tokens", "total_tokens", None, "completed"),
+    Metric("model_latency_ms", "model_latency_ms_total", None, "completed"),
+    Metric("duration_ms", "duration_ms", None, "completed"),
+)
+"""After the reward components. ``invalid_action_rate`` is pooled (invalid actions over actions),
+as in the summary; the rest are means per episode (model latency: the episode's total)."""
+
+
+def metrics_for(runs: Iterable[LoadedRun]) -> list[Metric]:
+    """The metrics of a comparison: the head, every ``r_*`` component any run has, the tail."""
+    components = sorted({key for run in runs for row in run.rows.values() for key in row if key.startswith("r_")})
+    return [*HEAD_METRICS, *(Metric(name, name, None, "completed") for name in components), *TAIL_METRICS]
+
+
+def _column(rows: Sequence[dict[str, Any]], key: str | None) -> np.ndarray:
+    """A row column as floats, NaN where it is missing or not a number (a denominator of None: 1)."""
+    if key is None:
+        return np.ones(len(rows))
+    values = (row.get(key) for row in rows)
+    return np.fromiter(
+        (float(v) if isinstance(v, int | float) and not isinstance(v, bool) else math.nan for v in values),
+        dtype=np.float64,
+        count=len(rows),
+    )
+
+
+def _values(rows: Sequence[dict[str, Any]], metric: Metric) -> tuple[np.ndarray, np.ndarray]:
+    """(numerator, denominator) per episode, NaN where the episode does not count for the metric."""
+    numerator, denominator = _column(rows, metric.numerator), _column(rows, metric.denominator)
+    if metric.population == "completed":
+        completed = np.fromiter((bool(row["completed"]) for row in rows), dtype=bool, count=len(rows))
+        numerator[~completed] = math.nan
+    return numerator, denominator
+
+
+# --------------------------------------------------------------------------- pairing
+
+
+@dataclass(frozen=True)
+class Pairing:
+    episode_ids: list[str]
+    dropped: dict[str, int]
+    """Why episodes of either run are not compared (partial comparisons only): count per reason."""
+
+
+def _ids(ids: Iterable[str]) -> str:
+    ordered = sorted(ids)
+    shown = ", ".join(ordered[:_SHOWN_IDS])
+    return shown + (f", … ({len(ordered)} in all)" if len(ordered) > _SHOWN_IDS else "")
+
+
+def _key_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
+    names = ("task_id", "sample_id", "seed", "split")
+    return ", ".join(f"{name} {a!r} -> {b!r}" for name, a, b in zip(names, old, new, strict=True) if a != b)
+
+
+def pair_runs(base: LoadedRun, other: LoadedRun, *, allow_partial: bool) -> Pairing:
+    """The episodes both runs can be compared on. Refuses (CompareError) job keys that differ and
+    planned episodes without a record, unless ``allow_partial``."""
+    only_base = set(base.job_keys) - set(other.job_keys)
+    only_other = set(other.job_keys) - set(base.job_keys)
+    changed = sorted(e for e in set(base.job_keys) & set(other.job_keys) if base.job_keys[e] != other.job_keys[e])
+    problems: dict[str, tuple[int, str]] = {}
+    if only_base:
+        problems["only in the baseline's jobs"] = (
+            len(only_base),
+            f"{len(only_base)} episodes only in {base.location}: {_ids(only_base)}",
+        )
+    if only_other:
+        problems["only in the other run's jobs"] = (
+            len(only_other),
+            f"{len(only_other)} episodes only in {other.location}: {_ids(only_other)}",
+        )
+    if changed:
+        shown = "; ".join(f"{e}: {_key_change(base.job_keys[e], other.job_keys[e])}" for e in changed[:_SHOWN_IDS])
+        problems["another job key (seed, split)"] = (len(changed), f"{len(changed)} episodes with another job key: {shown}")
+    shared = (set(base.job_keys) & set(other.job_keys)) - set(changed)
+    for run, name in ((base, "no record in the baseline"), (other, "no record in the other run")):
+        missing = {e for e in shared if e not in run.rows}
+        if missing:
+            states = {shard: state for shard, state in run.shard_states.items() if state != "committed"}
+            why = f" (shards not committed: {states})" if states else " (an unfinished run?)"
+            problems[name] = (
+                len(missing),
+                f"{run.location} has no record of {len(missing)} planned episodes{why}: {_ids(missing)}",
+            )
+    episode_ids = sorted(e for e in shared if e in base.rows and e in other.rows)
+    if problems and not allow_partial:
+        lines = "\n  ".join(message for _, message in problems.values())
+        hint = (
+            f"--allow-partial compares the {len(episode_ids)} episodes both runs have with the same job key"
+            if episode_ids
+            else "they share no episode with the same job key: not runs of one plan"
+        )
+        raise CompareError(f"{other.location} cannot be paired with {base.location}:\n  {lines}\n{hint}")
+    if not episode_ids:
+        raise CompareError(f"{other.location} and {base.location} have no episode in common with the same job key")
+    return Pairing(episode_ids, {reason: count for reason, (count, _) in problems.items()})
+
+
+# --------------------------------------------------------------------------- one comparison
+
+
+def _outcome_label(row: dict[str, Any]) -> str:
+    if row["completed"]:
+        return str(row["termination_reason"] or "unknown")
+    return f"failed: {row['failure_class'] or 'unknown'}"
+
+
+def _number(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def _metric_table(
+    metrics: Sequence[Metric],
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]],
+    *,
+    resamples: int,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """Per metric: pairs, tasks, both means, B − A and its bootstrap interval over tasks (and
+    McNemar for success indicators)."""
+    a_rows, b_rows = [a for a, _ in pairs], [b for _, b in pairs]
+    columns = [(*_values(a_rows, metric), *_values(b_rows, metric)) for metric in metrics]
+    a_num, a_den, b_num, b_den = (np.column_stack([c[k] for c in columns]).reshape(len(pairs), len(metrics)) for k in range(4))
+    counted = np.isfinite(a_num) & np.isfinite(a_den) & np.isfinite(b_num) & np.isfinite(b_den)
+    for matrix in (a_num, a_den, b_num, b_den):
+        matrix[~counted] = 0.0  # a pair that does not count adds nothing to either sum
+    tasks = [a["task"] for a, _ in pairs]
+    sums = cluster_sums(tasks, a_num, b_num, a_den, b_den)
+    mean_a, mean_b, difference = sums.estimates()
+    intervals = percentile_interval(resampled_differences(sums, resamples=resamples, seed=seed))
+    table = []
+    for j, metric in enumerate(metrics):
+        rows = np.flatnonzero(counted[:, j])
+        clusters = len({tasks[i] for i in rows})
+        # As in the summary: below two tasks the spread between tasks is unknown, so no interval.
+        interval = intervals[j] if clusters >= 2 and intervals[j].low is not None else None
+        entry: dict[str, Any] = {
+            "metric": metric.name,
+            "population": metric.population,
+            "pairs": int(rows.size),
+            "tasks": clusters,
+            "a": _number(mean_a[j]) if rows.size else None,
+            "b": _number(mean_b[j]) if rows.size else None,
+            "difference": _number(difference[j]) if rows.size else None,
+            "ci95": [interval.low, interval.high] if interval is not None else None,
+        }
+        if metric.binary:
+            entry["mcnemar"] = _mcnemar(a_num[rows, j], b_num[rows, j]) if rows.size else None
+        table.append(entry)
+    return table
+
+
+def _mcnemar(a: np.ndarray, b: np.ndarray) -> dict[str, Any] | None:
+    if not np.isin(a, (0.0, 1.0)).all() or not np.isin(b, (0.0, 1.0)).all():
+        return None  # not a 0/1 indicator: the test does not apply
+    only_a, only_b = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
+    both, neither = int(((a == 1) & (b == 1)).sum()), int(((a == 0) & (b == 0)).sum())
+    return {"only_a": only_a, "only_b": only_b, "both": both, "neither": neither, "p_value": mcnemar_exact(only_a, only_b)}
+
+
+def _per_task(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """Win/tie/loss of B against A per task, on the headline reward (pairs completed in both)."""
+    by_task: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    categories: dict[str, str | None] = {}
+    for a, b in pairs:
+        categories.setdefault(a["task"], a["category"] or b["category"])
+        if a["completed"] and b["completed"] and a["reward"] is not None and b["reward"] is not None:
+            by_task[a["task"]].append((a["reward"], b["reward"]))
+    tasks = []
+    counts = Counter({"win": 0, "tie": 0, "loss": 0})
+    for task, values in sorted(by_task.items(), key=lambda item: (len(item[0]), item[0])):
+        mean_a = math.fsum(v for v, _ in values) / len(values)
+        mean_b = math.fsum(v for _, v in values) / len(values)
+        delta = mean_b - mean_a
+        outcome = "win" if delta > _TIE else "loss" if delta < -_TIE else "tie"
+        counts[outcome] += 1
+        tasks.append(
+            {
+                "task": task,
+                "category": categories.get(task),
+                "episodes": len(values),
+                "a": mean_a,
+                "b": mean_b,
+                "outcome": outcome,
+            }
+        )
+    without = len({a["task"] for a, _ in pairs} - set(by_task))
+    return {
+        "metric": "reward",
+        "win": counts["win"],
+        "tie": counts["tie"],
+        "loss": counts["loss"],
+        "no_pair": without,
+        "tasks": tasks,
+    }
+
+
+def _transitions(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
+    counted = Counter((_outcome_label(a), _outcome_label(b)) for a, b in pairs)
+    return [{"a": a, "b": b, "episodes": n} for (a, b), n in sorted(counted.items(), key=lambda item: (-item[1], item[0]))]
+
+
+def _slices(pairs: list[tuple[dict[str, Any], dict[str, Any]]], *, resamples: int, seed: int) -> list[dict[str, Any]]:
+    by_category: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for a, b in pairs:
+        by_category[a["category"] or b["category"] or "unknown"].append((a, b))
+    slices = []
+    for category, members in sorted(by_category.items()):
+        table = _metric_table(HEAD_METRICS[:2], members, resamples=resamples, seed=seed)
+        slices.append({"category": category, "episodes": len(members), "metrics": table})
+    return slices
+
+
+def _repeats(episode_ids: Sequence[str], rows: dict[str, dict[str, Any]]) -> int:
+    return max(Counter(rows[e]["task"] for e in episode_ids).values())
+
+
+def compare_pair(
+    base: LoadedRun, other: LoadedRun, *, allow_partial: bool, resamples: int, seed: int, metrics: Sequence[Metric]
+) -> dict[str, Any]:
+    """The comparison of ``other`` (B) with ``base`` (A)."""
+    pairing = pair_runs(base, other, allow_partial=allow_partial)
+    pairs = [(base.rows[e], other.rows[e]) for e in pairing.episode_ids]
+    completed = Counter((a["completed"], b["completed"]) for a, b in pairs)
+    if base.plan is None or other.plan is None:
+        plan_lines = [f"{run.location} has no manifest: its plan is unknown" for run in (base, other) if run.plan is None]
+    else:
+        plan_lines = plan_diff(
+            {k: v for k, v in base.plan.items() if k != "jobs"}, {k: v for k, v in other.plan.items() if k != "jobs"}
+        )
+    return {
+        "a": base.location,
+        "b": other.location,
+        "plan_differences": plan_lines,
+        "episodes": len(pairs),
+        "dropped": pairing.dropped,
+        "tasks": len({a["task"] for a, _ in pairs}),
+        "repeats": _repeats(pairing.episode_ids, base.rows),
+        "completed_in_both": completed[(True, True)],
+        "failed_only_in_a": completed[(False, True)],
+        "failed_only_in_b": completed[(True, False)],
+        "failed_in_both": completed[(False, False)],
+        "metrics": _metric_table(metrics, pairs, resamples=resamples, seed=seed),
+        "per_task": _per_task(pairs),
+        "termination_transitions": _transitions(pairs),
+        "categories": _slices(pairs, resamples=resamples, seed=seed),
+    }
+
+
+def _run_block(run: LoadedRun) -> dict[str, Any]:
+    primary, itt = run.summary["primary"], run.summary["intent_to_treat"]
+    counts = run.summary["counts"]
+    return {
+        "location": run.location,
+        "kind": run.kind,
+        "identity": run.identity,
+        "episodes": len(run.rows),
+        "completed": counts["completed"],
+        "failed": counts["failed"],
+        "reward_mean": primary["reward_mean"],
+        "reward_ci95": primary["reward_ci95"],
+        "success_rate": primary["success_rate"],
+        "success_ci95": primary["success_ci95"],
+        "reward_mean_itt": itt["reward_mean"],
+        "unreadable_lines": run.unreadable_lines,
+    }
+
+
+def compare_loaded(
+    runs: Sequence[LoadedRun], *, allow_partial: bool = False, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+) -> dict[str, Any]:
+    """Each run after the first against the first. The JSON ``--json`` writes."""
+    if len(runs) < 2:
+        raise CompareError("compare needs at least two runs")
+    if resamples < 1:
+        raise CompareError(f"--resamples must be at least 1, got {resamples}")
+    metrics = metrics_for(runs)
+    return {
+        "schema_version": COMPARE_SCHEMA_VERSION,
+        "bootstrap": {"resamples": resamples, "seed": seed, "confidence": 0.95, "unit": "task", "interval": "percentile"},
+        "runs": [_run_block(run) for run in runs],
+        "comparisons": [
+            compare_pair(runs[0], other, allow_partial=allow_partial, resamples=resamples, seed=seed, metrics=metrics)
+            for other in runs[1:]
+        ],
+    }
+
+
+def compare_runs(
+    locations: Sequence[str], *, allow_partial: bool = False, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+) -> dict[str, Any]:
+    """Open the runs and compare them (raises CompareError or RunReadError: bad input)."""
+    if len(locations) < 2:
+        raise CompareError("compare needs at least two runs")
+    return compare_loaded(
+        [load_run(location) for location in locations], allow_partial=allow_partial, resamples=resamples, seed=seed
+    )
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3f}"
+
+
+def _width(text: str) -> int:
+    """Terminal columns: East Asian wide characters (category names) take two."""
+    return sum(2 if unicodedata.east_asian_width(char) in "WF" else 1 for char in text)
+
+
+def _pad(text: str, width: int, *, left: bool) -> str:
+    fill = " " * (width - _width(text))
+    return text + fill if left else fill + text
+
+
+def _ci(ci: list[float | None] | None) -> str:
+    return f"[{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else "–"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    widths = [max(_width(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = []
+    for row in (header, *rows):
+        cells = [_pad(cell, width, left=i == 0) for i, (cell, width) in enumerate(zip(row, widths, strict=True))]
+        lines.append(indent + "  ".join(cells).rstrip())
+    return lines
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    """The comparison as text for a terminal."""
+    boot = result["bootstrap"]
+    lines = ["runs (the first is the baseline):"]
+    for index, run in enumerate(result["runs"]):
+        identity = run["identity"]
+        lines.append(
+            f"  {chr(65 + index) if index < 26 else index}  {run['location']}  [{run['kind']}]  "
+            f"experiment {identity.get('experiment') or '–'} · checkpoint {identity.get('checkpoint_id') or '–'} · "
+            f"{run['completed']} completed, {run['failed']} failed · reward {_fmt(run['reward_mean'])} "
+            f"{_ci(run['reward_ci95'])} · success {_fmt(run['success_rate'])}"
+        )
+    lines.append(
+        f"paired bootstrap: {boot['resamples']:,} resamples of tasks, seed {boot['seed']}, 95% percentile intervals; "
+        "reward/success over episodes completed in both runs (the summary's headline), *_itt counts failures as 0"
+    )
+    for comparison in result["comparisons"]:
+        lines += ["", f"{comparison['b']}  vs  {comparison['a']} (baseline)"]
+        if comparison["plan_differences"]:
+            lines.append("  plan differences:")
+            lines += [f"    {line}" for line in comparison["plan_differences"]]
+        else:
+            lines.append("  plan differences: none")
+        lines.append(
+            f"  {comparison['episodes']} paired episodes over {comparison['tasks']} tasks (up to {comparison['repeats']} per task"
+            f"{', resampled by task' if comparison['repeats'] > 1 else ''}); completed in both {comparison['completed_in_both']}, "
+            f"failed only in A {comparison['failed_only_in_a']}, only in B {comparison['failed_only_in_b']}, "
+            f"in both {comparison['failed_in_both']}"
+        )
+        if comparison["dropped"]:
+            dropped = ", ".join(f"{count} {reason}" for reason, count in comparison["dropped"].items())
+            lines.append(f"  partial comparison (--allow-partial): dropped {sum(comparison['dropped'].values())} ({dropped})")
+        rows = []
+        for entry in comparison["metrics"]:
+            test = entry.get("mcnemar")
+            note = f"McNemar p={test['p_value']:.4g} (only A {test['only_a']}, only B {test['only_b']})" if test else ""
+            rows.append(
+                [
+                    entry["metric"],
+                    str(entry["pairs"]),
+                    _fmt(entry["a"]),
+                    _fmt(entry["b"]),
+                    _fmt(entry["difference"]),
+                    _ci(entry["ci95"]),
+                    note,
+                ]
+            )
+        lines += _table(["metric", "pairs", "A", "B", "B−A", "95% CI", ""], rows)
+        per_task = comparison["per_task"]
+        lines.append(
+            f"  per task (mean reward, B vs A): {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses"
+            + (f", {per_task['no_pair']} without a pair completed in both" if per_task["no_pair"] else "")
+        )
+        lines.append("  termination (A -> B):")
+        lines += [f"    {t['a']} -> {t['b']}: {t['episodes']}" for t in comparison["termination_transitions"]]
+        lines.append("  by category (reward):")
+        slice_rows = []
+        for piece in comparison["categories"]:
+            reward = piece["metrics"][0]
+            slice_rows.append(
+                [
+                    piece["category"],
+                    str(reward["pairs"]),
+                    _fmt(reward["a"]),
+                    _fmt(reward["b"]),
+                    _fmt(reward["difference"]),
+                    _ci(reward["ci95"]),
+                ]
+            )
+        lines += _table(["category", "pairs", "A", "B", "B−A", "95% CI"], slice_rows, indent="    ")
+    return "\n".join(lines)

@@ -1,0 +1,572 @@
+"""``shopsimrl report``: one self-contained HTML page over one or more runs.
+
+The page needs no network: every plot is an inline SVG drawn by matplotlib (text kept as text,
+so it is searchable and the browser's fonts render it), styles are inline, and nothing is
+loaded from elsewhere. Runs are shown in the order given (a checkpoint sweep reads left to
+right); with two or more, each is also compared with the first by :mod:`shopsimrl.research.compare`
+(the same pairing rules, statistics and JSON as ``shopsimrl compare``).
+
+Per-run numbers are the runs' own summaries, recomputed from their records as ``summary.json``
+is (reward and success over completed episodes, intervals clustered by task).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import matplotlib as mpl
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from shopsimrl.research.compare import LoadedRun, compare_loaded, load_run
+from shopsimrl.research.paired_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
+
+__all__ = ["Report", "build_report", "write_report"]
+
+_PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD")
+_SVG_STYLE: dict[Any, Any] = {"svg.fonttype": "none", "svg.hashsalt": "shopsimrl-report", "font.size": 9}
+"""Text stays text in the SVG; element ids are deterministic (the hash salt)."""
+_TASK_ROWS = 200
+"""Per-task rows shown per comparison (the largest differences)."""
+
+
+@dataclass(frozen=True)
+class Report:
+    html: str
+    figures: list[str]
+    """The titles of the figures, in page order."""
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def _svg(figure: Figure, number: int) -> str:
+    """The figure as an inline ``<svg>`` element: no XML prolog, no metadata, no namespace
+    declarations (HTML parses inline SVG into the right namespaces by itself), and ids made
+    unique on the page."""
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    text = buffer.getvalue()
+    text = text[text.index("<svg") :]
+    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
+    text = re.sub(r'\s+xmlns(?::\w+)?="[^"]*"', "", text)
+    text = re.sub(r'\bid="', f'id="f{number}-', text)
+    text = re.sub(r'href="#', f'href="#f{number}-', text)
+    return re.sub(r"url\(#", f"url(#f{number}-", text)
+
+
+def _name(run: LoadedRun) -> str:
+    """What a person calls the run: its checkpoint, else its experiment, else its location's last part."""
+    name = run.identity.get("checkpoint_id") or run.identity.get("experiment")
+    return name if isinstance(name, str) and name else run.location.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _run_labels(runs: Sequence[LoadedRun]) -> list[str]:
+    """Short labels for plots: a letter and the run's name when it is plain ASCII (plot fonts)."""
+    labels = []
+    for index, run in enumerate(runs):
+        name = _name(run)
+        name = name if name.isascii() and name.isprintable() else ""
+        letter = _letter(index)
+        labels.append(f"{letter}: {name[:22]}" if name else letter)
+    return labels
+
+
+def _letter(index: int) -> str:
+    return chr(65 + index) if index < 26 else str(index + 1)
+
+
+def _errors(values: Sequence[float | None], intervals: Sequence[list[float] | None]) -> list[list[float]]:
+    low, high = [], []
+    for value, interval in zip(values, intervals, strict=True):
+        if value is None or interval is None:
+            low.append(0.0)
+            high.append(0.0)
+        else:
+            low.append(max(0.0, value - interval[0]))
+            high.append(max(0.0, interval[1] - value))
+    return [low, high]
+
+
+def _value(value: float | None) -> float:
+    return float("nan") if value is None else float(value)
+
+
+def _headline_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
+    figure = Figure(figsize=(max(5.0, 1.1 * len(runs) + 3), 3.4))
+    axes = figure.subplots()
+    x = list(range(len(runs)))
+    for key, ci_key, name, color, offset in (
+        ("reward_mean", "reward_ci95", "reward", _PALETTE[0], -0.04),
+        ("success_rate", "success_ci95", "success", _PALETTE[1], 0.04),
+    ):
+        values = [run.summary["primary"][key] for run in runs]
+        intervals = [run.summary["primary"][ci_key] for run in runs]
+        axes.errorbar(
+            [i + offset for i in x],
+            [_value(v) for v in values],
+            yerr=_errors(values, intervals),
+            marker="o",
+            capsize=4,
+            color=color,
+            label=f"{name} (95% CI)",
+        )
+    itt = [run.summary["intent_to_treat"]["reward_mean"] for run in runs]
+    axes.plot(x, [_value(v) for v in itt], linestyle="--", marker="x", color=_PALETTE[2], label="reward, intent to treat")
+    axes.set_xticks(x, labels)
+    axes.set_xlim(-0.5, len(runs) - 0.5)
+    axes.set_ylim(-0.02, 1.02)
+    axes.set_ylabel("mean over episodes")
+    axes.set_xlabel("runs, in the order given")
+    axes.grid(axis="y", alpha=0.3)
+    axes.legend(loc="best", fontsize=8)
+    return figure
+
+
+def _grouped_bars(axes: Axes, groups: list[str], series: list[tuple[str, list[float | None]]]) -> None:
+    width = 0.8 / max(1, len(series))
+    for index, (name, values) in enumerate(series):
+        positions = [g + (index - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        axes.bar(positions, [_value(v) for v in values], width=width, label=name, color=_PALETTE[index % len(_PALETTE)])
+    axes.set_xticks(range(len(groups)), groups)
+
+
+def _components_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
+    components = sorted({key for run in runs for key in run.summary["reward_components"]})
+    figure = Figure(figsize=(max(5.0, 0.9 * len(components) + 2), 3.4))
+    axes = figure.subplots()
+    series = [
+        (label, [run.summary["reward_components"].get(key) for key in components])
+        for run, label in zip(runs, labels, strict=True)
+    ]
+    _grouped_bars(axes, components or ["(none)"], series if components else [(label, [None]) for label in labels])
+    axes.set_ylim(0, 1.05)
+    axes.set_ylabel("mean over completed episodes")
+    axes.legend(fontsize=8, ncols=min(4, len(runs)))
+    axes.grid(axis="y", alpha=0.3)
+    return figure
+
+
+def _outcomes(run: LoadedRun) -> Counter[str]:
+    counted: Counter[str] = Counter()
+    for row in run.rows.values():
+        counted[
+            str(row["termination_reason"] or "unknown") if row["completed"] else f"failed: {row['failure_class'] or 'unknown'}"
+        ] += 1
+    return counted
+
+
+def _terminations_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
+    counts = [_outcomes(run) for run in runs]
+    reasons = sorted({reason for counted in counts for reason in counted}, key=lambda r: (r.startswith("failed"), r))
+    figure = Figure(figsize=(7.0, 0.55 * len(runs) + 1.6))
+    axes = figure.subplots()
+    left = [0.0] * len(runs)
+    for index, reason in enumerate(reasons):
+        shares = [counted[reason] / max(1, sum(counted.values())) for counted in counts]
+        axes.barh(labels, shares, left=left, label=reason, color=_PALETTE[index % len(_PALETTE)])
+        left = [a + b for a, b in zip(left, shares, strict=True)]
+    axes.invert_yaxis()
+    axes.set_xlim(0, 1)
+    axes.set_xlabel("share of episodes")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return figure
+
+
+def _behaviour_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
+    figure = Figure(figsize=(max(7.0, 1.2 * len(runs) + 4), 3.4))
+    steps_axes, invalid_axes = figure.subplots(1, 2)
+    steps = [[row["steps"] for row in run.rows.values() if row["completed"]] or [0] for run in runs]
+    steps_axes.boxplot(steps, tick_labels=labels, showmeans=True, showfliers=False)  # fliers: one mark per outlier
+    steps_axes.set_title("steps per completed episode")
+    steps_axes.grid(axis="y", alpha=0.3)
+    rates = [_value(run.summary["behavior"]["invalid_action_rate"]) for run in runs]
+    invalid_axes.bar(labels, rates, color=_PALETTE[3])
+    invalid_axes.set_title("invalid-action rate (invalid / actions)")
+    invalid_axes.set_ylim(0, max([0.05, *[r for r in rates if r == r]]) * 1.15)
+    invalid_axes.grid(axis="y", alpha=0.3)
+    for axes in (steps_axes, invalid_axes):
+        axes.tick_params(axis="x", labelrotation=20 if len(runs) > 3 else 0)
+    return figure
+
+
+def _cost_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
+    figure = Figure(figsize=(max(7.0, 1.2 * len(runs) + 4), 3.4))
+    latency_axes, token_axes = figure.subplots(1, 2)
+    series = [
+        (name, [run.summary["latency"]["model_step_ms"].get(key) for run in runs])
+        for name, key in (("p50", "p50"), ("p95", "p95"), ("mean", "mean"))
+    ]
+    _grouped_bars(latency_axes, labels, series)
+    latency_axes.set_title("model latency per step (ms)")
+    latency_axes.legend(fontsize=8)
+    latency_axes.grid(axis="y", alpha=0.3)
+    bottom = [0.0] * len(runs)
+    for index, key in enumerate(("prompt_tokens", "completion_tokens")):
+        per_episode = [run.summary["cost"]["tokens"].get(key, 0) / max(1, run.summary["counts"]["completed"]) for run in runs]
+        token_axes.bar(labels, per_episode, bottom=bottom, label=key.replace("_", " "), color=_PALETTE[index + 4])
+        bottom = [a + b for a, b in zip(bottom, per_episode, strict=True)]
+    token_axes.set_title("tokens per completed episode")
+    token_axes.legend(fontsize=8)
+    token_axes.grid(axis="y", alpha=0.3)
+    for axes in (latency_axes, token_axes):
+        axes.tick_params(axis="x", labelrotation=20 if len(runs) > 3 else 0)
+    return figure
+
+
+def _forest_figure(comparisons: list[dict[str, Any]], labels: list[str]) -> Figure:
+    """B − A with its interval for every metric on the reward scale, one colour per comparison."""
+    names = [m["metric"] for m in comparisons[0]["metrics"] if _on_unit_scale(m["metric"])]
+    rows = len(names)
+    figure = Figure(figsize=(7.0, 0.32 * rows * len(comparisons) + 1.4))
+    axes = figure.subplots()
+    band = 0.8 / len(comparisons)
+    for index, comparison in enumerate(comparisons):
+        by_name = {m["metric"]: m for m in comparison["metrics"]}
+        ys, xs, low, high = [], [], [], []
+        for row, name in enumerate(names):
+            entry = by_name.get(name)
+            if entry is None or entry["difference"] is None:
+                continue
+            ci = entry["ci95"] or [entry["difference"], entry["difference"]]
+            ys.append(row + (index - (len(comparisons) - 1) / 2) * band)
+            xs.append(entry["difference"])
+            low.append(entry["difference"] - ci[0])
+            high.append(ci[1] - entry["difference"])
+        axes.errorbar(
+            xs,
+            ys,
+            xerr=[low, high],
+            fmt="o",
+            capsize=3,
+            color=_PALETTE[(index + 1) % len(_PALETTE)],
+            label=f"{labels[index + 1]} − {labels[0]}",
+        )
+    axes.axvline(0.0, color="#444", linewidth=1)
+    axes.set_yticks(range(rows), names)
+    axes.invert_yaxis()
+    axes.set_xlabel("paired difference against the baseline (95% bootstrap CI over tasks)")
+    axes.grid(axis="x", alpha=0.3)
+    axes.legend(fontsize=8, loc="best")
+    return figure
+
+
+def _on_unit_scale(metric: str) -> bool:
+    return metric in ("reward", "success", "reward_itt", "success_itt") or metric.startswith("r_")
+
+
+def _win_loss_figure(comparisons: list[dict[str, Any]], labels: list[str]) -> Figure:
+    names = [f"{labels[index + 1]} vs {labels[0]}" for index in range(len(comparisons))]
+    figure = Figure(figsize=(7.0, 0.55 * len(comparisons) + 1.4))
+    axes = figure.subplots()
+    left = [0] * len(comparisons)
+    for key, label, color in (("win", "wins", _PALETTE[2]), ("tie", "ties", _PALETTE[7]), ("loss", "losses", _PALETTE[3])):
+        counts = [comparison["per_task"][key] for comparison in comparisons]
+        axes.barh(names, counts, left=left, color=color, label=label)
+        for y, (start, count) in enumerate(zip(left, counts, strict=True)):
+            if count:
+                axes.text(start + count / 2, y, str(count), ha="center", va="center", color="white", fontsize=8)
+        left = [a + b for a, b in zip(left, counts, strict=True)]
+    axes.invert_yaxis()
+    axes.set_xlabel("tasks (mean reward over pairs completed in both runs)")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return figure
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _e(value: Any) -> str:
+    return html.escape("–" if value is None else str(value))
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3f}"
+
+
+def _ci(ci: Sequence[float | None] | None) -> str:
+    return f"[{_num(ci[0])}, {_num(ci[1])}]" if ci else "–"
+
+
+def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, classes: Sequence[str] = ()) -> str:
+    head = "".join(f"<th>{_e(cell)}</th>" for cell in header)
+    body = "".join(
+        f'<tr class="{classes[i] if i < len(classes) else ""}">' + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>"
+        for i, row in enumerate(rows)
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for key, inner in value.items():
+            _flatten(inner, f"{prefix}.{key}" if prefix else str(key), out)
+    else:
+        out[prefix] = value
+
+
+def _runs_section(runs: Sequence[LoadedRun], labels: list[str]) -> str:
+    rows = []
+    for run, label in zip(runs, labels, strict=True):
+        identity, counts = run.identity, run.summary["counts"]
+        fingerprint = identity.get("plan_fingerprint")
+        rows.append(
+            [
+                _e(label),
+                f"<code>{_e(run.location)}</code>",
+                _e(run.kind),
+                _e(identity.get("experiment")),
+                _e(identity.get("model_name") or identity.get("model_id")),
+                _e(identity.get("checkpoint_id")),
+                f"<code>{_e(fingerprint[:16] if isinstance(fingerprint, str) else None)}</code>",
+                _e((identity.get("split") or {}).get("name")),
+                f"{counts['requested']} / {counts['completed']} / {counts['failed']}",
+            ]
+        )
+    identities = _html_table(
+        [
+            "run",
+            "location",
+            "kind",
+            "experiment",
+            "model",
+            "checkpoint",
+            "plan fingerprint",
+            "split",
+            "requested / completed / failed",
+        ],
+        rows,
+    )
+    plans: list[dict[str, Any]] = []
+    for run in runs:
+        flat: dict[str, Any] = {}
+        _flatten({k: v for k, v in (run.plan or {}).items() if k != "jobs"}, "", flat)
+        plans.append(flat)
+    keys = sorted({key for flat in plans for key in flat})
+    plan_rows, plan_classes = [], []
+    for key in keys:
+        values = [flat.get(key, "<absent>") for flat in plans]
+        plan_rows.append([f"<code>{_e(key)}</code>", *(_e(v) for v in values)])
+        plan_classes.append("differs" if len({repr(v) for v in values}) > 1 else "")
+    no_plan = [label for run, label in zip(runs, labels, strict=True) if run.plan is None]
+    plan_note = (
+        f"<p>{_e(', '.join(no_plan))}: no manifest (traces of the earlier implementation), so no plan.</p>" if no_plan else ""
+    )
+    plan = _html_table(["plan key", *labels], plan_rows, classes=plan_classes)
+    headline_rows = []
+    for run, label in zip(runs, labels, strict=True):
+        primary, itt = run.summary["primary"], run.summary["intent_to_treat"]
+        headline_rows.append(
+            [
+                _e(label),
+                f"{_num(primary['reward_mean'])} {_ci(primary['reward_ci95'])}",
+                f"{_num(primary['success_rate'])} {_ci(primary['success_ci95'])}",
+                f"{_num(itt['reward_mean'])} {_ci(itt['reward_ci95'])}",
+                f"{_num(itt['success_rate'])} {_ci(itt['success_ci95'])}",
+                _e(run.summary["per_task"]["tasks"]),
+            ]
+        )
+    headline = _html_table(
+        ["run", "reward (95% CI)", "success (95% CI)", "reward, intent to treat", "success, intent to treat", "tasks"],
+        headline_rows,
+    )
+    return (
+        "<section><h2>Runs</h2>"
+        + identities
+        + "<h3>Headline (the summary's numbers: completed episodes; intervals clustered by task)</h3>"
+        + headline
+        + "<details><summary>Plan of each run (differing keys highlighted)</summary>"
+        + plan_note
+        + plan
+        + "</details></section>"
+    )
+
+
+def _comparison_section(comparison: dict[str, Any], title: str) -> str:
+    rows = []
+    for entry in comparison["metrics"]:
+        test = entry.get("mcnemar")
+        rows.append(
+            [
+                _e(entry["metric"]),
+                _e(entry["pairs"]),
+                _num(entry["a"]),
+                _num(entry["b"]),
+                _num(entry["difference"]),
+                _ci(entry["ci95"]),
+                _e(f"p = {test['p_value']:.4g} (only A {test['only_a']}, only B {test['only_b']})" if test else ""),
+            ]
+        )
+    significant = ["excludes-zero" if e["ci95"] and (e["ci95"][0] > 0 or e["ci95"][1] < 0) else "" for e in comparison["metrics"]]
+    metrics = _html_table(["metric", "pairs", "A", "B", "B − A", "95% CI", "McNemar (exact)"], rows, classes=significant)
+    plan = "".join(f"<li><code>{_e(line)}</code></li>" for line in comparison["plan_differences"]) or "<li>none</li>"
+    dropped = ""
+    if comparison["dropped"]:
+        dropped = (
+            "<p>Partial comparison: dropped " + _e(", ".join(f"{n} {why}" for why, n in comparison["dropped"].items())) + ".</p>"
+        )
+    transitions = _html_table(
+        ["A", "B", "episodes"], [[_e(t["a"]), _e(t["b"]), _e(t["episodes"])] for t in comparison["termination_transitions"]]
+    )
+    per_task = comparison["per_task"]
+    # The largest differences both ways; every task is in `shopsimrl compare --json`.
+    moved = sorted(per_task["tasks"], key=lambda t: (-abs(t["b"] - t["a"]), t["task"]))[:_TASK_ROWS]
+    ordered = sorted(moved, key=lambda t: (t["b"] - t["a"], t["task"]))
+    more = len(per_task["tasks"]) - len(ordered)
+    more_note = (
+        f'<p class="note">{more} more tasks, with smaller differences, are in <code>shopsimrl compare --json</code>.</p>'
+        if more
+        else ""
+    )
+    task_rows = [
+        [_e(t["task"]), _e(t["category"]), _e(t["episodes"]), _num(t["a"]), _num(t["b"]), _e(t["outcome"])] for t in ordered
+    ]
+    tasks = _html_table(["task", "category", "pairs", "A", "B", "B vs A"], task_rows, classes=[t["outcome"] for t in ordered])
+    category_rows = []
+    for piece in comparison["categories"]:
+        reward, success = piece["metrics"]
+        category_rows.append(
+            [
+                _e(piece["category"]),
+                _e(reward["pairs"]),
+                _num(reward["a"]),
+                _num(reward["b"]),
+                _num(reward["difference"]),
+                _ci(reward["ci95"]),
+                _num(success["difference"]),
+            ]
+        )
+    categories = _html_table(["category", "pairs", "reward A", "reward B", "B − A", "95% CI", "success B − A"], category_rows)
+    return (
+        f"<section><h2>{_e(title)}</h2>"
+        f"<p>{comparison['episodes']} paired episodes over {comparison['tasks']} tasks (up to {comparison['repeats']} per task); "
+        f"completed in both {comparison['completed_in_both']}, failed only in A {comparison['failed_only_in_a']}, "
+        f"only in B {comparison['failed_only_in_b']}, in both {comparison['failed_in_both']}.</p>"
+        f"{dropped}<h3>Plan differences</h3><ul>{plan}</ul>"
+        f"<h3>Paired differences</h3>{metrics}"
+        f"<h3>Termination reasons (A → B)</h3>{transitions}"
+        f"<details><summary>Per task: {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses for B</summary>{tasks}{more_note}</details>"
+        f"<details><summary>By catalog category</summary>{categories}</details></section>"
+    )
+
+
+_STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", "Noto Sans CJK SC", sans-serif; margin: 2rem auto; max-width: 1100px;
+       color: #222; line-height: 1.45; padding: 0 1rem; }
+h1 { font-size: 1.5rem; } h2 { border-bottom: 1px solid #ddd; padding-bottom: .2rem; margin-top: 2.2rem; }
+table { border-collapse: collapse; margin: .6rem 0 1rem; font-size: .85rem; }
+th, td { border: 1px solid #ddd; padding: .25rem .5rem; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+tr.differs td { background: #fff4d6; } tr.excludes-zero td { font-weight: 600; }
+tr.win td:last-child { color: #2b7a3d; } tr.loss td:last-child { color: #b03030; }
+figure { margin: 1.2rem 0; } figcaption { font-weight: 600; margin-bottom: .3rem; }
+figure svg { max-width: 100%; height: auto; }
+code { font-size: .82rem; } details { margin: .5rem 0; } summary { cursor: pointer; }
+.note { color: #555; font-size: .85rem; }
+"""
+
+
+# --------------------------------------------------------------------------- the page
+
+
+def build_report(
+    runs: Sequence[LoadedRun], *, allow_partial: bool = False, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+) -> Report:
+    """The HTML page of ``runs`` (raises CompareError when two or more runs cannot be paired)."""
+    labels = _run_labels(runs)
+    comparisons = (
+        compare_loaded(runs, allow_partial=allow_partial, resamples=resamples, seed=seed)["comparisons"] if len(runs) > 1 else []
+    )
+    plots: list[tuple[str, str, Callable[[], Figure]]] = [
+        (
+            "Reward and success per run",
+            "Means with 95% intervals clustered by task; runs in the order given.",
+            lambda: _headline_figure(runs, labels),
+        ),
+        ("Reward components", "Each r_* component's mean over completed episodes.", lambda: _components_figure(runs, labels)),
+        (
+            "Termination reasons",
+            "How episodes ended; failed episodes by failure class.",
+            lambda: _terminations_figure(runs, labels),
+        ),
+        (
+            "Steps and invalid actions",
+            "Steps per completed episode (box: quartiles, whiskers: 1.5 IQR, outliers not drawn, triangle: mean) and the pooled invalid-action rate.",
+            lambda: _behaviour_figure(runs, labels),
+        ),
+        (
+            "Model latency and tokens",
+            "Per-step model latency percentiles and tokens per completed episode.",
+            lambda: _cost_figure(runs, labels),
+        ),
+    ]
+    if comparisons:
+        plots += [
+            (
+                "Paired differences against the baseline",
+                "Forest plot: B − A per metric with its paired bootstrap interval; 0 is no difference.",
+                lambda: _forest_figure(comparisons, labels),
+            ),
+            (
+                "Per-task wins and losses",
+                "Tasks where the run's mean reward is above, equal to or below the baseline's.",
+                lambda: _win_loss_figure(comparisons, labels),
+            ),
+        ]
+    figures = []
+    with mpl.rc_context(_SVG_STYLE):
+        for number, (title, caption, draw) in enumerate(plots, 1):
+            figure = draw()
+            figures.append(
+                f'<figure data-title="{_e(title)}"><figcaption>{_e(title)}</figcaption>{_svg(figure, number)}'
+                f'<p class="note">{_e(caption)}</p></figure>'
+            )
+    sections = [_runs_section(runs, labels), "<section><h2>Plots</h2>" + "".join(figures) + "</section>"]
+    sections += [_comparison_section(c, f"{labels[i + 1]} against {labels[0]} (baseline)") for i, c in enumerate(comparisons)]
+    if comparisons:
+        sections.append(
+            f'<p class="note">Paired bootstrap: {resamples:,} resamples of tasks (seed {seed}), percentile intervals. '
+            "reward and success count pairs completed in both runs (the summary's headline); the _itt rows count a failed "
+            "episode as 0 and leave out infrastructure failures. Success: exact McNemar test on the discordant pairs.</p>"
+        )
+    title = "shopsimrl report: " + ", ".join(f"{_letter(i)} {_name(run)}" for i, run in enumerate(runs))
+    page = (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>"
+        f"<h1>{_e(title)}</h1>"
+        f'<p class="note">Written {datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")} by shopsimrl {_e(version("shopsimrl"))}.</p>'
+        + "".join(sections)
+        + "</body></html>"
+    )
+    return Report(page, [title for title, _, _ in plots])
+
+
+def write_report(
+    locations: Sequence[str],
+    output: Path,
+    *,
+    allow_partial: bool = False,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> Report:
+    """Read the runs, build the page and write it to ``output`` (raises RunReadError, CompareError,
+    OSError)."""
+    report = build_report(
+        [load_run(location) for location in locations], allow_partial=allow_partial, resamples=resamples, seed=seed
+    )
+    output.write_text(report.html, encoding="utf-8")
+    return report

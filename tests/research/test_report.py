@@ -1,0 +1,119 @@
+"""``shopsimrl report`` in a real browser: every plot present, no console errors, nothing loaded
+from the network; on a local run, the sharded run on moto S3 and v4 traces."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from shopsimrl.research.report import write_report
+
+from .conftest import ResearchRuns, console_errors, screenshot
+
+REPO = Path(__file__).resolve().parents[2]
+SINGLE_RUN_FIGURES = [
+    "Reward and success per run",
+    "Reward components",
+    "Termination reasons",
+    "Steps and invalid actions",
+    "Model latency and tokens",
+]
+PAIRED_FIGURES = ["Paired differences against the baseline", "Per-task wins and losses"]
+
+
+def _open(browser: Any, path: Path) -> dict[str, Any]:
+    """Load the page and read what the browser made of it."""
+    browser.get(path.as_uri())
+    return browser.execute_script(
+        """
+        const figures = [...document.querySelectorAll('figure')];
+        return {
+          titles: figures.map(f => f.querySelector('figcaption').textContent),
+          svgs: figures.map(f => f.querySelectorAll(':scope > svg').length),
+          drawn: figures.map(f => { const b = f.querySelector('svg').getBoundingClientRect(); return b.width > 100 && b.height > 100; }),
+          marks: figures.map(f => f.querySelectorAll('svg path, svg use, svg rect').length),
+          resources: performance.getEntriesByType('resource').map(r => r.name),
+          headings: [...document.querySelectorAll('h2')].map(h => h.textContent),
+        };
+        """
+    )
+
+
+def _assert_offline(page_html: str) -> None:
+    # No URL of any scheme a browser would fetch: the page is self-contained.
+    assert not re.search(r"(?:https?|ftp)://|//[a-z0-9.-]+\.[a-z]{2,}/", page_html, flags=re.I)
+    assert not re.search(r"<(?:script|link|img|iframe)\b", page_html, flags=re.I)
+
+
+def test_a_checkpoint_sweep_report_renders_every_plot(
+    research_runs: ResearchRuns, naive_run: Path, s3_env: dict[str, str], browser: Any, tmp_path: Path
+) -> None:
+    """Three runs in order: the local run (baseline), the naive-policy run, the sharded run on S3."""
+    output = tmp_path / "report.html"
+    report = write_report([str(research_runs.local), str(naive_run), research_runs.sharded], output)
+    assert report.figures == SINGLE_RUN_FIGURES + PAIRED_FIGURES
+    page_html = output.read_text(encoding="utf-8")
+    _assert_offline(page_html)
+    assert "testing-secret" not in page_html
+
+    seen = _open(browser, output)
+    assert seen["titles"] == report.figures
+    assert seen["svgs"] == [1] * len(report.figures) and all(seen["drawn"]), seen
+    assert all(marks > 5 for marks in seen["marks"]), seen["marks"]
+    assert seen["resources"] == []  # nothing was fetched
+    assert console_errors(browser) == []
+    assert seen["headings"][:2] == ["Runs", "Plots"]
+    assert [h for h in seen["headings"] if "baseline" in h] == [
+        "B: research against A: research (baseline)",
+        "C: research against A: research (baseline)",
+    ]
+    screenshot(browser, "report-sweep-top")
+    forest = browser.find_element("css selector", 'figure[data-title="Paired differences against the baseline"]')
+    browser.execute_script("arguments[0].scrollIntoView()", forest)
+    screenshot(browser, "report-sweep-forest")
+    # The paired table shows the naive run's loss, with its interval, as compare prints it.
+    table = browser.find_elements("css selector", "section table")[3].text
+    assert re.search(r"reward 24 0\.\d{3} 0\.\d{3} -0\.\d{3} \[-0\.\d{3}, -0\.\d{3}\]", table), table
+
+
+def test_a_single_v4_run_has_the_per_run_plots_only(research_runs: ResearchRuns, browser: Any, tmp_path: Path) -> None:
+    output = tmp_path / "legacy.html"
+    done = subprocess.run(
+        [sys.executable, "-m", "shopsimrl", "report", str(research_runs.legacy), "-o", str(output)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{output}: 1 runs, 5 figures" in done.stdout
+    page_html = output.read_text(encoding="utf-8")
+    _assert_offline(page_html)
+    seen = _open(browser, output)
+    assert seen["titles"] == SINGLE_RUN_FIGURES and all(seen["drawn"])
+    assert console_errors(browser) == []
+    assert "no manifest" in page_html and "failed: unknown" in page_html
+    screenshot(browser, "report-legacy")
+
+
+def test_report_bad_input_exits_2(research_runs: ResearchRuns, tmp_path: Path) -> None:
+    def report(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "shopsimrl", "report", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=os.environ,
+            timeout=300,
+        )
+
+    done = report(str(tmp_path / "missing"), "-o", str(tmp_path / "r.html"))
+    assert done.returncode == 2 and "does not exist" in done.stderr and "Traceback" not in done.stderr
+    done = report(str(research_runs.local), str(research_runs.legacy), "-o", str(tmp_path / "r.html"))
+    assert done.returncode == 2 and "cannot be paired" in done.stderr and not (tmp_path / "r.html").exists()
+    done = report(str(research_runs.legacy), "-o", str(tmp_path / "no-such-dir" / "r.html"))
+    assert done.returncode == 2 and "-o" in done.stderr and "Traceback" not in done.stderr
