@@ -33,6 +33,7 @@ __all__ = [
     "PromptError",
     "action_tools",
     "canonical_action",
+    "persona_section",
     "protocol_feedback",
     "render_skills",
 ]
@@ -143,7 +144,7 @@ class PromptBuilder:
         sections = [self.system_prompt.rstrip()]
         persona = reset.get("user_persona")
         if isinstance(persona, dict) and persona:
-            sections.append(_PERSONA_LABEL + "\n" + json.dumps(persona, ensure_ascii=False, sort_keys=True))
+            sections.append(persona_section(persona))
         if skills:
             sections.append(render_skills(skills))
         return {"role": "system", "content": "\n\n".join(sections)}
@@ -155,6 +156,11 @@ class PromptBuilder:
         if not isinstance(observation, str):
             raise ValueError(f"reset payload needs a string 'observation', got {type(observation).__name__}")
         return {"role": "user", "content": f"{_TASK_LABEL}\n{instruction}\n\n{observation}"}
+
+
+def persona_section(persona: Mapping[str, Any]) -> str:
+    """The persona's section of the system message (the exporters find and remove it by this text)."""
+    return _PERSONA_LABEL + "\n" + json.dumps(persona, ensure_ascii=False, sort_keys=True)
 
 
 def render_skills(skills: Sequence[Skill]) -> str:
