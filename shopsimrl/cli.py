@@ -953,6 +953,60 @@ def testbed_up(
     _import_extra("shopsimrl.testbed.up", "testbed").serve_both(host=host, shop_port=shop_port, policy_port=policy_port)
 
 
+# ----------------------------------------------------------------------------- labels
+
+RUN_ARGUMENT = typer.Argument(
+    ..., metavar="RUN", help="A local run directory, a sharded run (a directory or s3://bucket/path), or v4 traces."
+)
+
+
+def _open_research_run(location: str) -> Any:
+    runs = _import_extra("shopsimrl.research.runs", "research")
+    try:
+        return runs.open_run(location)
+    except runs.RunReadError as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+
+
+def _research_errors() -> tuple[type[Exception], ...]:
+    """Bad input from the labelling and export modules (each names the file, line or option)."""
+    from shopsimrl.research.labels import LabelsFileError
+    from shopsimrl.research.outputs import OutputLocationError, OutputWriteError
+    from shopsimrl.research.runs import RunReadError
+
+    return (LabelsFileError, OutputLocationError, OutputWriteError, RunReadError)
+
+
+def _interrupted_io(exc: OSError) -> NoReturn:
+    # Outputs that cannot be created are bad input (above); an I/O error later is the run's
+    # storage or the disk failing under way: safe to retry once it is back.
+    _fail(ExitCode.RETRYABLE, f"reading the run or writing the output failed: {exc}")
+
+
+@app.command("labels")
+def labels_command(
+    location: str = RUN_ARGUMENT,
+    output: Path = typer.Option(Path("episode_labels.jsonl"), "-o", "--output", help="Where to write the label records (JSONL)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Rule labels for every episode (failure taxonomy with step evidence), and the counts per label."""
+    _setup_logging(quiet, verbose)
+    labels = _import_extra("shopsimrl.research.labels", "research")
+    run = _open_research_run(location)
+    try:
+        counts = labels.write_labels(run, output)
+    except _research_errors() as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except OSError as exc:
+        _interrupted_io(exc)
+    typer.echo(f"{counts.labels_version}: {counts.episodes} episodes, {counts.clean} without a label")
+    for name, count in counts.labels.items():
+        codes = ", ".join(f"{code} {number}" for code, number in counts.codes.get(name, {}).items())
+        typer.echo(f"  {name:<24} {count:>6}" + (f"  ({codes})" if codes else ""))
+    typer.echo(f"labels: {output}")
+
+
 def _stop_early(signum: int, frame: object) -> None:
     # Until a command installs its own handling (a run's graceful stop), a signal ends the process
     # at once with the retryable code: nothing is held yet that needs cleaning up.

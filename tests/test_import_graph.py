@@ -21,6 +21,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research",
         "shopsimrl.research.compare",
         "shopsimrl.research.episodes",
+        "shopsimrl.research.labels",
+        "shopsimrl.research.outputs",
         "shopsimrl.research.paired_stats",
         "shopsimrl.research.report",
         "shopsimrl.research.runs",
