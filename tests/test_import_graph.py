@@ -24,8 +24,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.labels",
         "shopsimrl.research.outputs",
         "shopsimrl.research.paired_stats",
+        "shopsimrl.research.redaction",
         "shopsimrl.research.report",
         "shopsimrl.research.runs",
+        "shopsimrl.research.training",
     ),
     "scheduling": (
         "shopsimrl.experiment",

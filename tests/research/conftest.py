@@ -132,3 +132,28 @@ def screenshot(driver: Any, name: str) -> Path:
     path = ARTIFACTS / f"{name}.png"
     driver.save_screenshot(str(path))
     return path
+
+
+# --------------------------------------------------------------------------- a run with reasoning and repairs
+
+
+@pytest.fixture(scope="session")
+def reasoning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local testbed run whose policy sends its reasoning with each decision and sometimes
+    answers without a tool call (protocol errors, repaired), and cuts some replies off
+    (generation_length): what the redaction and export tests need to find left out."""
+    from tests.testbed_process import start_testbed
+
+    base = tmp_path_factory.mktemp("reasoning-run")
+    knobs = {
+        "SHOPSIM_POLICY_REASONING": "1",
+        "SHOPSIM_POLICY_RATE_NO_TOOL_CALL": "0.15",
+        "SHOPSIM_POLICY_RATE_LENGTH": "0.03",
+        "SHOPSIM_POLICY_FAULT_SEED": "7",
+    }
+    with start_testbed(**knobs) as bed:
+        config = write_config(base, bed, episodes=16, name="reasoning", concurrency=4)
+        done = cli("run", str(config), env=worker_env(Backend("local", str(base))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (base / "local-runs").iterdir()
+    return run_dir
