@@ -953,10 +953,16 @@ def testbed_up(
     _import_extra("shopsimrl.testbed.up", "testbed").serve_both(host=host, shop_port=shop_port, policy_port=policy_port)
 
 
-# ----------------------------------------------------------------------------- labels
+# ----------------------------------------------------------------------------- labels and exports
+
+export_app = typer.Typer(help="Write data sets derived from a run (redacted by default), never into the run.", **HELP_STYLE)
+app.add_typer(export_app, name="export")
 
 RUN_ARGUMENT = typer.Argument(
     ..., metavar="RUN", help="A local run directory, a sharded run (a directory or s3://bucket/path), or v4 traces."
+)
+INCLUDE = typer.Option(
+    "", "--include", help="Comma-separated: reasoning, persona (judge-input also goal). Left out unless named."
 )
 
 
@@ -970,11 +976,13 @@ def _open_research_run(location: str) -> Any:
 
 def _research_errors() -> tuple[type[Exception], ...]:
     """Bad input from the labelling and export modules (each names the file, line or option)."""
+    from shopsimrl.research.export import ExportError
     from shopsimrl.research.labels import LabelsFileError
     from shopsimrl.research.outputs import OutputLocationError, OutputWriteError
+    from shopsimrl.research.redaction import ExportRefusedError
     from shopsimrl.research.runs import RunReadError
 
-    return (LabelsFileError, OutputLocationError, OutputWriteError, RunReadError)
+    return (ExportError, LabelsFileError, OutputLocationError, OutputWriteError, ExportRefusedError, RunReadError)
 
 
 def _interrupted_io(exc: OSError) -> NoReturn:
@@ -1005,6 +1013,79 @@ def labels_command(
         codes = ", ".join(f"{code} {number}" for code, number in counts.codes.get(name, {}).items())
         typer.echo(f"  {name:<24} {count:>6}" + (f"  ({codes})" if codes else ""))
     typer.echo(f"labels: {output}")
+
+
+def _include(text: str, allowed: tuple[str, ...]) -> frozenset[str]:
+    from shopsimrl.research.redaction import parse_include
+
+    try:
+        return parse_include(text, allowed)
+    except ValueError as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+
+
+@export_app.command("sft")
+def export_sft_command(
+    location: str = RUN_ARGUMENT,
+    output: Path = typer.Option(..., "-o", "--output", help="The SFT file (OpenAI chat fine-tuning JSONL)."),
+    select: str = typer.Option("success", help="Episodes: success (completed, r_success == 1) or completed."),
+    include: str = INCLUDE,
+    near_duplicate: float = typer.Option(0.9, help="Estimated Jaccard similarity at which an episode is a near duplicate."),
+    report: Path | None = typer.Option(None, help="The dedup and coverage report (default: OUTPUT's stem + .report.json)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Chat fine-tuning records of the selected episodes, deduplicated, with a report."""
+    _setup_logging(quiet, verbose)
+    export = _import_extra("shopsimrl.research.export", "research")
+    included = _include(include, ("reasoning", "persona", "goal"))
+    if not 0.0 < near_duplicate <= 1.0:
+        _fail(ExitCode.BAD_INPUT, f"--near-duplicate must be in (0, 1], got {near_duplicate}")
+    run = _open_research_run(location)
+    try:
+        summary = export.export_sft(run, output, include=included, select=select, near_duplicate=near_duplicate, report=report)
+    except _research_errors() as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except OSError as exc:
+        _interrupted_io(exc)
+    dropped = ", ".join(f"{reason} {count}" for reason, count in summary["dropped"]["by_reason"].items()) or "none"
+    coverage = summary["coverage"]
+    typer.echo(
+        f"selected {summary['selection']['selected']} of {summary['selection']['episodes_in_run']} episodes · "
+        f"kept {summary['kept']} · dropped {dropped} · {summary['records']} records"
+    )
+    typer.echo(
+        f"coverage: tasks {coverage['tasks']['kept']}/{coverage['tasks']['selected']} selected · "
+        f"categories {coverage['categories_kept']}/{len(coverage['categories'])}"
+    )
+    typer.echo(f"sft: {output}\nreport: {report or export.report_path_for(output)}")
+
+
+@export_app.command("judge-input")
+def export_judge_input_command(
+    location: str = RUN_ARGUMENT,
+    output: Path = typer.Option(..., "-o", "--output", help="The judge input (JSONL, one episode a line)."),
+    select: str = typer.Option("completed", help="Episodes: success, completed or all."),
+    include: str = INCLUDE,
+    report: Path | None = typer.Option(None, help="The selection report (default: OUTPUT's stem + .report.json)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """What a judge may see of each selected episode: task, transcript, public outcome; no reward."""
+    _setup_logging(quiet, verbose)
+    export = _import_extra("shopsimrl.research.export", "research")
+    included = _include(include, ("reasoning", "persona", "goal"))
+    run = _open_research_run(location)
+    try:
+        summary = export.export_judge_input(run, output, include=included, select=select, report=report)
+    except _research_errors() as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except OSError as exc:
+        _interrupted_io(exc)
+    typer.echo(
+        f"selected {summary['selection']['selected']} of {summary['selection']['episodes_in_run']} episodes · {summary['records']} records"
+    )
+    typer.echo(f"judge input: {output}\nreport: {report or export.report_path_for(output)}")
 
 
 def _stop_early(signum: int, frame: object) -> None:

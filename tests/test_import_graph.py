@@ -20,7 +20,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "research": (
         "shopsimrl.research",
         "shopsimrl.research.compare",
+        "shopsimrl.research.dedup",
         "shopsimrl.research.episodes",
+        "shopsimrl.research.export",
         "shopsimrl.research.labels",
         "shopsimrl.research.outputs",
         "shopsimrl.research.paired_stats",

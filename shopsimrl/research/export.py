@@ -1,0 +1,422 @@
+"""Exporters: data sets derived from a run, redacted by default, never written into the run.
+
+- :func:`export_sft`: OpenAI chat fine-tuning JSONL (:func:`shopsimrl.research.training.sft_records`)
+  from the selected episodes (completed with ``r_success == 1`` by default), exact and near
+  duplicates removed, and a report: kept, dropped and why, coverage over tasks and categories.
+- :func:`export_judge_input`: one record per selected episode with what a judge may see: the
+  task, the transcript (observations, replies, actions and the shop's feedback) and the public
+  outcome; never the reward, the rule labels or (unless included) the goal, persona, reasoning.
+
+Both refuse the held-out test split, apply :mod:`shopsimrl.research.redaction`, and write their
+files whole or not at all (temporary files renamed into place). Records are ordered by episode
+id, so a local run and a sharded run of the same plan give identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import orjson
+
+from shopsimrl.research.dedup import NearDuplicateIndex
+from shopsimrl.research.episodes import episode_row
+from shopsimrl.research.outputs import OutputWriteError, check_output_location, replacing
+from shopsimrl.research.redaction import (
+    RedactionError,
+    persona_of,
+    refuse_test_split,
+    refusing_test_records,
+)
+from shopsimrl.research.runs import Run
+from shopsimrl.research.training import TraceShapeError, check_chat_record, sft_records
+from shopsimrl.schemas import canonical_json
+
+__all__ = [
+    "EXPORT_REPORT_VERSION",
+    "JUDGE_INPUT_VERSION",
+    "SELECTIONS",
+    "ExportError",
+    "check_sft_file",
+    "export_judge_input",
+    "export_sft",
+    "judge_input",
+    "report_path_for",
+]
+
+EXPORT_REPORT_VERSION = "shopsimrl-export-report-v1"
+JUDGE_INPUT_VERSION = "shopsimrl-judge-input-v1"
+SELECTIONS = ("success", "completed", "all")
+"""``success``: completed with ``r_success == 1``; ``completed``: every scored episode; ``all``:
+failed ones too (judge input only: an SFT record needs a finished episode)."""
+DEFAULT_NEAR_DUPLICATE = 0.9
+_PURCHASE_KEYS = ("asin", "name", "category", "product_category", "price", "options")
+"""What a judge sees of a purchase: what the agent bought. The shop's purchase object also holds
+the bought product's own task instruction, which for the goal's product is the private goal."""
+
+
+class ExportError(ValueError):
+    """Bad input for an export (exit 2): a selection or inclusion the export does not take."""
+
+
+def report_path_for(output: Path) -> Path:
+    """``sft.jsonl`` → ``sft.report.json``, next to it."""
+    return output.with_name(f"{output.stem}.report.json")
+
+
+def _selected(row: dict[str, Any], select: str) -> str | None:
+    """Why the episode is not selected, None when it is."""
+    if select == "all":
+        return None
+    if not row["completed"]:
+        return "not completed"
+    if select == "success" and row["success"] != 1:
+        return "not successful (r_success != 1)"
+    return None
+
+
+@dataclass
+class _Spool:
+    """Episodes' lines in reading order in a temporary file, replayed in episode-id order."""
+
+    handle: IO[bytes]
+    spans: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """episode id → (offset, bytes, lines)."""
+
+    def add(self, episode_id: str, lines: list[bytes]) -> None:
+        data = b"".join(lines)
+        self.spans[episode_id] = (self.handle.tell(), len(data), len(lines))
+        self.handle.write(data)
+
+    def write_to(self, episode_ids: list[str], out: IO[bytes]) -> None:
+        """The lines of these episodes, in this order."""
+        for episode_id in episode_ids:
+            offset, size, _ = self.spans[episode_id]
+            self.handle.seek(offset)
+            out.write(self.handle.read(size))
+        self.handle.seek(0, os.SEEK_END)
+
+
+@contextmanager
+def _spool(output: Path) -> Iterator[_Spool]:
+    """A spool next to ``output`` (the same disk the output will need)."""
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        handle = tempfile.TemporaryFile("w+b", dir=output.parent, prefix=f".{output.name}.spool.")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise OutputWriteError(f"{output}: cannot write ({exc.strerror or exc})") from None
+    with handle:
+        yield _Spool(handle)
+
+
+@dataclass
+class _Coverage:
+    tasks: dict[str, set[str]] = field(default_factory=lambda: {"in_run": set(), "selected": set(), "kept": set()})
+    categories: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def count(self, stage: str, row: dict[str, Any]) -> None:
+        self.tasks[stage].add(str(row["task_id"]))
+        category = str(row["category"] or "unknown")
+        per_stage = self.categories.setdefault(category, {"in_run": 0, "selected": 0, "kept": 0})
+        per_stage[stage] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        lost = sorted(name for name, counts in self.categories.items() if counts["selected"] and not counts["kept"])
+        return {
+            "tasks": {stage: len(ids) for stage, ids in self.tasks.items()},
+            "categories": {name: self.categories[name] for name in sorted(self.categories)},
+            "categories_kept": sum(1 for counts in self.categories.values() if counts["kept"]),
+            "categories_selected_but_not_kept": lost,
+        }
+
+
+def _normalised_ids(records: list[dict[str, Any]]) -> str:
+    """Canonical JSON of an episode's records with tool-call ids replaced by their order of
+    appearance: ids are random per call, so two identical episodes differ only there."""
+    names: dict[str, str] = {}
+
+    def rename(value: Any) -> Any:
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                if key in ("id", "tool_call_id") and isinstance(item, str):
+                    out[key] = names.setdefault(item, f"call-{len(names)}")
+                else:
+                    out[key] = rename(item)
+            return out
+        if isinstance(value, list):
+            return [rename(item) for item in value]
+        return value
+
+    return canonical_json(rename(records))
+
+
+def _trajectory_text(record: dict[str, Any]) -> str:
+    """The episode as the shop saw it, for near-duplicate detection: the task message, then every
+    action and the page it led to. Repair turns are left out: two samples that took the same
+    actions through the same pages teach the same thing, whatever the unusable replies between."""
+    conversation = record.get("conversation") or []
+    parts = [str(conversation[1].get("content") or "")] if len(conversation) > 1 and isinstance(conversation[1], dict) else []
+    for step in record.get("steps") or []:
+        environment = step.get("environment") if isinstance(step, dict) else None
+        if isinstance(environment, dict):
+            parts += [str(step.get("action") or ""), str(environment.get("observation") or "")]
+    return "\n".join(parts)
+
+
+def _identity(run: Run) -> dict[str, Any]:
+    identity = run.identity
+    return {key: identity.get(key) for key in ("uri", "experiment", "model_id", "checkpoint_id", "plan_fingerprint", "split")} | {
+        "location": run.location,
+        "kind": run.kind,
+    }
+
+
+def _base_report(kind: str, run: Run, output: Path, include: frozenset[str], select: str) -> dict[str, Any]:
+    return {
+        "report_version": EXPORT_REPORT_VERSION,
+        "kind": kind,
+        "created_at": datetime.now(UTC).isoformat(),
+        "run": _identity(run),
+        "output": str(output),
+        "selection": {"select": select, "episodes_in_run": 0, "selected": 0, "not_selected": {}},
+        "redaction": {
+            "included": sorted(include),
+            "left_out": [name for name in ("reasoning", "persona", "goal") if name not in include],
+        },
+    }
+
+
+def export_sft(
+    run: Run,
+    output: Path,
+    *,
+    include: frozenset[str] = frozenset(),
+    select: str = "success",
+    near_duplicate: float = DEFAULT_NEAR_DUPLICATE,
+    report: Path | None = None,
+) -> dict[str, Any]:
+    """Write the SFT file and its report (``report`` or :func:`report_path_for`); return the report."""
+    if select not in ("success", "completed"):
+        raise ExportError(f"--select {select!r}: SFT records come from finished episodes; choose success or completed")
+    if "goal" in include:
+        raise ExportError("--include goal: SFT records hold only what the model saw, and it never saw the goal")
+    output, report = Path(output), Path(report) if report is not None else report_path_for(Path(output))
+    check_output_location(run, output)
+    check_output_location(run, report)
+    refuse_test_split(run)
+    index = NearDuplicateIndex(near_duplicate)
+    summary = _base_report("sft", run, output, include, select)
+    selection = summary["selection"]
+    coverage = _Coverage()
+    dropped: list[dict[str, Any]] = []
+    candidates: list[tuple[str, str, np.ndarray, dict[str, Any]]] = []
+    with _spool(output) as spool:
+        for record in refusing_test_records(run.records(), run.location):
+            row = episode_row(record)
+            episode_id = str(row["episode_id"])
+            selection["episodes_in_run"] += 1
+            coverage.count("in_run", row)
+            why = _selected(row, select)
+            if why is not None:
+                selection["not_selected"][why] = selection["not_selected"].get(why, 0) + 1
+                continue
+            selection["selected"] += 1
+            coverage.count("selected", row)
+            try:
+                records = sft_records(record, include=include)
+            except (TraceShapeError, RedactionError) as exc:
+                dropped.append({"episode_id": episode_id, "reason": "unusable", "detail": str(exc)})
+                continue
+            if not records:
+                dropped.append({"episode_id": episode_id, "reason": "unusable", "detail": "no model call made a valid action"})
+                continue
+            problems = [error for item in records for error in check_chat_record(item, reasoning="reasoning" in include)]
+            if problems:
+                dropped.append({"episode_id": episode_id, "reason": "format", "detail": problems[0]})
+                continue
+            spool.add(episode_id, [orjson.dumps(item, option=orjson.OPT_APPEND_NEWLINE) for item in records])
+            exact = hashlib.sha256(_normalised_ids(records).encode("utf-8")).hexdigest()
+            candidates.append((episode_id, exact, index.signature(_trajectory_text(record)), row))
+
+        kept: list[str] = []
+        first_of: dict[str, str] = {}
+        for episode_id, exact, signature, row in sorted(candidates, key=lambda item: item[0]):
+            if exact in first_of:
+                dropped.append({"episode_id": episode_id, "reason": "exact_duplicate", "of": first_of[exact]})
+                continue
+            similar = index.most_similar(signature)
+            if similar is not None:
+                dropped.append(
+                    {"episode_id": episode_id, "reason": "near_duplicate", "of": similar[0], "similarity": round(similar[1], 4)}
+                )
+                continue
+            first_of[exact] = episode_id
+            index.add(episode_id, signature)
+            kept.append(episode_id)
+            coverage.count("kept", row)
+
+        lines: list[dict[str, Any]] = []
+        line = 1
+        for episode_id in kept:
+            count = spool.spans[episode_id][2]
+            lines.append({"episode_id": episode_id, "first_line": line, "records": count})
+            line += count
+        with replacing(output) as out:
+            spool.write_to(kept, out)
+
+    reasons: dict[str, int] = {}
+    for item in dropped:
+        reasons[item["reason"]] = reasons.get(item["reason"], 0) + 1
+    summary |= {
+        "dedup": {
+            "exact": "identical records once tool-call ids are numbered in order",
+            "near": {
+                "threshold": near_duplicate,
+                "text": "the task message, then each action and the page it led to (repair turns left out)",
+                "method": "MinHash (128 permutations, 32 bands) over 5-character shingles",
+            },
+            "order": "episodes are considered by episode id; the first of a group is kept",
+        },
+        "kept": len(kept),
+        "records": line - 1,
+        "dropped": {
+            "total": len(dropped),
+            "by_reason": dict(sorted(reasons.items())),
+            "episodes": sorted(dropped, key=lambda d: d["episode_id"]),
+        },
+        "coverage": coverage.to_dict(),
+        "episodes": lines,
+        "format_check": {"records": line - 1, "errors": 0},
+    }
+    with replacing(report) as out:
+        out.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
+    return summary
+
+
+def check_sft_file(path: Path, *, reasoning: bool = False) -> list[str]:
+    """Every format error of an SFT file, ``line N: …`` (empty when it passes)."""
+    errors: list[str] = []
+    with Path(path).open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                record = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                errors.append(f"line {number}: not JSON")
+                continue
+            errors += [f"line {number}: {error}" for error in check_chat_record(record, reasoning=reasoning)]
+    return errors
+
+
+# --------------------------------------------------------------------------- judge input
+
+
+def _map(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def judge_input(record: dict[str, Any], include: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """What a judge may see of one episode (see the module docstring)."""
+    row = episode_row(record)
+    reset, final = _map(record.get("reset")), _map(record.get("final"))
+    transcript = []
+    for position, step in enumerate(record.get("steps") or [], start=1):
+        if not isinstance(step, dict):
+            continue
+        model = _map(step.get("model"))
+        environment = step.get("environment")
+        entry: dict[str, Any] = {
+            "step": step.get("step_index") if isinstance(step.get("step_index"), int) else position,
+            "observation": step.get("observation"),
+            "tools": [_map(tool.get("function")).get("name") for tool in step.get("tools") or [] if isinstance(tool, dict)],
+            "reply": {
+                "content": model.get("content"),
+                "tool_calls": [
+                    {"name": _map(call).get("name"), "arguments": _map(call).get("raw_arguments")}
+                    for call in model.get("tool_calls") or []
+                ],
+            },
+            "action": step.get("action"),
+        }
+        if "reasoning" in include:
+            entry["reasoning"] = model.get("reasoning")
+        if isinstance(environment, dict):
+            feedback = _map(environment.get("action_feedback"))
+            entry["feedback"] = {key: feedback.get(key) for key in ("valid", "reason", "message")}
+        for key in ("protocol_error", "policy_failure"):
+            problem = step.get(key) or model.get(key)
+            if isinstance(problem, dict):
+                entry[key] = {"code": problem.get("code"), "message": problem.get("message")}
+        transcript.append(entry)
+    outcome: dict[str, Any] = {"status": row["status"], "completed": row["completed"], "steps": row["steps"]}
+    if row["completed"]:
+        purchase = _map(final.get("purchase"))
+        outcome |= {
+            "termination_reason": row["termination_reason"],
+            "purchase": {key: purchase[key] for key in _PURCHASE_KEYS if key in purchase} or None,
+            "final_observation": final.get("observation"),
+        }
+    else:
+        error = _map(record.get("error"))
+        outcome["error"] = {"stage": error.get("stage"), "type": error.get("type")}
+    data: dict[str, Any] = {
+        "judge_input_version": JUDGE_INPUT_VERSION,
+        "episode_id": row["episode_id"],
+        "task_id": row["task_id"],
+        "sample_id": row["sample_id"],
+        "task_instruction": reset.get("task_instruction"),
+    }
+    if "persona" in include:
+        data["persona"] = persona_of(record)
+    if "goal" in include:
+        data["goal"] = {key: value for key, value in _map(final.get("goal")).items() if key != "user_persona"} or None
+    data |= {"transcript": transcript, "outcome": outcome}
+    return data
+
+
+def export_judge_input(
+    run: Run,
+    output: Path,
+    *,
+    include: frozenset[str] = frozenset(),
+    select: str = "completed",
+    report: Path | None = None,
+) -> dict[str, Any]:
+    """Write one judge-input record per selected episode, by episode id, and a report."""
+    if select not in SELECTIONS:
+        raise ExportError(f"--select {select!r}: choose one of {', '.join(SELECTIONS)}")
+    output, report = Path(output), Path(report) if report is not None else report_path_for(Path(output))
+    check_output_location(run, output)
+    check_output_location(run, report)
+    refuse_test_split(run)
+    summary = _base_report("judge-input", run, output, include, select)
+    selection = summary["selection"]
+    coverage = _Coverage()
+    with _spool(output) as spool:
+        for record in refusing_test_records(run.records(), run.location):
+            row = episode_row(record)
+            selection["episodes_in_run"] += 1
+            coverage.count("in_run", row)
+            why = _selected(row, select)
+            if why is not None:
+                selection["not_selected"][why] = selection["not_selected"].get(why, 0) + 1
+                continue
+            selection["selected"] += 1
+            coverage.count("selected", row)
+            coverage.count("kept", row)
+            spool.add(str(row["episode_id"]), [orjson.dumps(judge_input(record, include), option=orjson.OPT_APPEND_NEWLINE)])
+        written = sorted(spool.spans)
+        with replacing(output) as out:
+            spool.write_to(written, out)
+    summary |= {"records": len(written), "coverage": coverage.to_dict()}
+    with replacing(report) as out:
+        out.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
+    return summary
