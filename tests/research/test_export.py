@@ -361,6 +361,7 @@ def test_export_commands(research_runs: ResearchRuns, tmp_path: Path, kind: str)
         (["sft", "{run}", "-o", "{run}/sft.jsonl"], "inside the run"),
         (["judge-input", "{run}", "-o", "{tmp}/x.jsonl", "--select", "some"], "choose one of success, completed, all"),
         (["judge-input", "{tmp}/nowhere", "-o", "{tmp}/x.jsonl"], "does not exist"),
+        (["judge-input", "{run}", "-o", "/proc/x.jsonl"], "/proc/x.jsonl: cannot write"),
     ],
 )
 def test_export_bad_input_exits_2_naming_it(
