@@ -861,7 +861,7 @@ ALLOW_PARTIAL = typer.Option(
 @app.command()
 def compare(
     runs: list[str] = typer.Argument(
-        ..., metavar="RUN_A RUN_B [RUN…]", help="Runs (directories or URIs); the first is the baseline."
+        ..., metavar="RUN_A RUN_B [RUN...]", help="Runs (directories or URIs); the first is the baseline."
     ),
     json_out: str | None = typer.Option(
         None, "--json", metavar="OUT", help="Also write the comparison as JSON to OUT ('-': stdout only)."
@@ -898,7 +898,7 @@ def compare(
 @app.command()
 def report(
     runs: list[str] = typer.Argument(
-        ..., metavar="RUN [RUN…]", help="Runs (directories or URIs) in the order to show; the first is the baseline."
+        ..., metavar="RUN [RUN...]", help="Runs (directories or URIs) in the order to show; the first is the baseline."
     ),
     output: Path = typer.Option(..., "-o", "--output", help="The HTML file to write."),
     allow_partial: bool = ALLOW_PARTIAL,
