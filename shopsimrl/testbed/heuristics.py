@@ -45,6 +45,7 @@ from shopsimrl.testbed.heuristics_pages import (
     price_low,
     tokens,
 )
+from shopsimrl.testbed.heuristics_skills import SkillMarkers, skill_markers
 
 __all__ = ["Decision", "Observation", "Product", "decide", "extract_keywords", "parse_budget", "parse_observation"]
 
@@ -196,6 +197,7 @@ class _Context:
     can_search: bool
     wants: _Wants
     rng: random.Random | None
+    skills: SkillMarkers
 
     @property
     def urgent(self) -> bool:
@@ -213,12 +215,15 @@ def decide(
     *,
     seed: int | None = None,
     temperature: float = 0.0,
+    options_need_skill: bool = False,
 ) -> Decision | None:
     """The next tool call for this conversation, or None when no tool is offered.
 
     The result always names an offered tool, and a click value is always one of the enum
     values offered. ``temperature > 0`` adds seeded noise to tie-breaks so that samples with
     different seeds can differ; at 0 the choice depends on the conversation only.
+    ``options_need_skill``: wanted options are chosen only when a skill says so
+    (:mod:`shopsimrl.testbed.heuristics_skills`).
     """
     tools_offered = offered(tools)
     if not tools_offered:
@@ -235,6 +240,7 @@ def decide(
         can_search="search" in tools_offered,
         wants=_wants(hist),
         rng=rng,
+        skills=skill_markers(hist.system, options_need_skill=options_need_skill),
     )
     if ctx.can_search:
         return _search(ctx)
@@ -277,6 +283,8 @@ def query_variants(wants: _Wants, instruction: str) -> list[str]:
 
 
 def _search(ctx: _Context) -> Decision:
+    if ctx.skills.buy_first and ctx.wants.kind:
+        return Decision("search", {"query": ctx.wants.kind}, f"按策略提示只用商品类型「{ctx.wants.kind}」搜索。")
     variants = query_variants(ctx.wants, ctx.hist.instruction)
     query = variants[min(ctx.hist.searches, len(variants) - 1)]
     why = f"当前在搜索首页，根据任务和用户偏好提取关键词「{query}」进行搜索。"
@@ -288,6 +296,9 @@ def _search(ctx: _Context) -> Decision:
 def _results(ctx: _Context) -> Decision | None:
     visited = set(ctx.hist.visited())
     listed = [p for p in ctx.obs.products if p.asin in ctx.clicks]
+    if ctx.skills.buy_first and listed:
+        first = min(listed, key=lambda p: p.rank)
+        return _click(first.asin, f"按策略提示直接打开第一个结果「{first.title[:30]}」。")
     assessed = [(*_assess(ctx, p), -p.rank, p) for p in listed]
     fresh = [a for a in assessed if a[3].asin not in visited]
     good = [a for a in fresh if a[1]]
@@ -387,10 +398,13 @@ def _product(ctx: _Context) -> Decision | None:
     tried = ctx.hist.since_opening(asin) if asin else []
     last = ctx.hist.calls[-1][1] if ctx.hist.calls else None
     missing = _missing_attributes(ctx.wants, product) if product else []
-    if missing and ctx.can_leave:
+    # A buy-first skill commits to the product it opened; without the options skill the policy
+    # does not look for the wanted option values, so it cannot miss them either.
+    can_leave = ctx.can_leave and not ctx.skills.buy_first
+    if missing and can_leave:
         return _click(PREV, f"这个商品缺少用户关注的属性「{'、'.join(missing[:3])}」，返回结果列表。")
-    desired, lacking = _desired_options(ctx, grouped)
-    if lacking and ctx.can_leave:
+    desired, lacking = _desired_options(ctx, grouped) if ctx.skills.choose_options else ({}, [])
+    if lacking and can_leave:
         return _click(PREV, f"这个商品没有用户想要的规格「{'、'.join(lacking[:3])}」，返回结果列表。")
     order = {axis: i for i, axis in enumerate(ctx.obs.axes)}
     for axis in sorted(desired, key=lambda a: order.get(a, len(order))):  # top to bottom, as on the page
@@ -416,7 +430,7 @@ def _product(ctx: _Context) -> Decision | None:
         return _click(PREV, "这个商品无法购买，返回搜索结果。") if PREV in ctx.clicks else None
     price = price_low(product.price) if product else None
     budget = ctx.wants.budget
-    if budget is not None and price is not None and price > budget and not ctx.urgent:
+    if budget is not None and price is not None and price > budget and not ctx.urgent and not ctx.skills.buy_first:
         option_tries = [c for c in tried if "=" in c]
         free = [e for axis, entries in grouped.items() if axis not in desired for e in entries if e not in tried]
         if free and len(option_tries) < MAX_PRICE_TRIES:

@@ -83,6 +83,9 @@ class PolicySettings(BaseSettings):
     strategy: Literal["heuristic", "naive"] = "heuristic"
     """``naive``: open the first search result and buy it without choosing options (the first
     value of an axis the shop requires), a weaker policy for comparisons between runs."""
+    options_need_skill: bool = False
+    """Choosing the options the user wants is a skill: the policy does it only when a skill in the
+    system prompt carries ``[[testbed:choose-options]]`` (:mod:`shopsimrl.testbed.heuristics_skills`)."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -241,7 +244,13 @@ class _PolicyServer:
         if self.settings.strategy == "naive":
             return decide_naive(body["messages"], tools)
         temperature = float(body.get("temperature") or 0.0)
-        return decide(body["messages"], tools, seed=body.get("seed"), temperature=temperature)
+        return decide(
+            body["messages"],
+            tools,
+            seed=body.get("seed"),
+            temperature=temperature,
+            options_need_skill=self.settings.options_need_skill,
+        )
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
