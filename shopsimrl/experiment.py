@@ -25,7 +25,7 @@ from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.planning import EvaluationPlan, build_jobs
 from shopsimrl.prompts import PromptBuilder
 from shopsimrl.schemas import FINGERPRINT_VERSION, PIPELINE_VERSION, EpisodeJob, redact_uri
-from shopsimrl.skills import JsonSkillBank, NoSkills, SkillProvider
+from shopsimrl.skills import NoSkills, SkillProvider, open_skill_provider
 from shopsimrl.tasks import TaskSplit, load_task_split
 
 __all__ = ["PreparedExperiment", "ServiceCheck", "check_services", "prepare"]
@@ -173,7 +173,7 @@ def prepare(config: ExperimentConfig, *, final_test: bool = False) -> PreparedEx
         system_prompt_file=config.resolve(config.prompt.system_prompt_file) if config.prompt.system_prompt_file else None,
     )
     skills: SkillProvider = (
-        JsonSkillBank(config.resolve(config.skills.path), max_skills=config.skills.max_skills)
+        open_skill_provider(config.resolve(config.skills.path), max_skills=config.skills.max_skills)
         if config.skills.path
         else NoSkills()
     )

@@ -13,6 +13,18 @@ Skill bank file (``JsonSkillBank``)::
 
 A skill without ``task_ids`` (absent or null) is global; one with ``task_ids`` applies to those
 tasks only. Selection keeps file order and stops at ``max_skills``.
+
+Skill assignment file (``AssignedSkills``: each episode gets exactly the skills assigned to it,
+in bank order; what a skill gate's masked rollouts run with)::
+
+    {"schema_version": "shopsimrl-skill-assignments-v1",
+     "skills": [{"skill_id": "chunk-a", "content": "…", "version": "1", "metadata": {}}],
+     "assignments": [{"split": "val", "task_id": 4, "sample_id": 0, "skill_ids": ["chunk-a"]}],
+     "protocol": {}}
+
+``protocol`` is not read by the provider; it is hashed with the rest, so whatever a gate freezes
+there (mask seed, the bare baseline's digest) enters the plan fingerprint. ``skills.path`` may
+name either kind of file: :func:`open_skill_provider` tells them apart by ``schema_version``.
 """
 
 from __future__ import annotations
@@ -25,18 +37,22 @@ from typing import Any, Final, Protocol, runtime_checkable
 from shopsimrl.schemas import Skill, fingerprint
 
 __all__ = [
+    "ASSIGNMENTS_SCHEMA_VERSION",
     "PRIVATE_CONTEXT_KEYS",
     "PUBLIC_CONTEXT_KEYS",
     "SKILLBANK_SCHEMA_VERSION",
+    "AssignedSkills",
     "JsonSkillBank",
     "NoSkills",
     "PrivateContextError",
     "SkillBankError",
     "SkillProvider",
     "check_public_context",
+    "open_skill_provider",
 ]
 
 SKILLBANK_SCHEMA_VERSION: Final = "shopsimrl-skillbank-v1"
+ASSIGNMENTS_SCHEMA_VERSION: Final = "shopsimrl-skill-assignments-v1"
 DEFAULT_BANK_VERSION: Final = "1"
 
 PUBLIC_CONTEXT_KEYS: Final = frozenset(
@@ -117,6 +133,50 @@ class JsonSkillBank:
             "bank_sha256": self._sha256,
             "max_skills": self.max_skills,
         }
+
+
+class AssignedSkills:
+    """Per-episode skill lists fixed in advance (a skill gate's masks), keyed by
+    ``(split, task_id, sample_id)``; each episode gets its listed skills in bank order."""
+
+    def __init__(self, path: str | Path, document: Any | None = None) -> None:
+        self.path = Path(path)
+        document = _read_json(self.path) if document is None else document
+        self._skills, self._assigned = _parse_assignments(self.path, document)
+        self._sha256 = fingerprint(document)
+
+    def __len__(self) -> int:
+        return len(self._assigned)
+
+    def select(self, context: Mapping[str, Any]) -> list[Skill]:
+        check_public_context(context)
+        key = (context.get("split"), context.get("task_id"), context.get("sample_id"))
+        assigned = self._assigned.get(key)
+        if assigned is None:
+            raise SkillBankError(
+                f"skill assignments {self.path} hold no entry for split {key[0]!r}, task {key[1]!r}, sample {key[2]!r}"
+            )
+        return [self._skills[skill_id] for skill_id in assigned]
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "provider": "assigned_skills",
+            "schema_version": ASSIGNMENTS_SCHEMA_VERSION,
+            "assignments_sha256": self._sha256,
+            "skills": len(self._skills),
+            "episodes": len(self._assigned),
+        }
+
+
+def open_skill_provider(path: str | Path, *, max_skills: int | None = None) -> SkillProvider:
+    """The provider of a ``skills.path`` file: a skill bank or a skill assignment file."""
+    path = Path(path)
+    document = _read_json(path)
+    if isinstance(document, dict) and document.get("schema_version") == ASSIGNMENTS_SCHEMA_VERSION:
+        if max_skills is not None:
+            raise SkillBankError(f"{path} assigns each episode its skills; skills.max_skills cannot apply to it (set it to null)")
+        return AssignedSkills(path, document)
+    return JsonSkillBank(path, max_skills=max_skills)
 
 
 # --------------------------------------------------------------------------- loading
@@ -202,3 +262,65 @@ def _task_ids(value: Any) -> frozenset[int] | None:
         if isinstance(item, bool) or not isinstance(item, int) or item < 0:
             raise ValueError(f"must hold non-negative integers, got {item!r}")
     return frozenset(value)
+
+
+_ASSIGNED_SKILL_KEYS: Final = frozenset({"skill_id", "content", "version", "metadata"})
+_ASSIGNMENT_KEYS: Final = frozenset({"split", "task_id", "sample_id", "skill_ids"})
+
+
+def _parse_assignments(path: Path, document: Any) -> tuple[dict[str, Skill], dict[tuple[str, int, int], tuple[str, ...]]]:
+    def fail(where: str, problem: str) -> SkillBankError:
+        return SkillBankError(f"skill assignments {path}: {where} {problem}")
+
+    if not isinstance(document, dict) or document.get("schema_version") != ASSIGNMENTS_SCHEMA_VERSION:
+        raise fail("'schema_version'", f"must be {ASSIGNMENTS_SCHEMA_VERSION!r}")
+    unknown = sorted(set(document) - {"schema_version", "skills", "assignments", "protocol"})
+    if unknown:
+        raise fail("top level", f"has unknown keys {unknown}")
+    records, rows = document.get("skills"), document.get("assignments")
+    if not isinstance(records, list) or not records:
+        raise fail("'skills'", "must be a non-empty list")
+    if not isinstance(rows, list) or not rows:
+        raise fail("'assignments'", "must be a non-empty list")
+    if not isinstance(document.get("protocol", {}), dict):
+        raise fail("'protocol'", "must be an object")
+
+    skills: dict[str, Skill] = {}
+    for index, record in enumerate(records):
+        where = f"skills[{index}]"
+        if not isinstance(record, dict) or set(record) - _ASSIGNED_SKILL_KEYS:
+            raise fail(where, f"must be an object with keys among {sorted(_ASSIGNED_SKILL_KEYS)}")
+        skill_id, content = record.get("skill_id"), record.get("content")
+        if not isinstance(skill_id, str) or not skill_id.strip() or skill_id in skills:
+            raise fail(f"{where}.skill_id", f"must be a non-empty string not used before, got {skill_id!r}")
+        if not isinstance(content, str) or not content.strip():
+            raise fail(f"{where}.content", "must be a non-blank string")
+        version, metadata = record.get("version", "1"), record.get("metadata") or {}
+        if not isinstance(version, str) or not version.strip():
+            raise fail(f"{where}.version", f"must be a non-empty string, got {version!r}")
+        if not isinstance(metadata, dict):
+            raise fail(f"{where}.metadata", "must be an object")
+        skills[skill_id] = Skill(skill_id, content, version, {**metadata, "selection_scope": "assigned"})
+
+    order = {skill_id: index for index, skill_id in enumerate(skills)}
+    assigned: dict[tuple[str, int, int], tuple[str, ...]] = {}
+    for index, row in enumerate(rows):
+        where = f"assignments[{index}]"
+        if not isinstance(row, dict) or set(row) != _ASSIGNMENT_KEYS:
+            raise fail(where, f"must be an object with exactly the keys {sorted(_ASSIGNMENT_KEYS)}")
+        split, task_id, sample_id, ids = row["split"], row["task_id"], row["sample_id"], row["skill_ids"]
+        if not isinstance(split, str) or not split:
+            raise fail(f"{where}.split", "must be a non-empty string")
+        for name, value in (("task_id", task_id), ("sample_id", sample_id)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise fail(f"{where}.{name}", f"must be a non-negative integer, got {value!r}")
+        if not isinstance(ids, list) or any(skill_id not in order for skill_id in ids):
+            raise fail(f"{where}.skill_ids", f"must list skill ids of 'skills', got {ids!r}")
+        positions = [order[skill_id] for skill_id in ids]
+        if positions != sorted(set(positions)):
+            raise fail(f"{where}.skill_ids", "must list each skill at most once, in the order of 'skills'")
+        key = (split, task_id, sample_id)
+        if key in assigned:
+            raise fail(where, f"assigns split {split!r}, task {task_id}, sample {sample_id} a second time")
+        assigned[key] = tuple(ids)
+    return skills, assigned

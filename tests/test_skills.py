@@ -11,11 +11,13 @@ import pytest
 from shopsimrl.schemas import fingerprint
 from shopsimrl.skills import (
     PRIVATE_CONTEXT_KEYS,
+    AssignedSkills,
     JsonSkillBank,
     NoSkills,
     PrivateContextError,
     SkillBankError,
     SkillProvider,
+    open_skill_provider,
 )
 
 BANK: dict[str, Any] = {
@@ -173,3 +175,78 @@ def test_invalid_json_reports_line_and_column(tmp_path: Path) -> None:
         JsonSkillBank(path)
     with pytest.raises(SkillBankError, match=r"missing\.json"):
         JsonSkillBank(tmp_path / "missing.json")
+
+
+# --------------------------------------------------------------------------- assigned skills
+
+ASSIGNMENTS: dict[str, Any] = {
+    "schema_version": "shopsimrl-skill-assignments-v1",
+    "skills": [
+        {"skill_id": "chunk-a", "content": "先选规格。", "metadata": {"draft_order": 1}},
+        {"skill_id": "chunk-b", "content": "比较价格。", "version": "2"},
+        {"skill_id": "chunk-c", "content": "看评价。"},
+    ],
+    "assignments": [
+        {"split": "val", "task_id": 4, "sample_id": 0, "skill_ids": ["chunk-a", "chunk-c"]},
+        {"split": "val", "task_id": 4, "sample_id": 1, "skill_ids": []},
+        {"split": "val", "task_id": 9, "sample_id": 0, "skill_ids": ["chunk-b"]},
+    ],
+    "protocol": {"mask_seed": 7},
+}
+
+
+def test_assigned_skills_give_each_episode_exactly_its_skills_in_bank_order(tmp_path: Path) -> None:
+    provider = open_skill_provider(_write(tmp_path, ASSIGNMENTS))
+    assert isinstance(provider, AssignedSkills) and isinstance(provider, SkillProvider)
+    first = provider.select(_context(4))
+    assert [skill.skill_id for skill in first] == ["chunk-a", "chunk-c"]
+    assert first[0].metadata == {"draft_order": 1, "selection_scope": "assigned"}
+    assert provider.select(_context(4, sample_id=1)) == []
+    assert [(s.skill_id, s.version) for s in provider.select(_context(9))] == [("chunk-b", "2")]
+    with pytest.raises(SkillBankError, match="no entry for split 'val', task 9, sample 1"):
+        provider.select(_context(9, sample_id=1))
+    with pytest.raises(PrivateContextError):
+        provider.select(_context(4, goal={}))
+    identity = provider.identity()
+    assert identity == {
+        "provider": "assigned_skills",
+        "schema_version": "shopsimrl-skill-assignments-v1",
+        "assignments_sha256": fingerprint(ASSIGNMENTS),
+        "skills": 3,
+        "episodes": 3,
+    }
+    # The protocol block is not read, but it is hashed: a changed gate protocol changes the plan.
+    changed = {**ASSIGNMENTS, "protocol": {"mask_seed": 8}}
+    assert (
+        open_skill_provider(_write(tmp_path, changed, "b.json")).identity()["assignments_sha256"]
+        != identity["assignments_sha256"]
+    )
+    assert isinstance(open_skill_provider(_write(tmp_path, BANK, "bank.json")), JsonSkillBank)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["assignments"][0].update(skill_ids=["chunk-c", "chunk-a"]), r"assignments\[0\].skill_ids.*in the order"),
+        (lambda d: d["assignments"][0].update(skill_ids=["chunk-a", "chunk-a"]), r"at most once"),
+        (lambda d: d["assignments"][2].update(skill_ids=["chunk-z"]), r"assignments\[2\].skill_ids must list skill ids"),
+        (lambda d: d["assignments"][1].update(sample_id=0), r"assignments\[1\] assigns split 'val', task 4, sample 0 a second"),
+        (lambda d: d["assignments"][1].update(task_id=True), r"assignments\[1\].task_id must be a non-negative integer"),
+        (lambda d: d["assignments"][1].pop("split"), r"assignments\[1\] must be an object with exactly the keys"),
+        (lambda d: d["skills"][1].update(skill_id="chunk-a"), r"skills\[1\].skill_id must be a non-empty string not used"),
+        (lambda d: d["skills"][2].update(content=" "), r"skills\[2\].content must be a non-blank string"),
+        (lambda d: d.update(extra=1), r"top level has unknown keys \['extra'\]"),
+        (lambda d: d.update(skills=[]), r"'skills' must be a non-empty list"),
+    ],
+)
+def test_bad_assignment_files_name_the_field(tmp_path: Path, mutate: Any, message: str) -> None:
+    document = json.loads(json.dumps(ASSIGNMENTS))
+    mutate(document)
+    with pytest.raises(SkillBankError, match=message) as raised:
+        open_skill_provider(_write(tmp_path, document))
+    assert str(tmp_path / "bank.json") in str(raised.value)
+
+
+def test_max_skills_cannot_cut_an_assignment(tmp_path: Path) -> None:
+    with pytest.raises(SkillBankError, match="max_skills cannot apply"):
+        open_skill_provider(_write(tmp_path, ASSIGNMENTS), max_skills=1)
