@@ -101,7 +101,18 @@ class Run:
         if self._local is not None:
             yield from self._local_records()
         else:
-            yield from self._sharded_records()
+            yield from self._sharded_records(winners_only=True)
+
+    def all_records(self) -> Iterator[tuple[bool, dict[str, Any]]]:
+        """Every readable record, superseded attempts and duplicates included, as ``(is_winner,
+        record)`` in reading order (file order; shard, part and line order). For readers that check
+        more than the winners: a skill gate refuses an episode with two completed records."""
+        if self._local is not None:
+            resume = self._local.load_index()
+            self.unreadable_lines = resume.bad_lines
+            yield from self._local.iter_records(resume)
+        else:
+            yield from self._sharded_records(winners_only=False)
 
     def index(self) -> dict[str, EpisodeSource]:
         """``episode_id`` → where its winning record lies (one pass over the run, kept)."""
@@ -143,7 +154,7 @@ class Run:
 
     # -- sharded runs -----------------------------------------------------------------------
 
-    def _sharded_records(self) -> Iterator[dict[str, Any]]:
+    def _sharded_records(self, winners_only: bool = True) -> Iterator[Any]:
         assert self._store is not None
         frozen = load_frozen_plan(self._store)
         index: dict[str, EpisodeSource] = {}
@@ -170,7 +181,9 @@ class Run:
                     episode_id = winners.get((part_no, line_no))
                     if episode_id is not None and record is not None:
                         index[episode_id] = EpisodeSource(name, line_no, shard=shard, attempts=attempts[episode_id])
-                        yield record
+                        yield record if winners_only else (True, record)
+                    elif not winners_only and record is not None and record["episode_id"] in shard_ids:
+                        yield False, record
         self.unreadable_lines = unreadable
         self._index = index
 

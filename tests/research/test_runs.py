@@ -76,3 +76,21 @@ def test_a_bad_manifest_is_named(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(RunReadError, match=r"manifest\.json"):
         open_run(tmp_path)
+
+
+def test_all_records_flags_the_winner_among_every_attempt(
+    tmp_path: Path, research_runs: ResearchRuns, s3_env: dict[str, str]
+) -> None:
+    store = LocalRunStore(tmp_path / "run")
+    failed = {"schema_version": "shopsimrl-episode-v4", "episode_id": "e1", "status": "failed", "attempt": 1, "final": None}
+    won = {**failed, "status": "completed", "attempt": 2, "final": {"done": True, "reward": 0.5}}
+    again = {**won, "attempt": 3}
+    for record in (failed, won, again):
+        store.save_trace(record)
+    run = open_run(store.run_dir)
+    assert list(run.all_records()) == [(False, failed), (True, won), (False, again)]
+
+    sharded = open_run(research_runs.sharded)
+    flagged = list(sharded.all_records())
+    assert [record for is_winner, record in flagged if is_winner] == list(sharded.records())
+    assert len(flagged) >= research_runs.episodes
