@@ -112,6 +112,11 @@ class JsonSkillBank:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def entries(self) -> list[tuple[Skill, frozenset[int] | None]]:
+        """The enabled skills in file order, each with its task ids (None: global)."""
+        return list(self._entries)
+
     def select(self, context: Mapping[str, Any]) -> list[Skill]:
         check_public_context(context)
         task_id = context.get("task_id")
@@ -150,11 +155,11 @@ class AssignedSkills:
 
     def select(self, context: Mapping[str, Any]) -> list[Skill]:
         check_public_context(context)
-        key = (context.get("split"), context.get("task_id"), context.get("sample_id"))
-        assigned = self._assigned.get(key)
+        split, task_id, sample_id = context.get("split"), context.get("task_id"), context.get("sample_id")
+        assigned = self._assigned.get((split, task_id, sample_id))  # type: ignore[arg-type]  # a bad key finds nothing
         if assigned is None:
             raise SkillBankError(
-                f"skill assignments {self.path} hold no entry for split {key[0]!r}, task {key[1]!r}, sample {key[2]!r}"
+                f"skill assignments {self.path} hold no entry for split {split!r}, task {task_id!r}, sample {sample_id!r}"
             )
         return [self._skills[skill_id] for skill_id in assigned]
 
