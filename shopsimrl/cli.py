@@ -922,6 +922,76 @@ def report(
     typer.echo(f"{output}: {len(runs)} runs, {len(written.figures)} figures")
 
 
+# ----------------------------------------------------------------------------- skill gates
+
+gate_app = typer.Typer(help="Skill gates: paired val rollouts that measure what each skill chunk is worth.", **HELP_STYLE)
+app.add_typer(gate_app, name="gate")
+GATE_CONFIG = typer.Argument(..., metavar="GATE.yaml", help="Gate config (a gate_a or an online_gate section).")
+
+
+def _gate_call(call: Any) -> Any:
+    """Run one gate step; its errors become one line and their exit code."""
+    gate = _import_extra("shopsimrl.research.gate.commands", "research")
+    try:
+        return call(gate)
+    except Exception as exc:
+        code = gate.exit_code_for(exc)
+        if code is None:
+            raise
+        _fail(code, str(exc))
+
+
+@gate_app.command("plan")
+def gate_plan(
+    gate_config: Path = GATE_CONFIG,
+    shards: int | None = typer.Option(None, "--shards", min=1, help="Freeze the masked rollouts as a sharded run of N shards."),
+    run_uri: str | None = typer.Option(None, "--run", help="With --shards: the masked run's location (dir, s3://…)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Check the bare run and the mask design, and freeze the gate (no rollout, no model call)."""
+    _setup_logging(quiet, verbose)
+    settings = worker_settings()
+    report = _gate_call(lambda gate: gate.plan_gate(gate_config, shards=shards, run=run_uri, settings=settings))
+    typer.echo(_gate_call(lambda gate: gate.format_plan(report)))
+
+
+@gate_app.command("run")
+def gate_run(
+    gate_config: Path = GATE_CONFIG,
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Plan, run the masked rollouts here (resumable) and fit. Exit 1: the gate is incomplete."""
+    _setup_logging(quiet, verbose)
+    settings = worker_settings()
+    result = _gate_call(
+        lambda gate: gate.run_gate(
+            gate_config, settings=settings, show_progress=progress, announce=lambda line: typer.echo(line, err=True)
+        )
+    )
+    typer.echo(_gate_call(lambda gate: gate.format_result(result)))
+    raise typer.Exit(int(result.code))
+
+
+@gate_app.command("fit")
+def gate_fit(
+    gate_config: Path = GATE_CONFIG,
+    masked_run: str | None = typer.Option(
+        None, "--masked-run", help="The masked run (dir or URI); default: where `gate plan` put it."
+    ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Fit the contributions from the bare and the masked run, offline. Exit 1: the gate is incomplete."""
+    _setup_logging(quiet, verbose)
+    settings = worker_settings()
+    result = _gate_call(lambda gate: gate.fit_gate(gate_config, masked_run=masked_run, settings=settings))
+    typer.echo(_gate_call(lambda gate: gate.format_result(result)))
+    raise typer.Exit(int(result.code))
+
+
 # ----------------------------------------------------------------------------- testbed
 
 
