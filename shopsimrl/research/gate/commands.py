@@ -200,6 +200,7 @@ def _manifest(frozen: FrozenGate, location: str, status: str, summary: dict[str,
         "masked_rollouts_per_task": 1,
         "reused_bare_rollouts_per_task": 1,
         "mask_seed": spec.mask_seed,
+        "active_skill_budget": frozen.budget,
         "estimator": ESTIMATOR,
         "formula": FORMULA,
     }
@@ -214,7 +215,15 @@ def _manifest(frozen: FrozenGate, location: str, status: str, summary: dict[str,
             "selection": "replacement_winner_then_strictly_positive_top_k",
         }
         inputs = {"proposal_checkpoint": frozen.pool.pool.get("proposal_checkpoint"), "pool_sha256": frozen.pool.sha256}
-    paths = {k: _relative(v, gate_dir) for k, v in (spec.raw or {}).items() if k.endswith(("_path", "_config", "_dir")) and v}
+    resolved = {
+        "output_dir": gate_dir,
+        "experiment_config": spec.experiment_config,
+        "bare_run_dir": spec.bare_run,
+        "draft_path": spec.draft_path,
+        "draft_skillbank_path": spec.draft_skillbank_path,
+        "candidate_pool_path": spec.candidate_pool_path,
+    }
+    paths = {key: _relative(value, gate_dir) for key, value in resolved.items() if value is not None and key in (spec.raw or {})}
     return {
         "schema_version": GATE_A_MANIFEST_SCHEMA if frozen.draft is not None else ONLINE_MANIFEST_SCHEMA,
         "created_at": datetime.now(UTC).isoformat(),
