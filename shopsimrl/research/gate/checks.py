@@ -277,7 +277,8 @@ def bare_preflight(run: Run, expected_plan: Mapping[str, Any], *, require_checkp
         "observations_sha256": fingerprint(sorted([eid, o.digest] for eid, o in read.observations.items())),
         "observations": count,
         "checkpoint_id": checkpoint,
-        "mean_outcomes": {m: sum(o.outcomes[m] for o in read.observations.values()) / count for m in metrics},
+        # fsum: exact, so the same outcomes give the same means in any reading order (they enter the masked plan).
+        "mean_outcomes": {m: math.fsum(o.outcomes[m] for o in read.observations.values()) / count for m in metrics},
     }
     return Baseline(record, read.observations)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -62,9 +63,9 @@ def _estimates(columns: Sequence[str], pairs: Pairs, fits: Mapping[str, Fit]) ->
             "observations": fit.observations,
             "degrees_of_freedom": fit.degrees_of_freedom,
             "residual_sd": fit.residual_sd,
-            "masked_mean": sum(masked) / len(masked),
-            "bare_mean": sum(bare) / len(bare),
-            "delta_mean": sum(delta) / len(delta),
+            "masked_mean": math.fsum(masked) / len(masked),
+            "bare_mean": math.fsum(bare) / len(bare),
+            "delta_mean": math.fsum(delta) / len(delta),
         }
     return estimates
 
