@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from shopsimrl.manifest import plan_diff
+from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.gate.masks import Assignment
 from shopsimrl.research.runs import Run
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, fingerprint
@@ -112,7 +113,9 @@ def _outcomes(record: dict[str, Any], where: str) -> dict[str, float]:
             raise GateCheckError(f"{where}: {name} must be a finite number, got {value!r}")
     if abs(values["reward"] - values["r_strict"]) > 1e-12:
         raise GateCheckError(f"{where}: reward {values['reward']!r} differs from r_strict {values['r_strict']!r}")
-    return {name: float(value) for name, value in sorted(values.items())}
+    # Checked strictly above; the values themselves are read as every research tool reads them.
+    row = episode_row(record)
+    return {name: float(row[name]) for name in sorted(values)}
 
 
 def _observe(record: dict[str, Any], where: str) -> Observation:

@@ -215,7 +215,7 @@ def _manifest(frozen: FrozenGate, location: str, status: str, summary: dict[str,
             "selection": "replacement_winner_then_strictly_positive_top_k",
         }
         inputs = {"proposal_checkpoint": frozen.pool.pool.get("proposal_checkpoint"), "pool_sha256": frozen.pool.sha256}
-    resolved = {
+    resolved: dict[str, Path | str | None] = {
         "output_dir": gate_dir,
         "experiment_config": spec.experiment_config,
         "bare_run_dir": spec.bare_run,
