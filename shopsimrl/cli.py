@@ -945,7 +945,9 @@ def _gate_call(call: Any) -> Any:
 def gate_plan(
     gate_config: Path = GATE_CONFIG,
     shards: int | None = typer.Option(None, "--shards", min=1, help="Freeze the masked rollouts as a sharded run of N shards."),
-    run_uri: str | None = typer.Option(None, "--run", help="With --shards: the masked run's location (dir, s3://…)."),
+    run_uri: str | None = typer.Option(
+        None, "--run", help="With --shards: the masked run's location (a directory or an s3:// URI)."
+    ),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:

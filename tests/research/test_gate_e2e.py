@@ -73,6 +73,7 @@ def test_gate_a_finds_the_known_effects(demo: Demo, local_gate: dict[str, Any]) 
     assert noop["ci_low"] < 0 < noop["ci_high"]
     assert local_gate["selected_chunk_ids"] == ["choose-options"]
     assert local_gate["observations"] == 400 and local_gate["estimates"]["reward"]["intercept"] == 0.0
+    assert local_gate["bare_baseline"]["run"] == "../bare"  # no absolute path in the gate's files
     assert set(local_gate["estimates"]) >= {"reward", "r_strict", "r_success", "r_option"}
 
     selected = json.loads((demo.gate_dir / "selected_skillbank.json").read_text(encoding="utf-8"))
@@ -91,6 +92,7 @@ def test_gate_a_finds_the_known_effects(demo: Demo, local_gate: dict[str, Any]) 
     assert {"episode_id", "task_id", "sample_id", "mask", "included_chunk_ids"} <= set(row)
     assert row["included_chunk_ids"] == [c for c, bit in zip(CHUNKS, row["mask"], strict=True) if bit]
 
+    assert json.loads((demo.gate_dir / "gate_plan.json").read_text(encoding="utf-8"))["masked_run"] == "."
     manifest = json.loads((demo.gate_dir / "gate_a_manifest.json").read_text(encoding="utf-8"))
     assert manifest["status"] == "complete"
     assert manifest["protocol"]["mask_seed"] == 20260901 and manifest["protocol"]["split"] == "val"

@@ -35,6 +35,7 @@ from shopsimrl.research.gate.freeze import (
     FrozenGate,
     GatePlanError,
     freeze,
+    planned_location,
     read_gate_plan,
     write_frozen,
 )
@@ -149,7 +150,7 @@ def run_gate(
     frozen = freeze(spec, settings)
     location = str(spec.gate_dir)
     planned = read_gate_plan(spec.gate_dir)
-    if planned is not None and planned.get("masked_run") != location:
+    if planned is not None and planned_location(planned, spec.gate_dir) != location:
         raise GatePlanError(
             f"{spec.gate_dir} was planned with sharded masked rollouts at {planned.get('masked_run')}; run them with "
             f"`shopsimrl run {spec.gate_dir / MASKED_CONFIG_FILE} --shards {planned.get('shards')} --run URI` "
@@ -176,7 +177,7 @@ def fit_gate(gate_config: Path, *, masked_run: str | None = None, settings: Work
         )
     if masked_run is None and planned is None:
         raise GatePlanError(f"{spec.gate_dir} has no gate_plan.json: run `shopsimrl gate plan` or `gate run` first")
-    location = masked_run if masked_run is not None else str(planned["masked_run"])  # type: ignore[index]
+    location = masked_run if masked_run is not None else planned_location(planned, spec.gate_dir)  # type: ignore[arg-type]
     return _fit(frozen, location)
 
 
@@ -238,7 +239,7 @@ def _manifest(frozen: FrozenGate, location: str, status: str, summary: dict[str,
             "model": frozen.bare_plan["model"],
             "environment": frozen.bare_plan["environment"],
             "observed_provenance": _observed_provenance(observations),
-            "bare_baseline": {**frozen.baseline.record, "run": _relative(frozen.baseline.record["run"], gate_dir)},
+            "bare_baseline": frozen.baseline.record,
         },
         "runs": {
             "bare": _relative(frozen.spec.bare_run, gate_dir),

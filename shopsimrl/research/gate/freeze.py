@@ -44,7 +44,7 @@ from shopsimrl.research.gate.fit import check_design
 from shopsimrl.research.gate.masks import MASK_PROBABILITY, Assignment, gate_a_assignments, online_assignments
 from shopsimrl.research.gate.spec import GateSpec
 from shopsimrl.research.runs import open_run
-from shopsimrl.schemas import fingerprint
+from shopsimrl.schemas import fingerprint, redact_uri
 from shopsimrl.skills import ASSIGNMENTS_SCHEMA_VERSION, AssignedSkills
 
 __all__ = [
@@ -56,7 +56,9 @@ __all__ = [
     "FrozenGate",
     "GatePlanError",
     "freeze",
+    "planned_location",
     "read_gate_plan",
+    "recorded_location",
     "write_frozen",
 ]
 
@@ -179,6 +181,8 @@ def freeze(spec: GateSpec, settings: WorkerSettings | None = None) -> FrozenGate
         }
     check_design([list(a.mask) for a in assignments])  # before any rollout, and before reading the bare run
     baseline = bare_preflight(open_run(spec.bare_run), bare.plan(), require_checkpoint=spec.kind == "online")
+    if "://" not in spec.bare_run:  # recorded relative to the gate directory: no absolute layout in its files
+        baseline.record["run"] = os.path.relpath(spec.bare_run, gate_dir)
     protocol = {
         "gate": "A" if spec.kind == "gate_a" else "online",
         "estimator": ESTIMATOR,
@@ -246,6 +250,18 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def recorded_location(location: str, gate_dir: Path) -> str:
+    """How ``gate_plan.json`` records the masked run: ``.`` for the gate directory itself (so the
+    directory can move), a URI without credentials otherwise."""
+    return "." if location == str(gate_dir) else redact_uri(location)
+
+
+def planned_location(plan: dict[str, Any], gate_dir: Path) -> str:
+    """The masked run ``gate_plan.json`` records, as ``open_run`` takes it."""
+    recorded = str(plan.get("masked_run"))
+    return str(gate_dir) if recorded == "." else recorded
+
+
 def read_gate_plan(gate_dir: Path) -> dict[str, Any] | None:
     path = gate_dir / GATE_PLAN_FILE
     if not path.is_file():
@@ -266,9 +282,10 @@ def write_frozen(frozen: FrozenGate, masked_run: str, shards: int | None) -> Pre
     spec = frozen.spec
     gate_dir = spec.gate_dir
     existing = read_gate_plan(gate_dir)
-    if existing is not None and existing.get("masked_run") != masked_run:
+    recorded = recorded_location(masked_run, gate_dir)
+    if existing is not None and existing.get("masked_run") != recorded:
         raise GatePlanError(
-            f"{gate_dir} was planned with its masked rollouts at {existing.get('masked_run')}, not {masked_run}; "
+            f"{gate_dir} was planned with its masked rollouts at {existing.get('masked_run')}, not {recorded}; "
             "use another output_dir for another location"
         )
     gate_dir.mkdir(parents=True, exist_ok=True)
@@ -300,11 +317,11 @@ def write_frozen(frozen: FrozenGate, masked_run: str, shards: int | None) -> Pre
         "gate": spec.kind,
         "name": spec.name,
         "gate_config": str(spec.source),
-        "masked_run": masked_run,
+        "masked_run": recorded,
         "shards": shards,
         "masked_plan_fingerprint": frozen.masked_fingerprint,
         "assignment_sha256": frozen.assignment_sha256,
-        "bare_run": frozen.baseline.record["run"],
+        "bare_run": frozen.baseline.record["run"],  # relative to the gate directory, or a redacted URI
         "bare_observations_sha256": frozen.baseline.record["observations_sha256"],
         "columns": frozen.columns,
     }
