@@ -154,19 +154,22 @@ class Run:
             )
             self.shard_states[shard] = parts.result.state
             shard_ids = set(frozen.shard_map.episode_ids[shard])
-            decoded = [(name, list(iter_part_records(name, data))) for name, data in parts.parts]
+            # Two passes over the shard's parts, held compressed, one part decoded at a time: the
+            # first finds each episode's winning line, the second yields those records. Decoding
+            # twice keeps memory at one part's records, not a whole shard's (10,000 episodes of
+            # 50 KB each are gigabytes as Python objects).
             picker: WinnerPicker[tuple[int, int]] = WinnerPicker()
             attempts: dict[str, int] = {}
-            for part_no, (_, records) in enumerate(decoded):
-                for line_no, record in enumerate(records):
+            for part_no, (name, data) in enumerate(parts.parts):
+                for line_no, record in enumerate(_held_part_records(name, data)):
                     if record is None:
                         unreadable += 1
                     elif record["episode_id"] in shard_ids:
                         picker.offer(record, (part_no, line_no))
                         attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
             winners = {picker.winner(episode_id): episode_id for episode_id in attempts}
-            for part_no, (name, records) in enumerate(decoded):
-                for line_no, record in enumerate(records):
+            for part_no, (name, data) in enumerate(parts.parts):
+                for line_no, record in enumerate(_held_part_records(name, data)):
                     episode_id = winners.get((part_no, line_no))
                     if episode_id is not None and record is not None:
                         index[episode_id] = EpisodeSource(name, line_no, shard=shard, attempts=attempts[episode_id])
@@ -175,15 +178,24 @@ class Run:
         self._index = index
 
     def _part_records(self, source: EpisodeSource) -> list[dict[str, Any] | None]:
-        """A part's records, the last part read kept (a viewer opens neighbouring episodes)."""
+        """A part's records, the last part read kept (a viewer opens neighbouring episodes).
+        Safe from several threads: each call works on its own reference to the cache entry."""
         assert self._store is not None and source.shard is not None
         key = (source.shard, source.name)
-        if self._part_cache is None or self._part_cache[0] != key:
+        cached = self._part_cache
+        if cached is None or cached[0] != key:
             data = self._store.read_part(source.shard, source.name)
             if data is None:
                 raise RunReadError(f"{self.location}: part {source.name} of shard {source.shard} is gone; open the run again")
-            self._part_cache = (key, list(iter_part_records(source.name, data)))
-        return self._part_cache[1]
+            cached = (key, list(iter_part_records(source.name, data)))
+            self._part_cache = cached
+        return cached[1]
+
+
+def _held_part_records(name: str, data: bytes) -> Iterator[dict[str, Any] | None]:
+    """The records of a part as :func:`read_shard_parts` holds it: always compressed (a plain
+    ``.jsonl`` part of an earlier version too), so it is decoded as zstd whatever its name."""
+    return iter_part_records(name if name.endswith(".zst") else f"{name}.zst", data)
 
 
 def open_run(location: str | Path, *, include_uncommitted: bool = False) -> Run:
