@@ -14,10 +14,10 @@ record (:mod:`shopsimrl.traces`' winner rule, the one both stores and the reduce
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from shopsimrl.local_run import LocalRunStore
 from shopsimrl.manifest import ManifestError, run_identity
@@ -31,9 +31,13 @@ from shopsimrl.sharded.layout import (
 )
 from shopsimrl.sharded.objectstore import RunLocationError
 from shopsimrl.sharded.reduce import read_shard_parts
-from shopsimrl.traces import WinnerPicker, parse_trace_line
+from shopsimrl.traces import WinnerPicker, iter_jsonl_records, parse_trace_line
 
 __all__ = ["EpisodeSource", "Run", "RunReadError", "open_run"]
+
+T = TypeVar("T")
+P = TypeVar("P", int, tuple[int, int])
+"""A record's position: byte offset in traces.jsonl, or (part, line) in a shard."""
 
 
 class RunReadError(ValueError):
@@ -103,11 +107,19 @@ class Run:
         else:
             yield from self._sharded_records()
 
+    def winner_views(self, view: Callable[[dict[str, Any]], T]) -> list[T]:
+        """``view(record)`` of every episode's winning record, in the order of :meth:`records`,
+        from one pass over the run: each record's view is taken as it is read and only the
+        winner's is kept (one view per episode in memory). Half the reading of
+        :meth:`records`, which reads every record twice to hold one part at a time, when a small
+        view of each episode (a table row) is all that is needed. Builds :meth:`index` too."""
+        found = self._scan_local(view) if self._local is not None else self._scan_sharded(view)
+        return [item for _, item in found]
+
     def index(self) -> dict[str, EpisodeSource]:
         """``episode_id`` → where its winning record lies (one pass over the run, kept)."""
         if self._index is None:
-            for _ in self.records():
-                pass
+            self.winner_views(lambda record: None)
         assert self._index is not None
         return self._index
 
@@ -141,41 +153,90 @@ class Run:
                 yield record
         self._index = index
 
+    def _scan_local(self, view: Callable[[dict[str, Any]], T]) -> list[tuple[str, T]]:
+        """The pass of ``LocalRunStore.load_index`` (the winner rule over byte offsets), carrying
+        each record's view."""
+        assert self._local is not None
+        picker: WinnerPicker[tuple[int, T]] = WinnerPicker()
+        attempts: dict[str, int] = {}
+        unreadable = 0
+        for offset, record in iter_jsonl_records(self._local.traces_path):
+            if record is None:
+                unreadable += 1
+                continue
+            attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
+            picker.offer(record, (offset, view(record)))
+        winners = _winners(picker, attempts)
+        name = self._local.traces_path.name
+        self._index = {
+            episode_id: EpisodeSource(name, offset, attempts=attempts[episode_id]) for episode_id, offset, _ in winners
+        }
+        self.unreadable_lines = unreadable
+        return [(episode_id, item) for episode_id, _, item in winners]
+
     # -- sharded runs -----------------------------------------------------------------------
 
-    def _sharded_records(self) -> Iterator[dict[str, Any]]:
+    def _shard_parts(self) -> Iterator[tuple[int, list[tuple[str, bytes]], set[str]]]:
+        """Per shard its parts that count (held compressed) and its planned episode ids."""
         assert self._store is not None
         frozen = load_frozen_plan(self._store)
-        index: dict[str, EpisodeSource] = {}
-        unreadable = 0
         for shard in range(frozen.shard_map.count):
             parts = read_shard_parts(
                 self._store, shard, frozen.shard_map, frozen.fingerprint, include_uncommitted=self.include_uncommitted
             )
             self.shard_states[shard] = parts.result.state
-            shard_ids = set(frozen.shard_map.episode_ids[shard])
-            # Two passes over the shard's parts, held compressed, one part decoded at a time: the
-            # first finds each episode's winning line, the second yields those records. Decoding
-            # twice keeps memory at one part's records, not a whole shard's (10,000 episodes of
-            # 50 KB each are gigabytes as Python objects).
-            picker: WinnerPicker[tuple[int, int]] = WinnerPicker()
-            attempts: dict[str, int] = {}
-            for part_no, (name, data) in enumerate(parts.parts):
+            yield shard, parts.parts, set(frozen.shard_map.episode_ids[shard])
+
+    def _pick(
+        self, parts: list[tuple[str, bytes]], shard_ids: set[str], view: Callable[[dict[str, Any]], T]
+    ) -> tuple[list[tuple[str, tuple[int, int], T]], dict[str, int], int]:
+        """One pass over a shard's parts, one part decoded at a time: per episode its winning
+        line ``(part, line)`` and view, in part order; the attempts per episode; unreadable lines."""
+        picker: WinnerPicker[tuple[tuple[int, int], T]] = WinnerPicker()
+        attempts: dict[str, int] = {}
+        unreadable = 0
+        for part_no, (name, data) in enumerate(parts):
+            for line_no, record in enumerate(_held_part_records(name, data)):
+                if record is None:
+                    unreadable += 1
+                elif record["episode_id"] in shard_ids:
+                    picker.offer(record, ((part_no, line_no), view(record)))
+                    attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
+        return _winners(picker, attempts), attempts, unreadable
+
+    def _sharded_records(self) -> Iterator[dict[str, Any]]:
+        index: dict[str, EpisodeSource] = {}
+        unreadable = 0
+        for shard, parts, shard_ids in self._shard_parts():
+            # Two passes over the shard's parts, one part decoded at a time: the first finds each
+            # episode's winning line, the second yields those records. Decoding twice keeps memory
+            # at one part's records, not a whole shard's (10,000 episodes of 50 KB each are
+            # gigabytes as Python objects).
+            winners, attempts, bad = self._pick(parts, shard_ids, lambda record: None)
+            unreadable += bad
+            at = {position: episode_id for episode_id, position, _ in winners}
+            for part_no, (name, data) in enumerate(parts):
                 for line_no, record in enumerate(_held_part_records(name, data)):
-                    if record is None:
-                        unreadable += 1
-                    elif record["episode_id"] in shard_ids:
-                        picker.offer(record, (part_no, line_no))
-                        attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
-            winners = {picker.winner(episode_id): episode_id for episode_id in attempts}
-            for part_no, (name, data) in enumerate(parts.parts):
-                for line_no, record in enumerate(_held_part_records(name, data)):
-                    episode_id = winners.get((part_no, line_no))
+                    episode_id = at.get((part_no, line_no))
                     if episode_id is not None and record is not None:
                         index[episode_id] = EpisodeSource(name, line_no, shard=shard, attempts=attempts[episode_id])
                         yield record
         self.unreadable_lines = unreadable
         self._index = index
+
+    def _scan_sharded(self, view: Callable[[dict[str, Any]], T]) -> list[tuple[str, T]]:
+        index: dict[str, EpisodeSource] = {}
+        found: list[tuple[str, T]] = []
+        unreadable = 0
+        for shard, parts, shard_ids in self._shard_parts():
+            winners, attempts, bad = self._pick(parts, shard_ids, view)
+            unreadable += bad
+            for episode_id, (part_no, line_no), item in winners:
+                index[episode_id] = EpisodeSource(parts[part_no][0], line_no, shard=shard, attempts=attempts[episode_id])
+                found.append((episode_id, item))
+        self.unreadable_lines = unreadable
+        self._index = index
+        return found
 
     def _part_records(self, source: EpisodeSource) -> list[dict[str, Any] | None]:
         """A part's records, the last part read kept (a viewer opens neighbouring episodes).
@@ -190,6 +251,17 @@ class Run:
             cached = (key, list(iter_part_records(source.name, data)))
             self._part_cache = cached
         return cached[1]
+
+
+def _winners(picker: WinnerPicker[tuple[P, T]], attempts: dict[str, int]) -> list[tuple[str, P, T]]:
+    """Each offered episode's winner ``(episode_id, position, view)``, in reading order."""
+    winners: list[tuple[str, P, T]] = []
+    for episode_id in attempts:
+        winner = picker.winner(episode_id)
+        assert winner is not None  # every counted episode was offered
+        winners.append((episode_id, winner[0], winner[1]))
+    winners.sort(key=lambda item: item[1])
+    return winners
 
 
 def _held_part_records(name: str, data: bytes) -> Iterator[dict[str, Any] | None]:
