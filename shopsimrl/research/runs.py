@@ -15,7 +15,7 @@ record (:mod:`shopsimrl.traces`' winner rule, the one both stores and the reduce
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -28,6 +28,7 @@ from shopsimrl.sharded.layout import (
     ShardMapError,
     iter_part_records,
     load_frozen_plan,
+    part_lines,
 )
 from shopsimrl.sharded.objectstore import RunLocationError
 from shopsimrl.sharded.reduce import read_shard_parts
@@ -137,6 +138,51 @@ class Run:
         if record is None or record.get("episode_id") != episode_id:
             raise RunReadError(f"{self.location}: the record of {episode_id} changed since the run was indexed; open it again")
         return record
+
+    def find(self, episode_id: str) -> tuple[dict[str, Any], EpisodeSource]:
+        """One episode's winning record and where it lies, without reading the whole run: only
+        the lines that contain the episode id are parsed, in traces.jsonl or, for a sharded run,
+        in the parts of the episode's own shard (the shard map says which). For one look-up
+        (``shopsimrl show``); :meth:`record` serves many through the index."""
+        if self._index is not None:
+            return self.record(episode_id), self._index[episode_id]
+        needle = _needle(episode_id)
+        picker: WinnerPicker[tuple[EpisodeSource, dict[str, Any]]] = WinnerPicker()
+        attempts = 0
+        for source, line in self._lines_of(episode_id):
+            if needle is not None and needle not in line:
+                continue
+            record = parse_trace_line(line)
+            if record is not None and record["episode_id"] == episode_id:
+                attempts += 1
+                picker.offer(record, (source, record))
+        winner = picker.winner(episode_id)
+        if winner is None:
+            raise RunReadError(f"{self.location} has no episode {episode_id!r}")
+        source, record = winner
+        return record, replace(source, attempts=attempts)
+
+    def _lines_of(self, episode_id: str) -> Iterator[tuple[EpisodeSource, bytes]]:
+        """Every non-blank line that may hold ``episode_id``'s records, with its position."""
+        if self._local is not None:
+            name = self._local.traces_path.name
+            for offset, line in _jsonl_lines(self._local.traces_path):
+                yield EpisodeSource(name, offset), line
+            return
+        assert self._store is not None
+        frozen = load_frozen_plan(self._store)
+        shard = next((index for index, ids in enumerate(frozen.shard_map.episode_ids) if episode_id in ids), None)
+        if shard is None:
+            raise RunReadError(f"{self.location} has no episode {episode_id!r}")
+        parts = read_shard_parts(
+            self._store, shard, frozen.shard_map, frozen.fingerprint, include_uncommitted=self.include_uncommitted
+        )
+        self.shard_states[shard] = parts.result.state
+        for name, data in parts.parts:
+            lines, _ = part_lines(_held_name(name), data)
+            # Numbered as iter_part_records yields them (non-blank lines), which record() indexes.
+            for line_no, line in enumerate(line for line in (raw.strip() for raw in lines.split(b"\n")) if line):
+                yield EpisodeSource(name, line_no, shard=shard), line
 
     # -- local run directories --------------------------------------------------------------
 
@@ -264,10 +310,34 @@ def _winners(picker: WinnerPicker[tuple[P, T]], attempts: dict[str, int]) -> lis
     return winners
 
 
+def _held_name(name: str) -> str:
+    """How a part as :func:`read_shard_parts` holds it is decoded: always compressed (a plain
+    ``.jsonl`` part of an earlier version too), so as zstd whatever its name."""
+    return name if name.endswith(".zst") else f"{name}.zst"
+
+
 def _held_part_records(name: str, data: bytes) -> Iterator[dict[str, Any] | None]:
-    """The records of a part as :func:`read_shard_parts` holds it: always compressed (a plain
-    ``.jsonl`` part of an earlier version too), so it is decoded as zstd whatever its name."""
-    return iter_part_records(name if name.endswith(".zst") else f"{name}.zst", data)
+    return iter_part_records(_held_name(name), data)
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(byte offset, line)`` of every non-blank line, stripped, unparsed (the offsets of
+    :func:`~shopsimrl.traces.iter_jsonl_records`)."""
+    with path.open("rb") as handle:
+        offset = 0
+        for raw in handle:
+            start, offset = offset, offset + len(raw)
+            line = raw.strip()
+            if line:
+                yield start, line
+
+
+def _needle(episode_id: str) -> bytes | None:
+    """Bytes every line holding the episode's records contains: its id, when JSON writes it one
+    way only (printable ASCII without quote, backslash or slash); None otherwise (parse every line)."""
+    if episode_id.isascii() and episode_id.isprintable() and not any(char in episode_id for char in '"\\/'):
+        return episode_id.encode("ascii")
+    return None
 
 
 def open_run(location: str | Path, *, include_uncommitted: bool = False) -> Run:

@@ -127,7 +127,24 @@ def test_winner_views_are_the_records_views_in_one_pass(
         viewed, streamed = open_run(location), open_run(location)
         assert viewed.winner_views(view) == [view(record) for record in streamed.records()], location
         assert viewed.index() == streamed.index() and viewed.unreadable_lines == streamed.unreadable_lines
+        for episode_id, source in streamed.index().items():  # one episode found without an index: the same
+            assert open_run(location).find(episode_id) == (streamed.record(episode_id), source)
+        with pytest.raises(RunReadError, match="has no episode 'task-424242__sample-000'"):
+            open_run(location).find("task-424242__sample-000")
     run = open_run(tmp_path / "retried")
     views = {episode_id: (status, attempt) for episode_id, status, attempt in run.winner_views(view)}
     assert views[retried] == ("completed", 2) and views[failed_twice] == ("failed", 2)
     assert run.index()[retried].attempts == 2 and run.record(retried)["status"] == "completed"
+
+
+def test_find_parses_every_line_for_an_id_json_may_escape(tmp_path: Path) -> None:
+    store = LocalRunStore(tmp_path / "run")
+    odd = {"schema_version": "shopsimrl-episode-v4", "episode_id": "épisode/1", "status": "completed", "final": {"done": True}}
+    store.save_trace({**odd, "episode_id": "other"})
+    store.save_trace(odd)
+    (tmp_path / "run" / "traces.jsonl").write_text(
+        (tmp_path / "run" / "traces.jsonl").read_text(encoding="utf-8").replace("épisode/1", "\\u00e9pisode\\/1"),
+        encoding="utf-8",
+    )
+    record, source = open_run(tmp_path / "run").find("épisode/1")
+    assert record == odd and source.attempts == 1 and source.position > 0
