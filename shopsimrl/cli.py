@@ -12,6 +12,7 @@ import json
 import re
 import signal
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -1086,6 +1087,54 @@ def export_judge_input_command(
         f"selected {summary['selection']['selected']} of {summary['selection']['episodes_in_run']} episodes · {summary['records']} records"
     )
     typer.echo(f"judge input: {output}\nreport: {report or export.report_path_for(output)}")
+
+
+# ----------------------------------------------------------------------------- research: show, view, export table
+
+
+def _research_call(call: Any) -> Any:
+    """Run ``call`` (it reads a run): an unreadable run or episode is bad input, an object
+    store that does not answer is retryable."""
+    from shopsimrl.research.runs import RunReadError
+    from shopsimrl.sharded.objectstore import StoreUnavailableError
+
+    try:
+        return call()
+    except RunReadError as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except StoreUnavailableError as exc:
+        _fail(ExitCode.RETRYABLE, str(exc))
+
+
+class TableFormat(StrEnum):
+    parquet = "parquet"
+    csv = "csv"
+
+
+class TableLevel(StrEnum):
+    episodes = "episodes"
+    steps = "steps"
+
+
+@export_app.command("table")
+def export_table(
+    run_location: str = RUN_ARGUMENT,
+    to: TableFormat = typer.Option(..., "--to", help="File format."),
+    level: TableLevel = typer.Option(TableLevel.episodes, "--level", help="One row per episode, or one per step (model call)."),
+    output: Path = typer.Option(..., "-o", "--output", help="The file to write (replaced whole at the end)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Write a run's episodes or steps as Parquet or CSV, streamed in row batches."""
+    tables = _import_extra("shopsimrl.research.tables", "research")
+    from shopsimrl.research.runs import open_run
+
+    _setup_logging(quiet, verbose)
+    try:
+        rows = _research_call(lambda: tables.export_table(open_run(run_location), output, to=to.value, level=level.value))
+    except tables.ExportError as exc:
+        _fail(ExitCode.BAD_INPUT, f"-o/--output: {exc}")
+    typer.echo(f"wrote {rows} {level.value[:-1]} rows to {output}")
 
 
 def _stop_early(signum: int, frame: object) -> None:
