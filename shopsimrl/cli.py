@@ -1106,6 +1106,31 @@ def _research_call(call: Any) -> Any:
         _fail(ExitCode.RETRYABLE, str(exc))
 
 
+@app.command()
+def show(
+    run_location: str = RUN_ARGUMENT,
+    episode_id: str = typer.Argument(..., metavar="EPISODE_ID", help="e.g. task-000012__sample-001"),
+    thinking: bool = typer.Option(False, "--thinking", help="Print each step's thinking in full (default: its beginning)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Print one episode's transcript: instruction, persona, every observation as the model saw
+    it, thinking, tool calls, feedback, per-step latency and usage, reward detail."""
+    from rich.console import Console
+
+    from shopsimrl.research.runs import open_run
+    from shopsimrl.research.transcript import read_transcript, render_terminal
+
+    _setup_logging(quiet, verbose)
+
+    def transcript() -> Any:
+        run = open_run(run_location)
+        return run, read_transcript(*run.find(episode_id))
+
+    run, episode = _research_call(transcript)
+    render_terminal(episode, Console(highlight=False, soft_wrap=False), thinking=thinking, location=run.location)
+
+
 class TableFormat(StrEnum):
     parquet = "parquet"
     csv = "csv"

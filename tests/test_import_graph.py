@@ -32,6 +32,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.runs",
         "shopsimrl.research.tables",
         "shopsimrl.research.training",
+        "shopsimrl.research.transcript",
     ),
     "scheduling": (
         "shopsimrl.experiment",

@@ -89,3 +89,33 @@ def synthetic_line_of(templates: Sequence[dict[str, Any]], jobs: Sequence[Episod
         return trace_line(perturbed(templates[position % len(templates)], job, position))
 
     return line_of
+
+
+HOSTILE = "<script>document.title='pwned'</script><img src=x onerror=\"document.title='pwned'\">"
+"""Markup a model could write: run as HTML, it would retitle the page."""
+HOSTILE_ID = "task-999999__sample-000"
+LONG_THINKING_END = "END-OF-THINKING"
+
+
+def hostile_record(template: dict[str, Any]) -> dict[str, Any]:
+    """``template`` (a real completed record) as episode ``HOSTILE_ID`` whose texts hold markup,
+    rich markup and terminal escape sequences, whose first step's thinking is long, and whose
+    first model call took two HTTP attempts (a 503, then the answer)."""
+    record = copy.deepcopy(template)
+    record["episode_id"] = HOSTILE_ID
+    record["job"] = {**record["job"], "task_id": 999999, "sample_id": 0}
+    record["reset"]["task_instruction"] = f"买一把键盘 \"'><svg onload=alert(1)> {HOSTILE}"
+    record["reset"]["user_persona"] = {**record["reset"]["user_persona"], "<b>备注</b>": HOSTILE}
+    step = record["steps"][0]
+    model = step["model"]
+    model["reasoning"] = "先想一想。" * 80 + "\x1b]0;pwned\x07\x1b[2J" + HOSTILE + LONG_THINKING_END
+    model["content"] = f"[bold red]rich markup[/] {HOSTILE}"
+    step["observation"] += f"</pre>{HOSTILE}"
+    model["attempt_count"] = 2
+    model["attempts"] = [
+        {"attempt": 1, "latency_ms": 12.5, "status": 503, "error": "HTTP 503 <overloaded>", "backoff_ms": 200.0},
+        {"attempt": 2, "latency_ms": model["latency_ms"], "status": 200, "error": None, "backoff_ms": 0.0},
+    ]
+    record["final"]["reward_detail"]["note"] = HOSTILE
+    record["final"]["goal"]["category"] = f"数码›{HOSTILE}"
+    return record
