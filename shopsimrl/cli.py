@@ -1131,6 +1131,31 @@ def show(
     render_terminal(episode, Console(highlight=False, soft_wrap=False), thinking=thinking, location=run.location)
 
 
+@app.command()
+def view(
+    run_location: str = RUN_ARGUMENT,
+    port: int = typer.Option(8700, "--port", min=0, max=65535, help="Port (0: any free one, printed)."),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Bind address; anything but loopback exposes the traces unauthenticated."
+    ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Serve a read-only web viewer of a run: the episode table (filters, sorting, pages) and
+    each episode step by step. The run is read once at start."""
+    viewer = _import_extra("shopsimrl.research.viewer", "research")
+    from shopsimrl.research.runs import open_run
+
+    _setup_logging(quiet, verbose)
+    run = _research_call(lambda: open_run(run_location))
+    try:
+        sock = viewer.bind(host, port)
+    except viewer.ViewerError as exc:
+        _fail(ExitCode.BAD_INPUT, f"--host/--port: {exc}")
+    typer.echo(f"reading {run.location} …", err=True)
+    _research_call(lambda: viewer.serve(run, sock, announce=lambda line: typer.echo(line, err=True)))
+
+
 class TableFormat(StrEnum):
     parquet = "parquet"
     csv = "csv"

@@ -33,6 +33,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.tables",
         "shopsimrl.research.training",
         "shopsimrl.research.transcript",
+        "shopsimrl.research.viewer",
     ),
     "scheduling": (
         "shopsimrl.experiment",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -31,7 +32,9 @@ def sharded_copy(
     manifest = store.initialize(plan)
     jobs = [EpisodeJob.from_dict(job) for job in plan["jobs"]]
     shard_map = store.ensure_shard_map(jobs, shards, manifest["plan_fingerprint"])
-    for shard, ids in enumerate(shard_map.episode_ids):
+
+    def commit(shard: int) -> None:
+        ids = shard_map.episode_ids[shard]
         entries, completed = [], 0
         for seq, start in enumerate(range(0, len(ids), per_part)):
             lines = [line_of(episode_id) for episode_id in ids[start : start + per_part]]
@@ -50,6 +53,9 @@ def sharded_copy(
                 writer=WRITER,
             ),
         )
+
+    with ThreadPoolExecutor(max_workers=shards) as pool:  # the shards' workers write at once, as in a run
+        list(pool.map(commit, range(shards)))
 
 
 def trace_line(record: dict[str, Any]) -> bytes:
