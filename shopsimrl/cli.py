@@ -12,6 +12,7 @@ import json
 import re
 import signal
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -1158,6 +1159,104 @@ def export_judge_input_command(
         f"selected {summary['selection']['selected']} of {summary['selection']['episodes_in_run']} episodes · {summary['records']} records"
     )
     typer.echo(f"judge input: {output}\nreport: {report or export.report_path_for(output)}")
+
+
+# ----------------------------------------------------------------------------- research: show, view, export table
+
+
+def _research_call(call: Any) -> Any:
+    """Run ``call`` (it reads a run): an unreadable run or episode is bad input, an object
+    store that does not answer is retryable."""
+    from shopsimrl.research.runs import RunReadError
+    from shopsimrl.sharded.objectstore import StoreUnavailableError
+
+    try:
+        return call()
+    except RunReadError as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except StoreUnavailableError as exc:
+        _fail(ExitCode.RETRYABLE, str(exc))
+
+
+@app.command()
+def show(
+    run_location: str = RUN_ARGUMENT,
+    episode_id: str = typer.Argument(..., metavar="EPISODE_ID", help="e.g. task-000012__sample-001"),
+    thinking: bool = typer.Option(False, "--thinking", help="Print each step's thinking in full (default: its beginning)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Print one episode's transcript: instruction, persona, every observation as the model saw
+    it, thinking, tool calls, feedback, per-step latency and usage, reward detail."""
+    from rich.console import Console
+
+    from shopsimrl.research.runs import open_run
+    from shopsimrl.research.transcript import read_transcript, render_terminal
+
+    _setup_logging(quiet, verbose)
+
+    def transcript() -> Any:
+        run = open_run(run_location)
+        return run, read_transcript(*run.find(episode_id))
+
+    run, episode = _research_call(transcript)
+    render_terminal(episode, Console(highlight=False, soft_wrap=False), thinking=thinking, location=run.location)
+
+
+@app.command()
+def view(
+    run_location: str = RUN_ARGUMENT,
+    port: int = typer.Option(8700, "--port", min=0, max=65535, help="Port (0: any free one, printed)."),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Bind address; anything but loopback exposes the traces unauthenticated."
+    ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Serve a read-only web viewer of a run: the episode table (filters, sorting, pages) and
+    each episode step by step. The run is read once at start."""
+    viewer = _import_extra("shopsimrl.research.viewer", "research")
+    from shopsimrl.research.runs import open_run
+
+    _setup_logging(quiet, verbose)
+    run = _research_call(lambda: open_run(run_location))
+    try:
+        sock = viewer.bind(host, port)
+    except viewer.ViewerError as exc:
+        _fail(ExitCode.BAD_INPUT, f"--host/--port: {exc}")
+    typer.echo(f"reading {run.location} …", err=True)
+    _research_call(lambda: viewer.serve(run, sock, announce=lambda line: typer.echo(line, err=True)))
+
+
+class TableFormat(StrEnum):
+    parquet = "parquet"
+    csv = "csv"
+
+
+class TableLevel(StrEnum):
+    episodes = "episodes"
+    steps = "steps"
+
+
+@export_app.command("table")
+def export_table(
+    run_location: str = RUN_ARGUMENT,
+    to: TableFormat = typer.Option(..., "--to", help="File format."),
+    level: TableLevel = typer.Option(TableLevel.episodes, "--level", help="One row per episode, or one per step (model call)."),
+    output: Path = typer.Option(..., "-o", "--output", help="The file to write (replaced whole at the end)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Write a run's episodes or steps as Parquet or CSV, streamed in row batches."""
+    tables = _import_extra("shopsimrl.research.tables", "research")
+    from shopsimrl.research.runs import open_run
+
+    _setup_logging(quiet, verbose)
+    try:
+        rows = _research_call(lambda: tables.export_table(open_run(run_location), output, to=to.value, level=level.value))
+    except tables.ExportError as exc:
+        _fail(ExitCode.BAD_INPUT, f"-o/--output: {exc}")
+    typer.echo(f"wrote {rows} {level.value[:-1]} rows to {output}")
 
 
 def _stop_early(signum: int, frame: object) -> None:

@@ -19,6 +19,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # Tools over finished runs; they read runs through the layers below, nothing below imports them.
     "research": (
         "shopsimrl.research",
+        "shopsimrl.analysis",
         "shopsimrl.research.compare",
         "shopsimrl.research.dedup",
         "shopsimrl.research.episodes",
@@ -38,7 +39,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.redaction",
         "shopsimrl.research.report",
         "shopsimrl.research.runs",
+        "shopsimrl.research.tables",
         "shopsimrl.research.training",
+        "shopsimrl.research.transcript",
+        "shopsimrl.research.viewer",
     ),
     "scheduling": (
         "shopsimrl.experiment",

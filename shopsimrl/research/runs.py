@@ -14,10 +14,10 @@ record (:mod:`shopsimrl.traces`' winner rule, the one both stores and the reduce
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from shopsimrl.local_run import LocalRunStore
 from shopsimrl.manifest import ManifestError, run_identity
@@ -28,12 +28,17 @@ from shopsimrl.sharded.layout import (
     ShardMapError,
     iter_part_records,
     load_frozen_plan,
+    part_lines,
 )
 from shopsimrl.sharded.objectstore import RunLocationError
 from shopsimrl.sharded.reduce import read_shard_parts
-from shopsimrl.traces import WinnerPicker, parse_trace_line
+from shopsimrl.traces import WinnerPicker, iter_jsonl_records, parse_trace_line
 
 __all__ = ["EpisodeSource", "Run", "RunReadError", "open_run"]
+
+T = TypeVar("T")
+P = TypeVar("P", int, tuple[int, int])
+"""A record's position: byte offset in traces.jsonl, or (part, line) in a shard."""
 
 
 class RunReadError(ValueError):
@@ -114,11 +119,19 @@ class Run:
         else:
             yield from self._sharded_records(winners_only=False)
 
+    def winner_views(self, view: Callable[[dict[str, Any]], T]) -> list[T]:
+        """``view(record)`` of every episode's winning record, in the order of :meth:`records`,
+        from one pass over the run: each record's view is taken as it is read and only the
+        winner's is kept (one view per episode in memory). Half the reading of
+        :meth:`records`, which reads every record twice to hold one part at a time, when a small
+        view of each episode (a table row) is all that is needed. Builds :meth:`index` too."""
+        found = self._scan_local(view) if self._local is not None else self._scan_sharded(view)
+        return [item for _, item in found]
+
     def index(self) -> dict[str, EpisodeSource]:
         """``episode_id`` → where its winning record lies (one pass over the run, kept)."""
         if self._index is None:
-            for _ in self.records():
-                pass
+            self.winner_views(lambda record: None)
         assert self._index is not None
         return self._index
 
@@ -137,6 +150,51 @@ class Run:
             raise RunReadError(f"{self.location}: the record of {episode_id} changed since the run was indexed; open it again")
         return record
 
+    def find(self, episode_id: str) -> tuple[dict[str, Any], EpisodeSource]:
+        """One episode's winning record and where it lies, without reading the whole run: only
+        the lines that contain the episode id are parsed, in traces.jsonl or, for a sharded run,
+        in the parts of the episode's own shard (the shard map says which). For one look-up
+        (``shopsimrl show``); :meth:`record` serves many through the index."""
+        if self._index is not None:
+            return self.record(episode_id), self._index[episode_id]
+        needle = _needle(episode_id)
+        picker: WinnerPicker[tuple[EpisodeSource, dict[str, Any]]] = WinnerPicker()
+        attempts = 0
+        for source, line in self._lines_of(episode_id):
+            if needle is not None and needle not in line:
+                continue
+            record = parse_trace_line(line)
+            if record is not None and record["episode_id"] == episode_id:
+                attempts += 1
+                picker.offer(record, (source, record))
+        winner = picker.winner(episode_id)
+        if winner is None:
+            raise RunReadError(f"{self.location} has no episode {episode_id!r}")
+        source, record = winner
+        return record, replace(source, attempts=attempts)
+
+    def _lines_of(self, episode_id: str) -> Iterator[tuple[EpisodeSource, bytes]]:
+        """Every non-blank line that may hold ``episode_id``'s records, with its position."""
+        if self._local is not None:
+            name = self._local.traces_path.name
+            for offset, line in _jsonl_lines(self._local.traces_path):
+                yield EpisodeSource(name, offset), line
+            return
+        assert self._store is not None
+        frozen = load_frozen_plan(self._store)
+        shard = next((index for index, ids in enumerate(frozen.shard_map.episode_ids) if episode_id in ids), None)
+        if shard is None:
+            raise RunReadError(f"{self.location} has no episode {episode_id!r}")
+        parts = read_shard_parts(
+            self._store, shard, frozen.shard_map, frozen.fingerprint, include_uncommitted=self.include_uncommitted
+        )
+        self.shard_states[shard] = parts.result.state
+        for name, data in parts.parts:
+            lines, _ = part_lines(_held_name(name), data)
+            # Numbered as iter_part_records yields them (non-blank lines), which record() indexes.
+            for line_no, line in enumerate(line for line in (raw.strip() for raw in lines.split(b"\n")) if line):
+                yield EpisodeSource(name, line_no, shard=shard), line
+
     # -- local run directories --------------------------------------------------------------
 
     def _local_records(self) -> Iterator[dict[str, Any]]:
@@ -152,33 +210,71 @@ class Run:
                 yield record
         self._index = index
 
+    def _scan_local(self, view: Callable[[dict[str, Any]], T]) -> list[tuple[str, T]]:
+        """The pass of ``LocalRunStore.load_index`` (the winner rule over byte offsets), carrying
+        each record's view."""
+        assert self._local is not None
+        picker: WinnerPicker[tuple[int, T]] = WinnerPicker()
+        attempts: dict[str, int] = {}
+        unreadable = 0
+        for offset, record in iter_jsonl_records(self._local.traces_path):
+            if record is None:
+                unreadable += 1
+                continue
+            attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
+            picker.offer(record, (offset, view(record)))
+        winners = _winners(picker, attempts)
+        name = self._local.traces_path.name
+        self._index = {
+            episode_id: EpisodeSource(name, offset, attempts=attempts[episode_id]) for episode_id, offset, _ in winners
+        }
+        self.unreadable_lines = unreadable
+        return [(episode_id, item) for episode_id, _, item in winners]
+
     # -- sharded runs -----------------------------------------------------------------------
 
-    def _sharded_records(self, winners_only: bool = True) -> Iterator[Any]:
+    def _shard_parts(self) -> Iterator[tuple[int, list[tuple[str, bytes]], set[str]]]:
+        """Per shard its parts that count (held compressed) and its planned episode ids."""
         assert self._store is not None
         frozen = load_frozen_plan(self._store)
-        index: dict[str, EpisodeSource] = {}
-        unreadable = 0
         for shard in range(frozen.shard_map.count):
             parts = read_shard_parts(
                 self._store, shard, frozen.shard_map, frozen.fingerprint, include_uncommitted=self.include_uncommitted
             )
             self.shard_states[shard] = parts.result.state
-            shard_ids = set(frozen.shard_map.episode_ids[shard])
-            decoded = [(name, list(iter_part_records(name, data))) for name, data in parts.parts]
-            picker: WinnerPicker[tuple[int, int]] = WinnerPicker()
-            attempts: dict[str, int] = {}
-            for part_no, (_, records) in enumerate(decoded):
-                for line_no, record in enumerate(records):
-                    if record is None:
-                        unreadable += 1
-                    elif record["episode_id"] in shard_ids:
-                        picker.offer(record, (part_no, line_no))
-                        attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
-            winners = {picker.winner(episode_id): episode_id for episode_id in attempts}
-            for part_no, (name, records) in enumerate(decoded):
-                for line_no, record in enumerate(records):
-                    episode_id = winners.get((part_no, line_no))
+            yield shard, parts.parts, set(frozen.shard_map.episode_ids[shard])
+
+    def _pick(
+        self, parts: list[tuple[str, bytes]], shard_ids: set[str], view: Callable[[dict[str, Any]], T]
+    ) -> tuple[list[tuple[str, tuple[int, int], T]], dict[str, int], int]:
+        """One pass over a shard's parts, one part decoded at a time: per episode its winning
+        line ``(part, line)`` and view, in part order; the attempts per episode; unreadable lines."""
+        picker: WinnerPicker[tuple[tuple[int, int], T]] = WinnerPicker()
+        attempts: dict[str, int] = {}
+        unreadable = 0
+        for part_no, (name, data) in enumerate(parts):
+            for line_no, record in enumerate(_held_part_records(name, data)):
+                if record is None:
+                    unreadable += 1
+                elif record["episode_id"] in shard_ids:
+                    picker.offer(record, ((part_no, line_no), view(record)))
+                    attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
+        return _winners(picker, attempts), attempts, unreadable
+
+    def _sharded_records(self, winners_only: bool) -> Iterator[Any]:
+        index: dict[str, EpisodeSource] = {}
+        unreadable = 0
+        for shard, parts, shard_ids in self._shard_parts():
+            # Two passes over the shard's parts, one part decoded at a time: the first finds each
+            # episode's winning line, the second yields those records. Decoding twice keeps memory
+            # at one part's records, not a whole shard's (10,000 episodes of 50 KB each are
+            # gigabytes as Python objects).
+            winners, attempts, bad = self._pick(parts, shard_ids, lambda record: None)
+            unreadable += bad
+            at = {position: episode_id for episode_id, position, _ in winners}
+            for part_no, (name, data) in enumerate(parts):
+                for line_no, record in enumerate(_held_part_records(name, data)):
+                    episode_id = at.get((part_no, line_no))
                     if episode_id is not None and record is not None:
                         index[episode_id] = EpisodeSource(name, line_no, shard=shard, attempts=attempts[episode_id])
                         yield record if winners_only else (True, record)
@@ -187,16 +283,74 @@ class Run:
         self.unreadable_lines = unreadable
         self._index = index
 
+    def _scan_sharded(self, view: Callable[[dict[str, Any]], T]) -> list[tuple[str, T]]:
+        index: dict[str, EpisodeSource] = {}
+        found: list[tuple[str, T]] = []
+        unreadable = 0
+        for shard, parts, shard_ids in self._shard_parts():
+            winners, attempts, bad = self._pick(parts, shard_ids, view)
+            unreadable += bad
+            for episode_id, (part_no, line_no), item in winners:
+                index[episode_id] = EpisodeSource(parts[part_no][0], line_no, shard=shard, attempts=attempts[episode_id])
+                found.append((episode_id, item))
+        self.unreadable_lines = unreadable
+        self._index = index
+        return found
+
     def _part_records(self, source: EpisodeSource) -> list[dict[str, Any] | None]:
-        """A part's records, the last part read kept (a viewer opens neighbouring episodes)."""
+        """A part's records, the last part read kept (a viewer opens neighbouring episodes).
+        Safe from several threads: each call works on its own reference to the cache entry."""
         assert self._store is not None and source.shard is not None
         key = (source.shard, source.name)
-        if self._part_cache is None or self._part_cache[0] != key:
+        cached = self._part_cache
+        if cached is None or cached[0] != key:
             data = self._store.read_part(source.shard, source.name)
             if data is None:
                 raise RunReadError(f"{self.location}: part {source.name} of shard {source.shard} is gone; open the run again")
-            self._part_cache = (key, list(iter_part_records(source.name, data)))
-        return self._part_cache[1]
+            cached = (key, list(iter_part_records(source.name, data)))
+            self._part_cache = cached
+        return cached[1]
+
+
+def _winners(picker: WinnerPicker[tuple[P, T]], attempts: dict[str, int]) -> list[tuple[str, P, T]]:
+    """Each offered episode's winner ``(episode_id, position, view)``, in reading order."""
+    winners: list[tuple[str, P, T]] = []
+    for episode_id in attempts:
+        winner = picker.winner(episode_id)
+        assert winner is not None  # every counted episode was offered
+        winners.append((episode_id, winner[0], winner[1]))
+    winners.sort(key=lambda item: item[1])
+    return winners
+
+
+def _held_name(name: str) -> str:
+    """How a part as :func:`read_shard_parts` holds it is decoded: always compressed (a plain
+    ``.jsonl`` part of an earlier version too), so as zstd whatever its name."""
+    return name if name.endswith(".zst") else f"{name}.zst"
+
+
+def _held_part_records(name: str, data: bytes) -> Iterator[dict[str, Any] | None]:
+    return iter_part_records(_held_name(name), data)
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(byte offset, line)`` of every non-blank line, stripped, unparsed (the offsets of
+    :func:`~shopsimrl.traces.iter_jsonl_records`)."""
+    with path.open("rb") as handle:
+        offset = 0
+        for raw in handle:
+            start, offset = offset, offset + len(raw)
+            line = raw.strip()
+            if line:
+                yield start, line
+
+
+def _needle(episode_id: str) -> bytes | None:
+    """Bytes every line holding the episode's records contains: its id, when JSON writes it one
+    way only (printable ASCII without quote, backslash or slash); None otherwise (parse every line)."""
+    if episode_id.isascii() and episode_id.isprintable() and not any(char in episode_id for char in '"\\/'):
+        return episode_id.encode("ascii")
+    return None
 
 
 def open_run(location: str | Path, *, include_uncommitted: bool = False) -> Run:

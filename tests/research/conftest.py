@@ -157,3 +157,18 @@ def reasoning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = (base / "local-runs").iterdir()
     return run_dir
+
+
+# --------------------------------------------------------------------------- every kind of run
+
+RUN_KINDS = ("local", "sharded", "legacy")
+"""The kinds of run every research command is tested on (attributes of :class:`ResearchRuns`)."""
+
+
+def run_location(runs: ResearchRuns, kind: str) -> tuple[str, dict[str, str]]:
+    """The location of ``runs``' run of ``kind`` and the environment a CLI subprocess reading it
+    needs (this process's, with the S3 settings for the sharded run on moto)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "SHOPSIMRL_"))}
+    if kind == "sharded":
+        env.update(runs.env)
+    return str(getattr(runs, kind)), env

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ from shopsimrl.research.runs import RunReadError, open_run
 from shopsimrl.traces import is_completed
 
 from .conftest import ResearchRuns
+from .synthetic import sharded_copy, trace_line
 
 
 def test_local_and_sharded_runs_of_one_plan_read_the_same_episodes(research_runs: ResearchRuns, s3_env: dict[str, str]) -> None:
@@ -94,3 +96,73 @@ def test_all_records_flags_the_winner_among_every_attempt(
     flagged = list(sharded.all_records())
     assert [record for is_winner, record in flagged if is_winner] == list(sharded.records())
     assert len(flagged) >= research_runs.episodes
+
+
+def _local_plan_and_records(research_runs: ResearchRuns) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    manifest = json.loads((research_runs.local / "manifest.json").read_text(encoding="utf-8"))
+    return manifest["plan"], {record["episode_id"]: record for record in open_run(research_runs.local).records()}
+
+
+def test_plain_parts_of_earlier_versions_are_read(research_runs: ResearchRuns, tmp_path: Path) -> None:
+    plan, records = _local_plan_and_records(research_runs)
+    sharded_copy(
+        str(tmp_path / "plain"), plan, lambda episode_id: trace_line(records[episode_id]), 2, per_part=5, compressed=False
+    )
+    run = open_run(tmp_path / "plain")
+    assert {source.name.endswith(".jsonl") for source in run.index().values()} == {True}
+    assert {record["episode_id"]: record for record in run.records()} == records
+    assert run.unreadable_lines == 0
+    some = next(iter(records))
+    assert open_run(tmp_path / "plain").record(some) == records[some]
+
+
+def test_winner_views_are_the_records_views_in_one_pass(
+    research_runs: ResearchRuns, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    plan, records = _local_plan_and_records(research_runs)
+    ids = sorted(records)
+    retried, failed_twice = ids[0], ids[1]
+
+    def attempts(episode_id: str) -> bytes:
+        # A failed attempt before the completed one; two failed attempts, the later one winning.
+        record = records[episode_id]
+        failed = {**record, "status": "failed", "final": None, "failure_class": "infrastructure", "attempt": 1}
+        if episode_id == retried:
+            return trace_line(failed) + trace_line({**record, "attempt": 2})
+        if episode_id == failed_twice:
+            return trace_line(failed) + trace_line({**failed, "attempt": 2, "ended_at": "2099-01-01T00:00:00+00:00"})
+        return trace_line(record)
+
+    sharded_copy(str(tmp_path / "retried"), plan, attempts, 3, per_part=4)
+    local_retried = tmp_path / "local-retried"
+    local_retried.mkdir()
+    (local_retried / "traces.jsonl").write_bytes(b"".join(attempts(episode_id) for episode_id in ids) + b'{"torn')
+
+    def view(record: dict[str, Any]) -> tuple[str, str, int | None]:
+        return record["episode_id"], record["status"], record.get("attempt")
+
+    for location in (research_runs.local, research_runs.sharded, research_runs.legacy, tmp_path / "retried", local_retried):
+        viewed, streamed = open_run(location), open_run(location)
+        assert viewed.winner_views(view) == [view(record) for record in streamed.records()], location
+        assert viewed.index() == streamed.index() and viewed.unreadable_lines == streamed.unreadable_lines
+        for episode_id, source in streamed.index().items():  # one episode found without an index: the same
+            assert open_run(location).find(episode_id) == (streamed.record(episode_id), source)
+        with pytest.raises(RunReadError, match="has no episode 'task-424242__sample-000'"):
+            open_run(location).find("task-424242__sample-000")
+    run = open_run(tmp_path / "retried")
+    views = {episode_id: (status, attempt) for episode_id, status, attempt in run.winner_views(view)}
+    assert views[retried] == ("completed", 2) and views[failed_twice] == ("failed", 2)
+    assert run.index()[retried].attempts == 2 and run.record(retried)["status"] == "completed"
+
+
+def test_find_parses_every_line_for_an_id_json_may_escape(tmp_path: Path) -> None:
+    store = LocalRunStore(tmp_path / "run")
+    odd = {"schema_version": "shopsimrl-episode-v4", "episode_id": "épisode/1", "status": "completed", "final": {"done": True}}
+    store.save_trace({**odd, "episode_id": "other"})
+    store.save_trace(odd)
+    (tmp_path / "run" / "traces.jsonl").write_text(
+        (tmp_path / "run" / "traces.jsonl").read_text(encoding="utf-8").replace("épisode/1", "\\u00e9pisode\\/1"),
+        encoding="utf-8",
+    )
+    record, source = open_run(tmp_path / "run").find("épisode/1")
+    assert record == odd and source.attempts == 1 and source.position > 0

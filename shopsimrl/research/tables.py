@@ -1,0 +1,397 @@
+"""A run's episodes and steps as Arrow tables and pandas DataFrames (for notebooks, through
+:mod:`shopsimrl.analysis`), and their export to Parquet or CSV (``shopsimrl export table``).
+
+Episodes: one row per episode, :func:`shopsimrl.research.episodes.episode_row` typed, the reward
+components (``r_*``) after the fixed columns. Steps: one row per model call (:data:`STEP_SCHEMA`),
+read with the summary's own step reading (:func:`shopsimrl.metrics.step_facts`).
+
+Memory: records stream from the run (:meth:`Run.records`) and become Arrow row batches of
+``batch_rows`` rows. A steps export writes each batch as it is full, so it never holds the steps
+table; the episodes table (a few MB for 40,000 episodes) is written once it is complete, because
+which ``r_*`` columns it has is known only then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+# Neither ships type information (pandas-stubs is not a dependency): typed as Any here.
+import pandas as pd  # type: ignore[import-untyped]
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.csv as pa_csv  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+from shopsimrl.metrics import step_facts
+from shopsimrl.research.episodes import episode_row
+from shopsimrl.research.runs import Run, open_run
+
+__all__ = [
+    "EPISODE_TYPES",
+    "STEP_SCHEMA",
+    "ExportError",
+    "episodes",
+    "episodes_table",
+    "export_table",
+    "read_csv_table",
+    "step_batches",
+    "step_rows",
+    "steps",
+    "steps_table",
+    "to_frame",
+]
+
+BATCH_ROWS = 8192
+"""Rows per Arrow batch (a Parquet row group of a steps export): ~1 MB of step rows."""
+_TIMESTAMP = pa.timestamp("us", tz="UTC")
+
+EPISODE_TYPES: dict[str, pa.DataType] = {
+    "episode_id": pa.string(),
+    "task_id": pa.int64(),
+    "sample_id": pa.int64(),
+    "seed": pa.int64(),
+    "split": pa.string(),
+    "status": pa.string(),
+    "completed": pa.bool_(),
+    "failure_class": pa.string(),
+    "error_type": pa.string(),
+    "termination_reason": pa.string(),
+    "category": pa.string(),
+    "reward": pa.float64(),
+    "reward_itt": pa.float64(),
+    "success": pa.float64(),
+    "success_itt": pa.float64(),
+    "steps": pa.int64(),
+    "actions": pa.int64(),
+    "invalid_actions": pa.int64(),
+    "invalid_action_rate": pa.float64(),
+    "protocol_errors": pa.int64(),
+    "policy_failures": pa.int64(),
+    "prompt_tokens": pa.int64(),
+    "completion_tokens": pa.int64(),
+    "total_tokens": pa.int64(),
+    "reasoning_tokens": pa.int64(),
+    "model_latency_ms_total": pa.float64(),
+    "model_latency_ms_max": pa.float64(),
+    "model_retries": pa.int64(),
+    "duration_ms": pa.float64(),
+    "attempt": pa.int64(),
+    "started_at": _TIMESTAMP,
+    "ended_at": _TIMESTAMP,
+}
+"""The Arrow type of each of :data:`~shopsimrl.research.episodes.CORE_COLUMNS`; ``r_*`` are float64."""
+
+STEP_SCHEMA = pa.schema(
+    [
+        ("episode_id", pa.string()),
+        ("task_id", pa.int64()),
+        ("sample_id", pa.int64()),
+        ("step_index", pa.int64()),
+        ("page_type", pa.string()),  # the page the model was on when it was called
+        ("tools_offered", pa.string()),  # tool names offered, comma-separated
+        ("tool_calls", pa.int64()),
+        ("tool_name", pa.string()),  # of the first tool call
+        ("arguments_json", pa.string()),  # of the first tool call: its parsed arguments, else the raw text
+        ("action", pa.string()),  # what reached the environment (search[…] / click[…])
+        ("finish_reason", pa.string()),
+        ("protocol_error", pa.string()),  # code
+        ("policy_failure", pa.string()),  # code
+        ("feedback_valid", pa.bool_()),
+        ("feedback_reason", pa.string()),
+        ("feedback_message", pa.string()),
+        ("step_reward", pa.float64()),
+        ("done", pa.bool_()),
+        ("latency_ms", pa.float64()),
+        ("http_attempts", pa.int64()),
+        ("retries", pa.int64()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("total_tokens", pa.int64()),
+        ("reasoning_tokens", pa.int64()),
+        ("observation_chars", pa.int64()),
+        ("content_chars", pa.int64()),
+        ("reasoning_chars", pa.int64()),
+    ]
+)
+"""One row per step (model call). Texts (observation, reasoning) are left out, their lengths kept:
+``Run.record(episode_id)``, ``shopsimrl show`` and ``shopsimrl view`` have them."""
+
+
+class ExportError(ValueError):
+    """The output path cannot be written (exit 2)."""
+
+
+RunLike = Run | str | Path
+
+
+def _opened(run: RunLike) -> Run:
+    return run if isinstance(run, Run) else open_run(run)
+
+
+# --------------------------------------------------------------------------- value coercion
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63 else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _timestamp(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def _coercer(kind: pa.DataType) -> Any:
+    if pa.types.is_integer(kind):
+        return _int
+    if pa.types.is_floating(kind):
+        return _float
+    if pa.types.is_boolean(kind):
+        return _bool
+    if pa.types.is_timestamp(kind):
+        return _timestamp
+    return _str
+
+
+_EPISODE_COERCE = {name: _coercer(kind) for name, kind in EPISODE_TYPES.items()}
+
+
+def _map(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+# --------------------------------------------------------------------------- episodes
+
+
+_Compact = tuple[tuple[Any, ...], tuple[tuple[str, float | None], ...]]
+
+
+def _compact_row(record: dict[str, Any]) -> _Compact:
+    """:func:`episode_row` typed and kept small: the fixed columns' values in order, then the
+    reward components as pairs (a tuple holds a 40,000-episode run in tens of MB, dicts in
+    hundreds). A value of the wrong type (hand-edited or foreign traces) becomes null rather
+    than failing the table."""
+    row = episode_row(record)
+    fixed = tuple(_EPISODE_COERCE[name](row.get(name)) for name in EPISODE_TYPES)
+    return fixed, tuple((key, _float(value)) for key, value in row.items() if key.startswith("r_") and key not in EPISODE_TYPES)
+
+
+def _episode_batch(rows: list[_Compact]) -> pa.RecordBatch:
+    components = sorted({key for _, pairs in rows for key, _ in pairs})
+    schema = pa.schema([*EPISODE_TYPES.items(), *((name, pa.float64()) for name in components)])
+    columns = [
+        pa.array([fixed[position] for fixed, _ in rows], type=kind) for position, kind in enumerate(EPISODE_TYPES.values())
+    ]
+    by_name = [dict(pairs) for _, pairs in rows]
+    columns += [pa.array([values.get(name) for values in by_name], type=pa.float64()) for name in components]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def episodes_table(run: RunLike, *, batch_rows: int = BATCH_ROWS) -> pa.Table:
+    """One row per episode (its winning record), in the run's reading order: the fixed columns
+    of ``episode_row`` in order, then the reward components ``r_*`` (null where an episode has
+    none: not completed). One pass over the run (:meth:`Run.winner_views`)."""
+    rows = _opened(run).winner_views(_compact_row)
+    batches = [_episode_batch(rows[start : start + batch_rows]) for start in range(0, len(rows), batch_rows)] or [
+        _episode_batch([])
+    ]
+    table = pa.concat_tables([pa.Table.from_batches([batch]) for batch in batches], promote_options="default")
+    components = sorted(name for name in table.column_names if name not in EPISODE_TYPES)
+    return table.select([*EPISODE_TYPES, *components]).combine_chunks()
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def _arguments_json(call: dict[str, Any]) -> str | None:
+    arguments = call.get("arguments")
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+    return _str(call.get("raw_arguments"))
+
+
+def _length(value: Any) -> int | None:
+    return len(value) if isinstance(value, str) else None
+
+
+def _code(value: Any) -> str | None:
+    return str(value.get("code") or "unknown") if isinstance(value, dict) else None
+
+
+def step_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The step rows of one trace record, in step order (:data:`STEP_SCHEMA`'s columns)."""
+    job = _map(record.get("job"))
+    page = _map(_map(record.get("reset")).get("observation_state")).get("page_type")
+    steps = record.get("steps")
+    for step in steps if isinstance(steps, list) else []:
+        if not isinstance(step, dict):
+            continue
+        facts = step_facts(step)
+        model = _map(step.get("model"))
+        calls = [call for call in model.get("tool_calls") or [] if isinstance(call, dict)]
+        environment = _map(step.get("environment"))
+        feedback = _map(environment.get("action_feedback"))
+        attempts = model.get("attempts")
+        tools = [_map(tool.get("function")).get("name") for tool in step.get("tools") or [] if isinstance(tool, dict)]
+        yield {
+            "episode_id": _str(record.get("episode_id")),
+            "task_id": _int(job.get("task_id")),
+            "sample_id": _int(job.get("sample_id")),
+            "step_index": _int(step.get("step_index")),
+            "page_type": _str(page),
+            "tools_offered": ",".join(name for name in tools if isinstance(name, str)),
+            "tool_calls": len(calls),
+            "tool_name": _str(calls[0].get("name")) if calls else None,
+            "arguments_json": _arguments_json(calls[0]) if calls else None,
+            "action": _str(step.get("action")),
+            "finish_reason": _str(model.get("finish_reason")),
+            "protocol_error": _code(step.get("protocol_error") or model.get("protocol_error")) if facts.protocol_error else None,
+            "policy_failure": facts.policy_failure,
+            "feedback_valid": _bool(feedback.get("valid")),
+            "feedback_reason": _str(feedback.get("reason")),
+            "feedback_message": _str(feedback.get("message")),
+            "step_reward": _float(environment.get("reward")),
+            "done": _bool(environment.get("done")),
+            "latency_ms": facts.latency_ms,
+            "http_attempts": facts.retries + 1 if isinstance(attempts, list) or "attempt_count" in model else None,
+            "retries": facts.retries,
+            "prompt_tokens": facts.tokens.get("prompt_tokens"),
+            "completion_tokens": facts.tokens.get("completion_tokens"),
+            "total_tokens": facts.tokens.get("total_tokens"),
+            "reasoning_tokens": facts.tokens.get("reasoning_tokens"),
+            "observation_chars": _length(step.get("observation")),
+            "content_chars": _length(model.get("content")),
+            "reasoning_chars": _length(model.get("reasoning")),
+        }
+        if environment:  # the next call is on the page this action led to; after a repair, the same page
+            page = _map(environment.get("observation_state")).get("page_type")
+
+
+def step_batches(run: RunLike, *, batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
+    """The steps of every episode as record batches of at most ``batch_rows`` rows
+    (:data:`STEP_SCHEMA`), streamed: only one batch and the run reader's current part are held."""
+    return _batches((row for record in _opened(run).records() for row in step_rows(record)), batch_rows)
+
+
+def _batches(rows: Iterable[dict[str, Any]], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    if batch_rows < 1:
+        raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+    pending: list[dict[str, Any]] = []
+    for row in rows:
+        pending.append(row)
+        if len(pending) >= batch_rows:
+            yield pa.RecordBatch.from_pylist(pending, schema=STEP_SCHEMA)
+            pending = []
+    if pending:
+        yield pa.RecordBatch.from_pylist(pending, schema=STEP_SCHEMA)
+
+
+def steps_table(run: RunLike) -> pa.Table:
+    """Every step of the run as one table (:data:`STEP_SCHEMA`); see :func:`step_batches` to
+    stream a large run instead."""
+    return pa.Table.from_batches(list(step_batches(run)), schema=STEP_SCHEMA)
+
+
+# --------------------------------------------------------------------------- pandas
+
+
+def _pandas_type(kind: pa.DataType) -> Any:
+    """Nullable pandas dtypes for integer and boolean columns: a missing token count stays a
+    missing Int64, not a float NaN."""
+    if pa.types.is_integer(kind):
+        return pd.Int64Dtype()
+    if pa.types.is_boolean(kind):
+        return pd.BooleanDtype()
+    return None
+
+
+def to_frame(table: pa.Table) -> pd.DataFrame:
+    """An Arrow table of this module as a DataFrame, integer and boolean columns nullable."""
+    return table.to_pandas(types_mapper=_pandas_type)
+
+
+def episodes(run: RunLike) -> pd.DataFrame:
+    """:func:`episodes_table` as a DataFrame (nullable Int64/boolean columns)."""
+    return to_frame(episodes_table(run))
+
+
+def steps(run: RunLike) -> pd.DataFrame:
+    """:func:`steps_table` as a DataFrame (nullable Int64/boolean columns)."""
+    return to_frame(steps_table(run))
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_table(
+    run: RunLike,
+    path: str | os.PathLike[str],
+    *,
+    to: Literal["parquet", "csv"],
+    level: Literal["episodes", "steps"],
+    batch_rows: int = BATCH_ROWS,
+) -> int:
+    """Write the episodes or steps table of ``run`` to ``path``; returns the rows written.
+
+    The file appears whole or not at all: it is written beside ``path`` under a temporary name
+    and renamed at the end. Raises :class:`ExportError` when ``path`` cannot be written."""
+    target = Path(path)
+    if target.is_dir():
+        raise ExportError(f"{target} is a directory; give the file to write")
+    if not target.parent.is_dir():
+        raise ExportError(f"{target.parent} does not exist (the directory of {target})")
+    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        if level == "episodes":
+            table = episodes_table(run, batch_rows=batch_rows)
+            rows = int(table.num_rows)
+            if to == "parquet":
+                pq.write_table(table, partial, row_group_size=batch_rows)
+            else:
+                pa_csv.write_csv(table, partial)
+        else:
+            rows = _write_steps(run, partial, to, batch_rows)
+        os.replace(partial, target)
+    except OSError as exc:
+        raise ExportError(f"cannot write {target}: {exc.strerror or exc}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return rows
+
+
+def _write_steps(run: RunLike, path: Path, to: Literal["parquet", "csv"], batch_rows: int) -> int:
+    rows = 0
+    writer: pq.ParquetWriter | pa_csv.CSVWriter
+    writer = pq.ParquetWriter(path, STEP_SCHEMA) if to == "parquet" else pa_csv.CSVWriter(path, STEP_SCHEMA)
+    with writer:
+        for batch in step_batches(run, batch_rows=batch_rows):
+            writer.write_batch(batch)
+            rows += int(batch.num_rows)
+    return rows
+
+
+def read_csv_table(path: str | os.PathLike[str], schema: pa.Schema) -> pa.Table:
+    """A CSV export read back with its types: an unquoted empty field is null, a quoted one
+    (``""``) the empty string, as the writer wrote them."""
+    options = pa_csv.ConvertOptions(column_types=schema, strings_can_be_null=True, quoted_strings_can_be_null=False)
+    return pa_csv.read_csv(path, convert_options=options)
