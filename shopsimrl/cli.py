@@ -1,4 +1,5 @@
-"""``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, compare, report, testbed.
+"""``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, env, testbed;
+over finished runs (``shopsimrl/research/``): compare, report, view, show, labels, export, gate.
 
 Exit codes are those of :mod:`shopsimrl.exitcodes` (0 done, 1 some episodes failed, 2 bad input,
 3 interrupted/retryable, 42 the run exists with another fingerprint).
