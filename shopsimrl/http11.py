@@ -29,6 +29,8 @@ __all__ = ["Answer", "Pool", "body", "close_stream", "exchange", "iterate", "req
 # A connection closed by the server before any byte of the answer may be a keep-alive that the
 # server dropped just as the request went out; these methods can then be sent again (RFC 9110 9.2.2).
 _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
+# How often an idempotent request is sent again after finding its kept-alive connection closed.
+_STALE_RETRIES = 3
 # Framing is this client's job: a caller's own value could desynchronise the connection.
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "host"})
 # A streamed answer stops reading from the socket while this much is unread by the caller.
@@ -333,6 +335,10 @@ class Pool:
                 if now - conn.idle_since < self.keepalive_expiry:
                     return conn
                 conn.close()
+        elif self.count >= self.limit and self.idle:
+            # A fresh connection is wanted and idle ones hold every slot: without this the caller
+            # would wait until the keep-alive expiry closed one. The oldest gives up its slot.
+            next(iter(self.idle)).close()
         if self.count < self.limit:
             self.count += 1
             return await self._connect(timeout.connect)
@@ -471,9 +477,9 @@ async def exchange(
     pool: Pool, method: str, data: bytes, timeout: httpx.Timeout, *, stream: bool
 ) -> tuple[int, list[tuple[bytes, bytes]], Answer]:
     """Send ``data`` and wait for the answer (its head only, if ``stream``)."""
-    fresh = False
+    stale_retries = 0
     while True:
-        conn = await pool.acquire(timeout, fresh=fresh)
+        conn = await pool.acquire(timeout, fresh=stale_retries > 0)
         assert conn.transport is not None
         if conn.closed or conn.transport.is_closing():  # the server hung up before this request was written
             conn.close()
@@ -484,9 +490,11 @@ async def exchange(
             await conn.drain(timeout.write)
             await current.ready
         except _Stale as stale:
-            if fresh or method not in _IDEMPOTENT:
+            if method not in _IDEMPOTENT or stale_retries == _STALE_RETRIES:
                 raise stale.error from None
-            fresh = True  # once, on a new connection
+            # Again on a new connection; a full pool may still hand over a reused one (it
+            # answered someone else just now), which can be stale too, hence more than once.
+            stale_retries += 1
             continue
         except BaseException:
             if conn.current is current:

@@ -23,8 +23,8 @@ a header the client sets itself, or a line break in a header     LocalProtocolEr
 the socket does not take the request within ``timeout.write``    WriteTimeout         maybe
 no byte of the answer for ``timeout.read``                       ReadTimeout          maybe
 a kept-alive connection closed before any byte of the answer:
-  GET, HEAD, PUT, DELETE, OPTIONS, TRACE are sent once more on a
-  new connection; others (POST) fail                             RemoteProtocolError  maybe
+  GET, HEAD, PUT, DELETE, OPTIONS, TRACE are sent again (at most
+  3 times, asking for a new connection); others (POST) fail      RemoteProtocolError  maybe
 the server hangs up before the answer or its body is complete    RemoteProtocolError  maybe
 an answer that is not HTTP/1.x                                   RemoteProtocolError  maybe
 the connection reset or failed during the exchange               ReadError            maybe

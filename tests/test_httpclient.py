@@ -298,6 +298,61 @@ async def test_a_kept_alive_connection_closed_before_the_answer_resends_a_get_on
     assert len(seen) == 3  # the dropped GET and its resend on a fresh connection
 
 
+async def test_a_get_resent_into_a_full_pool_survives_a_second_stale_connection_handed_over() -> None:
+    """One connection allowed. The GET's kept-alive connection is dropped while a second request
+    waits for the pool, so the freed slot goes to the waiter and the resend must wait; the waiter's
+    fresh connection, once answered, is handed to the resend already reused, and the server drops
+    that one too. Both stale closes are forced, in this order, by the server and the pool's FIFO."""
+    seen: list[bytes] = []
+    drop_reused = False
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
+        async for request in read_requests(reader):
+            seen.append(request.split(b" ")[1])
+            if drop_reused and served:  # a kept-alive connection: hang up without a byte
+                writer.close()
+                return
+            served += 1
+            writer.write(answer())
+            await writer.drain()
+
+    async with raw_server(serve) as url:
+        service = HttpService(max_connections=1)
+        try:
+            await service.request("GET", f"{url}/warm", timeout=httpx.Timeout(5.0))
+            drop_reused = True
+            first, second = await asyncio.gather(
+                service.request("GET", f"{url}/first", timeout=httpx.Timeout(5.0)),
+                service.request("GET", f"{url}/second", timeout=httpx.Timeout(5.0)),
+            )
+        finally:
+            await service.aclose()
+    assert first.status_code == second.status_code == 200
+    # dropped on the warm connection, the waiter served fresh, dropped on the one handed over, then sent fresh
+    assert seen == [b"/warm", b"/first", b"/second", b"/first", b"/first"]
+
+
+async def test_a_fresh_connection_wanted_while_idle_ones_fill_the_pool_closes_the_oldest_idle_one() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _ in read_requests(reader):
+            writer.write(answer())
+            await writer.drain()
+
+    async with raw_server(serve) as url:
+        service = HttpService(max_connections=1)
+        try:
+            await service.request("GET", f"{url}/warm", timeout=httpx.Timeout(5.0))
+            (pool,) = service._pools.values()
+            (idle,) = pool.idle
+            # Waiting here would last until the keep-alive expiry: a pool timeout of 1 s says it did not.
+            conn = await pool.acquire(httpx.Timeout(5.0, pool=1.0), fresh=True)
+            assert conn is not idle and idle.closed and pool.count == 1
+            pool.release(conn)
+        finally:
+            await service.aclose()
+
+
 async def test_a_kept_alive_connection_closed_before_the_answer_fails_a_post_without_resending_it() -> None:
     seen: list[bytes] = []
 
