@@ -29,9 +29,15 @@ the testbed catalog); N = --episodes, default max(50, 4·C) capped at 3,726. Def
 - peak RSS: ru_maxrss of the runner from os.wait4. Linux carries the spawning process's RSS
   into it as a floor; this harness imports only the standard library, and its own peak is in the
   JSON (`harness_max_rss_mb`) to show that floor.
-- server CPU: each server's user + sys CPU seconds (/proc/PID/stat before and after the run), and
-  the share of one core that runner, shop and policy each used over the window: with 2 cores, a
-  process near 100 % is the bottleneck.
+- where efficiency goes: efficiency = busy × step eff, exactly. busy = mean episodes in flight
+  over the window / min(C, N) (slots filling at the start, the drain of a finite list at the
+  end); step eff = S × injected latency / mean episode duration (what each step cost beyond its
+  injected wait: queueing in the servers, their CPU, the runner's). steady eff = step eff × the
+  busy share from the window's start to the last episode's start, i.e. without the drain: what an
+  endless job list would reach.
+- server CPU: each server's user + sys CPU seconds (/proc/PID/stat before and after the run), per
+  model step (ms/step), and the share of one core that runner, shop and policy each used over the
+  window: with 2 cores, a process near 100 % is the bottleneck.
 
 Timings depend on the machine and its load: the header prints the CPU, core count and load
 average before and after. Nothing here is asserted; it only prints.
@@ -236,6 +242,10 @@ class Row:
     steps_per_s: float | None = None
     latency_bound_episodes_per_s: float | None = None
     efficiency: float | None = None
+    busy_share: float | None = None
+    steady_busy_share: float | None = None
+    step_efficiency: float | None = None
+    steady_efficiency: float | None = None
     runner_cpu_window_s: float | None = None
     runner_cpu_process_s: float | None = None
     runner_cpu_ms_per_step: float | None = None
@@ -246,6 +256,8 @@ class Row:
     policy_cpu_s: float | None = None
     shop_core_share: float | None = None
     policy_core_share: float | None = None
+    shop_cpu_ms_per_step: float | None = None
+    policy_cpu_ms_per_step: float | None = None
     reward_mean: float | None = None
 
 
@@ -300,16 +312,31 @@ def _timestamp(text: str) -> float:
     return datetime.fromisoformat(text).timestamp()
 
 
-def trace_window(traces: Path) -> tuple[float, float] | None:
-    start = end = None
+def episode_intervals(traces: Path) -> list[tuple[float, float]]:
+    """(start, end) of every episode with both timestamps, in trace order."""
+    intervals = []
     with traces.open(encoding="utf-8") as lines:
         for line in lines:
             record = json.loads(line)
             if record.get("started_at") and record.get("ended_at"):
-                s, e = _timestamp(record["started_at"]), _timestamp(record["ended_at"])
-                start = s if start is None else min(start, s)
-                end = e if end is None else max(end, e)
-    return None if start is None or end is None else (start, end)
+                intervals.append((_timestamp(record["started_at"]), _timestamp(record["ended_at"])))
+    return intervals
+
+
+def trace_window(traces: Path) -> tuple[float, float] | None:
+    intervals = episode_intervals(traces)
+    if not intervals:
+        return None
+    return min(s for s, _ in intervals), max(e for _, e in intervals)
+
+
+def busy_share(intervals: list[tuple[float, float]], slots: int, start: float, end: float) -> float | None:
+    """Mean number of episodes in flight over [start, end] / slots: the share of the run's slots
+    that held an episode. Below 1 at the start (slots filling) and at the end (the drain)."""
+    if end <= start or slots <= 0:
+        return None
+    held = sum(max(0.0, min(e, end) - max(s, start)) for s, e in intervals)
+    return held / (slots * (end - start))
 
 
 def run_row(row: Row, servers: Servers, work: Path) -> Row:
@@ -364,6 +391,12 @@ def run_row(row: Row, servers: Servers, work: Path) -> Row:
         row.error = "no completed episode with timestamps in the traces"
         return row
     start, end = window
+    intervals = episode_intervals(run_dir / "traces.jsonl")
+    slots = min(row.concurrency, row.episodes_requested)
+    row.busy_share = busy_share(intervals, slots, start, end)
+    # Before the last episode started every finished episode was replaced at once; after it
+    # the list is empty and slots only empty (the drain of a finite job list).
+    row.steady_busy_share = busy_share(intervals, slots, start, max(s for s, _ in intervals))
     row.window_s = end - start
     row.episodes_per_s = row.completed / row.window_s
     row.steps_per_s = row.steps / row.window_s
@@ -376,11 +409,22 @@ def run_row(row: Row, servers: Servers, work: Path) -> Row:
         cpu = samples.cpu_between(server, start, end)
         if cpu is not None:
             setattr(row, f"{server}_core_share", cpu / row.window_s)
+    if row.shop_cpu_s is not None:
+        row.shop_cpu_ms_per_step = row.shop_cpu_s / row.steps * 1000
+    if row.policy_cpu_s is not None:
+        row.policy_cpu_ms_per_step = row.policy_cpu_s / row.steps * 1000
     step_latency_s = (row.policy_latency_ms + row.shop_latency_ms) / 1000
     if step_latency_s > 0 and row.steps_per_episode:
         in_flight = min(row.concurrency, row.episodes_requested)
         row.latency_bound_episodes_per_s = in_flight / (row.steps_per_episode * step_latency_s)
         row.efficiency = row.episodes_per_s / row.latency_bound_episodes_per_s
+        # efficiency = busy share × step efficiency, exactly: the second says how long a step
+        # took against its injected latency, the first how many slots were busy meanwhile.
+        episode_seconds = sum(e - s for s, e in intervals)
+        if episode_seconds > 0:
+            row.step_efficiency = row.steps * step_latency_s / episode_seconds
+            if row.steady_busy_share is not None:
+                row.steady_efficiency = row.step_efficiency * row.steady_busy_share
     return row
 
 
@@ -397,13 +441,16 @@ COLUMNS = [
     ("steps/s", 8, lambda r: _fmt(r.steps_per_s, ".1f")),
     ("bound eps/s", 11, lambda r: _fmt(r.latency_bound_episodes_per_s, ".1f")),
     ("eff", 5, lambda r: _fmt(r.efficiency, ".2f")),
+    ("busy", 5, lambda r: _fmt(r.busy_share, ".2f")),
+    ("step eff", 8, lambda r: _fmt(r.step_efficiency, ".2f")),
+    ("steady eff", 10, lambda r: _fmt(r.steady_efficiency, ".2f")),
     ("CPU ms/step", 11, lambda r: _fmt(r.runner_cpu_ms_per_step, ".2f")),
     ("(process)", 9, lambda r: _fmt(r.runner_cpu_ms_per_step_process, ".2f")),
     ("runner %", 8, lambda r: _fmt(r.runner_core_share and r.runner_core_share * 100, ".0f")),
     ("shop %", 6, lambda r: _fmt(r.shop_core_share and r.shop_core_share * 100, ".0f")),
     ("policy %", 8, lambda r: _fmt(r.policy_core_share and r.policy_core_share * 100, ".0f")),
-    ("shop CPU s", 10, lambda r: _fmt(r.shop_cpu_s, ".1f")),
-    ("policy CPU s", 12, lambda r: _fmt(r.policy_cpu_s, ".1f")),
+    ("shop ms/step", 12, lambda r: _fmt(r.shop_cpu_ms_per_step, ".2f")),
+    ("policy ms/step", 14, lambda r: _fmt(r.policy_cpu_ms_per_step, ".2f")),
     ("peak RSS MB", 11, lambda r: _fmt(r.runner_max_rss_mb, ".0f")),
     ("wall s", 7, lambda r: _fmt(r.wall_s, ".1f")),
 ]

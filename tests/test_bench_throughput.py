@@ -75,3 +75,14 @@ def test_bad_arguments_exit_2_with_one_line(flags: list[str], message: str) -> N
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == f"throughput.py: error: {message}"
     assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_the_busy_share_is_the_mean_of_episodes_in_flight_over_the_slots() -> None:
+    # Two slots over 0..10 s: slot one busy 0-4 and 4-10, slot two busy 0-6 then empty (the drain).
+    intervals = [(0.0, 4.0), (4.0, 10.0), (0.0, 6.0)]
+    assert throughput.busy_share(intervals, 2, 0.0, 10.0) == pytest.approx(16 / 20)
+    # up to the last start (4 s) both slots were busy: no drain in that span
+    assert throughput.busy_share(intervals, 2, 0.0, 4.0) == pytest.approx(1.0)
+    # episodes are clipped to the span asked for
+    assert throughput.busy_share(intervals, 2, 5.0, 10.0) == pytest.approx((5 + 1) / 10)
+    assert throughput.busy_share(intervals, 2, 3.0, 3.0) is None

@@ -17,6 +17,7 @@ and buy. From ``URGENT_STEP`` on it stops exploring and buys the best it has.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ MAX_PRICE_TRIES = 3
 GOOD_MATCH = 0.3
 # The reward counts a fuzzy token-set ratio above 85 as a match; the policy uses the same bar.
 FUZZY_MATCH = 85
+_ATTRIBUTE_SEPARATOR = re.compile(r"[；;]")
 # "轴体为红轴" / "适用人数要五到八人" name an attribute key and value; listings print "键：值".
 _KEY_VALUE = re.compile(r"^(.{2,6}?)(?:要|为|是|选)(.{1,12})$")
 
@@ -100,8 +102,13 @@ def _wants(hist: History) -> _Wants:
 # --------------------------------------------------------------------------- matching
 
 
-def _attribute_list(product: Product) -> list[str]:
-    return [a.strip() for a in re.split(r"[；;]", product.attributes) if a.strip()]
+def _attribute_list(product: Product) -> tuple[str, ...]:
+    return _split_attributes(product.attributes)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _split_attributes(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in _ATTRIBUTE_SEPARATOR.split(text) if a.strip())
 
 
 def _has_attribute(product: Product, wanted: str) -> bool:

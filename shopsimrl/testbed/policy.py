@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from shopsimrl.schemas import canonical_json, json_safe, sha256_hex
+from shopsimrl.schemas import canonical_json, sha256_hex
 from shopsimrl.testbed.heuristics import Decision, decide
 from shopsimrl.testbed.heuristics_naive import decide_naive
 from shopsimrl.testbed.serving import serve_forever
@@ -281,7 +281,8 @@ class _PolicyServer:
         if s.strict_model and model is not None and model != s.model_id:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
-        digest = sha256_hex(canonical_json(json_safe(body)))
+        # orjson.loads gives plain JSON values only (no NaN, no other types): json_safe would copy it unchanged.
+        digest = sha256_hex(canonical_json(body))
         occurrence = self._occurrence(digest)
         rng = random.Random(f"{s.fault_seed}:{digest}:{occurrence}")
         fault = self._draw_fault(rng)
@@ -296,7 +297,7 @@ class _PolicyServer:
             await asyncio.sleep(s.timeout_sleep_s)
 
         tools = _restrict_tools(body.get("tools") or [], body.get("tool_choice"))
-        prompt_chars = len(canonical_json(json_safe(body["messages"]))) + len(canonical_json(json_safe(tools)))
+        prompt_chars = len(canonical_json(body["messages"])) + len(canonical_json(tools))
         prompt_tokens = _tokens(prompt_chars)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         too_long = _context_error(s.max_model_len, prompt_tokens, max_tokens)
@@ -318,7 +319,8 @@ class _PolicyServer:
             return StreamingResponse(chunks, media_type="text/event-stream")
         if fault == "non_json":
             return PlainTextResponse(_NON_JSON_BODY, status_code=200)
-        return JSONResponse(_full_response(completion, response_id, call_id, model_name))
+        # The bytes starlette's JSONResponse writes (compact, UTF-8), from orjson at a fraction of the CPU.
+        return Response(orjson.dumps(_full_response(completion, response_id, call_id, model_name)), media_type="application/json")
 
 
 def _message(completion: _Completion, call_id: str) -> dict[str, Any]:

@@ -250,7 +250,8 @@ def build_observation_state(session: Session, catalog: Catalog) -> dict[str, Any
 
 
 def _text(value: object) -> str:
-    return re.sub(r"\s+", " ", str(value or "")).strip()
+    # Whitespace runs to one space, trimmed: str.split's whitespace is re's \s, at a fraction of the cost.
+    return " ".join(str(value or "").split())
 
 
 def _texts(value: object) -> list[str]:
