@@ -20,6 +20,9 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from shopsimrl.testbed.shop.product import Product
 
 __all__ = [
@@ -174,11 +177,20 @@ class SearchIndex:
         self._db.executemany("INSERT INTO products VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
         self._db.commit()
         self.size = len(rows)
+        # Rows are numbered 1..n in insertion order; row r - 1 indexes the arrays below.
+        numbering = self._db.execute("SELECT count(*), min(rowid), max(rowid) FROM products").fetchone()
+        if numbering not in ((0, None, None), (len(rows), 1, len(rows))):
+            raise RuntimeError(f"the search index numbered its rows unexpectedly: {numbering}")
+        self._asins = [asin for asin, _ in self._catalog_order]
+        # The ranking's tie-break: ASINs in SQLite's BINARY order (ASCII digits: Python's str order).
+        self._asin_rank = np.empty(len(rows), dtype=np.int64)
+        self._asin_rank[sorted(range(len(rows)), key=self._asins.__getitem__)] = np.arange(len(rows))
         # bm25() weights are positional over all declared columns; the leading 0 is the ASIN.
         weights = ", ".join(str(w) for w in (0.0, *FIELD_WEIGHTS.values()))
-        self._sql = f"SELECT asin FROM products WHERE products MATCH ? ORDER BY bm25(products, {weights}) ASC, asin ASC LIMIT ?"
-        # The index never changes after this point, so a query's ranking is a pure function of its
-        # tokens: repeated searches (samples of one task, a query typed again) skip the ~3 ms bm25 scan.
+        self._phrase_sql = f"SELECT rowid - 1, -bm25(products, {weights}) FROM products WHERE products MATCH ?"
+        # The index never changes after this point, so rankings and per-token scores are pure
+        # functions of their tokens: cached, repeated queries and shared tokens cost no scan.
+        self._token_scores = lru_cache(maxsize=16384)(self._score_token)
         self._ranked = lru_cache(maxsize=4096)(self._rank)
 
     def search(self, text: object, k: int = TOP_K) -> list[str]:
@@ -187,11 +199,35 @@ class SearchIndex:
             return []
         return list(self._ranked(tokens, int(k)))
 
-    def _rank(self, tokens: tuple[str, ...], k: int) -> tuple[str, ...]:
+    def _score_token(self, token: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+        """The rows matching one token and that token's bm25 term in each (FTS5's own arithmetic)."""
         # Tokens never contain a double quote, and quoting keeps FTS syntax out of user text.
-        query = " OR ".join(f'"{token}"' for token in tokens)
         with self._lock:
-            return tuple(row[0] for row in self._db.execute(self._sql, (query, k)))
+            found = self._db.execute(self._phrase_sql, (f'"{token}"',)).fetchall()
+        rows = np.fromiter((row for row, _ in found), dtype=np.int64, count=len(found))
+        terms = np.fromiter((term for _, term in found), dtype=np.float64, count=len(found))
+        return rows, terms
+
+    def _rank(self, tokens: tuple[str, ...], k: int) -> tuple[str, ...]:
+        """``SELECT asin ... MATCH '"t1" OR "t2" ...' ORDER BY bm25(...), asin LIMIT k``, bit for bit.
+
+        FTS5's bm25 of a row is -(0.0 + term_1 + term_2 + ...), one term per query phrase in query
+        order, where a phrase's term depends only on that phrase, the row and global statistics
+        (IDF, average row length), and is 0.0 for a phrase absent from the row. A one-phrase query
+        returns -term exactly, so summing the cached terms in query order repeats FTS5's own
+        additions; tests compare both rankings over thousands of queries. The OR query scored
+        every matching row on each call (~3 ms on the 6,000-product catalog, half the shop's CPU).
+        """
+        score = np.zeros(self.size)
+        matched = np.zeros(self.size, dtype=bool)
+        for token in tokens:
+            rows, terms = self._token_scores(token)
+            score[rows] += terms  # one term per row: a token matches a row once
+            matched[rows] = True
+        candidates = np.flatnonzero(matched)
+        # lexsort: the last key is the primary one. bm25 ascending = score descending; then ASIN.
+        order = np.lexsort((self._asin_rank[candidates], -score[candidates]))[:k]
+        return tuple(self._asins[row] for row in candidates[order])
 
     def results(self, keywords: list[str]) -> list[str]:
         """The result list of ``search[ARG]``, where ``keywords`` is ARG split on single spaces."""
