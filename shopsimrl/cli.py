@@ -950,13 +950,18 @@ def gate_plan(
     run_uri: str | None = typer.Option(
         None, "--run", help="With --shards: the masked run's location (a directory or an s3:// URI)."
     ),
+    helm_values: Path | None = typer.Option(
+        None, "--helm-values", help="With --shards and --run: write the Helm chart's values for the masked run."
+    ),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Check the bare run and the mask design, and freeze the gate (no rollout, no model call)."""
     _setup_logging(quiet, verbose)
     settings = worker_settings()
-    report = _gate_call(lambda gate: gate.plan_gate(gate_config, shards=shards, run=run_uri, settings=settings))
+    report = _gate_call(
+        lambda gate: gate.plan_gate(gate_config, shards=shards, run=run_uri, settings=settings, helm_values=helm_values)
+    )
     typer.echo(_gate_call(lambda gate: gate.format_plan(report)))
 
 

@@ -30,6 +30,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.gate.drafts",
         "shopsimrl.research.gate.fit",
         "shopsimrl.research.gate.freeze",
+        "shopsimrl.research.gate.helm",
         "shopsimrl.research.gate.masks",
         "shopsimrl.research.gate.outputs",
         "shopsimrl.research.gate.spec",

@@ -3,7 +3,7 @@
 - ``plan`` freezes the gate (masks, baseline, the masked experiment) in the gate directory,
   with ``--shards N --run URI`` also the sharded masked run at ``URI`` (an ordinary frozen plan:
   ``shopsimrl run masked_experiment.yaml --shards N --run URI``, ``worker`` or a Helm release run
-  it, ``reduce`` merges it);
+  it, ``reduce`` merges it), and with ``--helm-values F`` the chart's values for that release;
 - ``run`` plans, runs the masked rollouts in this process into the gate directory (resumable:
   run it again after an interruption or with failed episodes) and fits;
 - ``fit`` reads the bare run and the masked run (wherever ``plan`` put it, or ``--masked-run``)
@@ -72,6 +72,7 @@ class PlanReport:
     included_counts: dict[str, int]
     baseline: dict[str, Any]
     shards: int | None
+    helm_values: Path | None = None
 
 
 @dataclass
@@ -106,24 +107,39 @@ def _included(frozen: FrozenGate) -> dict[str, int]:
 
 
 def plan_gate(
-    gate_config: Path, *, shards: int | None = None, run: str | None = None, settings: WorkerSettings | None = None
+    gate_config: Path,
+    *,
+    shards: int | None = None,
+    run: str | None = None,
+    settings: WorkerSettings | None = None,
+    helm_values: Path | None = None,
 ) -> PlanReport:
-    """Freeze the gate; with ``shards`` and ``run``, freeze the sharded masked run too."""
+    """Freeze the gate; with ``shards`` and ``run``, freeze the sharded masked run too, and with
+    ``helm_values`` write the chart's values for it (config, split and assignments inline)."""
     from shopsimrl.planning import PlanError
+    from shopsimrl.research.gate.helm import helm_values as values_for
     from shopsimrl.sharded.worker import plan_run
 
     if (shards is None) != (run is None):
         raise GatePlanError("--shards and --run go together: a sharded masked run needs a location (a dir or s3://…)")
+    if helm_values is not None and run is None:
+        raise GatePlanError("--helm-values needs --shards N --run URI: a release runs a sharded masked run")
     spec = load_gate_spec(gate_config)
     frozen = freeze(spec, settings)
     location = run or str(spec.gate_dir)
     _check_masked_location(frozen, location)
     masked = write_frozen(frozen, location, shards)
+    values_text = None if helm_values is None or shards is None else values_for(frozen, location, shards)
     if shards is not None:
         try:
             plan_run(masked, ShardedRunStore(location), shards)
         except PlanError as exc:
             raise GatePlanError(str(exc)) from None
+    if helm_values is not None and values_text is not None:
+        helm_values.parent.mkdir(parents=True, exist_ok=True)
+        tmp = helm_values.with_name(f".{helm_values.name}.tmp")
+        tmp.write_text(values_text, encoding="utf-8")
+        os.replace(tmp, helm_values)
     return PlanReport(
         gate_dir=spec.gate_dir,
         masked_config=spec.gate_dir / MASKED_CONFIG_FILE,
@@ -134,6 +150,7 @@ def plan_gate(
         included_counts=_included(frozen),
         baseline=frozen.baseline.record,
         shards=shards,
+        helm_values=helm_values,
     )
 
 
@@ -356,6 +373,10 @@ def format_plan(report: PlanReport) -> str:
         *(f"  {column:<32} {count}" for column, count in report.included_counts.items()),
         "design          full rank (checked by fitting zeros)",
     ]
+    if report.helm_values is not None:
+        lines.append(
+            f"helm values     {report.helm_values}  (helm install NAME helm/shopsimrl -f my-values.yaml -f {report.helm_values})"
+        )
     if report.shards:
         lines.append(
             f"next: shopsimrl run {report.masked_config} --shards {report.shards} --run {report.masked_run}  "
