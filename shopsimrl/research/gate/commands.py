@@ -124,6 +124,10 @@ def plan_gate(
         raise GatePlanError("--shards and --run go together: a sharded masked run needs a location (a dir or s3://…)")
     if helm_values is not None and run is None:
         raise GatePlanError("--helm-values needs --shards N --run URI: a release runs a sharded masked run")
+    if helm_values is not None and run is not None and "://" not in run:
+        raise GatePlanError(
+            f"--helm-values needs --run in object storage (s3://…), not {run}: the release's pods cannot reach a local directory"
+        )
     spec = load_gate_spec(gate_config)
     frozen = freeze(spec, settings)
     location = run or str(spec.gate_dir)
