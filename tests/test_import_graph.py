@@ -28,6 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.gate.checks",
         "shopsimrl.research.gate.commands",
         "shopsimrl.research.gate.drafts",
+        "shopsimrl.research.gate.earlier",
         "shopsimrl.research.gate.fit",
         "shopsimrl.research.gate.freeze",
         "shopsimrl.research.gate.helm",

@@ -27,6 +27,7 @@ from shopsimrl.exitcodes import ExitCode
 from shopsimrl.local_run import LocalRunStore, atomic_write_json, run_local
 from shopsimrl.manifest import FingerprintMismatchError, plan_diff
 from shopsimrl.research.gate.checks import GateCheckError, normalised, pair_observations, read_strict
+from shopsimrl.research.gate.earlier import compare_with_earlier, is_earlier_gate, load_earlier_gate
 from shopsimrl.research.gate.fit import fit_paired_delta_ols
 from shopsimrl.research.gate.freeze import (
     ESTIMATOR,
@@ -98,7 +99,15 @@ def _check_masked_location(frozen: FrozenGate, location: str) -> None:
             _shown(location),
             manifest["plan_fingerprint"],
             frozen.masked_fingerprint,
-            plan_diff(manifest["plan"], frozen.masked.plan()),
+            plan_diff(manifest["plan"], frozen.masked_experiment.plan()),
+        )
+
+
+def _refuse_earlier(gate_dir: Path) -> None:
+    if is_earlier_gate(gate_dir):
+        raise GatePlanError(
+            f"{gate_dir} holds a gate of the earlier implementation: `shopsimrl gate fit` refits it (into refit/); "
+            "plan or run a new gate into another output_dir"
         )
 
 
@@ -129,6 +138,7 @@ def plan_gate(
             f"--helm-values needs --run in object storage (s3://…), not {run}: the release's pods cannot reach a local directory"
         )
     spec = load_gate_spec(gate_config)
+    _refuse_earlier(spec.gate_dir)
     frozen = freeze(spec, settings)
     location = run or str(spec.gate_dir)
     _check_masked_location(frozen, location)
@@ -168,6 +178,7 @@ def run_gate(
     """Plan, run the masked rollouts in this process (into the gate directory), fit. Raises
     :class:`~shopsimrl.local_run.RunStopped` when the rollouts stop early (exit 3 to resume)."""
     spec = load_gate_spec(gate_config)
+    _refuse_earlier(spec.gate_dir)
     frozen = freeze(spec, settings)
     location = str(spec.gate_dir)
     planned = read_gate_plan(spec.gate_dir)
@@ -186,8 +197,16 @@ def run_gate(
 
 
 def fit_gate(gate_config: Path, *, masked_run: str | None = None, settings: WorkerSettings | None = None) -> GateResult:
-    """Fit from the bare run and the masked run, offline."""
+    """Fit from the bare run and the masked run, offline. A gate directory of the earlier
+    implementation is refitted from its own files into ``refit/`` (see :mod:`.earlier`)."""
     spec = load_gate_spec(gate_config)
+    if is_earlier_gate(spec.gate_dir):
+        earlier, location = load_earlier_gate(spec, masked_run)
+        result = _fit(earlier, location)
+        if result.status == "complete":
+            result.manifest["earlier_fit"] = compare_with_earlier(spec.gate_dir, result.rows)
+            atomic_write_json(result.files["manifest"], result.manifest)
+        return result
     frozen = freeze(spec, settings)
     planned = read_gate_plan(spec.gate_dir)
     if planned is not None and planned.get("masked_plan_fingerprint") != frozen.masked_fingerprint:
@@ -412,6 +431,13 @@ def format_result(result: GateResult) -> str:
                 f"{name:<28} {_number(row['coefficient']):>8} {se:>7} {interval:>19} {row['rank'] or '–':>4}  {row['status']}"
             )
         lines.append(f"selected: {manifest['output']['selected_chunk_ids']}")
+        earlier = manifest.get("earlier_fit")
+        if earlier is not None:
+            verdict = "reproduced" if earlier["reproduced"] else "NOT reproduced"
+            lines.append(
+                f"earlier fit ({earlier['file']}): {verdict}, largest coefficient difference "
+                f"{earlier['max_abs_coefficient_difference']:.3g}, statuses {'agree' if earlier['statuses_agree'] else 'differ'}"
+            )
     else:
         lines.append("no contributions or selection written: rerun the failed or missing masked rollouts, then fit again")
     for name, path in result.files.items():

@@ -61,7 +61,7 @@ def _source_config(frozen: FrozenGate) -> tuple[dict[str, Any], Path]:
     experiment = data.setdefault("experiment", {})
     experiment["name"] = frozen.spec.gate_dir.name
     data["skills"] = {"path": ASSIGNMENTS_FILE}
-    split_file = frozen.config.resolve(frozen.config.tasks.split_file)
+    split_file = frozen.experiment.resolve(frozen.experiment.tasks.split_file)
     return data, split_file
 
 
@@ -78,7 +78,7 @@ def _check_pod_plan(frozen: FrozenGate, config: dict[str, Any], split_text: str,
         pod["skills"] = {"path": f"inline/skills/{ASSIGNMENTS_FILE}"}
         prompt = (config.get("prompt") or {}).get("system_prompt_file")
         if isinstance(prompt, str):  # resolved in the image's /app/configs as beside the source config
-            pod["prompt"] = {**config["prompt"], "system_prompt_file": str(frozen.config.resolve(prompt))}
+            pod["prompt"] = {**config["prompt"], "system_prompt_file": str(frozen.experiment.resolve(prompt))}
         path = root / "config.yaml"
         path.write_text(yaml.safe_dump(pod, allow_unicode=True, sort_keys=False), encoding="utf-8")
         try:
