@@ -993,7 +993,9 @@ def gate_fit(
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
-    """Fit the contributions from the bare and the masked run, offline. Exit 1: the gate is incomplete."""
+    """Fit the contributions from the bare and the masked run, offline. Exit 1: the gate is incomplete.
+
+    A gate directory of the earlier implementation is refitted into its refit/ directory."""
     _setup_logging(quiet, verbose)
     settings = worker_settings()
     result = _gate_call(lambda gate: gate.fit_gate(gate_config, masked_run=masked_run, settings=settings))
