@@ -531,6 +531,11 @@ def test_rendered_config_loads_with_shopsimrl_as_the_pod_would(
     assert split.task_ids
     if config.prompt.system_prompt_file:
         assert config.resolve(config.prompt.system_prompt_file).is_file()
+    if config.skills.path:  # an inline skills file: the provider reads it, as the worker will
+        from shopsimrl.skills import open_skill_provider
+
+        provider = open_skill_provider(config.resolve(config.skills.path)).identity()["provider"]
+        assert provider in ("assigned_skills", "json_skillbank")
 
 
 def _materialize_config(docs: list[Doc], root: Path) -> Path:
