@@ -83,6 +83,9 @@ def test_a_gate_runs_through_the_chart_and_fits_like_the_local_gate(
         (tmp_path / "helm-gate" / "skill_assignments.json").read_text(encoding="utf-8")
     )
     assert "testing-secret" not in values.read_text(encoding="utf-8")
+    config = yaml.safe_load(written["config"])
+    assert "output_dir" not in config["experiment"] and config["tasks"]["split_file"] == "persona_splits.v1.json"
+    assert str(tmp_path) not in values.read_text(encoding="utf-8")
 
     cluster = tmp_path / "cluster-values.yaml"
     cluster.write_text(yaml.safe_dump(CLUSTER_VALUES), encoding="utf-8")

@@ -106,8 +106,8 @@ def _check_masked_location(frozen: FrozenGate, location: str) -> None:
 def _refuse_earlier(gate_dir: Path) -> None:
     if is_earlier_gate(gate_dir):
         raise GatePlanError(
-            f"{gate_dir} holds a gate of the earlier implementation: `shopsimrl gate fit` refits it (into refit/); "
-            "plan or run a new gate into another output_dir"
+            f"{gate_dir} holds rollouts or masks but no gate_plan.json: a gate of the earlier implementation "
+            "(`shopsimrl gate fit` refits it into refit/) or another run; plan or run a new gate into another output_dir"
         )
 
 

@@ -60,8 +60,14 @@ def _source_config(frozen: FrozenGate) -> tuple[dict[str, Any], Path]:
     data = yaml.safe_load(source.read_text(encoding="utf-8"))
     experiment = data.setdefault("experiment", {})
     experiment["name"] = frozen.spec.gate_dir.name
+    # Local settings a pod has no use for (it writes to the run URI, gets secrets from the chart),
+    # and which would carry this machine's layout into the release.
+    for key in ("output_dir", "dotenv"):
+        experiment.pop(key, None)
     data["skills"] = {"path": ASSIGNMENTS_FILE}
     split_file = frozen.experiment.resolve(frozen.experiment.tasks.split_file)
+    # Only its file name counts (the split's identity holds no directory), and the file travels inline.
+    data["tasks"]["split_file"] = split_file.name
     return data, split_file
 
 
