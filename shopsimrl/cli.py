@@ -950,13 +950,18 @@ def gate_plan(
     run_uri: str | None = typer.Option(
         None, "--run", help="With --shards: the masked run's location (a directory or an s3:// URI)."
     ),
+    helm_values: Path | None = typer.Option(
+        None, "--helm-values", help="With --shards and --run: write the Helm chart's values for the masked run."
+    ),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Check the bare run and the mask design, and freeze the gate (no rollout, no model call)."""
     _setup_logging(quiet, verbose)
     settings = worker_settings()
-    report = _gate_call(lambda gate: gate.plan_gate(gate_config, shards=shards, run=run_uri, settings=settings))
+    report = _gate_call(
+        lambda gate: gate.plan_gate(gate_config, shards=shards, run=run_uri, settings=settings, helm_values=helm_values)
+    )
     typer.echo(_gate_call(lambda gate: gate.format_plan(report)))
 
 
@@ -964,17 +969,60 @@ def gate_plan(
 def gate_run(
     gate_config: Path = GATE_CONFIG,
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
+    shards: int | None = typer.Option(
+        None, "--shards", min=1, help="Run the masked rollouts as N shard worker processes (like `run --shards`)."
+    ),
+    run_uri: str | None = typer.Option(None, "--run", help="With --shards: the masked run's location (dir or s3://)."),
+    backoff_limit_per_index: int = typer.Option(2, min=0, help="With --shards: restarts of a crashed shard worker."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
-    """Plan, run the masked rollouts here (resumable) and fit. Exit 1: the gate is incomplete."""
+    """Plan, run the masked rollouts here (resumable) and fit. Exit 1: the gate is incomplete.
+
+    With --shards N --run URI: plan them as a sharded run, run N workers as `run --shards` does
+    (resumable the same way), reduce, then fit."""
     _setup_logging(quiet, verbose)
     settings = worker_settings()
+    if shards is not None or run_uri is not None:
+        _gate_run_sharded(gate_config, shards, run_uri, backoff_limit_per_index, progress, settings)
+        return
     result = _gate_call(
         lambda gate: gate.run_gate(
             gate_config, settings=settings, show_progress=progress, announce=lambda line: typer.echo(line, err=True)
         )
     )
+    typer.echo(_gate_call(lambda gate: gate.format_result(result)))
+    raise typer.Exit(int(result.code))
+
+
+def _gate_run_sharded(
+    gate_config: Path, shards: int | None, run_uri: str | None, backoff_limit: int, progress: bool, settings: Any
+) -> None:
+    from shopsimrl.progress import ShardedRunProgress
+    from shopsimrl.sharded.local_job import run_indexed
+
+    if shards is None or run_uri is None:
+        _fail(ExitCode.BAD_INPUT, "--shards and --run go together: a sharded masked run needs a location (a dir or s3://…)")
+    report = _gate_call(lambda gate: gate.plan_gate(gate_config, shards=shards, run=run_uri, settings=settings))
+    typer.echo(
+        f"gate {report.gate_dir.name}: {report.episodes} masked rollouts in {shards} shards → {report.masked_run}", err=True
+    )
+    jobs_per_shard = [len(range(index, report.episodes, shards)) for index in range(shards)]  # the round-robin shard map
+    with ShardedRunProgress(jobs_per_shard, enabled=progress and sys.stderr.isatty()) as bar:
+        outcome = run_indexed(
+            run_uri,
+            report.masked_config.resolve(),
+            shards,
+            backoff_limit_per_index=backoff_limit,
+            on_event=bar.on_worker_event,
+            on_tick=bar.tick,
+        )
+    if outcome.exit_code in (ExitCode.FINGERPRINT_MISMATCH, ExitCode.BAD_INPUT) or outcome.interrupted:
+        raise typer.Exit(int(outcome.exit_code))
+    reduced = _reduce_and_report(run_uri, wait=False, timeout=0.0, include_uncommitted=False)
+    if reduced not in (ExitCode.OK, ExitCode.EPISODES_FAILED):
+        raise typer.Exit(int(reduced))
+    result = _gate_call(lambda gate: gate.fit_gate(gate_config, settings=settings))
     typer.echo(_gate_call(lambda gate: gate.format_result(result)))
     raise typer.Exit(int(result.code))
 
@@ -988,7 +1036,9 @@ def gate_fit(
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
-    """Fit the contributions from the bare and the masked run, offline. Exit 1: the gate is incomplete."""
+    """Fit the contributions from the bare and the masked run, offline. Exit 1: the gate is incomplete.
+
+    A gate directory of the earlier implementation is refitted into its refit/ directory."""
     _setup_logging(quiet, verbose)
     settings = worker_settings()
     result = _gate_call(lambda gate: gate.fit_gate(gate_config, masked_run=masked_run, settings=settings))

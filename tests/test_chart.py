@@ -505,14 +505,15 @@ def test_config_string_is_kept_verbatim_and_inline_split_is_wired(matrix: dict[s
     cm = only(docs, "ConfigMap")
     run_file = "ckpt-100_val.yaml"
     config = yaml.safe_load(cm["data"][run_file])
-    # The inline split file replaces the image's; everything else is the user's config.
-    assert config["tasks"]["split_file"] == "splits/ckpt-100_val.split.json"
+    # The inline split file replaces the image's, under the file name the config names (part of the
+    # plan fingerprint); everything else is the user's config.
+    assert config["tasks"]["split_file"] == "inline/split/persona_splits.v1.json"
     assert config["model"]["checkpoint_id"] == "qwen35-4b-grpo-step100"
     split = json.loads(cm["data"]["split.json"])
     assert split["splits"]["val"]["task_ids"] == [19, 20, 30]
     worker = container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker")
     mounts = {m["mountPath"]: m for m in worker["volumeMounts"]}
-    assert mounts["/app/configs/splits/ckpt-100_val.split.json"]["subPath"] == "split.json"
+    assert mounts["/app/configs/inline/split/persona_splits.v1.json"]["subPath"] == "split.json"
     assert mounts[f"/app/configs/{run_file}"]["subPath"] == run_file
 
 
@@ -530,6 +531,11 @@ def test_rendered_config_loads_with_shopsimrl_as_the_pod_would(
     assert split.task_ids
     if config.prompt.system_prompt_file:
         assert config.resolve(config.prompt.system_prompt_file).is_file()
+    if config.skills.path:  # an inline skills file: the provider reads it, as the worker will
+        from shopsimrl.skills import open_skill_provider
+
+        provider = open_skill_provider(config.resolve(config.skills.path)).identity()["provider"]
+        assert provider in ("assigned_skills", "json_skillbank")
 
 
 def _materialize_config(docs: list[Doc], root: Path) -> Path:
@@ -541,6 +547,7 @@ def _materialize_config(docs: list[Doc], root: Path) -> Path:
     for mount in worker["volumeMounts"]:
         if mount["name"] == "config":
             target = app_configs / Path(mount["mountPath"]).relative_to("/app/configs")
+            target.parent.mkdir(parents=True, exist_ok=True)  # the kubelet creates a mount's directories
             target.write_text(cm["data"][mount["subPath"]])
     return app_configs / Path(env_of(worker)["SHOPSIMRL_CONFIG"]["value"]).relative_to("/app/configs")
 
@@ -631,6 +638,111 @@ def test_repository_config_via_set_file(helm: Helm, tmp_path: Path) -> None:
     assert only(docs, "ConfigMap")["data"][f"{RELEASE}.yaml"].strip() == source.read_text().strip()
     config = load_experiment_config(_materialize_config(docs, tmp_path), load_dotenv=False)
     assert config.model.name == "Qwen/Qwen3.5-4B"
+
+
+def _pod_plan_fingerprint(docs: list[Doc], root: Path) -> str:
+    """The plan fingerprint a worker pod computes from exactly the files the chart mounts."""
+    from shopsimrl.config import load_experiment_config
+    from shopsimrl.experiment import prepare
+    from shopsimrl.schemas import fingerprint
+
+    config = load_experiment_config(_materialize_config(docs, root), load_dotenv=False)
+    return fingerprint(prepare(config).plan())
+
+
+def _local_plan_fingerprint(config_path: Path) -> str:
+    from shopsimrl.config import load_experiment_config
+    from shopsimrl.experiment import prepare
+    from shopsimrl.schemas import fingerprint
+
+    return fingerprint(prepare(load_experiment_config(config_path, load_dotenv=False)).plan())
+
+
+def test_inline_split_keeps_the_plan_fingerprint_of_the_local_freeze(helm: Helm, tmp_path: Path) -> None:
+    """A release shipping the split inline plans exactly what `shopsimrl plan` plans locally from
+    the same config and split: the split's file name (part of its identity) is kept."""
+    source = ROOT / "configs" / "qwen35_4b_val.yaml"
+    split = ROOT / "configs" / "splits" / "persona_splits.v1.json"
+    proc = helm.run(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--set",
+        "storage.baseUri=s3://b/evals",
+        "--set-file",
+        f"config={source}",
+        "--set-file",
+        f"run.inlineSplitFile={split}",
+    )
+    docs = parse_docs(proc.stdout)
+    assert validate_all((d.body for d in docs), "inline split") == len(docs)
+    cm = only(docs, "ConfigMap")
+    assert yaml.safe_load(cm["data"][f"{RELEASE}.yaml"])["tasks"]["split_file"] == "inline/split/persona_splits.v1.json"
+    # The image's own copy of the split is gone from the pod's view: only the inline one can be read.
+    (tmp_path / "pod").mkdir()
+    assert _pod_plan_fingerprint(docs, tmp_path / "pod") == _local_plan_fingerprint(source)
+
+
+def test_inline_skills_file_is_mounted_under_the_name_the_config_gives(helm: Helm, tmp_path: Path) -> None:
+    bank = {
+        "schema_version": "shopsimrl-skillbank-v1",
+        "bank_version": "b1",
+        "skills": [{"skill_id": "s1", "content": "对照用户要求选规格。"}],
+    }
+    config = yaml.safe_load((ROOT / "configs" / "qwen35_4b_val.yaml").read_text())
+    config["skills"] = {"path": "../banks/my_bank.json", "max_skills": None}
+    (tmp_path / "banks").mkdir()
+    (tmp_path / "banks" / "my_bank.json").write_text(json.dumps(bank, ensure_ascii=False))
+    local = tmp_path / "configs" / "local.yaml"
+    local.parent.mkdir()
+    shutil.copytree(ROOT / "configs" / "prompts", tmp_path / "configs" / "prompts")
+    shutil.copytree(ROOT / "configs" / "splits", tmp_path / "configs" / "splits")
+    local.write_text(yaml.safe_dump(config, allow_unicode=True))
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "config": config,
+                "storage": {"baseUri": "s3://b/r"},
+                "run": {"inlineSkillsFile": json.dumps(bank, ensure_ascii=False)},
+            },
+            allow_unicode=True,
+        )
+    )
+    docs = helm.render(values)
+    assert validate_all((d.body for d in docs), "inline skills") == len(docs)
+    cm = only(docs, "ConfigMap")
+    assert yaml.safe_load(cm["data"][f"{RELEASE}.yaml"])["skills"]["path"] == "inline/skills/my_bank.json"
+    worker = container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker")
+    mounts = {m["mountPath"]: m for m in worker["volumeMounts"]}
+    assert mounts["/app/configs/inline/skills/my_bank.json"]["subPath"] == "skills.json"
+    (tmp_path / "pod").mkdir()
+    assert _pod_plan_fingerprint(docs, tmp_path / "pod") == _local_plan_fingerprint(local)
+
+    config["skills"] = {"path": None}
+    values.write_text(
+        yaml.safe_dump({"config": config, "storage": {"baseUri": "s3://b/r"}, "run": {"inlineSkillsFile": {"a": 1}}})
+    )
+    proc = helm.template(values, check=False)
+    assert proc.returncode != 0 and "run.inlineSkillsFile needs config.skills.path" in proc.stderr
+
+
+def test_config_map_over_one_mebibyte_fails_the_render_naming_the_values(helm: Helm, tmp_path: Path) -> None:
+    config = yaml.safe_load((ROOT / "configs" / "qwen35_4b_val.yaml").read_text())
+    config["skills"] = {"path": "bank.json"}
+    big = json.dumps({"schema_version": "shopsimrl-skillbank-v1", "skills": [], "padding": "x" * (1024 * 1024)})
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"config": config, "storage": {"baseUri": "s3://b/r"}, "run": {"inlineSkillsFile": big}}))
+    proc = helm.template(values, check=False)
+    assert proc.returncode != 0
+    assert "over Kubernetes' 1 MiB (1048576 bytes) limit" in proc.stderr and "skills.json 1048" in proc.stderr
+    # Just under the limit renders, and the API server's count (keys + values) stays within it.
+    fitting = big[: len(big) - 20_000]
+    values.write_text(
+        yaml.safe_dump({"config": config, "storage": {"baseUri": "s3://b/r"}, "run": {"inlineSkillsFile": fitting}})
+    )
+    cm = only(helm.render(values), "ConfigMap")
+    assert sum(len(k.encode()) + len(v.encode()) for k, v in cm["data"].items()) <= 1024 * 1024
 
 
 def test_config_string_without_rewrite_keeps_comments(helm: Helm, tmp_path: Path) -> None:

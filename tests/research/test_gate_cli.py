@@ -227,3 +227,30 @@ def test_the_online_gate_needs_a_checkpoint_id(tmp_path: Path, research_runs: Re
     )
     assert_bad_input(gate("plan", str(spec)), "the online gate needs model.checkpoint_id")
     shutil.rmtree(tmp_path / "online", ignore_errors=True)
+
+
+def test_gate_run_with_shards_runs_the_masked_plan_as_workers_and_fits_the_same(
+    tmp_path: Path, basic: dict[str, Any], research_runs: ResearchRuns
+) -> None:
+    local = gate("run", str(write_gate(tmp_path / "local.yaml", **basic)), "--no-progress")
+    assert local.returncode == 0, local.stderr[-3000:]
+    reference = json.loads((tmp_path / "gate" / "contributions.json").read_text(encoding="utf-8"))
+
+    sharded_yaml = write_gate(tmp_path / "sharded.yaml", **{**basic, "output_dir": str(tmp_path / "sharded-gate")})
+    alone = gate("run", str(sharded_yaml), "--shards", "2")
+    assert_bad_input(alone, "--shards and --run go together")
+    masked = tmp_path / "masked-run"
+    ran = gate("run", str(sharded_yaml), "--shards", "2", "--run", str(masked), "--no-progress")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "gate complete: 24/24 masked rollouts completed" in ran.stdout
+    assert (masked / "shards" / "00001" / "_SUCCESS.json").is_file() and (masked / "summary.json").is_file()
+    document = json.loads((tmp_path / "sharded-gate" / "contributions.json").read_text(encoding="utf-8"))
+    assert document["estimates"] == reference["estimates"]
+    assert document["contributions"] == reference["contributions"]
+    # Run again: every shard is committed, nothing reruns, the fit is the same.
+    again = gate("run", str(sharded_yaml), "--shards", "2", "--run", str(masked), "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (
+        json.loads((tmp_path / "sharded-gate" / "contributions.json").read_text(encoding="utf-8"))["estimates"]
+        == (reference["estimates"])
+    )

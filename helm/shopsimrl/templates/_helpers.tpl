@@ -86,34 +86,52 @@ Usage: include "shopsimrl.runUri" .
 {{- end -}}
 
 {{/*
-The experiment config as rendered into the ConfigMap: the `config` value (mapping or YAML
-string) with tasks.split_file pointed at the inline split file when one is given.
-Usage: include "shopsimrl.configYaml" .
+The `config` value parsed (mapping or YAML string) and checked: sets "cfg" in the dict passed as
+"out" (include returns only strings, so the mapping travels through it).
+Usage: include "shopsimrl.parseConfig" (dict "ctx" . "out" $out)
 */}}
-{{- define "shopsimrl.configYaml" -}}
-{{- $inline := not (kindIs "invalid" .Values.run.inlineSplitFile) -}}
-{{- $cfg := .Values.config -}}
-{{- if or (kindIs "invalid" .Values.config) (and (kindIs "string" .Values.config) (not (trim .Values.config))) -}}
+{{- define "shopsimrl.parseConfig" -}}
+{{- $v := .ctx.Values -}}
+{{- $cfg := $v.config -}}
+{{- if or (kindIs "invalid" $v.config) (and (kindIs "string" $v.config) (not (trim $v.config))) -}}
 {{- fail "config: missing; give the experiment YAML, e.g. --set-file config=configs/qwen35_4b_val.yaml, or a config mapping in your values" -}}
 {{- /* Reached only under `helm lint`, which logs a fail and renders on. */ -}}
 {{- $cfg = dict -}}
 {{- end -}}
-{{- if kindIs "string" .Values.config -}}
-{{- $cfg = fromYaml .Values.config -}}
+{{- if kindIs "string" $v.config -}}
+{{- $cfg = fromYaml $v.config -}}
 {{- if hasKey $cfg "Error" -}}
 {{- fail (printf "config: not valid YAML: %s" (get $cfg "Error")) -}}
 {{- end -}}
 {{- end -}}
 {{- if not (kindIs "map" (get $cfg "tasks")) -}}
 {{- fail "config.tasks: missing; the experiment config needs tasks.split_file and tasks.split" -}}
+{{- $cfg = dict "tasks" (dict) -}}
 {{- end -}}
-{{- if and (kindIs "string" .Values.config) (not $inline) -}}
+{{- $_ := set .out "cfg" $cfg -}}
+{{- end -}}
+
+{{/*
+The experiment config as rendered into the ConfigMap: the `config` value (mapping or YAML
+string) with tasks.split_file and skills.path pointed at the inline files when they are given.
+Usage: include "shopsimrl.configYaml" .
+*/}}
+{{- define "shopsimrl.configYaml" -}}
+{{- $inlineSplit := not (kindIs "invalid" .Values.run.inlineSplitFile) -}}
+{{- $inlineSkills := not (kindIs "invalid" .Values.run.inlineSkillsFile) -}}
+{{- $out := dict -}}
+{{- include "shopsimrl.parseConfig" (dict "ctx" . "out" $out) -}}
+{{- $cfg := $out.cfg -}}
+{{- if and (kindIs "string" .Values.config) (not $inlineSplit) (not $inlineSkills) -}}
 {{- /* A YAML string is kept verbatim (comments, number formats) when nothing is rewritten. */ -}}
 {{- .Values.config | trim -}}
 {{- else -}}
 {{- $cfg = deepCopy $cfg -}}
-{{- if $inline -}}
+{{- if $inlineSplit -}}
 {{- $_ := set (get $cfg "tasks") "split_file" (include "shopsimrl.inlineSplitRelPath" .) -}}
+{{- end -}}
+{{- if $inlineSkills -}}
+{{- $_ := set (get $cfg "skills") "path" (include "shopsimrl.inlineSkillsRelPath" .) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
@@ -126,7 +144,7 @@ old one, whose pod template is immutable.
 Usage: include "shopsimrl.runHash" .
 */}}
 {{- define "shopsimrl.runHash" -}}
-{{- $parts := list (include "shopsimrl.runUri" .) (toString .Values.run.attempt) (toString .Values.job.shards) (include "shopsimrl.configYaml" .) (toJson .Values.run.inlineSplitFile) -}}
+{{- $parts := list (include "shopsimrl.runUri" .) (toString .Values.run.attempt) (toString .Values.job.shards) (include "shopsimrl.configYaml" .) (toJson .Values.run.inlineSplitFile) (toJson .Values.run.inlineSkillsFile) -}}
 {{- join "\n" $parts | sha256sum | trunc 8 -}}
 {{- end -}}
 
@@ -186,11 +204,50 @@ Usage: include "shopsimrl.configFileName" .
 {{- end -}}
 
 {{/*
-Path of the inline split file relative to the config directory.
+Path of the inline split file relative to the config directory: inline/split/ plus the file name
+the config names. The file name is part of the split's identity in the plan fingerprint, so a
+release plans exactly what `shopsimrl plan` plans from the same config and split locally.
 Usage: include "shopsimrl.inlineSplitRelPath" .
 */}}
 {{- define "shopsimrl.inlineSplitRelPath" -}}
-{{- printf "splits/%s.split.json" (include "shopsimrl.runName" .) -}}
+{{- $out := dict -}}
+{{- include "shopsimrl.parseConfig" (dict "ctx" . "out" $out) -}}
+{{- $name := get (get $out.cfg "tasks") "split_file" -}}
+{{- if not (and (kindIs "string" $name) $name) -}}
+{{- fail "run.inlineSplitFile needs config.tasks.split_file: its file name is kept for the inline split (it is part of the plan fingerprint)" -}}
+{{- end -}}
+{{- printf "inline/split/%s" (base (toString $name)) -}}
+{{- end -}}
+
+{{/*
+Path of the inline skills file (a skill bank, or a gate's skill_assignments.json) relative to the
+config directory: inline/skills/ plus the file name config.skills.path names.
+Usage: include "shopsimrl.inlineSkillsRelPath" .
+*/}}
+{{- define "shopsimrl.inlineSkillsRelPath" -}}
+{{- $out := dict -}}
+{{- include "shopsimrl.parseConfig" (dict "ctx" . "out" $out) -}}
+{{- $skills := get $out.cfg "skills" -}}
+{{- $name := "" -}}
+{{- if kindIs "map" $skills -}}
+{{- $name = get $skills "path" -}}
+{{- end -}}
+{{- if not (and (kindIs "string" $name) $name) -}}
+{{- fail "run.inlineSkillsFile needs config.skills.path (the file it replaces); a config with skills.path: null runs without skills" -}}
+{{- end -}}
+{{- printf "inline/skills/%s" (base (toString $name)) -}}
+{{- end -}}
+
+{{/*
+An inline file's text as the ConfigMap holds it: a string verbatim, a mapping as JSON.
+Usage: include "shopsimrl.inlineText" .Values.run.inlineSplitFile
+*/}}
+{{- define "shopsimrl.inlineText" -}}
+{{- if kindIs "string" . -}}
+{{- . -}}
+{{- else -}}
+{{- toPrettyJson . -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -360,8 +417,8 @@ seccompProfile:
 {{- end -}}
 
 {{/*
-Volume mounts of shopsimrl containers: the run config (and inline split file) into the image's
-config directory, and the writable /tmp.
+Volume mounts of shopsimrl containers: the run config (and the inline split and skills files) into
+the image's config directory, and the writable /tmp.
 Usage: include "shopsimrl.configMounts" .
 */}}
 {{- define "shopsimrl.configMounts" -}}
@@ -373,6 +430,12 @@ Usage: include "shopsimrl.configMounts" .
 - name: config
   mountPath: {{ printf "%s/%s" (include "shopsimrl.configDir" .) (include "shopsimrl.inlineSplitRelPath" .) }}
   subPath: split.json
+  readOnly: true
+{{- end }}
+{{- if not (kindIs "invalid" .Values.run.inlineSkillsFile) }}
+- name: config
+  mountPath: {{ printf "%s/%s" (include "shopsimrl.configDir" .) (include "shopsimrl.inlineSkillsRelPath" .) }}
+  subPath: skills.json
   readOnly: true
 {{- end }}
 - name: tmp

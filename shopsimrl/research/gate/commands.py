@@ -3,7 +3,7 @@
 - ``plan`` freezes the gate (masks, baseline, the masked experiment) in the gate directory,
   with ``--shards N --run URI`` also the sharded masked run at ``URI`` (an ordinary frozen plan:
   ``shopsimrl run masked_experiment.yaml --shards N --run URI``, ``worker`` or a Helm release run
-  it, ``reduce`` merges it);
+  it, ``reduce`` merges it), and with ``--helm-values F`` the chart's values for that release;
 - ``run`` plans, runs the masked rollouts in this process into the gate directory (resumable:
   run it again after an interruption or with failed episodes) and fits;
 - ``fit`` reads the bare run and the masked run (wherever ``plan`` put it, or ``--masked-run``)
@@ -27,6 +27,7 @@ from shopsimrl.exitcodes import ExitCode
 from shopsimrl.local_run import LocalRunStore, atomic_write_json, run_local
 from shopsimrl.manifest import FingerprintMismatchError, plan_diff
 from shopsimrl.research.gate.checks import GateCheckError, normalised, pair_observations, read_strict
+from shopsimrl.research.gate.earlier import compare_with_earlier, is_earlier_gate, load_earlier_gate
 from shopsimrl.research.gate.fit import fit_paired_delta_ols
 from shopsimrl.research.gate.freeze import (
     ESTIMATOR,
@@ -72,6 +73,7 @@ class PlanReport:
     included_counts: dict[str, int]
     baseline: dict[str, Any]
     shards: int | None
+    helm_values: Path | None = None
 
 
 @dataclass
@@ -97,7 +99,15 @@ def _check_masked_location(frozen: FrozenGate, location: str) -> None:
             _shown(location),
             manifest["plan_fingerprint"],
             frozen.masked_fingerprint,
-            plan_diff(manifest["plan"], frozen.masked.plan()),
+            plan_diff(manifest["plan"], frozen.masked_experiment.plan()),
+        )
+
+
+def _refuse_earlier(gate_dir: Path) -> None:
+    if is_earlier_gate(gate_dir):
+        raise GatePlanError(
+            f"{gate_dir} holds rollouts or masks but no gate_plan.json: a gate of the earlier implementation "
+            "(`shopsimrl gate fit` refits it into refit/) or another run; plan or run a new gate into another output_dir"
         )
 
 
@@ -106,24 +116,44 @@ def _included(frozen: FrozenGate) -> dict[str, int]:
 
 
 def plan_gate(
-    gate_config: Path, *, shards: int | None = None, run: str | None = None, settings: WorkerSettings | None = None
+    gate_config: Path,
+    *,
+    shards: int | None = None,
+    run: str | None = None,
+    settings: WorkerSettings | None = None,
+    helm_values: Path | None = None,
 ) -> PlanReport:
-    """Freeze the gate; with ``shards`` and ``run``, freeze the sharded masked run too."""
+    """Freeze the gate; with ``shards`` and ``run``, freeze the sharded masked run too, and with
+    ``helm_values`` write the chart's values for it (config, split and assignments inline)."""
     from shopsimrl.planning import PlanError
+    from shopsimrl.research.gate.helm import helm_values as values_for
     from shopsimrl.sharded.worker import plan_run
 
     if (shards is None) != (run is None):
         raise GatePlanError("--shards and --run go together: a sharded masked run needs a location (a dir or s3://…)")
+    if helm_values is not None and run is None:
+        raise GatePlanError("--helm-values needs --shards N --run URI: a release runs a sharded masked run")
+    if helm_values is not None and run is not None and "://" not in run:
+        raise GatePlanError(
+            f"--helm-values needs --run in object storage (s3://…), not {run}: the release's pods cannot reach a local directory"
+        )
     spec = load_gate_spec(gate_config)
+    _refuse_earlier(spec.gate_dir)
     frozen = freeze(spec, settings)
     location = run or str(spec.gate_dir)
     _check_masked_location(frozen, location)
     masked = write_frozen(frozen, location, shards)
+    values_text = None if helm_values is None or shards is None else values_for(frozen, location, shards)
     if shards is not None:
         try:
             plan_run(masked, ShardedRunStore(location), shards)
         except PlanError as exc:
             raise GatePlanError(str(exc)) from None
+    if helm_values is not None and values_text is not None:
+        helm_values.parent.mkdir(parents=True, exist_ok=True)
+        tmp = helm_values.with_name(f".{helm_values.name}.tmp")
+        tmp.write_text(values_text, encoding="utf-8")
+        os.replace(tmp, helm_values)
     return PlanReport(
         gate_dir=spec.gate_dir,
         masked_config=spec.gate_dir / MASKED_CONFIG_FILE,
@@ -134,6 +164,7 @@ def plan_gate(
         included_counts=_included(frozen),
         baseline=frozen.baseline.record,
         shards=shards,
+        helm_values=helm_values,
     )
 
 
@@ -147,6 +178,7 @@ def run_gate(
     """Plan, run the masked rollouts in this process (into the gate directory), fit. Raises
     :class:`~shopsimrl.local_run.RunStopped` when the rollouts stop early (exit 3 to resume)."""
     spec = load_gate_spec(gate_config)
+    _refuse_earlier(spec.gate_dir)
     frozen = freeze(spec, settings)
     location = str(spec.gate_dir)
     planned = read_gate_plan(spec.gate_dir)
@@ -165,8 +197,16 @@ def run_gate(
 
 
 def fit_gate(gate_config: Path, *, masked_run: str | None = None, settings: WorkerSettings | None = None) -> GateResult:
-    """Fit from the bare run and the masked run, offline."""
+    """Fit from the bare run and the masked run, offline. A gate directory of the earlier
+    implementation is refitted from its own files into ``refit/`` (see :mod:`.earlier`)."""
     spec = load_gate_spec(gate_config)
+    if is_earlier_gate(spec.gate_dir):
+        earlier, location = load_earlier_gate(spec, masked_run)
+        result = _fit(earlier, location)
+        if result.status == "complete":
+            result.manifest["earlier_fit"] = compare_with_earlier(spec.gate_dir, result.rows)
+            atomic_write_json(result.files["manifest"], result.manifest)
+        return result
     frozen = freeze(spec, settings)
     planned = read_gate_plan(spec.gate_dir)
     if planned is not None and planned.get("masked_plan_fingerprint") != frozen.masked_fingerprint:
@@ -356,6 +396,10 @@ def format_plan(report: PlanReport) -> str:
         *(f"  {column:<32} {count}" for column, count in report.included_counts.items()),
         "design          full rank (checked by fitting zeros)",
     ]
+    if report.helm_values is not None:
+        lines.append(
+            f"helm values     {report.helm_values}  (helm install NAME helm/shopsimrl -f my-values.yaml -f {report.helm_values})"
+        )
     if report.shards:
         lines.append(
             f"next: shopsimrl run {report.masked_config} --shards {report.shards} --run {report.masked_run}  "
@@ -387,6 +431,13 @@ def format_result(result: GateResult) -> str:
                 f"{name:<28} {_number(row['coefficient']):>8} {se:>7} {interval:>19} {row['rank'] or '–':>4}  {row['status']}"
             )
         lines.append(f"selected: {manifest['output']['selected_chunk_ids']}")
+        earlier = manifest.get("earlier_fit")
+        if earlier is not None:
+            verdict = "reproduced" if earlier["reproduced"] else "NOT reproduced"
+            lines.append(
+                f"earlier fit ({earlier['file']}): {verdict}, largest coefficient difference "
+                f"{earlier['max_abs_coefficient_difference']:.3g}, statuses {'agree' if earlier['statuses_agree'] else 'differ'}"
+            )
     else:
         lines.append("no contributions or selection written: rerun the failed or missing masked rollouts, then fit again")
     for name, path in result.files.items():

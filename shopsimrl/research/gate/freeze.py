@@ -85,8 +85,9 @@ def _now() -> str:
 @dataclass
 class FrozenGate:
     spec: GateSpec
-    config: ExperimentConfig
-    """The bare run's experiment config (with the SHOPSIMRL_* overrides applied)."""
+    config: ExperimentConfig | None
+    """The bare run's experiment config (with the SHOPSIMRL_* overrides applied); None for a gate
+    directory of the earlier implementation, which is fitted from its own files."""
     bare_plan: dict[str, Any]
     chunks: list[Chunk]
     """The columns, in order."""
@@ -98,9 +99,11 @@ class FrozenGate:
     assignment_core: dict[str, Any]
     """``mask_assignments.json`` without ``schema_version``, ``created_at`` and its own digest."""
     skill_document: dict[str, Any]
-    masked: PreparedExperiment
-    """The masked experiment, as ``masked_experiment.yaml`` prepares it."""
+    masked: PreparedExperiment | None
+    """The masked experiment, as ``masked_experiment.yaml`` prepares it (None: an earlier gate)."""
     settings: WorkerSettings
+    recorded_masked_fingerprint: str | None = None
+    """An earlier gate's masked run: the plan fingerprint its manifest records (its plan is not ours to rebuild)."""
 
     @property
     def columns(self) -> list[str]:
@@ -120,7 +123,25 @@ class FrozenGate:
 
     @property
     def masked_fingerprint(self) -> str:
-        return fingerprint(self.masked.plan())
+        if self.recorded_masked_fingerprint is not None:
+            return self.recorded_masked_fingerprint
+        return fingerprint(self.masked_experiment.plan())
+
+    @property
+    def masked_experiment(self) -> PreparedExperiment:
+        if self.masked is None:
+            raise GatePlanError(
+                f"{self.spec.gate_dir} is a gate of the earlier implementation: it can be fitted, not planned or run"
+            )
+        return self.masked
+
+    @property
+    def experiment(self) -> ExperimentConfig:
+        if self.config is None:
+            raise GatePlanError(
+                f"{self.spec.gate_dir} is a gate of the earlier implementation: it can be fitted, not planned or run"
+            )
+        return self.config
 
 
 def _bare_experiment(spec: GateSpec, settings: WorkerSettings) -> tuple[ExperimentConfig, PreparedExperiment]:
