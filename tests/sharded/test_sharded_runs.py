@@ -130,7 +130,9 @@ def test_kill_minus_9_at_random_moments_loses_only_the_unflushed_tail(backend: B
     if backend.kind == "minio":
         pytest.skip("covered on the local dir and moto")
     rng = random.Random(20260829)
-    jobs, flush_episodes, trials = 20, 3, 4
+    # Enough jobs that every trial's kill lands while work remains: a fast testbed finishes a
+    # dozen episodes in the random extra wait, and a worker that finishes its shard is no kill.
+    jobs, flush_episodes, trials = 80, 3, 4
     config = write_config(tmp_path, testbed, episodes=jobs, concurrency=2)
     uri = backend.uri("crash")
     env = worker_env(backend, SHOPSIMRL_FLUSH_EPISODES=str(flush_episodes), SHOPSIMRL_FLUSH_SECONDS="30")
