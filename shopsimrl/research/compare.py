@@ -27,7 +27,7 @@ import numpy as np
 
 from shopsimrl.manifest import plan_diff
 from shopsimrl.metrics import SummaryAccumulator
-from shopsimrl.research.episodes import episode_row, task_key
+from shopsimrl.research.episodes import CORE_COLUMNS, episode_row, task_key
 from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY, LabelCounts, episode_labels, label_counts
 from shopsimrl.research.paired_stats import (
     BOOTSTRAP_RESAMPLES,
@@ -61,28 +61,6 @@ class CompareError(ValueError):
 
 
 # --------------------------------------------------------------------------- runs
-
-
-_KEPT = (
-    "episode_id",
-    "completed",
-    "failure_class",
-    "termination_reason",
-    "category",
-    "reward",
-    "reward_itt",
-    "success",
-    "success_itt",
-    "steps",
-    "actions",
-    "invalid_actions",
-    "protocol_errors",
-    "prompt_tokens",
-    "completion_tokens",
-    "total_tokens",
-    "model_latency_ms_total",
-    "duration_ms",
-)
 
 
 @dataclass
@@ -186,6 +164,16 @@ TAIL_METRICS = (
 )
 """After the reward components. ``invalid_action_rate`` is pooled (invalid actions over actions),
 as in the summary; the rest are means per episode (model latency: the episode's total)."""
+
+_OUTCOME_COLUMNS = frozenset({"episode_id", "completed", "failure_class", "termination_reason", "category"})
+_KEPT = tuple(
+    column
+    for column in CORE_COLUMNS
+    if column in _OUTCOME_COLUMNS
+    or any(column in (metric.numerator, metric.denominator) for metric in (*HEAD_METRICS, *TAIL_METRICS))
+)
+"""The episode-row columns a loaded run keeps: pairing and outcome, and what the metrics read
+(the ``r_*`` components are kept apart)."""
 
 
 def metrics_for(runs: Iterable[LoadedRun]) -> list[Metric]:

@@ -27,6 +27,7 @@ import matplotlib as mpl
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from shopsimrl.manifest import flatten
 from shopsimrl.research.compare import LoadedRun, compare_loaded, load_run
 from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY
 from shopsimrl.research.paired_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
@@ -311,14 +312,6 @@ def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, classes
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, dict) and value:
-        for key, inner in value.items():
-            _flatten(inner, f"{prefix}.{key}" if prefix else str(key), out)
-    else:
-        out[prefix] = value
-
-
 def _runs_section(runs: Sequence[LoadedRun], labels: list[str]) -> str:
     rows = []
     for run, label in zip(runs, labels, strict=True):
@@ -351,11 +344,7 @@ def _runs_section(runs: Sequence[LoadedRun], labels: list[str]) -> str:
         ],
         rows,
     )
-    plans: list[dict[str, Any]] = []
-    for run in runs:
-        flat: dict[str, Any] = {}
-        _flatten({k: v for k, v in (run.plan or {}).items() if k != "jobs"}, "", flat)
-        plans.append(flat)
+    plans = [flatten({k: v for k, v in (run.plan or {}).items() if k != "jobs"}) for run in runs]
     keys = sorted({key for flat in plans for key in flat})
     plan_rows, plan_classes = [], []
     for key in keys:
