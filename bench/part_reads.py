@@ -15,62 +15,22 @@ the tests, in front of moto, waits ``--latency-ms`` per request to emulate it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shopsimrl.research.runs import open_run
-from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.sharded.layout import ShardedRunStore, marker_document, part_entry
+from shopsimrl.sharded.layout import ShardedRunStore
 from shopsimrl.sharded.reduce import reduce_run
 from tests.sharded.faultproxy import FaultPlan, FaultProxy
+from tests.sharded.test_parallel_reads import write_run
 
 KEYS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def write_run(uri: str, parts: int, shards: int) -> None:
-    jobs = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in range(1, parts + 1)]
-    plan = {"experiment": "part-reads-bench", "jobs": [job.to_dict() for job in jobs]}
-    store = ShardedRunStore(uri)
-    store.initialize(plan)
-    shard_map = store.ensure_shard_map(jobs, shards, fingerprint(plan))
-    by_id = {job.episode_id: job for job in jobs}
-    for index in range(shards):
-        ids = shard_map.episode_ids[index]
-        records = [
-            {
-                "schema_version": "shopsimrl-episode-v4",
-                "episode_id": episode_id,
-                "status": "completed",
-                "attempt": 1,
-                "job": by_id[episode_id].to_dict(),
-                "final": {"done": True, "reward": 1.0},
-                "steps": [],
-            }
-            for episode_id in ids
-        ]
-        parts = [(index, seq, "be4c4be4", json.dumps(record).encode() + b"\n") for seq, record in enumerate(records)]
-        with ThreadPoolExecutor(16) as pool:
-            written = list(pool.map(lambda part: store.write_part(*part), parts))
-        store.create_marker(
-            index,
-            marker_document(
-                shard=index,
-                plan_fingerprint=fingerprint(plan),
-                completed=len(ids),
-                failed=0,
-                episode_ids_sha256=fingerprint(ids),
-                parts=[part_entry(name, data, 1) for name, data in written],
-                writer="be4c4be4",
-            ),
-        )
 
 
 def measure(uri: str, args: argparse.Namespace, latency_ms: float) -> None:
@@ -128,7 +88,7 @@ def main() -> None:
 
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
         uri = "s3://bench/part-reads"
-        write_run(uri, args.parts, args.shards)
+        write_run(uri, args.parts, args.shards, torn_part=False, retry=None)
         for latency_ms in (float(ms) for ms in args.latency_ms.split(",")):
             proxy = FaultProxy(endpoint, FaultPlan(delay_s=latency_ms / 1000))
             os.environ["AWS_ENDPOINT_URL"] = proxy.start()

@@ -46,28 +46,33 @@ def _trace(job: EpisodeJob) -> bytes:
     return json.dumps(record).encode() + b"\n"
 
 
-def _write_run(uri: str) -> dict[int, list[str]]:
-    """PARTS committed parts, one episode each (and a torn part in shard 0), over SHARDS shards;
-    written 16 at a time so that building the run does not take longer than reading it."""
-    store = ShardedRunStore(uri, retry=FAST_RETRY)
-    store.initialize(PLAN)
-    shard_map = store.ensure_shard_map(JOBS, SHARDS, fingerprint(PLAN))
-    by_id = {job.episode_id: job for job in JOBS}
+def write_run(
+    uri: str, parts: int = PARTS, shards: int = SHARDS, *, torn_part: bool = True, retry: RetryPolicy | None = FAST_RETRY
+) -> dict[int, list[str]]:
+    """``parts`` committed parts, one episode each (and a torn part in shard 0), over ``shards``
+    shards; written 16 at a time so that building the run does not take longer than reading it.
+    Returns each shard's part names in part order (bench/part_reads.py builds its run here too)."""
+    jobs = JOBS if parts == PARTS else [EpisodeJob(task_id=t, sample_id=0, seed=t * 3, split="val") for t in range(1, parts + 1)]
+    plan = {"experiment": "parallel-reads", "jobs": [job.to_dict() for job in jobs]}
+    store = ShardedRunStore(uri, retry=retry)
+    store.initialize(plan)
+    shard_map = store.ensure_shard_map(jobs, shards, fingerprint(plan))
+    by_id = {job.episode_id: job for job in jobs}
     names: dict[int, list[str]] = {}
-    for index in range(SHARDS):
+    for index in range(shards):
         ids = shard_map.episode_ids[index]
-        parts = [(index, seq, "0badcafe", _trace(by_id[episode_id])) for seq, episode_id in enumerate(ids)]
+        to_write = [(index, seq, "0badcafe", _trace(by_id[episode_id])) for seq, episode_id in enumerate(ids)]
         with ThreadPoolExecutor(16) as pool:
-            written = list(pool.map(lambda part: store.write_part(*part), parts))
+            written = list(pool.map(lambda part: store.write_part(*part), to_write))
         entries = [part_entry(name, data, 1) for name, data in written]
-        if index == 0:
+        if index == 0 and torn_part:
             name, data = store.write_part(0, len(ids), "0badcafe", _trace(by_id[ids[0]])[:30], compressed=False)
             written.append((name, data))
             entries.append(part_entry(name, data, 0))
         names[index] = [name for name, _ in written]
         marker = marker_document(
             shard=index,
-            plan_fingerprint=fingerprint(PLAN),
+            plan_fingerprint=fingerprint(plan),
             completed=len(ids),
             failed=0,
             episode_ids_sha256=fingerprint(ids),
@@ -81,7 +86,7 @@ def _write_run(uri: str) -> dict[int, list[str]]:
 @pytest.fixture
 def run_uri(s3_server: S3Server) -> Iterator[tuple[str, dict[int, list[str]]]]:
     uri = f"s3://{s3_server.bucket}/many-parts"
-    yield uri, _write_run(uri)
+    yield uri, write_run(uri)
 
 
 def _reduced(uri: str, concurrency: int, retry: RetryPolicy = FAST_RETRY) -> tuple[dict[str, Any], float]:
