@@ -32,7 +32,7 @@ from shopsimrl.config import (
 )
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.logs import configure_logging
-from shopsimrl.manifest import FingerprintMismatchError, ManifestError
+from shopsimrl.manifest import FingerprintMismatchError, ManifestError, flatten
 from shopsimrl.schemas import fingerprint
 
 # Plain (click) help, not rich panels: rich's option table crops long option names at 80
@@ -216,7 +216,7 @@ def _format_plan(report: dict[str, Any]) -> str:
     lines = _aligned(top, indent="")
     for section in _PLAN_SECTIONS:
         if section in report:
-            lines += ["", section.replace("_", " "), *_aligned(_flatten(report[section]), indent="  ")]
+            lines += ["", section.replace("_", " "), *_aligned(list(flatten(report[section]).items()), indent="  ")]
     jobs = report.get("first_jobs") or []
     if jobs:
         lines += ["", f"first {len(jobs)} of {report['episodes']} episodes"]
@@ -231,12 +231,6 @@ def _aligned(rows: list[tuple[str, Any]], indent: str) -> list[str]:
     # A rare deep key (sampling.extra_body.…) does not push every value of its section right.
     width = min(24, max((len(label) for label, _ in rows), default=0))
     return [f"{indent}{label:<{width}}  {_plan_value(value)}".rstrip() for label, value in rows]
-
-
-def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(value, dict) and value:
-        return [item for key, inner in value.items() for item in _flatten(inner, f"{prefix}{key}.")]
-    return [(prefix.rstrip("."), value)]
 
 
 def _plan_value(value: Any) -> str:
@@ -943,6 +937,16 @@ def _gate_call(call: Any) -> Any:
         _fail(code, str(exc))
 
 
+def _gate_command(quiet: bool, verbose: bool, step: Any, show: Any) -> Any:
+    """A gate command: logging, the worker's settings, ``step(gate, settings)``, and its result
+    printed by ``show(gate, result)``; returns the result."""
+    _setup_logging(quiet, verbose)
+    settings = worker_settings()
+    result = _gate_call(lambda gate: step(gate, settings))
+    typer.echo(_gate_call(lambda gate: show(gate, result)))
+    return result
+
+
 @gate_app.command("plan")
 def gate_plan(
     gate_config: Path = GATE_CONFIG,
@@ -957,12 +961,14 @@ def gate_plan(
     verbose: bool = VERBOSE,
 ) -> None:
     """Check the bare run and the mask design, and freeze the gate (no rollout, no model call)."""
-    _setup_logging(quiet, verbose)
-    settings = worker_settings()
-    report = _gate_call(
-        lambda gate: gate.plan_gate(gate_config, shards=shards, run=run_uri, settings=settings, helm_values=helm_values)
+    _gate_command(
+        quiet,
+        verbose,
+        lambda gate, settings: gate.plan_gate(
+            gate_config, shards=shards, run=run_uri, settings=settings, helm_values=helm_values
+        ),
+        lambda gate, report: gate.format_plan(report),
     )
-    typer.echo(_gate_call(lambda gate: gate.format_plan(report)))
 
 
 @gate_app.command("run")
@@ -981,17 +987,18 @@ def gate_run(
 
     With --shards N --run URI: plan them as a sharded run, run N workers as `run --shards` does
     (resumable the same way), reduce, then fit."""
-    _setup_logging(quiet, verbose)
-    settings = worker_settings()
     if shards is not None or run_uri is not None:
-        _gate_run_sharded(gate_config, shards, run_uri, backoff_limit_per_index, progress, settings)
+        _setup_logging(quiet, verbose)
+        _gate_run_sharded(gate_config, shards, run_uri, backoff_limit_per_index, progress, worker_settings())
         return
-    result = _gate_call(
-        lambda gate: gate.run_gate(
+    result = _gate_command(
+        quiet,
+        verbose,
+        lambda gate, settings: gate.run_gate(
             gate_config, settings=settings, show_progress=progress, announce=lambda line: typer.echo(line, err=True)
-        )
+        ),
+        lambda gate, result: gate.format_result(result),
     )
-    typer.echo(_gate_call(lambda gate: gate.format_result(result)))
     raise typer.Exit(int(result.code))
 
 
@@ -1039,10 +1046,12 @@ def gate_fit(
     """Fit the contributions from the bare and the masked run, offline. Exit 1: the gate is incomplete.
 
     A gate directory of the earlier implementation is refitted into its refit/ directory."""
-    _setup_logging(quiet, verbose)
-    settings = worker_settings()
-    result = _gate_call(lambda gate: gate.fit_gate(gate_config, masked_run=masked_run, settings=settings))
-    typer.echo(_gate_call(lambda gate: gate.format_result(result)))
+    result = _gate_command(
+        quiet,
+        verbose,
+        lambda gate, settings: gate.fit_gate(gate_config, masked_run=masked_run, settings=settings),
+        lambda gate, result: gate.format_result(result),
+    )
     raise typer.Exit(int(result.code))
 
 

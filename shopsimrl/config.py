@@ -316,8 +316,9 @@ def describe_settings_error(exc: ValidationError) -> str:
     return "invalid environment variable " + "; ".join(problems)
 
 
-def _format_validation_error(path: Path, exc: ValidationError) -> str:
-    """One line for one problem; otherwise a header and one line per problem, each naming its key."""
+def format_validation_error(what: str, exc: ValidationError) -> str:
+    """``invalid <what>: …``: one line for one problem; otherwise a header and one line per
+    problem, each naming its key. ``what`` names the file (``config path/to.yaml``)."""
     problems = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"]) or "<root>"
@@ -328,8 +329,8 @@ def _format_validation_error(path: Path, exc: ValidationError) -> str:
         else:
             problems.append(f"{where}: {error['msg']} (got {_mask_userinfo(repr(error.get('input')))})")
     if len(problems) == 1:
-        return f"invalid config {path}: {problems[0]}"
-    return "\n".join([f"invalid config {path}:", *(f"  {problem}" for problem in problems)])
+        return f"invalid {what}: {problems[0]}"
+    return "\n".join([f"invalid {what}:", *(f"  {problem}" for problem in problems)])
 
 
 def _load_dotenv(path: Path) -> None:
@@ -390,7 +391,7 @@ def load_experiment_config(path: str | Path, *, load_dotenv: bool = True) -> Exp
     try:
         config = ExperimentConfig.model_validate({**data, "source_path": path.resolve()})
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(path, exc)) from None
+        raise ConfigError(format_validation_error(f"config {path}", exc)) from None
     try:
         _ = config.name  # derived on use; derive it now so a bad name stops the load, not a run
     except ConfigError as exc:

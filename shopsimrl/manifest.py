@@ -31,6 +31,7 @@ __all__ = [
     "FingerprintMismatchError",
     "ManifestError",
     "build_manifest",
+    "flatten",
     "manifest_head",
     "plan_diff",
     "run_identity",
@@ -89,6 +90,14 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
     return manifest
 
 
+def flatten(value: Any) -> dict[str, Any]:
+    """Nested settings as dotted keys (``sampling.temperature``), in the order they come; an empty
+    mapping is a value of its own."""
+    out: dict[str, Any] = {}
+    _flatten(value, "", out)
+    return out
+
+
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
     if isinstance(value, dict) and value:
         for key, item in value.items():
@@ -100,10 +109,8 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
 def plan_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human-readable differences between two plans; job lists are compared by count and digest."""
     old_jobs, new_jobs = old.get("jobs"), new.get("jobs")
-    flat_old: dict[str, Any] = {}
-    flat_new: dict[str, Any] = {}
-    _flatten({k: v for k, v in old.items() if k != "jobs"}, "", flat_old)
-    _flatten({k: v for k, v in new.items() if k != "jobs"}, "", flat_new)
+    flat_old = flatten({k: v for k, v in old.items() if k != "jobs"})
+    flat_new = flatten({k: v for k, v in new.items() if k != "jobs"})
     lines = [
         f"{key}: {flat_old.get(key, '<absent>')!r} -> {flat_new.get(key, '<absent>')!r}"
         for key in sorted(set(flat_old) | set(flat_new))

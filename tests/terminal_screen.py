@@ -66,6 +66,9 @@ def run_on_terminal(
     chunks: list[bytes] = []
     deadline = time.monotonic() + timeout
     try:
+        # Read until every holder of the terminal has closed it (EIO): the output's end. Whether
+        # the process has exited says nothing of it: its last bytes may be written between an
+        # empty select and the exit, and a reader that stops at the exit loses them.
         while True:
             ready, _, _ = select.select([leader], [], [], 0.2)
             if ready:
@@ -76,11 +79,9 @@ def run_on_terminal(
                 if not data:
                     break
                 chunks.append(data)
-            elif process.poll() is not None:
-                break
             if time.monotonic() > deadline:
                 process.kill()
-                raise TimeoutError(f"{command} did not finish within {timeout:g} s")
+                raise TimeoutError(f"{command} did not finish within {timeout:g} s (or a child kept its terminal open)")
         code = process.wait(timeout=30)
     finally:
         os.close(leader)

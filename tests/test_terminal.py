@@ -396,7 +396,9 @@ def slow_bed() -> Iterator[LocalTestbed]:
 
 @pytest.mark.slow
 def test_a_crashed_worker_shows_its_traceback_and_exit_code(slow_bed: LocalTestbed, tmp_path: Path) -> None:
-    config = write_config(tmp_path, name="crash", sample_size=6, concurrency=2)
+    # 16 episodes at 300 ms a model call: the shard is still running when the signal lands, however
+    # late a loaded machine delivers it (6 could finish between the line and the kill).
+    config = write_config(tmp_path, name="crash", sample_size=16, concurrency=2)
     env = bed_env(slow_bed, PYTHONFAULTHANDLER="1")  # a fatal signal makes the worker print its Python traceback
     coordinator = Coordinator([*SHOPSIMRL, "run", str(config), "--shards", "1", "--run", str(tmp_path / "run")], env)
     coordinator.wait_for(lambda line: "shard_resumed" in line)
@@ -421,6 +423,18 @@ def all_slots_free(bed: LocalTestbed, timeout: float = 90) -> bool:
     return False
 
 
+def wait_for_leases(bed: LocalTestbed, timeout: float = 120) -> None:
+    """Until the shop holds a lease: "lease budget" is logged before a worker's first reset, so
+    right after it the episodes may not have started yet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = bed.healthz()
+        if health["free_slots"] < health["environment_slots"]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no lease taken within {timeout:g} s: {bed.healthz()}")
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -431,18 +445,21 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_sigterm_to_the_coordinator_stops_every_worker_and_frees_their_leases(slow_bed: LocalTestbed, tmp_path: Path) -> None:
-    config = write_config(tmp_path, name="term", sample_size=12, concurrency=2)
-    coordinator = Coordinator(
-        [*SHOPSIMRL, "run", str(config), "--shards", "2", "--run", str(tmp_path / "run")], bed_env(slow_bed)
-    )
+    # Far more episodes than a shard can run while the other worker starts (workers start seconds
+    # apart on a loaded machine): both are mid-shard when the signal comes; they stop at once anyway.
+    config = write_config(tmp_path, name="term", sample_size=200, concurrency=2)
+    run = tmp_path / "run"
+    coordinator = Coordinator([*SHOPSIMRL, "run", str(config), "--shards", "2", "--run", str(run)], bed_env(slow_bed))
     for shard in (0, 1):
         coordinator.wait_for(lambda line, shard=shard: "lease budget" in line and f"shard={shard}" in line)
+    wait_for_leases(slow_bed)
     coordinator.process.send_signal(signal.SIGTERM)
     code, _ = coordinator.finish()
     text = "\n".join(coordinator.lines)
     assert code == 3, text[-3000:]
     assert text.count("SIGTERM: stopping") == 2 and text.count("worker_stopped") == 2, text[-3000:]  # the workers' own lines
     assert all_slots_free(slow_bed)
+    assert not list(run.glob("shards/*/_SUCCESS*.json")), "a shard ran to the end before the signal"
 
 
 @pytest.mark.slow
@@ -450,13 +467,12 @@ def test_a_killed_coordinator_leaves_no_worker_holding_leases(slow_bed: LocalTes
     """kill -9 of the coordinator: its workers get SIGTERM (PR_SET_PDEATHSIG) and find their log
     pipe closed. They log on to the coordinator's stderr (the fallback descriptor), release
     every lease and exit without running their shards to the end."""
-    config = write_config(tmp_path, name="orphans", sample_size=40, concurrency=2)
+    config = write_config(tmp_path, name="orphans", sample_size=200, concurrency=2)
     run = tmp_path / "run"
     coordinator = Coordinator([*SHOPSIMRL, "run", str(config), "--shards", "2", "--run", str(run)], bed_env(slow_bed))
     for shard in (0, 1):
         coordinator.wait_for(lambda line, shard=shard: "lease budget" in line and f"shard={shard}" in line)
-    health = slow_bed.healthz()
-    assert health["free_slots"] < health["environment_slots"]  # episodes in flight
+    wait_for_leases(slow_bed)  # episodes in flight
     pids = coordinator.worker_pids()
     coordinator.process.kill()
     coordinator.finish()

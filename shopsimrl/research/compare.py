@@ -27,7 +27,8 @@ import numpy as np
 
 from shopsimrl.manifest import plan_diff
 from shopsimrl.metrics import SummaryAccumulator
-from shopsimrl.research.episodes import episode_row, task_key
+from shopsimrl.research.episodes import CORE_COLUMNS, episode_row, task_key
+from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY, LabelCounts, episode_labels, label_counts
 from shopsimrl.research.paired_stats import (
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
@@ -62,28 +63,6 @@ class CompareError(ValueError):
 # --------------------------------------------------------------------------- runs
 
 
-_KEPT = (
-    "episode_id",
-    "completed",
-    "failure_class",
-    "termination_reason",
-    "category",
-    "reward",
-    "reward_itt",
-    "success",
-    "success_itt",
-    "steps",
-    "actions",
-    "invalid_actions",
-    "protocol_errors",
-    "prompt_tokens",
-    "completion_tokens",
-    "total_tokens",
-    "model_latency_ms_total",
-    "duration_ms",
-)
-
-
 @dataclass
 class LoadedRun:
     """A run read once: its identity, plan, job keys and one slim row per episode."""
@@ -101,15 +80,22 @@ class LoadedRun:
     """The summary of these records, computed as ``summary.json`` is."""
     shard_states: dict[int, str] = field(default_factory=dict)
     unreadable_lines: int = 0
+    label_counts: LabelCounts | None = None
+    """Episodes per rule label over the run (each row also carries its episode's ``labels``)."""
 
 
-def _slim(record: dict[str, Any]) -> dict[str, Any]:
+def _slim(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The episode's slim row and its label record without the evidence (names and codes: what
+    the counts need)."""
     row = episode_row(record)
     slim = {key: row[key] for key in _KEPT}
     slim.update({key: value for key, value in row.items() if key.startswith("r_")})
     slim["task"] = task_key(record)
     slim["job_key"] = (row["task_id"], row["sample_id"], row["seed"], row["split"])
-    return slim
+    labelled = episode_labels(record)
+    slim["labels"] = tuple(labelled["labels"])
+    codes = {name: {"codes": detail["codes"]} for name, detail in labelled["details"].items() if "codes" in detail}
+    return slim, {"labels": labelled["labels"], "details": codes}
 
 
 def load_run(location: str) -> LoadedRun:
@@ -118,10 +104,12 @@ def load_run(location: str) -> LoadedRun:
     jobs = run.jobs
     accumulator = SummaryAccumulator(requested_episode_ids=[job.episode_id for job in jobs] if jobs is not None else None)
     rows: dict[str, dict[str, Any]] = {}
+    labelled: dict[str, dict[str, Any]] = {}
     for record in run.records():
         accumulator.add(record)
-        row = _slim(record)
+        row, labels = _slim(record)
         rows[row["episode_id"]] = row
+        labelled[row["episode_id"]] = labels
     if jobs is not None:
         keys = {job.episode_id: (job.task_id, job.sample_id, job.seed, job.split) for job in jobs}
     else:
@@ -138,6 +126,7 @@ def load_run(location: str) -> LoadedRun:
         summary,
         dict(run.shard_states),
         run.unreadable_lines,
+        label_counts(labelled.values()),
     )
 
 
@@ -175,6 +164,16 @@ TAIL_METRICS = (
 )
 """After the reward components. ``invalid_action_rate`` is pooled (invalid actions over actions),
 as in the summary; the rest are means per episode (model latency: the episode's total)."""
+
+_OUTCOME_COLUMNS = frozenset({"episode_id", "completed", "failure_class", "termination_reason", "category"})
+_KEPT = tuple(
+    column
+    for column in CORE_COLUMNS
+    if column in _OUTCOME_COLUMNS
+    or any(column in (metric.numerator, metric.denominator) for metric in (*HEAD_METRICS, *TAIL_METRICS))
+)
+"""The episode-row columns a loaded run keeps: pairing and outcome, and what the metrics read
+(the ``r_*`` components are kept apart)."""
 
 
 def metrics_for(runs: Iterable[LoadedRun]) -> list[Metric]:
@@ -373,6 +372,32 @@ def _transitions(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dic
     return [{"a": a, "b": b, "episodes": n} for (a, b), n in sorted(counted.items(), key=lambda item: (-item[1], item[0]))]
 
 
+def _label_changes(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """Per rule label, over the paired episodes: how many carry it in A and in B, and the paired
+    transitions (``gained``: absent in A, present in B; ``lost``: the reverse), so that
+    ``b = a + gained - lost``."""
+    rows = []
+    for name in TAXONOMY:
+        in_a = [name in a["labels"] for a, _ in pairs]
+        in_b = [name in b["labels"] for _, b in pairs]
+        rows.append(
+            {
+                "label": name,
+                "a": sum(in_a),
+                "b": sum(in_b),
+                "gained": sum(not x and y for x, y in zip(in_a, in_b, strict=True)),
+                "lost": sum(x and not y for x, y in zip(in_a, in_b, strict=True)),
+            }
+        )
+    return {
+        "labels_version": LABELS_VERSION,
+        "episodes": len(pairs),
+        "clean_a": sum(not a["labels"] for a, _ in pairs),
+        "clean_b": sum(not b["labels"] for _, b in pairs),
+        "rows": rows,
+    }
+
+
 def _slices(pairs: list[tuple[dict[str, Any], dict[str, Any]]], *, resamples: int, seed: int) -> list[dict[str, Any]]:
     by_category: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
     for a, b in pairs:
@@ -416,6 +441,7 @@ def compare_pair(
         "metrics": _metric_table(metrics, pairs, resamples=resamples, seed=seed),
         "per_task": _per_task(pairs),
         "termination_transitions": _transitions(pairs),
+        "labels": _label_changes(pairs),
         "categories": _slices(pairs, resamples=resamples, seed=seed),
     }
 
@@ -436,6 +462,7 @@ def _run_block(run: LoadedRun) -> dict[str, Any]:
         "success_ci95": primary["success_ci95"],
         "reward_mean_itt": itt["reward_mean"],
         "unreadable_lines": run.unreadable_lines,
+        "labels": run.label_counts.to_dict() if run.label_counts is not None else None,
     }
 
 
@@ -504,6 +531,18 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "
     return lines
 
 
+def _label_lines(changes: dict[str, Any]) -> list[str]:
+    """The rule-label table of a comparison: labels no paired episode carries in either run are left out."""
+    rows = [
+        [row["label"], str(row["a"]), str(row["b"]), f"+{row['gained']}", f"-{row['lost']}"]
+        for row in changes["rows"]
+        if row["a"] or row["b"]
+    ]
+    rows.append(["(no label)", str(changes["clean_a"]), str(changes["clean_b"]), "", ""])
+    head = f"  rule labels over the {changes['episodes']} paired episodes ({changes['labels_version']}; gained: not in A, in B):"
+    return [head, *_table(["label", "A", "B", "gained", "lost"], rows, indent="    ")]
+
+
 def format_comparison(result: dict[str, Any]) -> str:
     """The comparison as text for a terminal."""
     boot = result["bootstrap"]
@@ -559,6 +598,7 @@ def format_comparison(result: dict[str, Any]) -> str:
         )
         lines.append("  termination (A -> B):")
         lines += [f"    {t['a']} -> {t['b']}: {t['episodes']}" for t in comparison["termination_transitions"]]
+        lines += _label_lines(comparison["labels"])
         lines.append("  by category (reward):")
         slice_rows = []
         for piece in comparison["categories"]:

@@ -138,6 +138,25 @@ class _Coverage:
         }
 
 
+def _selected_records(
+    run: Run, select: str, selection: dict[str, Any], coverage: _Coverage
+) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each selected episode's record and row, refusing test-split records on the way; counts
+    every episode of the run into the report's ``selection`` and the coverage's ``in_run`` and
+    ``selected`` stages (``kept`` is the exporter's to count)."""
+    for record in refusing_test_records(run.records(), run.location):
+        row = episode_row(record)
+        selection["episodes_in_run"] += 1
+        coverage.count("in_run", row)
+        why = _selected(row, select)
+        if why is not None:
+            selection["not_selected"][why] = selection["not_selected"].get(why, 0) + 1
+            continue
+        selection["selected"] += 1
+        coverage.count("selected", row)
+        yield record, row
+
+
 def _normalised_ids(records: list[dict[str, Any]]) -> str:
     """Canonical JSON of an episode's records with tool-call ids replaced by their order of
     appearance: ids are random per call, so two identical episodes differ only there."""
@@ -220,17 +239,8 @@ def export_sft(
     dropped: list[dict[str, Any]] = []
     candidates: list[tuple[str, str, np.ndarray, dict[str, Any]]] = []
     with _spool(output) as spool:
-        for record in refusing_test_records(run.records(), run.location):
-            row = episode_row(record)
+        for record, row in _selected_records(run, select, selection, coverage):
             episode_id = str(row["episode_id"])
-            selection["episodes_in_run"] += 1
-            coverage.count("in_run", row)
-            why = _selected(row, select)
-            if why is not None:
-                selection["not_selected"][why] = selection["not_selected"].get(why, 0) + 1
-                continue
-            selection["selected"] += 1
-            coverage.count("selected", row)
             try:
                 records = sft_records(record, include=include)
             except (TraceShapeError, RedactionError) as exc:
@@ -401,16 +411,7 @@ def export_judge_input(
     selection = summary["selection"]
     coverage = _Coverage()
     with _spool(output) as spool:
-        for record in refusing_test_records(run.records(), run.location):
-            row = episode_row(record)
-            selection["episodes_in_run"] += 1
-            coverage.count("in_run", row)
-            why = _selected(row, select)
-            if why is not None:
-                selection["not_selected"][why] = selection["not_selected"].get(why, 0) + 1
-                continue
-            selection["selected"] += 1
-            coverage.count("selected", row)
+        for record, row in _selected_records(run, select, selection, coverage):
             coverage.count("kept", row)
             spool.add(str(row["episode_id"]), [orjson.dumps(judge_input(record, include), option=orjson.OPT_APPEND_NEWLINE)])
         written = sorted(spool.spans)

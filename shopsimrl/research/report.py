@@ -27,7 +27,9 @@ import matplotlib as mpl
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from shopsimrl.manifest import flatten
 from shopsimrl.research.compare import LoadedRun, compare_loaded, load_run
+from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY
 from shopsimrl.research.paired_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
 __all__ = ["Report", "build_report", "write_report"]
@@ -310,14 +312,6 @@ def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, classes
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, dict) and value:
-        for key, inner in value.items():
-            _flatten(inner, f"{prefix}.{key}" if prefix else str(key), out)
-    else:
-        out[prefix] = value
-
-
 def _runs_section(runs: Sequence[LoadedRun], labels: list[str]) -> str:
     rows = []
     for run, label in zip(runs, labels, strict=True):
@@ -350,11 +344,7 @@ def _runs_section(runs: Sequence[LoadedRun], labels: list[str]) -> str:
         ],
         rows,
     )
-    plans: list[dict[str, Any]] = []
-    for run in runs:
-        flat: dict[str, Any] = {}
-        _flatten({k: v for k, v in (run.plan or {}).items() if k != "jobs"}, "", flat)
-        plans.append(flat)
+    plans = [flatten({k: v for k, v in (run.plan or {}).items() if k != "jobs"}) for run in runs]
     keys = sorted({key for flat in plans for key in flat})
     plan_rows, plan_classes = [], []
     for key in keys:
@@ -388,10 +378,41 @@ def _runs_section(runs: Sequence[LoadedRun], labels: list[str]) -> str:
         + identities
         + "<h3>Headline (the summary's numbers: completed episodes; intervals clustered by task)</h3>"
         + headline
+        + _labels_table(runs, labels)
         + "<details><summary>Plan of each run (differing keys highlighted)</summary>"
         + plan_note
         + plan
         + "</details></section>"
+    )
+
+
+def _share(count: int, total: int) -> str:
+    return f"{count} ({100 * count / total:.1f}%)" if total else str(count)
+
+
+def _labels_table(runs: Sequence[LoadedRun], labels: list[str]) -> str:
+    """Episodes per rule label per run, with their share of the run's episodes."""
+    counts = [run.label_counts for run in runs]
+    if any(counted is None for counted in counts):
+        return ""
+    known = [counted for counted in counts if counted is not None]
+    rows = [[_e(name), *(_share(c.labels.get(name, 0), c.episodes) for c in known)] for name in TAXONOMY]
+    rows.append(["(no label)", *(_share(c.clean, c.episodes) for c in known)])
+    rows.append(["episodes labelled", *(_e(c.episodes) for c in known)])
+    return f"<h3>Rule labels (episodes per label and share of the run's episodes; {_e(LABELS_VERSION)})</h3>" + _html_table(
+        ["label", *labels], rows
+    )
+
+
+def _comparison_labels(changes: dict[str, Any]) -> str:
+    rows = [
+        [_e(row["label"]), _e(row["a"]), _e(row["b"]), _e(row["gained"]), _e(row["lost"])]
+        for row in changes["rows"]
+        if row["a"] or row["b"]
+    ]
+    rows.append(["(no label)", _e(changes["clean_a"]), _e(changes["clean_b"]), "", ""])
+    return f"<h3>Rule labels over the {changes['episodes']} paired episodes</h3>" + _html_table(
+        ["label", "A", "B", "gained (not in A, in B)", "lost (in A, not in B)"], rows
     )
 
 
@@ -458,6 +479,7 @@ def _comparison_section(comparison: dict[str, Any], title: str) -> str:
         f"{dropped}<h3>Plan differences</h3><ul>{plan}</ul>"
         f"<h3>Paired differences</h3>{metrics}"
         f"<h3>Termination reasons (A → B)</h3>{transitions}"
+        f"{_comparison_labels(comparison['labels'])}"
         f"<details><summary>Per task: {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses for B</summary>{tasks}{more_note}</details>"
         f"<details><summary>By catalog category</summary>{categories}</details></section>"
     )

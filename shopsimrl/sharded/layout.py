@@ -255,8 +255,8 @@ def part_order(name: str) -> tuple[int, str]:
 class ShardedRunStore(ObjectStore):
     """One run location: manifest, shard map, trace parts, commit markers, summary."""
 
-    def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
-        super().__init__(uri, retry=retry)
+    def __init__(self, uri: str, *, retry: RetryPolicy | None = None, read_concurrency: int | None = None) -> None:
+        super().__init__(uri, retry=retry, read_concurrency=read_concurrency)
         self.manifest_sha256: str | None = None
         """sha256 of manifest.json as last read or written here."""
 
@@ -356,6 +356,13 @@ class ShardedRunStore(ObjectStore):
 
     def read_part(self, index: int, name: str) -> bytes | None:
         return self.read_bytes(f"{self.shard_dir(index)}/{name}")
+
+    def read_parts(self, index: int, names: Iterable[str]) -> Iterator[tuple[str, bytes | None]]:
+        """``(name, read_part(index, name))`` for each part, in the order given, fetched
+        :attr:`read_concurrency` at a time (:meth:`ObjectStore.read_many`)."""
+        prefix = f"{self.shard_dir(index)}/"
+        for rel, data in self.read_many(prefix + name for name in names):
+            yield rel[len(prefix) :], data
 
     def write_part(self, index: int, seq: int, writer: str, lines: bytes, *, compressed: bool = True) -> tuple[str, bytes]:
         """Write one immutable part of JSONL ``lines`` (zstd-compressed unless told otherwise);

@@ -19,14 +19,17 @@ exponential backoff (:mod:`shopsimrl.retry`); a store that stays down raises
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import itertools
 import json
 import math
 import os
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -288,13 +291,35 @@ def _write_local_temp(path: str, data: bytes) -> str:
     return tmp
 
 
+READ_CONCURRENCY = 16
+"""Object reads a reader keeps in flight by default (``SHOPSIMRL_STORE_READ_CONCURRENCY``)."""
+
+
+def read_concurrency_from_env() -> int:
+    """``SHOPSIMRL_STORE_READ_CONCURRENCY``: how many objects a reader fetches at once (1: one by one)."""
+    value = os.environ.get("SHOPSIMRL_STORE_READ_CONCURRENCY")
+    if not value:
+        return READ_CONCURRENCY
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if not 1 <= number <= 256:
+        raise RunLocationError(f"SHOPSIMRL_STORE_READ_CONCURRENCY must be a whole number from 1 to 256, got {value!r}")
+    return number
+
+
 class ObjectStore:
     """Whole objects under one run location, every call retried as :class:`RetryPolicy` allows."""
 
-    def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
+    def __init__(self, uri: str, *, retry: RetryPolicy | None = None, read_concurrency: int | None = None) -> None:
         self.uri = uri.rstrip("/") or uri
         self.display_uri = redact_uri(self.uri)
         self.retry = retry or RetryPolicy.from_env()
+        self.read_concurrency = read_concurrency if read_concurrency is not None else read_concurrency_from_env()
+        """Objects :meth:`read_many` keeps in flight."""
+        if self.read_concurrency < 1:
+            raise RunLocationError(f"read_concurrency must be at least 1, got {self.read_concurrency}")
         try:
             self.fs, self.root = _open_fs(uri)  # the unstripped form: "s3://" is not the path "s3:"
         except ImportError as exc:  # s3fs is not installed
@@ -331,6 +356,35 @@ class ObjectStore:
                 return None
 
         return self._call(f"read {rel} in", read)
+
+    def read_many(self, rels: Iterable[str]) -> Iterator[tuple[str, bytes | None]]:
+        """``(rel, read_bytes(rel))`` for each object, in the order given, fetched up to
+        :attr:`read_concurrency` at a time.
+
+        On S3 a reader's start-up is mostly the round trips of thousands of small GETs; here they
+        overlap. The window is bounded: at most ``read_concurrency`` objects are fetched ahead of
+        the one the caller is on, so a slow consumer holds no more than that. A read that fails
+        (after its retries) raises when its turn comes, as reading one by one would; the reads
+        still pending are then cancelled or waited for, never left running."""
+        pending = iter(rels)
+        if self.read_concurrency == 1:
+            for rel in pending:
+                yield rel, self.read_bytes(rel)
+            return
+        window: collections.deque[tuple[str, Future[bytes | None]]] = collections.deque()
+        with ThreadPoolExecutor(self.read_concurrency, thread_name_prefix="store-read") as pool:
+            try:
+                for rel in itertools.islice(pending, self.read_concurrency):
+                    window.append((rel, pool.submit(self.read_bytes, rel)))
+                while window:
+                    rel, future = window.popleft()
+                    data = future.result()
+                    for more in itertools.islice(pending, 1):  # one in, one out: the window stays full
+                        window.append((more, pool.submit(self.read_bytes, more)))
+                    yield rel, data
+            finally:
+                for _, future in window:
+                    future.cancel()
 
     def read_json(self, rel: str) -> Any | None:
         data = self.read_bytes(rel)

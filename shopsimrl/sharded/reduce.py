@@ -85,8 +85,8 @@ def _read_parts(store: ShardedRunStore, index: int, names: list[str]) -> dict[st
     """Read each part once: its sha256 and its bytes as held until the shard is tallied
     (compressed: a plain part of an earlier version is compressed here), None when missing."""
     held: dict[str, tuple[str, bytes] | None] = {}
-    for name in names:
-        data = store.read_part(index, name)
+    # Fetched several at a time (the store's read window); hashed and held in part order.
+    for name, data in store.read_parts(index, names):
         held[name] = None if data is None else (sha256_hex(data), data if name.endswith(".zst") else encode_part(data))
     return held
 

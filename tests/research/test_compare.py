@@ -14,7 +14,9 @@ import pytest
 
 from shopsimrl.local_run import LocalRunStore
 from shopsimrl.research.compare import CompareError, compare_loaded, compare_runs, format_comparison, load_run
+from shopsimrl.research.labels import TAXONOMY, label_counts
 from shopsimrl.research.paired_stats import cluster_sums, percentile_interval, resampled_differences
+from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, fingerprint
 
 from .conftest import ResearchRuns
@@ -64,6 +66,25 @@ def test_the_naive_policy_is_found_worse_with_an_interval_excluding_zero(researc
     )
     text = format_comparison(result)
     assert "plan differences: none" in text and "McNemar p=" in text
+    # Rule labels, labelled from the traces: each run's counts are those of `shopsimrl labels`,
+    # and per label the paired episodes that gained or lost it.
+    for block, location in zip(result["runs"], (research_runs.local, naive_run), strict=True):
+        assert block["labels"] == label_counts(open_run(location)).to_dict()
+    labels = {row["label"]: row for row in comparison["labels"]["rows"]}
+    assert list(labels) == list(TAXONOMY) and comparison["labels"]["episodes"] == research_runs.episodes
+    for row in labels.values():
+        assert row["a"] + row["gained"] - row["lost"] == row["b"], row
+    options = labels["wrong_or_missing_options"]
+    assert options["gained"] > 0 and options["b"] == result["runs"][1]["labels"]["labels"]["wrong_or_missing_options"]
+    line = next(line for line in text.splitlines() if line.strip().startswith("wrong_or_missing_options"))
+    assert line.split() == [
+        "wrong_or_missing_options",
+        str(options["a"]),
+        str(options["b"]),
+        f"+{options['gained']}",
+        f"-{options['lost']}",
+    ]
+    assert "rule labels over the 24 paired episodes" in text
 
 
 def test_two_runs_of_the_same_policy_include_zero_local_against_sharded(
@@ -77,6 +98,9 @@ def test_two_runs_of_the_same_policy_include_zero_local_against_sharded(
         assert entry["ci95"][0] <= 0 <= entry["ci95"][1], entry
     assert metric(comparison, "success")["mcnemar"]["p_value"] == 1.0
     assert comparison["termination_transitions"] == [{"a": "purchase", "b": "purchase", "episodes": research_runs.episodes}]
+    # The same labels episode by episode: nothing gained or lost, the same counts as the local run.
+    assert all(row["gained"] == row["lost"] == 0 and row["a"] == row["b"] for row in comparison["labels"]["rows"])
+    assert result["runs"][0]["labels"] == result["runs"][1]["labels"]
 
 
 def test_the_cli_compares_each_run_with_the_first_in_order(research_runs: ResearchRuns, naive_run: Path, tmp_path: Path) -> None:

@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shopsimrl.research.report import write_report
+from shopsimrl.research.compare import load_run
+from shopsimrl.research.labels import label_counts
+from shopsimrl.research.report import build_report, write_report
+from shopsimrl.research.runs import open_run
 
 from .conftest import ResearchRuns, console_errors, screenshot
 
@@ -76,7 +79,7 @@ def test_a_checkpoint_sweep_report_renders_every_plot(
     browser.execute_script("arguments[0].scrollIntoView()", forest)
     screenshot(browser, "report-sweep-forest")
     # The paired table shows the naive run's loss, with its interval, as compare prints it.
-    table = browser.find_elements("css selector", "section table")[3].text
+    table = browser.find_elements("css selector", "section table")[4].text  # after identity, headline, labels, plan
     assert re.search(r"reward 24 0\.\d{3} 0\.\d{3} -0\.\d{3} \[-0\.\d{3}, -0\.\d{3}\]", table), table
 
 
@@ -117,3 +120,36 @@ def test_report_bad_input_exits_2(research_runs: ResearchRuns, tmp_path: Path) -
     assert done.returncode == 2 and "cannot be paired" in done.stderr and not (tmp_path / "r.html").exists()
     done = report(str(research_runs.legacy), "-o", str(tmp_path / "no-such-dir" / "r.html"))
     assert done.returncode == 2 and "-o" in done.stderr and "Traceback" not in done.stderr
+
+
+def _cells(page_html: str, heading: str) -> dict[str, list[str]]:
+    """The table after ``heading`` as first cell → the other cells (text only)."""
+    table = page_html[page_html.index(heading) :]
+    table = table[: table.index("</table>")]
+    rows = {}
+    for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table):
+        cells = [re.sub(r"<[^>]+>", "", cell) for cell in re.findall(r"<td>(.*?)</td>", row)]
+        if cells:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_label_counts_per_run_and_their_paired_transitions(research_runs: ResearchRuns, naive_run: Path) -> None:
+    """The heuristic run then the naive-policy run: each run's counts are those of ``shopsimrl
+    labels`` (labelled from the traces), and the comparison shows the labels gained and lost."""
+    runs = [load_run(str(research_runs.local)), load_run(str(naive_run))]
+    page_html = build_report(runs).html
+    per_run = _cells(page_html, "<h3>Rule labels (episodes per label")
+    expected = [label_counts(open_run(location)) for location in (research_runs.local, naive_run)]
+    for name in ("wrong_or_missing_options", "wrong_product"):
+        shown = [cell.split(" ")[0] for cell in per_run[name]]
+        assert shown == [str(counts.labels[name]) for counts in expected], per_run[name]
+    assert per_run["episodes labelled"] == [str(research_runs.episodes)] * 2
+    # The naive policy never chooses options: it gains the label on episodes the heuristic got right.
+    assert expected[1].labels["wrong_or_missing_options"] > expected[0].labels["wrong_or_missing_options"]
+    share = 100 * expected[1].labels["wrong_or_missing_options"] / research_runs.episodes
+    assert per_run["wrong_or_missing_options"][1].endswith(f"({share:.1f}%)")
+    paired = _cells(page_html, "<h3>Rule labels over the 24 paired episodes")
+    a, b, gained, lost = (int(cell) for cell in paired["wrong_or_missing_options"])
+    assert (a, b) == (expected[0].labels["wrong_or_missing_options"], expected[1].labels["wrong_or_missing_options"])
+    assert gained > 0 and a + gained - lost == b

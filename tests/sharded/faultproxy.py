@@ -55,6 +55,8 @@ class FaultPlan:
     drop_probability: float = 0.0
     lost_response_probability: float = 0.0
     always_503: bool = False
+    delay_s: float = 0.0
+    """A wait before each request is handled: the round trip of a store that is not on loopback."""
     script: list[Scripted] = field(default_factory=list)
 
 
@@ -157,6 +159,8 @@ class FaultProxy:
                     body = await reader.readexactly(int(lower["content-length"]))
                 elif lower.get("transfer-encoding", "").lower() == "chunked":
                     body = await self._read_chunked(reader)
+                if self.plan.delay_s:
+                    await asyncio.sleep(self.plan.delay_s)
                 action = self._decide(method, target)
                 if action != "forward":
                     self.injected[action] += 1

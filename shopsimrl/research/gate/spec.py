@@ -36,7 +36,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shopsimrl.config import safe_name
+from shopsimrl.config import format_validation_error, safe_name
 
 __all__ = ["GateSpec", "GateSpecError", "load_gate_spec"]
 
@@ -139,10 +139,7 @@ def load_gate_spec(path: str | Path) -> GateSpec:
     try:
         parsed = _GateFile.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "<root>"
-        problem = {"extra_forbidden": "unknown key", "missing": "required key is missing"}.get(error["type"], error["msg"])
-        raise GateSpecError(f"invalid gate config {source}: {where}: {problem}") from None
+        raise GateSpecError(format_validation_error(f"gate config {source}", exc)) from None
     if (parsed.gate_a is None) == (parsed.online_gate is None):
         raise GateSpecError(f"gate config {source} needs exactly one of the sections 'gate_a' and 'online_gate'")
     base = source.resolve().parent
