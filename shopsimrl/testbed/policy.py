@@ -309,6 +309,8 @@ class _PolicyServer:
         s = self.settings
         model = body.get("model")
         if model == s.judge_model_id:
+            if s.latency_ms > 0:
+                await asyncio.sleep(s.latency_ms / 1000)
             return self._judge(body)
         # Like vLLM, an omitted model means the served one.
         if s.strict_model and model is not None and model != s.model_id:

@@ -133,7 +133,9 @@ def judge_summary(
     repaired = 0
     usage: dict[str, int] = {}
     judged: list[tuple[dict[str, Any], dict[str, Any], list[str]]] = []
-    for record in records:
+    # By episode id: the interval's resamples draw tasks in first-seen order, so a local stage
+    # (records in completion order) and a reduced one give the same summary.
+    for record in sorted(records, key=lambda item: str(item["episode_id"])):
         statuses[record["status"]] = statuses.get(record["status"], 0) + 1
         for key, value in (record.get("usage") or {}).items():
             usage[key] = usage.get(key, 0) + int(value)
