@@ -1080,12 +1080,14 @@ def judge_worker(
 @judge_app.command("reduce")
 def judge_reduce(
     location: str = typer.Argument(..., metavar="URI", help="The judge location."),
+    wait: bool = typer.Option(False, "--wait", help="First wait for the plan and every shard's commit (at most --timeout)."),
+    timeout: float = typer.Option(86400.0, "--timeout", min=0, help="With --wait: seconds to wait at most."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """judge_outputs.jsonl and judge_summary.json from the committed shards. Exit 1: incomplete."""
     _setup_logging(quiet, verbose)
-    _judge_report(_judge_call(lambda judge: judge.judge_reduce(location)))
+    _judge_report(_judge_call(lambda judge: judge.judge_reduce(location, timeout if wait else None)))
 
 
 # ----------------------------------------------------------------------------- testbed

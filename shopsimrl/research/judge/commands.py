@@ -88,8 +88,8 @@ def judge_worker(config_path: Path, out: str, index: int | None) -> ExitCode:
     return run_judge_worker(config, out, index)
 
 
-def judge_reduce(uri: str) -> ReduceResult:
-    return reduce_judge(uri)
+def judge_reduce(uri: str, wait_s: float | None = None) -> ReduceResult:
+    return reduce_judge(uri, wait_s=wait_s)
 
 
 def judge_run(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -272,10 +273,31 @@ def _committed(store: ShardedRunStore, plan: JudgePlan, index: int) -> list[tupl
     return [(name, data) for name in names if (data := cache[name]) is not None]
 
 
-def reduce_judge(uri: str) -> ReduceResult:
-    """One record per episode from the committed shards → ``judge_outputs.jsonl`` and
-    ``judge_summary.json`` at the judge location."""
+def wait_for_commits(uri: str, *, timeout_s: float, interval_s: float = 5.0) -> list[int]:
+    """Wait until every shard of the plan has a commit marker that verifies, at most
+    ``timeout_s``; returns the shards still without one (the reducer Job of the chart starts
+    beside the workers)."""
     store = ShardedRunStore(uri)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        plan = read_plan(store)
+        missing = [index for index in range(plan.shards) if _committed(store, plan, index) is None]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        log.info("waiting_for_shards", missing=len(missing))
+        time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+
+
+def reduce_judge(uri: str, *, wait_s: float | None = None) -> ReduceResult:
+    """One record per episode from the committed shards → ``judge_outputs.jsonl`` and
+    ``judge_summary.json`` at the judge location. ``wait_s``: first wait that long at most for
+    every shard to commit (the plan too: a reducer may start before the planner is done)."""
+    store = ShardedRunStore(uri)
+    if wait_s is not None:
+        deadline = time.monotonic() + wait_s
+        while store.read_bytes(PLAN_NAME) is None and time.monotonic() < deadline:
+            time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        wait_for_commits(uri, timeout_s=max(0.0, deadline - time.monotonic()))
     plan = read_plan(store)
     chosen: dict[str, dict[str, Any]] = {}
     missing = []
