@@ -124,6 +124,13 @@ def test_rubric_with_unsupported_keywords_is_refused() -> None:
         rubric_from_bytes(text.encode("utf-8"), "edited.yaml")
 
 
+@pytest.mark.parametrize("name", ["judge_testbed.yaml", "judge_smoke_llm.yaml", "judge_demo/judge.yaml"])
+def test_shipped_judge_configs_load(name: str) -> None:
+    config = load_judge_config(REPO / "configs" / name)
+    assert load_rubric(config.resolve(config.rubric)).sha256 == load_rubric(RUBRIC).sha256
+    assert config.output is not None and not config.resolve(config.output).startswith(config.source_location + "/")
+
+
 def test_config_errors_name_the_file_and_key(tmp_path: Path) -> None:
     path = _config(tmp_path, "/nowhere", "http://127.0.0.1:1/v1")
     text = path.read_text(encoding="utf-8")
