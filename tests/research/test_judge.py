@@ -312,3 +312,49 @@ def test_sharded_judge_on_moto_matches_the_local_stage(
     assert summary["agreement"] == local_summary["agreement"] and summary["verdicts"] == local_summary["verdicts"]
     for name in ("judge_plan.json", "judge_summary.json", "judge_outputs.jsonl"):
         assert env["AWS_SECRET_ACCESS_KEY"] not in fs.cat_file(f"{bucket}/judge/research/{name}").decode()
+
+
+def test_sharded_worker_resumes_its_shard_after_kill_9(tmp_path: Path, research_runs: ResearchRuns) -> None:
+    """A worker killed mid-shard leaves whole parts; its successor (the Job's retry of the index)
+    judges only what they lack, and the reducer keeps one record per episode."""
+    out = str(tmp_path / "judge-location")
+    with start_testbed(SHOPSIM_POLICY_LATENCY_MS="150") as bed:
+        path = _config(tmp_path, str(research_runs.local), bed.model_url, concurrency=1)
+        assert cli("judge", "plan", str(path), "--shards", "1", "--out", out, env=_env()).returncode == 0
+        shard = tmp_path / "judge-location" / "shards" / "00000"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "judge", "worker", str(path), "--out", out, "--index", "0"],
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while not (shard.exists() and len(list(shard.glob("part-*"))) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline, "the worker ended before it could be killed"
+            time.sleep(0.02)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        assert not list(shard.glob("_SUCCESS*"))
+        resumed = cli("judge", "worker", str(path), "--out", out, "--index", "0", env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (started,) = [
+        line
+        for line in map(orjson.loads, (raw for raw in resumed.stderr.splitlines() if raw.startswith("{")))
+        if line.get("event") == "judge_shard_started"
+    ]
+    assert 6 <= started["already_judged"] < research_runs.episodes and started["already_judged"] % 3 == 0  # whole parts of 3
+    reduced = cli("judge", "reduce", out, env=_env())
+    assert reduced.returncode == 0, reduced.stderr[-3000:]
+    records = _lines(tmp_path / "judge-location" / "judge_outputs.jsonl")
+    assert len(records) == len({r["episode_id"] for r in records}) == research_runs.episodes
+    parts = [orjson.loads(line) for part in shard.glob("part-*") for line in _part_lines(part)]
+    assert len(parts) == research_runs.episodes  # nothing judged twice
+
+
+def _part_lines(path: Path) -> list[bytes]:
+    from shopsimrl.sharded.layout import part_lines
+
+    lines, whole = part_lines(path.name, path.read_bytes())
+    assert whole
+    return [line for line in lines.splitlines() if line.strip()]

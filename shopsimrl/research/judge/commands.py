@@ -73,9 +73,8 @@ def _inputs(config: JudgeConfig) -> Any:
 
 def judge_plan(config_path: Path, shards: int, out: str) -> JudgePlan:
     config, rubric, run = _load(config_path)
-    selected = [item for _row, item in _inputs(config)(run)]
-    text = Path(config.resolve(config.rubric)).read_text(encoding="utf-8")
-    return plan_judge(config, rubric, text, run, out, shards, selected)
+    text = Path(config.resolve(config.rubric)).read_bytes().decode("utf-8")  # the hashed bytes, newlines untouched
+    return plan_judge(config, rubric, text, run, out, shards, (item for _row, item in _inputs(config)(run)))
 
 
 def judge_worker(config_path: Path, out: str, index: int | None) -> ExitCode:

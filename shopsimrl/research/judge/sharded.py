@@ -25,15 +25,18 @@ before an ``error`` one, the first in part order otherwise.
 from __future__ import annotations
 
 import asyncio
+import io
 import secrets
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import IO, Any
 
 import orjson
 import structlog
+import zstandard
 
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError
@@ -44,7 +47,6 @@ from shopsimrl.schemas import fingerprint, sha256_hex
 from shopsimrl.sharded.layout import (
     ShardedRunStore,
     ShardMapError,
-    encode_part,
     marker_document,
     marker_part_problems,
     marker_problem,
@@ -109,35 +111,53 @@ def read_plan(store: ShardedRunStore) -> JudgePlan:
     return JudgePlan(document)
 
 
+def _encoded_shard(spool: IO[bytes], spans: list[tuple[int, int]]) -> bytes:
+    """One shard's judge inputs as a zstd part, compressed line by line from the spool (the
+    uncompressed shard is never held whole)."""
+    compressor = zstandard.ZstdCompressor(level=3, write_checksum=True).compressobj()
+    chunks = []
+    for offset, size in spans:
+        spool.seek(offset)
+        chunks.append(compressor.compress(spool.read(size)))
+    chunks.append(compressor.flush())
+    return b"".join(chunks)
+
+
 def plan_judge(
-    config: JudgeConfig, rubric: Rubric, rubric_text: str, run: Run, uri: str, shards: int, selected: list[dict[str, Any]]
+    config: JudgeConfig, rubric: Rubric, rubric_text: str, run: Run, uri: str, shards: int, selected: Iterable[dict[str, Any]]
 ) -> JudgePlan:
-    """Freeze the judge inputs (``selected``, one judge input per episode) into ``shards`` shards
-    at ``uri``. Planning again with the same config, rubric and shard count finds the plan."""
+    """Freeze the judge inputs (``selected``, one judge input per episode, streamed) into
+    ``shards`` shards at ``uri``: round-robin over the episode ids in sorted order. Planning again
+    with the same config, rubric and shard count finds the plan."""
     store = ShardedRunStore(uri)
     header = judge_header(config, rubric, run)
-    existing = store.read_bytes(PLAN_NAME)
-    if existing is not None:
+    if store.read_bytes(PLAN_NAME) is not None:
         plan = read_plan(store)
         if plan.fingerprint != header["judge"]["fingerprint"]:
             raise FingerprintMismatchError(store.display_uri, plan.fingerprint, header["judge"]["fingerprint"], [])
         if plan.shards != shards:
             raise ShardMapError(f"{store.display_uri} is frozen with {plan.shards} shards, not {shards}")
         return plan
-    if shards < 1 or shards > max(1, len(selected)):
-        raise ShardMapError(f"--shards {shards}: choose 1 to {max(1, len(selected))} (the episodes selected)")
-    ordered = sorted(selected, key=lambda item: str(item["episode_id"]))
-    shard_map, inputs = [], []
-    for index in range(shards):
-        items = ordered[index::shards]
-        ids = [str(item["episode_id"]) for item in items]
-        data = encode_part(b"".join(orjson.dumps(item, option=orjson.OPT_APPEND_NEWLINE) for item in items))
-        if not store.create(_inputs_name(index), data):
-            raise ShardMapError(f"{store.display_uri}/{_inputs_name(index)} holds other inputs; use another location")
-        shard_map.append(ids)
-        inputs.append(
-            {"name": _inputs_name(index), "sha256": sha256_hex(data), "records": len(items), "ids_sha256": fingerprint(ids)}
-        )
+    with tempfile.TemporaryFile("w+b") as spool:
+        # One line per episode in a spool, its span kept: memory holds ids and offsets only.
+        spans: dict[str, tuple[int, int]] = {}
+        for item in selected:
+            line = orjson.dumps(item, option=orjson.OPT_APPEND_NEWLINE)
+            spans[str(item["episode_id"])] = (spool.tell(), len(line))
+            spool.write(line)
+        if shards < 1 or shards > max(1, len(spans)):
+            raise ShardMapError(f"--shards {shards}: choose 1 to {max(1, len(spans))} (the episodes selected)")
+        ordered = sorted(spans)
+        shard_map, inputs = [], []
+        for index in range(shards):
+            ids = ordered[index::shards]
+            data = _encoded_shard(spool, [spans[episode] for episode in ids])
+            if not store.create(_inputs_name(index), data):
+                raise ShardMapError(f"{store.display_uri}/{_inputs_name(index)} holds other inputs; use another location")
+            shard_map.append(ids)
+            inputs.append(
+                {"name": _inputs_name(index), "sha256": sha256_hex(data), "records": len(ids), "ids_sha256": fingerprint(ids)}
+            )
     document = {
         "judge_plan_version": JUDGE_PLAN_VERSION,
         "created_at": datetime.now(UTC).isoformat(),
@@ -149,8 +169,19 @@ def plan_judge(
         "inputs": inputs,
     }
     if not store.create(PLAN_NAME, orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)):
-        return plan_judge(config, rubric, rubric_text, run, uri, shards, selected)  # a concurrent planner won
+        plan = read_plan(store)  # a concurrent planner won: the same plan, or a mismatch
+        if plan.fingerprint != header["judge"]["fingerprint"] or plan.shards != shards:
+            raise FingerprintMismatchError(store.display_uri, plan.fingerprint, header["judge"]["fingerprint"], [])
+        return plan
     return JudgePlan(document)
+
+
+def _stream_inputs(data: bytes) -> Iterator[dict[str, Any]]:
+    """A shard's judge inputs, decompressed line by line."""
+    reader = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)))
+    for raw in reader:
+        if raw.strip():
+            yield orjson.loads(raw)
 
 
 def _scan(store: ShardedRunStore, index: int) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], int]:
@@ -189,7 +220,7 @@ def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
         raise JudgePlanError(f"{store.display_uri}/{spec['name']} is missing or differs from the plan")
     writer = secrets.token_hex(4)
     done, entries, seq = _scan(store, index)
-    todo = [item for item in _records(spec["name"], data) if str(item["episode_id"]) not in done]
+    todo = (item for item in _stream_inputs(data) if str(item["episode_id"]) not in done)
     log.info("judge_shard_started", shard=index, episodes=spec["records"], already_judged=len(done), writer=writer)
     buffer: list[bytes] = []
     errors = 0
