@@ -10,7 +10,7 @@ CONSTRAINTS := constraints.txt
 # The llama.cpp server of the real-LLM test: an environment of its own, never .venv.
 LLM_CACHE ?= .cache/llm
 
-.PHONY: install test lint llm-server browser check-venv constraints demo demo-s3 gate-demo smoke smoke-llm bench reduce status clean
+.PHONY: install test lint llm-server browser check-venv constraints demo demo-s3 gate-demo judge-demo smoke smoke-llm bench reduce status clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo "install: $(VENV) with the project and its test extras, pinned by $(CONSTRAINTS) (about 2 minutes)"
@@ -65,6 +65,9 @@ demo-s3: $(STAMP)  ## the demo sharded 4 ways into s3://shopsimrl/demo on a loca
 
 gate-demo: $(STAMP)  ## a skill gate end to end on the testbed: bare val run, Gate A over 3 chunks, the fit (runs/gate-demo/)
 	BIN=$(BIN) scripts/gate-demo.sh
+
+judge-demo: $(STAMP)  ## the testbed judge over a 400-episode testbed val run, sharded 4 ways (runs/judge-demo/)
+	BIN=$(BIN) scripts/judge-demo.sh
 
 smoke: $(STAMP)  ## 3 episodes against the local testbed
 	BIN=$(BIN) scripts/testbed-run.sh configs/smoke.yaml

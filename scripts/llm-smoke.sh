@@ -60,6 +60,15 @@ else
   "$BIN/shopsimrl" run "$CONFIG" --no-progress "$@"
 fi
 rc=$?
+# The same model as a judge of the smoke run (configs/judge_smoke_llm.yaml): a 135M model mostly
+# fails the verdict schema, so unparseable verdicts are expected and never fail the smoke.
+JUDGE_CONFIG=${JUDGE_CONFIG:-configs/judge_smoke_llm.yaml}
+if [ "$rc" -le 1 ] && [ -f "$JUDGE_CONFIG" ] && [ "$CONFIG" = configs/smoke_llm.yaml ]; then
+  rm -rf -- runs/smoke-llm-judge
+  echo "judge: $JUDGE_CONFIG with the same server"
+  SHOPSIMRL_JUDGE_BASE_URL="$SHOPSIMRL_MODEL_BASE_URL" "$BIN/shopsimrl" judge "$JUDGE_CONFIG" -q \
+    || echo "judge: exit $? (not a smoke failure; see runs/smoke-llm-judge/judge_outputs.jsonl)"
+fi
 set -e
 # Throughput over the whole run, from llama.cpp's per-completion timing lines.
 awk '$2 == "prompt" && $3 == "eval" { pm += $6; pt += $9 }

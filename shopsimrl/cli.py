@@ -1,5 +1,5 @@
 """``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, env, testbed;
-over finished runs (``shopsimrl/research/``): compare, report, view, show, labels, export, gate.
+over finished runs (``shopsimrl/research/``): compare, report, view, show, labels, export, gate, judge.
 
 Exit codes are those of :mod:`shopsimrl.exitcodes` (0 done, 1 some episodes failed, 2 bad input,
 3 interrupted/retryable, 42 the run exists with another fingerprint).
@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import structlog
 import typer
 from pydantic import ValidationError
+from typer.core import TyperGroup
 
 from shopsimrl import eventloop
 from shopsimrl.config import (
@@ -1053,6 +1054,99 @@ def gate_fit(
         lambda gate, result: gate.format_result(result),
     )
     raise typer.Exit(int(result.code))
+
+
+# ----------------------------------------------------------------------------- judge
+
+
+class _JudgeGroup(TyperGroup):
+    """``shopsimrl judge JUDGE.yaml`` is ``shopsimrl judge run JUDGE.yaml``: a first argument
+    that names no subcommand is the config."""
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["run", *args]
+        return super().resolve_command(ctx, args)
+
+
+judge_app = typer.Typer(
+    cls=_JudgeGroup,
+    help="The offline judge: a judge model's verdicts on a frozen run (JUDGE.yaml), local or sharded.",
+    **HELP_STYLE,
+)
+app.add_typer(judge_app, name="judge")
+JUDGE_CONFIG = typer.Argument(..., metavar="JUDGE.yaml", help="Judge config: source run, rubric, judge model, selection.")
+
+
+def _judge_call(call: Any) -> Any:
+    judge = _import_extra("shopsimrl.research.judge.commands", "research")
+    try:
+        return call(judge)
+    except Exception as exc:
+        code = judge.exit_code_for(exc)
+        if code is None:
+            raise
+        _fail(code, str(exc))
+
+
+def _judge_report(result: Any) -> NoReturn:
+    typer.echo(_judge_call(lambda judge: judge.format_summary(result.summary, result.outputs, result.summary_path)))
+    code = result.code if hasattr(result, "code") else (ExitCode.EPISODES_FAILED if result.errors else ExitCode.OK)
+    raise typer.Exit(int(code))
+
+
+@judge_app.command("run")
+def judge_run(
+    judge_config: Path = JUDGE_CONFIG,
+    shards: int | None = typer.Option(None, "--shards", min=1, help="Judge as N shards (local Indexed Job), then reduce."),
+    out: str | None = typer.Option(None, "--out", help="With --shards: the judge location (a directory or an s3:// URI)."),
+    parallelism: int | None = typer.Option(None, "--parallelism", min=1, help="With --shards: workers at once (default N)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Judge the selected episodes (resumable). Exit 1: some episodes are not judged yet (rerun)."""
+    _setup_logging(quiet, verbose)
+    _judge_report(_judge_call(lambda judge: judge.judge_run(judge_config, shards=shards, out=out, parallelism=parallelism)))
+
+
+@judge_app.command("plan")
+def judge_plan(
+    judge_config: Path = JUDGE_CONFIG,
+    shards: int = typer.Option(..., "--shards", min=1, help="Number of shards."),
+    out: str = typer.Option(..., "--out", help="The judge location (a directory or an s3:// URI)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Freeze the selected episodes' judge inputs, the rubric and the settings as N shards."""
+    _setup_logging(quiet, verbose)
+    plan = _judge_call(lambda judge: judge.judge_plan(judge_config, shards, out))
+    typer.echo(f"judge plan {plan.fingerprint[:12]}… · {plan.document['selected']} episodes · {plan.shards} shards · {out}")
+
+
+@judge_app.command("worker")
+def judge_worker(
+    judge_config: Path = JUDGE_CONFIG,
+    out: str = typer.Option(..., "--out", help="The judge location the plan is at."),
+    index: int | None = typer.Option(None, "--index", min=0, help="Shard index (default: JOB_COMPLETION_INDEX)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Judge one shard (resumable) and commit it. Exit 1: some episodes ended in error."""
+    _setup_logging(quiet, verbose)
+    raise typer.Exit(int(_judge_call(lambda judge: judge.judge_worker(judge_config, out, index))))
+
+
+@judge_app.command("reduce")
+def judge_reduce(
+    location: str = typer.Argument(..., metavar="URI", help="The judge location."),
+    wait: bool = typer.Option(False, "--wait", help="First wait for the plan and every shard's commit (at most --timeout)."),
+    timeout: float = typer.Option(86400.0, "--timeout", min=0, help="With --wait: seconds to wait at most."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """judge_outputs.jsonl and judge_summary.json from the committed shards. Exit 1: incomplete."""
+    _setup_logging(quiet, verbose)
+    _judge_report(_judge_call(lambda judge: judge.judge_reduce(location, timeout if wait else None)))
 
 
 # ----------------------------------------------------------------------------- testbed

@@ -284,7 +284,7 @@ def test_shard_index_reaches_the_worker_from_the_indexed_job(matrix: dict[str, l
         # every pod to one shard.
         assert "JOB_COMPLETION_INDEX" not in env, name
         assert not any("shard-index" in a or "JOB_COMPLETION_INDEX" in a for a in worker["args"]), name
-        assert worker["args"][:1] == ["worker"]
+        assert worker["args"][:2] == (["judge", "worker"] if name == "judge-values.yaml" else ["worker", "--run"])
         assert env["SHOPSIMRL_SHARDS"]["value"] == str(job["spec"]["completions"]), name
         assert env["SHOPSIMRL_RUN"]["value"].startswith(("s3://", "/")), name
         assert env["SHOPSIMRL_CONFIG"]["value"].startswith("/app/configs/"), name
@@ -339,7 +339,8 @@ def test_fail_index_covers_every_container_that_reads_the_config(helm: Helm, mat
         containers = {c["name"] for c in [*pod.get("initContainers", []), *pod["containers"]]}
         named = {r["onExitCodes"]["containerName"] for r in spec["podFailurePolicy"]["rules"] if r["action"] == "FailIndex"}
         assert named == containers, name
-        assert ("wait-ready" in named) is (name != "readiness off"), name
+        # A judge worker reads frozen traces and calls the judge model: no readiness probe.
+        assert ("wait-ready" in named) is (name not in ("readiness off", "judge-values.yaml")), name
 
 
 def test_reducer_ends_with_a_partial_summary_and_is_not_retried_once_it_wrote_one(matrix: dict[str, list[Doc]]) -> None:
@@ -523,9 +524,14 @@ def test_rendered_config_loads_with_shopsimrl_as_the_pod_would(
 ) -> None:
     """Lay the ConfigMap over a copy of the image's /app/configs and load it with shopsimrl."""
     from shopsimrl.config import load_experiment_config
+    from shopsimrl.research.judge.config import load_judge_config, load_rubric
     from shopsimrl.tasks import load_task_split
 
     config_path = _materialize_config(matrix[values.name], tmp_path)
+    if values.name == "judge-values.yaml":
+        judge = load_judge_config(config_path)
+        assert load_rubric(judge.resolve(judge.rubric)).version == "shopsimrl-judge-rubric-v1"
+        return
     config = load_experiment_config(config_path, load_dotenv=False)
     split = load_task_split(config.resolve(config.tasks.split_file), config.tasks.split)
     assert split.task_ids
@@ -1169,3 +1175,56 @@ def test_kustomizations_render_valid_manifests(helm: Helm, overlay: str) -> None
     if overlay == "overlays/prod":
         assert ("PersistentVolumeClaim", "hf-cache") in kinds
         assert not any(k == "minio" for _, k in kinds)
+
+
+# --------------------------------------------------------------------------- judge mode
+
+
+def test_judge_mode_runs_the_judge_stage_in_the_same_jobs(matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["judge-values.yaml"]
+    job = only(docs, "Job", "job-worker.yaml")
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 4
+    pod = job["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    worker = container(pod, "worker")
+    assert worker["args"] == ["judge", "worker", "$(SHOPSIMRL_CONFIG)", "--out", "$(SHOPSIMRL_RUN)"]
+    env = env_of(worker)
+    assert env["SHOPSIMRL_RUN"]["value"] == "s3://shopsimrl/judge/testbed-val"
+    assert (
+        env["SHOPSIMRL_JUDGE_BASE_URL"]["value"].endswith(":8000/v1")
+        and "testbed-policy" in env["SHOPSIMRL_JUDGE_BASE_URL"]["value"]
+    )
+    assert "SHOPSIMRL_MODEL_BASE_URL" not in env and "SHOPSIMRL_ENV_BASE_URL" not in env
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "minio-credentials"
+    reducer = container(only(docs, "Job", "job-reducer.yaml")["spec"]["template"]["spec"], "reducer")
+    assert reducer["args"][:5] == ["judge", "reduce", "$(SHOPSIMRL_RUN)", "--wait", "--timeout"]
+    config = yaml.safe_load(only(docs, "ConfigMap")["data"]["testbed-val-judge.yaml"])
+    assert config["source"] == "s3://shopsimrl/runs/testbed-val" and config["model"]["model"] == "shopsim-judge"
+
+
+def test_judge_mode_config_is_checked_by_schema_and_template(helm: Helm, tmp_path: Path) -> None:
+    values = CHART / "ci" / "judge-values.yaml"
+    data = yaml.safe_load(values.read_text())
+    del data["config"]["source"]
+    broken = tmp_path / "no-source.yaml"
+    broken.write_text(yaml.safe_dump(data))
+    proc = helm.template(broken, check=False)
+    assert proc.returncode != 0 and "source" in proc.stderr
+    as_string = tmp_path / "string.yaml"
+    as_string.write_text(
+        yaml.safe_dump(
+            {
+                **data,
+                "config": yaml.safe_dump({k: v for k, v in data["config"].items() if k != "rubric"} | {"source": "s3://b/r"}),
+            }
+        )
+    )
+    proc = helm.template(as_string, check=False)
+    assert proc.returncode != 0 and "config.rubric: missing; in judge mode" in proc.stderr
+    proc = helm.template(values, sets={"mode": "grade"}, check=False)
+    assert proc.returncode != 0 and "mode" in proc.stderr
+    # An experiment config in judge mode lacks the judge's keys; a judge config in rollout mode lacks tasks.
+    proc = helm.template(CHART / "ci" / "default-values.yaml", sets={"mode": "judge"}, check=False)
+    assert proc.returncode != 0 and "source" in proc.stderr
+    proc = helm.template(values, sets={"mode": "rollout"}, check=False)
+    assert proc.returncode != 0 and "tasks" in proc.stderr

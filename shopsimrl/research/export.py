@@ -48,6 +48,7 @@ __all__ = [
     "check_sft_file",
     "export_judge_input",
     "export_sft",
+    "iter_judge_inputs",
     "judge_input",
     "report_path_for",
 ]
@@ -390,6 +391,25 @@ def judge_input(record: dict[str, Any], include: frozenset[str] = frozenset()) -
         data["goal"] = {key: value for key, value in _map(final.get("goal")).items() if key != "user_persona"} or None
     data |= {"transcript": transcript, "outcome": outcome}
     return data
+
+
+def iter_judge_inputs(
+    run: Run, *, select: str = "completed", include: frozenset[str] = frozenset(), not_selected: dict[str, int] | None = None
+) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """``(episode_row, judge_input)`` of every episode ``select`` takes, in reading order: the
+    selection and redaction of ``export judge-input``, for the judge stage. The held-out test
+    split is refused. ``not_selected`` (when given) counts the others by reason."""
+    if select not in SELECTIONS:
+        raise ExportError(f"--select {select!r}: choose one of {', '.join(SELECTIONS)}")
+    refuse_test_split(run)
+    for record in refusing_test_records(run.records(), run.location):
+        row = episode_row(record)
+        why = _selected(row, select)
+        if why is not None:
+            if not_selected is not None:
+                not_selected[why] = not_selected.get(why, 0) + 1
+            continue
+        yield row, judge_input(record, include)
 
 
 def export_judge_input(

@@ -228,8 +228,12 @@ def run_indexed(
     stop_timeout_s: float = 120.0,
     on_event: WorkerEventListener | None = None,
     on_tick: Callable[[], None] | None = None,
+    command: list[str] | None = None,
 ) -> ShardedRunResult:
     """Run indexes 0…shards-1 as worker processes, at most ``parallelism`` at once.
+
+    ``command``: another worker command line (the judge stage's workers); default ``shopsimrl
+    worker`` for ``run`` and ``config``.
 
     ``on_event(index, record)`` receives every JSON log record of the workers; ``on_tick()`` is
     called about every ``poll_interval_s`` (a progress bar redraws its clock)."""
@@ -278,7 +282,7 @@ def run_indexed(
                 index = ready[0]
                 waiting.remove(index)
                 running[index] = process = subprocess.Popen(
-                    _worker_command(run, config, shards, final_test, retry_failed),
+                    command or _worker_command(run, config, shards, final_test, retry_failed),
                     env={**base_env, "JOB_COMPLETION_INDEX": str(index), "SHOPSIMRL_PARALLELISM": str(parallelism)},
                     stdin=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,

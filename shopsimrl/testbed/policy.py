@@ -37,6 +37,7 @@ from starlette.routing import Route
 from shopsimrl.schemas import canonical_json, sha256_hex
 from shopsimrl.testbed.heuristics import Decision, decide
 from shopsimrl.testbed.heuristics_naive import decide_naive
+from shopsimrl.testbed.judge import judge_reply
 from shopsimrl.testbed.serving import serve_forever
 
 __all__ = ["FAULT_KINDS", "PolicySettings", "create_app", "serve"]
@@ -83,6 +84,12 @@ class PolicySettings(BaseSettings):
     strategy: Literal["heuristic", "naive"] = "heuristic"
     """``naive``: open the first search result and buy it without choosing options (the first
     value of an axis the shop requires), a weaker policy for comparisons between runs."""
+    judge_model_id: str = Field("shopsim-judge", min_length=1)
+    """Requests naming this model are answered by the deterministic judge
+    (:mod:`shopsimrl.testbed.judge`), not the shopping policy."""
+    judge_fault_rate: float = Field(0.0, ge=0, le=1)
+    """Share of episodes (by episode id) the judge answers badly: half never call the tool, half
+    send arguments that are not JSON until a repair message follows."""
     options_need_skill: bool = False
     """Choosing the options the user wants is a skill: the policy does it only when a skill in the
     system prompt carries ``[[testbed:choose-options]]`` (:mod:`shopsimrl.testbed.heuristics_skills`)."""
@@ -252,6 +259,29 @@ class _PolicyServer:
             options_need_skill=self.settings.options_need_skill,
         )
 
+    def _judge(self, body: dict[str, Any]) -> Response:
+        """The deterministic judge's answer (non-streamed; the judge stage does not stream)."""
+        if body.get("stream"):
+            return _error(400, "the testbed judge does not stream", "BadRequestError", "stream")
+        content, arguments, finish = judge_reply(body["messages"], self.settings.judge_fault_rate)
+        digest = sha256_hex(canonical_json(body))  # plain JSON from orjson.loads
+        message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": []}
+        if arguments is not None:
+            call = {"name": "submit_verdict", "arguments": arguments}
+            message["tool_calls"] = [{"id": "chatcmpl-tool-" + digest[:32], "type": "function", "function": call}]
+        prompt = _tokens(len(canonical_json(body["messages"])))
+        completion = _tokens(len(content or "") + len(arguments or ""))
+        return JSONResponse(
+            {
+                "id": "chatcmpl-" + digest[:32],
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.settings.judge_model_id,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None}],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            }
+        )
+
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
@@ -265,7 +295,8 @@ class _PolicyServer:
             "parent": None,
             "max_model_len": self.settings.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+        judge = {**model, "id": self.settings.judge_model_id, "root": self.settings.judge_model_id}
+        return JSONResponse({"object": "list", "data": [model, judge]})
 
     async def chat_completions(self, request: Request) -> Response:
         raw = await request.body()
@@ -277,6 +308,10 @@ class _PolicyServer:
             return _error(400, message, "BadRequestError", param)
         s = self.settings
         model = body.get("model")
+        if model == s.judge_model_id:
+            if s.latency_ms > 0:
+                await asyncio.sleep(s.latency_ms / 1000)
+            return self._judge(body)
         # Like vLLM, an omitted model means the served one.
         if s.strict_model and model is not None and model != s.model_id:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")

@@ -104,7 +104,16 @@ Usage: include "shopsimrl.parseConfig" (dict "ctx" . "out" $out)
 {{- fail (printf "config: not valid YAML: %s" (get $cfg "Error")) -}}
 {{- end -}}
 {{- end -}}
-{{- if not (kindIs "map" (get $cfg "tasks")) -}}
+{{- if eq .Values.mode "judge" -}}
+{{- range $key := list "source" "rubric" "model" -}}
+{{- if not (hasKey $cfg $key) -}}
+{{- fail (printf "config.%s: missing; in judge mode config is a judge config (JUDGE.yaml: source, rubric, model)" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $.Values.run.inlineSplitFile) -}}
+{{- fail "run.inlineSplitFile: a judge reads frozen traces, it takes no split file" -}}
+{{- end -}}
+{{- else if not (kindIs "map" (get $cfg "tasks")) -}}
 {{- fail "config.tasks: missing; the experiment config needs tasks.split_file and tasks.split" -}}
 {{- $cfg = dict "tasks" (dict) -}}
 {{- end -}}
@@ -371,10 +380,10 @@ Usage: include "shopsimrl.serviceEnv" .
 - name: SHOPSIMRL_LOG_FORMAT
   value: {{ .Values.worker.logFormat | quote }}
 {{- with include "shopsimrl.modelBaseUrl" . }}
-- name: SHOPSIMRL_MODEL_BASE_URL
+- name: {{ ternary "SHOPSIMRL_JUDGE_BASE_URL" "SHOPSIMRL_MODEL_BASE_URL" (eq $.Values.mode "judge") }}
   value: {{ . | quote }}
 {{- end }}
-{{- with include "shopsimrl.envBaseUrl" . }}
+{{- with and (ne $.Values.mode "judge") (include "shopsimrl.envBaseUrl" .) }}
 - name: SHOPSIMRL_ENV_BASE_URL
   value: {{ . | quote }}
 {{- end }}
@@ -498,7 +507,10 @@ Usage: include "shopsimrl.validate" .
 {{- fail "shopsimulator.env sets SHOPSIM_ENV_SLOTS; set shopsimulator.slots instead (the sizing check reads it)" -}}
 {{- end -}}
 {{- end -}}
-{{- $slots := include "shopsimrl.shopSlots" . -}}
+{{- if and (eq .Values.mode "judge") .Values.readiness.enabled -}}
+{{- /* Nothing to fail: readiness probes rollouts' services; the judge worker has no init container. */ -}}
+{{- end -}}
+{{- $slots := ternary "" (include "shopsimrl.shopSlots" .) (eq .Values.mode "judge") -}}
 {{- if $slots -}}
 {{- $pods := int (include "shopsimrl.podsAtOnce" .) -}}
 {{- $loops := int .Values.worker.processes -}}

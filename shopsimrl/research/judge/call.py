@@ -1,0 +1,178 @@
+"""One episode judged: one forced tool call, its arguments checked against the rubric's schema,
+at most ``max_repairs`` repair turns, every raw answer kept.
+
+The conversation is a system message (the rubric's instructions) and a user message holding
+the judge input as JSON (what ``export judge-input`` writes for the episode). An answer that
+cannot be used (no call to ``submit_verdict``, arguments that are not a JSON object, a schema
+violation) is kept as an attempt with its error; the answer (its text, or the raw arguments) and
+a user message naming the error and asking again are appended, and the model is asked again.
+After ``max_repairs`` such turns the record is ``unparseable``. A call that fails for the
+infrastructure (the adapter's retries of 429/5xx/timeouts exhausted) gives status ``error``:
+nothing was judged, and a resumed stage tries the episode again.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from shopsimrl.model import ModelRequestError, OpenAICompatibleChatModel, OpenAICompatibleSettings
+from shopsimrl.research.judge.config import TOOL_NAME, JudgeConfig, Rubric, schema_errors
+from shopsimrl.schemas import ModelOutput, redact_uri
+
+__all__ = ["JUDGE_OUTPUT_VERSION", "STATUSES", "JudgeModelError", "judge_episode", "judge_model", "model_identity"]
+
+JUDGE_OUTPUT_VERSION = "shopsimrl-judge-output-v1"
+STATUSES = ("ok", "unparseable", "error")
+_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
+_FATAL_STATUS = frozenset({401, 403, 404})
+"""A wrong key, model name or URL: every episode would fail alike, so the stage stops (exit 2)."""
+
+
+class JudgeModelError(ValueError):
+    """The judge model cannot be used at all (HTTP 401/403/404): bad input, exit 2."""
+
+
+def judge_settings(config: JudgeConfig) -> OpenAICompatibleSettings:
+    m = config.model
+    choice: str | dict[str, Any] = (
+        {"type": "function", "function": {"name": TOOL_NAME}} if m.tool_choice == "forced" else m.tool_choice
+    )
+    return OpenAICompatibleSettings(
+        model=m.model,
+        base_url=config.base_url,
+        api_key_env=m.api_key_env,
+        checkpoint_id=m.checkpoint_id,
+        temperature=m.temperature,
+        max_tokens=m.max_tokens,
+        timeout=m.timeout,
+        max_retries=m.max_retries,
+        retry_backoff_seconds=m.retry_backoff_seconds,
+        send_seed=False,
+        tool_choice=choice,
+        extra_body=m.extra_body,
+        assistant_content_empty_string=m.assistant_content_empty_string,
+        max_connections=max(4, config.concurrency),
+    )
+
+
+def judge_model(config: JudgeConfig) -> OpenAICompatibleChatModel:
+    """The project's model adapter, set up for the judge (one pool for every episode of a process)."""
+    return OpenAICompatibleChatModel(judge_settings(config))
+
+
+def model_identity(config: JudgeConfig) -> dict[str, Any]:
+    """The judge model as records name it: model, base URL without credentials, checkpoint."""
+    m = config.model
+    return {"model": m.model, "base_url": redact_uri(config.base_url), "checkpoint_id": m.checkpoint_id}
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def _problem(output: ModelOutput, rubric: Rubric) -> tuple[str | None, dict[str, Any] | None]:
+    """(why the answer cannot be used, the verdict when it can)."""
+    calls = [call for call in output.tool_calls if call.name == TOOL_NAME]
+    if output.policy_failure is not None:
+        return f"{output.policy_failure.get('code')}: {output.policy_failure.get('message')}", None
+    if not calls:
+        problem = output.protocol_error
+        detail = f" ({problem.get('code')}: {problem.get('message')})" if problem else ""
+        return f"no call to {TOOL_NAME}{detail}", None
+    if len(calls) > 1:
+        return f"{len(calls)} calls to {TOOL_NAME}; call it exactly once", None
+    (call,) = calls
+    if call.arguments is None:
+        try:
+            parsed = orjson.loads(call.raw_arguments)
+        except orjson.JSONDecodeError as exc:
+            return f"the arguments of {TOOL_NAME} are not valid JSON ({exc})", None
+        if not isinstance(parsed, dict):
+            return f"the arguments of {TOOL_NAME} are not a JSON object", None
+        arguments: dict[str, Any] = parsed
+    else:
+        arguments = call.arguments
+    errors = schema_errors(arguments, rubric.verdict_schema)
+    if errors:
+        return "the verdict does not match the schema: " + "; ".join(errors[:5]), None
+    return None, arguments
+
+
+def _raw(output: ModelOutput) -> dict[str, Any]:
+    return {
+        "content": output.content,
+        "tool_calls": [{"name": call.name, "arguments": call.raw_arguments} for call in output.tool_calls],
+        "finish_reason": output.finish_reason,
+        "protocol_error": output.protocol_error,
+        "raw_response": output.raw_response if output.protocol_error else None,
+    }
+
+
+def _usage(output: ModelOutput) -> dict[str, int]:
+    usage = output.usage or {}
+    return {key: int(usage[key]) for key in _USAGE_KEYS if isinstance(usage.get(key), int)}
+
+
+def _repair_message(problem: str) -> str:
+    return (
+        f"Your answer could not be used: {problem}. Call the function {TOOL_NAME} exactly once, "
+        "with arguments that are a JSON object matching its parameters, and nothing else."
+    )
+
+
+async def judge_episode(
+    model: OpenAICompatibleChatModel,
+    rubric: Rubric,
+    item: dict[str, Any],
+    *,
+    max_repairs: int,
+    identity: dict[str, Any],
+) -> dict[str, Any]:
+    """The judge output record of one judge input (``export``'s ``judge_input``)."""
+    started = _now()
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": rubric.instructions},
+        {"role": "user", "content": orjson.dumps(item).decode("utf-8")},
+    ]
+    attempts: list[dict[str, Any]] = []
+    status, verdict, error = "unparseable", None, None
+    for number in range(1, max_repairs + 2):
+        try:
+            output = await model.generate(messages, [rubric.tool()])
+        except ModelRequestError as exc:
+            if exc.status_code in _FATAL_STATUS:
+                raise JudgeModelError(f"the judge model refused the request: {exc}") from None
+            status, error = "error", {"type": type(exc).__name__, "message": str(exc)[:500], "status_code": exc.status_code}
+            break
+        problem, verdict = _problem(output, rubric)
+        attempts.append(
+            {"attempt": number, "raw": _raw(output), "error": problem, "usage": _usage(output), "latency_ms": output.latency_ms}
+        )
+        if problem is None:
+            status = "ok"
+            break
+        answer = output.content or "".join(call.raw_arguments for call in output.tool_calls) or ""
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": _repair_message(problem)}]
+    usage: dict[str, int] = {}
+    for attempt in attempts:
+        for key, value in attempt["usage"].items():
+            usage[key] = usage.get(key, 0) + value
+    return {
+        "judge_output_version": JUDGE_OUTPUT_VERSION,
+        "episode_id": item["episode_id"],
+        "task_id": item.get("task_id"),
+        "sample_id": item.get("sample_id"),
+        "status": status,
+        "verdict": verdict,
+        "repairs": max(0, len(attempts) - 1),
+        "attempts": attempts,
+        "error": error,
+        **rubric.to_dict(),
+        "judge_model": identity,
+        "usage": usage,
+        "started_at": started,
+        "ended_at": _now(),
+    }

@@ -1,0 +1,353 @@
+"""The judge stage sharded like rollouts: ``judge plan`` → Indexed Job workers → ``judge reduce``.
+
+It uses the sharded run layout's objects and protocol (:mod:`shopsimrl.sharded.layout`): parts
+named by sequence and writer id (zstd), written once; commit markers ``_SUCCESS*.json`` that
+list parts with their sha256 and are never replaced; a shard's committed parts are the union of
+the parts of the markers that verify. At a judge location (a directory or any fsspec URI)::
+
+    judge_plan.json                    the frozen plan: judge identity and fingerprint, the rubric's
+                                       text, the frozen settings, the shard map (create-only,
+                                       written last: its presence means the inputs are there)
+    inputs/00003.jsonl.zst             shard 3's judge inputs, frozen by the planner (create-only)
+    shards/00003/part-00000-<w>.jsonl.zst  judge output records written by worker <w>
+    shards/00003/_SUCCESS*.json        commit markers (plan_fingerprint = the judge fingerprint)
+    judge_outputs.jsonl                written by the reducer: one record per episode, by episode id
+    judge_summary.json                 written by the reducer
+
+The planner reads the run once; workers read only their inputs. A worker resumes its shard: the
+records of every part already there (a killed predecessor's too) count as done when their
+status is ``ok`` or ``unparseable``. It writes a part every ``flush_every`` verdicts, commits
+when its inputs are done, and exits 1 when some episodes ended in ``error`` (the Indexed Job's
+per-index retry judges them again). The reducer keeps one record per episode: a done record
+before an ``error`` one, the first in part order otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import secrets
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import IO, Any
+
+import orjson
+import structlog
+import zstandard
+
+from shopsimrl.exitcodes import ExitCode
+from shopsimrl.manifest import FingerprintMismatchError
+from shopsimrl.research.judge.config import JudgeConfig, Rubric, rubric_from_bytes
+from shopsimrl.research.judge.local import DONE, OUTPUTS_NAME, SUMMARY_NAME, judge_header, judge_stream, summarize
+from shopsimrl.research.runs import Run, open_run
+from shopsimrl.schemas import fingerprint, sha256_hex
+from shopsimrl.sharded.layout import (
+    ShardedRunStore,
+    ShardMapError,
+    marker_document,
+    marker_part_problems,
+    marker_problem,
+    part_entry,
+    part_lines,
+)
+
+__all__ = ["JUDGE_PLAN_VERSION", "JudgePlan", "JudgePlanError", "plan_judge", "reduce_judge", "run_judge_worker"]
+
+log = structlog.get_logger("shopsimrl.research.judge.sharded")
+
+JUDGE_PLAN_VERSION = "shopsimrl-judge-plan-v1"
+PLAN_NAME = "judge_plan.json"
+
+
+class JudgePlanError(ValueError):
+    """No judge plan at the location, or one that cannot be read (exit 2)."""
+
+
+def _inputs_name(index: int) -> str:
+    return f"inputs/{index:05d}.jsonl.zst"
+
+
+def _records(name: str, data: bytes) -> Iterator[dict[str, Any]]:
+    lines, _whole = part_lines(name, data)
+    for raw in lines.split(b"\n"):
+        if raw.strip():
+            try:
+                record = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                continue  # a torn tail of a part cut short: its episodes are judged again
+            if isinstance(record, dict):
+                yield record
+
+
+@dataclass
+class JudgePlan:
+    document: dict[str, Any]
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.document["judge"]["fingerprint"])
+
+    @property
+    def shards(self) -> int:
+        return len(self.document["shard_map"])
+
+    def rubric(self, uri: str) -> Rubric:
+        return rubric_from_bytes(self.document["rubric_text"].encode("utf-8"), f"{uri}/{PLAN_NAME}#rubric_text")
+
+
+def read_plan(store: ShardedRunStore) -> JudgePlan:
+    data = store.read_bytes(PLAN_NAME)
+    if data is None:
+        raise JudgePlanError(f"{store.display_uri} has no {PLAN_NAME}; run `shopsimrl judge plan` first")
+    try:
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise JudgePlanError(f"{store.display_uri}/{PLAN_NAME} is not JSON") from None
+    if not isinstance(document, dict) or document.get("judge_plan_version") != JUDGE_PLAN_VERSION:
+        raise JudgePlanError(f"{store.display_uri}/{PLAN_NAME}: unknown judge_plan_version")
+    return JudgePlan(document)
+
+
+def _encoded_shard(spool: IO[bytes], spans: list[tuple[int, int]]) -> bytes:
+    """One shard's judge inputs as a zstd part, compressed line by line from the spool (the
+    uncompressed shard is never held whole)."""
+    compressor = zstandard.ZstdCompressor(level=3, write_checksum=True).compressobj()
+    chunks = []
+    for offset, size in spans:
+        spool.seek(offset)
+        chunks.append(compressor.compress(spool.read(size)))
+    chunks.append(compressor.flush())
+    return b"".join(chunks)
+
+
+def plan_judge(
+    config: JudgeConfig, rubric: Rubric, rubric_text: str, run: Run, uri: str, shards: int, selected: Iterable[dict[str, Any]]
+) -> JudgePlan:
+    """Freeze the judge inputs (``selected``, one judge input per episode, streamed) into
+    ``shards`` shards at ``uri``: round-robin over the episode ids in sorted order. Planning again
+    with the same config, rubric and shard count finds the plan."""
+    store = ShardedRunStore(uri)
+    header = judge_header(config, rubric, run)
+    if store.read_bytes(PLAN_NAME) is not None:
+        plan = read_plan(store)
+        if plan.fingerprint != header["judge"]["fingerprint"]:
+            raise FingerprintMismatchError(store.display_uri, plan.fingerprint, header["judge"]["fingerprint"], [])
+        if plan.shards != shards:
+            raise ShardMapError(f"{store.display_uri} is frozen with {plan.shards} shards, not {shards}")
+        return plan
+    with tempfile.TemporaryFile("w+b") as spool:
+        # One line per episode in a spool, its span kept: memory holds ids and offsets only.
+        spans: dict[str, tuple[int, int]] = {}
+        for item in selected:
+            line = orjson.dumps(item, option=orjson.OPT_APPEND_NEWLINE)
+            spans[str(item["episode_id"])] = (spool.tell(), len(line))
+            spool.write(line)
+        if shards < 1 or shards > max(1, len(spans)):
+            raise ShardMapError(f"--shards {shards}: choose 1 to {max(1, len(spans))} (the episodes selected)")
+        ordered = sorted(spans)
+        shard_map, inputs = [], []
+        for index in range(shards):
+            ids = ordered[index::shards]
+            data = _encoded_shard(spool, [spans[episode] for episode in ids])
+            if not store.create(_inputs_name(index), data):
+                raise ShardMapError(f"{store.display_uri}/{_inputs_name(index)} holds other inputs; use another location")
+            shard_map.append(ids)
+            inputs.append(
+                {"name": _inputs_name(index), "sha256": sha256_hex(data), "records": len(ids), "ids_sha256": fingerprint(ids)}
+            )
+    document = {
+        "judge_plan_version": JUDGE_PLAN_VERSION,
+        "created_at": datetime.now(UTC).isoformat(),
+        **header,
+        "rubric_text": rubric_text,
+        "selected": len(ordered),
+        "flush_every": config.flush_every,
+        "shard_map": shard_map,
+        "inputs": inputs,
+    }
+    if not store.create(PLAN_NAME, orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)):
+        plan = read_plan(store)  # a concurrent planner won: the same plan, or a mismatch
+        if plan.fingerprint != header["judge"]["fingerprint"] or plan.shards != shards:
+            raise FingerprintMismatchError(store.display_uri, plan.fingerprint, header["judge"]["fingerprint"], [])
+        return plan
+    return JudgePlan(document)
+
+
+def _stream_inputs(data: bytes) -> Iterator[dict[str, Any]]:
+    """A shard's judge inputs, decompressed line by line."""
+    reader = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)))
+    for raw in reader:
+        if raw.strip():
+            yield orjson.loads(raw)
+
+
+def _scan(store: ShardedRunStore, index: int) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], int]:
+    """(done records by episode id, part entries of whole parts, next sequence number)."""
+    done: dict[str, dict[str, Any]] = {}
+    entries, next_seq = [], 0
+    for name in store.list_shard(index).parts:
+        next_seq = max(next_seq, int(name.split("-")[1]) + 1)
+        data = store.read_part(index, name)
+        if data is None:
+            continue
+        _lines, whole = part_lines(name, data)
+        records = list(_records(name, data))
+        if whole:
+            entries.append(part_entry(name, data, len(records)))
+        for record in records:
+            if record.get("status") in DONE:
+                done.setdefault(str(record["episode_id"]), record)
+    return done, entries, next_seq
+
+
+def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
+    """Judge shard ``index`` of the plan at ``uri`` (resuming it) and commit it."""
+    store = ShardedRunStore(uri)
+    plan = read_plan(store)
+    if not 0 <= index < plan.shards:
+        raise ShardMapError(f"shard index {index} is outside the plan's {plan.shards} shards")
+    rubric = plan.rubric(store.display_uri)
+    source = plan.document["source"]
+    ours = fingerprint({"source": source, "rubric": rubric.to_dict(), "config": config.frozen()})
+    if ours != plan.fingerprint:
+        raise FingerprintMismatchError(store.display_uri, plan.fingerprint, ours, [])
+    spec = plan.document["inputs"][index]
+    data = store.read_bytes(spec["name"])
+    if data is None or sha256_hex(data) != spec["sha256"]:
+        raise JudgePlanError(f"{store.display_uri}/{spec['name']} is missing or differs from the plan")
+    writer = secrets.token_hex(4)
+    done, entries, seq = _scan(store, index)
+    todo = (item for item in _stream_inputs(data) if str(item["episode_id"]) not in done)
+    log.info("judge_shard_started", shard=index, episodes=spec["records"], already_judged=len(done), writer=writer)
+    buffer: list[bytes] = []
+    errors = 0
+
+    def flush() -> None:
+        nonlocal seq
+        if not buffer:
+            return
+        lines = b"".join(buffer)
+        name, stored = store.write_part(index, seq, writer, lines)
+        entries.append(part_entry(name, stored, len(buffer)))
+        log.info("part_written", shard=index, part=name, records=len(buffer))
+        seq += 1
+        buffer.clear()
+
+    def sink(record: dict[str, Any]) -> None:
+        nonlocal errors
+        buffer.append(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+        if record["status"] in DONE:
+            done[str(record["episode_id"])] = record
+        else:
+            errors += 1
+        if len(buffer) >= int(plan.document.get("flush_every") or config.flush_every):
+            flush()  # from the event loop's thread: a part is small and the store call is short
+
+    try:
+        asyncio.run(judge_stream(config, rubric, todo, sink))
+    finally:
+        flush()
+    marker = marker_document(
+        shard=index,
+        plan_fingerprint=plan.fingerprint,
+        completed=len(done),
+        failed=errors,
+        episode_ids_sha256=spec["ids_sha256"],
+        parts=entries,
+        writer=writer,
+    )
+    name = store.create_marker(index, marker)
+    log.info("judge_shard_committed", shard=index, marker=name, judged=len(done), errors=errors)
+    return ExitCode.EPISODES_FAILED if errors or len(done) < spec["records"] else ExitCode.OK
+
+
+@dataclass
+class ReduceResult:
+    summary: dict[str, Any]
+    outputs: str
+    summary_path: str
+    missing_shards: list[int]
+
+    @property
+    def code(self) -> ExitCode:
+        if self.missing_shards or self.summary["status"].get("error") or self.summary["episodes"]["missing"]:
+            return ExitCode.EPISODES_FAILED
+        return ExitCode.OK
+
+
+def _committed(store: ShardedRunStore, plan: JudgePlan, index: int) -> list[tuple[str, bytes]] | None:
+    """The shard's committed parts (union over the markers that verify), None without one."""
+    spec = plan.document["inputs"][index]
+    cache: dict[str, bytes | None] = {}
+    names: dict[str, None] = {}
+    verified = False
+    for marker_name, marker in store.read_markers(index):
+        problem = marker_problem(marker, index=index, plan_fingerprint=plan.fingerprint, episode_ids_sha256=spec["ids_sha256"])
+        if problem is not None:
+            log.warning("marker_ignored", shard=index, marker=marker_name, reason=problem)
+            continue
+        for part in marker["parts"]:
+            if part["name"] not in cache:
+                cache[part["name"]] = store.read_part(index, part["name"])
+        actual = {name: None if data is None else sha256_hex(data) for name, data in cache.items()}
+        problems = marker_part_problems(marker, actual)
+        if problems:
+            log.warning("marker_ignored", shard=index, marker=marker_name, reason="; ".join(problems))
+            continue
+        verified = True
+        names.update({part["name"]: None for part in marker["parts"]})
+    if not verified:
+        return None
+    return [(name, data) for name in names if (data := cache[name]) is not None]
+
+
+def wait_for_commits(uri: str, *, timeout_s: float, interval_s: float = 5.0) -> list[int]:
+    """Wait until every shard of the plan has a commit marker that verifies, at most
+    ``timeout_s``; returns the shards still without one (the reducer Job of the chart starts
+    beside the workers)."""
+    store = ShardedRunStore(uri)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        plan = read_plan(store)
+        missing = [index for index in range(plan.shards) if _committed(store, plan, index) is None]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        log.info("waiting_for_shards", missing=len(missing))
+        time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+
+
+def reduce_judge(uri: str, *, wait_s: float | None = None) -> ReduceResult:
+    """One record per episode from the committed shards → ``judge_outputs.jsonl`` and
+    ``judge_summary.json`` at the judge location. ``wait_s``: first wait that long at most for
+    every shard to commit (the plan too: a reducer may start before the planner is done)."""
+    store = ShardedRunStore(uri)
+    if wait_s is not None:
+        deadline = time.monotonic() + wait_s
+        while store.read_bytes(PLAN_NAME) is None and time.monotonic() < deadline:
+            time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        wait_for_commits(uri, timeout_s=max(0.0, deadline - time.monotonic()))
+    plan = read_plan(store)
+    chosen: dict[str, dict[str, Any]] = {}
+    missing = []
+    for index in range(plan.shards):
+        parts = _committed(store, plan, index)
+        if parts is None:
+            missing.append(index)
+            continue
+        for name, data in parts:
+            for record in _records(name, data):
+                episode = str(record["episode_id"])
+                held = chosen.get(episode)
+                if held is None or (held["status"] not in DONE and record["status"] in DONE):
+                    chosen[episode] = record
+    records = [chosen[episode] for episode in sorted(chosen)]
+    store.overwrite(OUTPUTS_NAME, b"".join(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE) for record in records))
+    run = open_run(plan.document["source"]["location"])
+    header = {key: plan.document[key] for key in ("judge", "rubric", "judge_model", "source", "config")}
+    summary = summarize(records, run, int(plan.document["selected"]), header)
+    summary["shards"] = {"count": plan.shards, "committed": plan.shards - len(missing), "missing": missing}
+    store.overwrite(SUMMARY_NAME, orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
+    return ReduceResult(summary, store.path(OUTPUTS_NAME), store.path(SUMMARY_NAME), missing)

@@ -1,0 +1,360 @@
+"""The offline judge stage: kappa against hand-computed values, the rubric's schema check, the
+config's errors, and the stage end to end against the real testbed judge (served by ``shopsimrl
+testbed up`` as the model ``shopsim-judge``): locally, with the repair and unparseable paths,
+resumed after kill -9 without duplicate verdicts, and sharded on moto S3 with the same verdicts
+as the local stage."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from shopsimrl.research.judge.config import JudgeConfigError, load_judge_config, load_rubric, rubric_from_bytes, schema_errors
+from shopsimrl.research.judge.summary import agreement, cohen_kappa
+from shopsimrl.testbed.judge import judge_reply, verdict_of
+from tests.sharded.conftest import _make_bucket, cli
+from tests.testbed_process import LocalTestbed, start_testbed
+
+from .conftest import ResearchRuns
+
+REPO = Path(__file__).resolve().parents[2]
+RUBRIC = REPO / "configs" / "judge_rubric.v1.yaml"
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def _config(
+    tmp_path: Path, source: str, model_url: str, *, output: Path | None = None, name: str = "judge.yaml", **extra: Any
+) -> Path:
+    output = output or tmp_path / "judge-out"
+    concurrency = extra.pop("concurrency", 4)
+    select = extra.pop("select", "all")
+    path = tmp_path / name
+    path.write_text(
+        f"""name: test-judge
+source: {source}
+rubric: {RUBRIC}
+output: {output}
+model:
+  model: shopsim-judge
+  base_url: {model_url}
+  timeout: 30
+  retry_backoff_seconds: 0.05
+selection: {{select: {select}, include: [goal]}}
+max_repairs: 2
+concurrency: {concurrency}
+flush_every: 3
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "SHOPSIMRL_"))}
+    return {**env, **(extra or {})}
+
+
+def _verdicts(records: list[dict[str, Any]]) -> dict[str, tuple[str, Any]]:
+    return {record["episode_id"]: (record["status"], record["verdict"]) for record in records}
+
+
+# --------------------------------------------------------------------------- kappa
+
+
+def test_kappa_matches_hand_computed_values() -> None:
+    # p_o = 35/50 = 0.7; judge yes 25/50, other yes 30/50: p_e = 0.5·0.6 + 0.5·0.4 = 0.5; κ = 0.2/0.5
+    assert cohen_kappa(20, 5, 10, 15) == (pytest.approx(0.4), None)
+    # p_o = 0.9, p_e = 0.5: κ = 0.8
+    assert cohen_kappa(45, 5, 5, 45) == (pytest.approx(0.8), None)
+    # p_o = 0.9; judge yes 0.7, other yes 0.6: p_e = 0.42 + 0.12 = 0.54; κ = 0.36/0.46
+    assert cohen_kappa(6, 1, 0, 3)[0] == pytest.approx(0.7826086956521738)
+    assert cohen_kappa(0, 10, 10, 0) == (pytest.approx(-1.0), None)
+
+
+def test_kappa_is_undefined_on_degenerate_tables() -> None:
+    kappa, why = cohen_kappa(12, 0, 0, 0)
+    assert kappa is None and why is not None and "chance agreement is 1" in why
+    assert cohen_kappa(0, 0, 0, 0) == (None, "no episodes")
+    block = agreement([(task, True, True) for task in range(5)], resamples=200)
+    assert block["kappa"] is None and block["kappa_ci95"] is None and block["raw_agreement"] == 1.0
+
+
+def test_agreement_table_and_interval_over_tasks() -> None:
+    pairs = [(0, True, True)] * 20 + [(1, True, False)] * 5 + [(2, False, True)] * 10 + [(3, False, False)] * 15
+    block = agreement(pairs, resamples=500)
+    assert block["table"] == {"both": 20, "judge_only": 5, "other_only": 10, "neither": 15}
+    assert block["kappa"] == pytest.approx(0.4) and block["raw_agreement"] == pytest.approx(0.7)
+    interval = block["kappa_ci95"]
+    assert interval["cluster"] == "task" and interval["low"] <= 0.4 <= interval["high"]
+    assert agreement(pairs, resamples=500) == block  # seeded
+
+
+# --------------------------------------------------------------------------- rubric and config
+
+
+def test_rubric_schema_is_enforced() -> None:
+    rubric = load_rubric(RUBRIC)
+    assert rubric.version == "shopsimrl-judge-rubric-v1" and len(rubric.sha256) == 64
+    good = {"verdict": "partial", "score": 0.5, "failure_categories": ["wrong_options"], "rationale": "x"}
+    assert schema_errors(good, rubric.verdict_schema) == []
+    bad = {"verdict": "great", "score": 1.5, "failure_categories": ["x", "x"], "extra": 1}
+    errors = schema_errors(bad, rubric.verdict_schema)
+    assert any("'great' is not one of" in e for e in errors) and any("above the maximum" in e for e in errors)
+    assert any("'rationale' is missing" in e for e in errors) and any("unexpected property 'extra'" in e for e in errors)
+    assert any("$.failure_categories[0]" in e for e in errors) and any("not unique" in e for e in errors)
+    assert schema_errors(
+        {"verdict": "success", "score": True, "failure_categories": [], "rationale": ""}, rubric.verdict_schema
+    ) == ["$.score: expected number, got bool"]
+
+
+def test_rubric_with_unsupported_keywords_is_refused() -> None:
+    text = RUBRIC.read_text(encoding="utf-8").replace("uniqueItems: true", "pattern: '^a'")
+    with pytest.raises(JudgeConfigError, match="unsupported JSON Schema keyword"):
+        rubric_from_bytes(text.encode("utf-8"), "edited.yaml")
+
+
+@pytest.mark.parametrize("name", ["judge_testbed.yaml", "judge_smoke_llm.yaml", "judge_demo/judge.yaml"])
+def test_shipped_judge_configs_load(name: str) -> None:
+    config = load_judge_config(REPO / "configs" / name)
+    assert load_rubric(config.resolve(config.rubric)).sha256 == load_rubric(RUBRIC).sha256
+    assert config.output is not None and not config.resolve(config.output).startswith(config.source_location + "/")
+
+
+def test_config_errors_name_the_file_and_key(tmp_path: Path) -> None:
+    path = _config(tmp_path, "/nowhere", "http://127.0.0.1:1/v1")
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace("max_repairs: 2", "max_repairs: 2\nmax_repair: 3"), encoding="utf-8")
+    with pytest.raises(JudgeConfigError, match=r"judge.yaml: max_repair: unknown key"):
+        load_judge_config(path)
+    path.write_text(text.replace("select: all", "select: best"), encoding="utf-8")
+    with pytest.raises(JudgeConfigError, match=r"selection.select: .*must be one of"):
+        load_judge_config(path)
+    path.write_text(text.replace("http://127.0.0.1:1/v1", "http://user:pw@127.0.0.1:1/v1"), encoding="utf-8")
+    result = cli("judge", str(path), env=_env())
+    assert result.returncode == 2 and "model.base_url" in result.stderr and "pw" not in result.stderr
+
+
+def test_output_inside_the_run_is_refused(tmp_path: Path, research_runs: ResearchRuns, testbed: LocalTestbed) -> None:
+    path = _config(tmp_path, str(research_runs.local), testbed.model_url, output=research_runs.local / "judge")
+    result = cli("judge", str(path), env=_env())
+    assert result.returncode == 2 and "inside the run" in result.stderr
+    assert not (research_runs.local / "judge").exists()
+
+
+# --------------------------------------------------------------------------- the testbed judge
+
+
+def test_testbed_judge_is_deterministic_and_faults_by_episode() -> None:
+    item = {
+        "episode_id": "task-000001__sample-000",
+        "task_instruction": "找一双皮鞋",
+        "goal": {"category": "鞋›皮鞋", "attributes": ["手工缝制", "款式：系带"], "goal_options": ["棕色"], "price_upper": 500.0},
+        "transcript": [{"action": "click[1]", "observation": ""}, {"action": "click[buy now]", "observation": "手工缝制 系带"}],
+        "outcome": {
+            "completed": True,
+            "purchase": {"asin": "1", "name": "皮鞋", "category": "鞋›皮鞋", "price": 600.0, "options": {"颜色": "棕色"}},
+        },
+    }
+    verdict = verdict_of(item)
+    assert verdict["verdict"] == "partial" and verdict["failure_categories"] == ["over_budget"]
+    assert verdict_of({**item, "outcome": {"completed": False}})["failure_categories"] == ["no_purchase"]
+    messages = [{"role": "system", "content": "x"}, {"role": "user", "content": orjson.dumps(item).decode()}]
+    assert judge_reply(messages, 0.0) == judge_reply(messages, 0.0)
+    kinds = {}
+    for number in range(200):
+        data = {**item, "episode_id": f"task-{number:06d}__sample-000"}
+        first = judge_reply([messages[0], {"role": "user", "content": orjson.dumps(data).decode()}], 0.5)
+        repaired = judge_reply([messages[0], {"role": "user", "content": orjson.dumps(data).decode()}, {}, {}], 0.5)
+        kinds[number] = (first[1] is None, first[1] is not None and not first[1].endswith("}"), repaired[1] is None)
+    assert any(no_call and still for no_call, _, still in kinds.values())  # never calls: unparseable
+    assert any(bad and not still for _, bad, still in kinds.values())  # bad JSON, then repaired
+    assert sum(not any(kind) for kind in kinds.values()) > 50
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_judge_end_to_end_on_the_testbed(tmp_path: Path, research_runs: ResearchRuns, testbed: LocalTestbed) -> None:
+    path = _config(tmp_path, str(research_runs.local), testbed.model_url)
+    result = cli("judge", str(path), env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "judge-out"
+    records = _lines(out / "judge_outputs.jsonl")
+    assert len(records) == research_runs.episodes == len({r["episode_id"] for r in records})
+    rubric = load_rubric(RUBRIC)
+    for record in records:
+        assert record["judge_output_version"] == "shopsimrl-judge-output-v1" and record["status"] == "ok"
+        assert record["rubric_sha256"] == rubric.sha256 and record["rubric_version"] == rubric.version
+        assert record["judge_model"] == {"model": "shopsim-judge", "base_url": testbed.model_url, "checkpoint_id": None}
+        assert record["verdict"]["verdict"] in ("success", "partial", "failure") and record["attempts"][0]["raw"]["tool_calls"]
+        assert record["usage"]["total_tokens"] > 0
+    summary = orjson.loads((out / "judge_summary.json").read_bytes())
+    manifest = orjson.loads((out / "judge_manifest.json").read_bytes())
+    assert summary["judge_summary_version"] == "shopsimrl-judge-summary-v1"
+    assert summary["rubric"]["rubric_sha256"] == manifest["rubric"]["rubric_sha256"] == rubric.sha256
+    assert summary["status"] == {"ok": research_runs.episodes, "unparseable": 0, "error": 0}
+    reward = summary["agreement"]["reward"]
+    assert reward["episodes"] == research_runs.episodes and reward["kappa"] is not None and reward["kappa"] > 0.8
+    assert set(summary["agreement"]["labels"]) >= {"clean", "wrong_product~wrong_product", "over_budget~budget_violation"}
+    assert "judge outputs:" in result.stdout and "kappa" in result.stdout
+
+    again = cli("judge", str(path), env=_env())  # nothing left to judge: the same file
+    assert again.returncode == 0 and _verdicts(_lines(out / "judge_outputs.jsonl")) == _verdicts(records)
+
+    other = path.read_text(encoding="utf-8").replace("max_repairs: 2", "max_repairs: 1")
+    path.write_text(other, encoding="utf-8")
+    refused = cli("judge", str(path), env=_env())
+    assert refused.returncode == 2 and "another output" in refused.stderr
+
+
+def test_repairs_and_unparseable_answers_keep_every_raw_output(tmp_path: Path, research_runs: ResearchRuns) -> None:
+    with start_testbed(SHOPSIM_POLICY_JUDGE_FAULT_RATE="0.5") as bed:
+        path = _config(tmp_path, str(research_runs.local), bed.model_url)
+        result = cli("judge", str(path), env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _lines(tmp_path / "judge-out" / "judge_outputs.jsonl")
+    unparseable = [r for r in records if r["status"] == "unparseable"]
+    repaired = [r for r in records if r["status"] == "ok" and r["repairs"]]
+    assert unparseable and repaired and len(records) == research_runs.episodes
+    for record in unparseable:
+        assert record["verdict"] is None and len(record["attempts"]) == 3  # 1 + max_repairs
+        assert all(a["error"].startswith("no call to submit_verdict") and a["raw"]["content"] for a in record["attempts"])
+    for record in repaired:
+        first, second = record["attempts"]
+        assert "not valid JSON" in first["error"] and first["raw"]["tool_calls"][0]["arguments"]
+        assert second["error"] is None and record["verdict"] == orjson.loads(second["raw"]["tool_calls"][0]["arguments"])
+        assert record["usage"]["total_tokens"] == first["usage"]["total_tokens"] + second["usage"]["total_tokens"]
+    summary = orjson.loads((tmp_path / "judge-out" / "judge_summary.json").read_bytes())
+    assert summary["status"]["unparseable"] == len(unparseable) and summary["repaired"] == len(repaired)
+    assert summary["agreement"]["reward"]["episodes"] == research_runs.episodes - len(unparseable)
+
+
+def test_resume_after_kill_9_without_duplicate_verdicts(tmp_path: Path, research_runs: ResearchRuns) -> None:
+    with start_testbed(SHOPSIM_POLICY_LATENCY_MS="150") as bed:
+        path = _config(tmp_path, str(research_runs.local), bed.model_url, concurrency=2)
+        outputs = tmp_path / "judge-out" / "judge_outputs.jsonl"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "judge", str(path)],
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 120
+        while not (outputs.exists() and len(outputs.read_bytes().splitlines()) >= 4):
+            assert process.poll() is None and time.monotonic() < deadline, "the judge ended before it could be killed"
+            time.sleep(0.02)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        before = _lines(outputs)
+        assert 4 <= len(before) < research_runs.episodes
+        with outputs.open("ab") as handle:  # what a write cut by the kill leaves
+            handle.write(b'{"judge_output_version":"shopsimrl-judge-output-v1","episode_id":"task-')
+        resumed = cli("judge", str(path), env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "judge_outputs_repaired" in resumed.stderr and '"torn_last_line": true' in resumed.stderr
+    records = _lines(outputs)
+    ids = [r["episode_id"] for r in records]
+    assert len(ids) == len(set(ids)) == research_runs.episodes
+    assert all(r["status"] == "ok" for r in records)
+    assert _verdicts(records[: len(before)]) == _verdicts(before)  # judged once, kept as written
+
+
+@pytest.mark.s3
+def test_sharded_judge_on_moto_matches_the_local_stage(
+    tmp_path: Path, research_runs: ResearchRuns, testbed: LocalTestbed, moto_endpoint: str
+) -> None:
+    env = _env(research_runs.env)
+    bucket = _make_bucket(moto_endpoint, env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"])
+    uri = f"s3://{bucket}/judge/research"
+    path = _config(tmp_path, research_runs.sharded, testbed.model_url)
+
+    local = cli("judge", str(path), env=env)
+    assert local.returncode == 0, local.stderr[-3000:]
+    local_records = _lines(tmp_path / "judge-out" / "judge_outputs.jsonl")
+
+    planned = cli("judge", "plan", str(path), "--shards", "3", "--out", uri, env=env)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert cli("judge", "plan", str(path), "--shards", "3", "--out", uri, env=env).returncode == 0  # idempotent
+    assert cli("judge", "plan", str(path), "--shards", "2", "--out", uri, env=env).returncode == 2
+    early = cli("judge", "reduce", uri, env=env)
+    assert early.returncode == 1 and "0 of 3 committed" in early.stdout
+    for index in range(3):
+        worker = cli("judge", "worker", str(path), "--out", uri, env={**env, "JOB_COMPLETION_INDEX": str(index)})
+        assert worker.returncode == 0, worker.stderr[-3000:]
+    rerun = cli("judge", "worker", str(path), "--out", uri, "--index", "1", env=env)  # a retried index: nothing to redo
+    assert rerun.returncode == 0
+    reduced = cli("judge", "reduce", uri, env=env)
+    assert reduced.returncode == 0, reduced.stderr[-3000:]
+    assert "3 of 3 committed" in reduced.stdout
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(
+        key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"], client_kwargs={"endpoint_url": moto_endpoint}
+    )
+    sharded_records = [orjson.loads(line) for line in fs.cat_file(f"{bucket}/judge/research/judge_outputs.jsonl").splitlines()]
+    assert [r["episode_id"] for r in sharded_records] == sorted(r["episode_id"] for r in local_records)
+    assert _verdicts(sharded_records) == _verdicts(local_records)
+    summary = orjson.loads(fs.cat_file(f"{bucket}/judge/research/judge_summary.json"))
+    local_summary = orjson.loads((tmp_path / "judge-out" / "judge_summary.json").read_bytes())
+    assert summary["agreement"] == local_summary["agreement"] and summary["verdicts"] == local_summary["verdicts"]
+    for name in ("judge_plan.json", "judge_summary.json", "judge_outputs.jsonl"):
+        assert env["AWS_SECRET_ACCESS_KEY"] not in fs.cat_file(f"{bucket}/judge/research/{name}").decode()
+
+
+def test_sharded_worker_resumes_its_shard_after_kill_9(tmp_path: Path, research_runs: ResearchRuns) -> None:
+    """A worker killed mid-shard leaves whole parts; its successor (the Job's retry of the index)
+    judges only what they lack, and the reducer keeps one record per episode."""
+    out = str(tmp_path / "judge-location")
+    with start_testbed(SHOPSIM_POLICY_LATENCY_MS="150") as bed:
+        path = _config(tmp_path, str(research_runs.local), bed.model_url, concurrency=1)
+        assert cli("judge", "plan", str(path), "--shards", "1", "--out", out, env=_env()).returncode == 0
+        shard = tmp_path / "judge-location" / "shards" / "00000"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "judge", "worker", str(path), "--out", out, "--index", "0"],
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while not (shard.exists() and len(list(shard.glob("part-*"))) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline, "the worker ended before it could be killed"
+            time.sleep(0.02)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        assert not list(shard.glob("_SUCCESS*"))
+        resumed = cli("judge", "worker", str(path), "--out", out, "--index", "0", env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (started,) = [
+        line
+        for line in map(orjson.loads, (raw for raw in resumed.stderr.splitlines() if raw.startswith("{")))
+        if line.get("event") == "judge_shard_started"
+    ]
+    assert 6 <= started["already_judged"] < research_runs.episodes and started["already_judged"] % 3 == 0  # whole parts of 3
+    reduced = cli("judge", "reduce", out, env=_env())
+    assert reduced.returncode == 0, reduced.stderr[-3000:]
+    records = _lines(tmp_path / "judge-location" / "judge_outputs.jsonl")
+    assert len(records) == len({r["episode_id"] for r in records}) == research_runs.episodes
+    parts = [orjson.loads(line) for part in shard.glob("part-*") for line in _part_lines(part)]
+    assert len(parts) == research_runs.episodes  # nothing judged twice
+
+
+def _part_lines(path: Path) -> list[bytes]:
+    from shopsimrl.sharded.layout import part_lines
+
+    lines, whole = part_lines(path.name, path.read_bytes())
+    assert whole
+    return [line for line in lines.splitlines() if line.strip()]
