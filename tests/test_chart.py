@@ -1228,3 +1228,7 @@ def test_judge_mode_config_is_checked_by_schema_and_template(helm: Helm, tmp_pat
     assert proc.returncode != 0 and "source" in proc.stderr
     proc = helm.template(values, sets={"mode": "rollout"}, check=False)
     assert proc.returncode != 0 and "tasks" in proc.stderr
+    # A judge reads frozen traces: inline split or skill files have no place in its release.
+    for key in ("inlineSplitFile", "inlineSkillsFile"):
+        proc = helm.template(values, set_strings={f"run.{key}": "x.json"}, check=False)
+        assert proc.returncode != 0 and f"run.{key}: a judge reads frozen traces" in proc.stderr, proc.stderr

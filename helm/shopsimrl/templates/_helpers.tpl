@@ -104,14 +104,17 @@ Usage: include "shopsimrl.parseConfig" (dict "ctx" . "out" $out)
 {{- fail (printf "config: not valid YAML: %s" (get $cfg "Error")) -}}
 {{- end -}}
 {{- end -}}
-{{- if eq .Values.mode "judge" -}}
+{{- if eq $v.mode "judge" -}}
 {{- range $key := list "source" "rubric" "model" -}}
 {{- if not (hasKey $cfg $key) -}}
 {{- fail (printf "config.%s: missing; in judge mode config is a judge config (JUDGE.yaml: source, rubric, model)" $key) -}}
 {{- end -}}
 {{- end -}}
-{{- if not (kindIs "invalid" $.Values.run.inlineSplitFile) -}}
+{{- if not (kindIs "invalid" $v.run.inlineSplitFile) -}}
 {{- fail "run.inlineSplitFile: a judge reads frozen traces, it takes no split file" -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $v.run.inlineSkillsFile) -}}
+{{- fail "run.inlineSkillsFile: a judge reads frozen traces, it takes no skill bank" -}}
 {{- end -}}
 {{- else if not (kindIs "map" (get $cfg "tasks")) -}}
 {{- fail "config.tasks: missing; the experiment config needs tasks.split_file and tasks.split" -}}
