@@ -1131,7 +1131,7 @@ def judge_worker(
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
-    """Judge one shard (resumable) and commit it. Exit 1: some episodes ended in error."""
+    """Judge one shard (resumable) and commit it. Exit 1: some episodes ended in error; 3: stopped by a signal (verdicts saved)."""
     _setup_logging(quiet, verbose)
     raise typer.Exit(int(_judge_call(lambda judge: judge.judge_worker(judge_config, out, index))))
 

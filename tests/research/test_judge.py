@@ -39,6 +39,7 @@ def _config(
     output = output or tmp_path / "judge-out"
     concurrency = extra.pop("concurrency", 4)
     select = extra.pop("select", "all")
+    flush_every = extra.pop("flush_every", 3)
     path = tmp_path / name
     path.write_text(
         f"""name: test-judge
@@ -53,7 +54,7 @@ model:
 selection: {{select: {select}, include: [goal]}}
 max_repairs: 2
 concurrency: {concurrency}
-flush_every: 3
+flush_every: {flush_every}
 """,
         encoding="utf-8",
     )
@@ -350,6 +351,104 @@ def test_sharded_worker_resumes_its_shard_after_kill_9(tmp_path: Path, research_
     assert len(records) == len({r["episode_id"] for r in records}) == research_runs.episodes
     parts = [orjson.loads(line) for part in shard.glob("part-*") for line in _part_lines(part)]
     assert len(parts) == research_runs.episodes  # nothing judged twice
+
+
+class _HoldingProxy:
+    """A real HTTP server in front of the judge model that forwards the first ``answers``
+    completions and holds every later one until closed: with concurrency 1, once a held request
+    has arrived the worker holds exactly ``answers`` verdicts, none of them written yet."""
+
+    def __init__(self, upstream: str, answers: int) -> None:
+        import http.server
+        import threading
+
+        import httpx
+
+        self.received = 0
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path.endswith("/chat/completions"):
+                    outer.received += 1
+                    if outer.received > answers and not outer.release.is_set():
+                        outer.holding.set()
+                        outer.release.wait(60)
+                        self.send_error(503)
+                        return
+                reply = httpx.request(method, upstream.rstrip("/") + self.path.removeprefix("/v1"), content=body, timeout=30)
+                self.send_response(reply.status_code)
+                self.send_header("Content-Type", reply.headers.get("content-type", "application/json"))
+                self.send_header("Content-Length", str(len(reply.content)))
+                self.end_headers()
+                self.wfile.write(reply.content)
+
+            def do_GET(self) -> None:
+                self._forward("GET")
+
+            def do_POST(self) -> None:
+                self._forward("POST")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_sharded_worker_saves_its_verdicts_on_sigterm(tmp_path: Path, research_runs: ResearchRuns, testbed: LocalTestbed) -> None:
+    """SIGTERM while a judge call is in flight: the verdicts the worker holds (none flushed yet,
+    flush_every is larger) are written as a part, no marker is made, the exit is 3 (retryable),
+    and the next worker of the index judges only the rest."""
+    out = str(tmp_path / "judge-location")
+    shard = tmp_path / "judge-location" / "shards" / "00000"
+    held_answers = 5
+    proxy = _HoldingProxy(testbed.model_url, held_answers)
+    try:
+        path = _config(tmp_path, str(research_runs.local), proxy.url, concurrency=1, flush_every=1000)
+        assert cli("judge", "plan", str(path), "--shards", "1", "--out", out, env=_env()).returncode == 0
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "judge", "worker", str(path), "--out", out, "--index", "0"],
+            cwd=REPO,
+            env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        assert proxy.holding.wait(120), "the worker never reached its held call"
+        assert not list(shard.glob("part-*"))  # nothing flushed before the signal
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 3, stderr.decode()[-3000:]
+        events = [orjson.loads(raw) for raw in stderr.splitlines() if raw.startswith(b"{")]
+        (interrupted,) = [line for line in events if line.get("event") == "judge_shard_interrupted"]
+        assert interrupted["judged"] == held_answers
+        assert not list(shard.glob("_SUCCESS*"))
+        (part,) = shard.glob("part-*")
+        assert len(_part_lines(part)) == held_answers
+        proxy.release.set()  # from now on every call is answered
+        resumed = cli("judge", "worker", str(path), "--out", out, "--index", "0", env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}))
+    finally:
+        proxy.close()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (started,) = [
+        line
+        for line in map(orjson.loads, (raw for raw in resumed.stderr.splitlines() if raw.startswith("{")))
+        if line.get("event") == "judge_shard_started"
+    ]
+    assert started["already_judged"] == held_answers
+    parts = [orjson.loads(line) for part in shard.glob("part-*") for line in _part_lines(part)]
+    assert len(parts) == len({r["episode_id"] for r in parts}) == research_runs.episodes  # nothing judged twice
 
 
 def _part_lines(path: Path) -> list[bytes]:

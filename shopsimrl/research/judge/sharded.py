@@ -18,7 +18,9 @@ The planner reads the run once; workers read only their inputs. A worker resumes
 records of every part already there (a killed predecessor's too) count as done when their
 status is ``ok`` or ``unparseable``. It writes a part every ``flush_every`` verdicts, commits
 when its inputs are done, and exits 1 when some episodes ended in ``error`` (the Indexed Job's
-per-index retry judges them again). The reducer keeps one record per episode: a done record
+per-index retry judges them again). At SIGTERM/SIGINT it cancels the calls in flight, writes the
+verdicts it holds as a part, and exits 3 (retryable) without a marker: the next pod of the index
+resumes from the parts. The reducer keeps one record per episode: a done record
 before an ``error`` one, the first in part order otherwise.
 """
 
@@ -29,7 +31,7 @@ import io
 import secrets
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import IO, Any
@@ -38,6 +40,7 @@ import orjson
 import structlog
 import zstandard
 
+from shopsimrl import eventloop
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError
 from shopsimrl.research.judge.config import JudgeConfig, Rubric, rubric_from_bytes
@@ -203,6 +206,28 @@ def _scan(store: ShardedRunStore, index: int) -> tuple[dict[str, dict[str, Any]]
     return done, entries, next_seq
 
 
+async def _judge_until_stopped(
+    config: JudgeConfig, rubric: Rubric, todo: Iterable[dict[str, Any]], sink: Callable[[dict[str, Any]], None]
+) -> bool:
+    """Judge ``todo``; True when SIGTERM/SIGINT stopped it (in-flight calls are cancelled, the
+    verdicts already handed to ``sink`` stay)."""
+    from shopsimrl.stopping import GracefulStop
+
+    judging = asyncio.ensure_future(judge_stream(config, rubric, todo, sink))
+
+    def stop_judging() -> None:
+        judging.cancel()
+
+    with GracefulStop(stop_judging, cleanup="saving the verdicts judged so far") as stop:
+        try:
+            await judging
+        except asyncio.CancelledError:
+            if not stop.requested:
+                raise
+            return True
+    return False
+
+
 def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
     """Judge shard ``index`` of the plan at ``uri`` (resuming it) and commit it."""
     store = ShardedRunStore(uri)
@@ -247,9 +272,12 @@ def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
             flush()  # from the event loop's thread: a part is small and the store call is short
 
     try:
-        asyncio.run(judge_stream(config, rubric, todo, sink))
+        stopped = eventloop.run(_judge_until_stopped(config, rubric, todo, sink))
     finally:
-        flush()
+        flush()  # on every path, a signal's too: what was judged is saved before the exit
+    if stopped:
+        log.warning("judge_shard_interrupted", shard=index, judged=len(done), parts=len(entries))
+        return ExitCode.RETRYABLE  # no marker: the index's next pod resumes from the parts
     marker = marker_document(
         shard=index,
         plan_fingerprint=plan.fingerprint,
