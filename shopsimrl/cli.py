@@ -1136,6 +1136,22 @@ def judge_worker(
     raise typer.Exit(int(_judge_call(lambda judge: judge.judge_worker(judge_config, out, index))))
 
 
+@judge_app.command("wait-ready")
+def judge_wait_ready(
+    judge_config: Path = JUDGE_CONFIG,
+    timeout: float = typer.Option(600.0, min=0, help="Give up after this many seconds."),
+    interval: float = typer.Option(5.0, min=0.1, help="Seconds between probes."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Wait until the judge model lists the configured model (exit 3 on timeout)."""
+    _setup_logging(quiet, verbose)
+    ready, detail = _judge_call(lambda judge: judge.judge_wait_ready(judge_config, timeout=timeout, interval=interval))
+    if not ready:
+        _fail(ExitCode.RETRYABLE, f"the judge model is not ready after {timeout:g} s: {detail}")
+    typer.echo(f"ready: {detail}")
+
+
 @judge_app.command("reduce")
 def judge_reduce(
     location: str = typer.Argument(..., metavar="URI", help="The judge location."),

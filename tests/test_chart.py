@@ -321,7 +321,13 @@ def test_readiness_init_container_gets_no_object_storage_settings(matrix: dict[s
         worker = env_of(container(pod, "worker"))
         # The probe reads what the worker reads to reach the services: same URLs, key, extras.
         assert all(worker[key] == value for key, value in readiness.items()), name
-        services = {"SHOPSIMRL_CONFIG", "SHOPSIMRL_MODEL_BASE_URL", "SHOPSIMRL_ENV_BASE_URL", "SHOPSIMRL_API_KEY"}
+        services = {
+            "SHOPSIMRL_CONFIG",
+            "SHOPSIMRL_MODEL_BASE_URL",
+            "SHOPSIMRL_JUDGE_BASE_URL",
+            "SHOPSIMRL_ENV_BASE_URL",
+            "SHOPSIMRL_API_KEY",
+        }
         assert services & set(worker) <= set(readiness), name
     s3 = only(matrix["s3-secret-values.yaml"], "Job", "job-worker.yaml")["spec"]["template"]["spec"]
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(env_of(container(s3, "worker")))
@@ -339,8 +345,7 @@ def test_fail_index_covers_every_container_that_reads_the_config(helm: Helm, mat
         containers = {c["name"] for c in [*pod.get("initContainers", []), *pod["containers"]]}
         named = {r["onExitCodes"]["containerName"] for r in spec["podFailurePolicy"]["rules"] if r["action"] == "FailIndex"}
         assert named == containers, name
-        # A judge worker reads frozen traces and calls the judge model: no readiness probe.
-        assert ("wait-ready" in named) is (name not in ("readiness off", "judge-values.yaml")), name
+        assert ("wait-ready" in named) is (name != "readiness off"), name
 
 
 def test_reducer_ends_with_a_partial_summary_and_is_not_retried_once_it_wrote_one(matrix: dict[str, list[Doc]]) -> None:
@@ -1185,7 +1190,9 @@ def test_judge_mode_runs_the_judge_stage_in_the_same_jobs(matrix: dict[str, list
     job = only(docs, "Job", "job-worker.yaml")
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 4
     pod = job["spec"]["template"]["spec"]
-    assert "initContainers" not in pod
+    (init,) = pod["initContainers"]  # the judge model only: a judge pod never calls the shop
+    assert init["args"][:3] == ["judge", "wait-ready", "$(SHOPSIMRL_CONFIG)"] and init["args"][3] == "--timeout"
+    assert "SHOPSIMRL_JUDGE_BASE_URL" in env_of(init) and "SHOPSIMRL_ENV_BASE_URL" not in env_of(init)
     worker = container(pod, "worker")
     assert worker["args"] == ["judge", "worker", "$(SHOPSIMRL_CONFIG)", "--out", "$(SHOPSIMRL_RUN)"]
     env = env_of(worker)
@@ -1200,6 +1207,27 @@ def test_judge_mode_runs_the_judge_stage_in_the_same_jobs(matrix: dict[str, list
     assert reducer["args"][:5] == ["judge", "reduce", "$(SHOPSIMRL_RUN)", "--wait", "--timeout"]
     config = yaml.safe_load(only(docs, "ConfigMap")["data"]["testbed-val-judge.yaml"])
     assert config["source"] == "s3://shopsimrl/runs/testbed-val" and config["model"]["model"] == "shopsim-judge"
+
+
+def test_judge_release_init_container_waits_for_the_judge_model(helm: Helm, tmp_path: Path) -> None:
+    """The judge release's wait-ready container run as the pod runs it, against the testbed's
+    policy server (which serves the judge model): ready while the model is served, exit 3 naming
+    the last probe once it is gone."""
+    from shopsimrl.testbed.policy import create_app as create_policy_app
+    from shopsimrl.testbed.serving import running_server
+
+    docs = helm.render(CHART / "ci" / "judge-values.yaml", sets={"readiness.timeoutSeconds": "1"})
+    pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    config_path = _materialize_config(docs, tmp_path)
+    with running_server(create_policy_app()) as policy_url:
+        overrides = {"SHOPSIMRL_CONFIG": str(config_path), "SHOPSIMRL_JUDGE_BASE_URL": f"{policy_url}/v1"}
+        argv, env = _pod_command(container(pod, "wait-ready"), overrides)
+        ready = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert ready.returncode == ExitCode.OK, ready.stderr
+    assert ready.stdout.startswith("ready: 'shopsim-judge' is served at")
+    gone = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert gone.returncode == ExitCode.RETRYABLE, gone.stderr
+    assert "the judge model is not ready after 1 s: model_unreachable" in gone.stderr
 
 
 def test_judge_mode_config_is_checked_by_schema_and_template(helm: Helm, tmp_path: Path) -> None:

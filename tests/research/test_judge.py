@@ -219,6 +219,21 @@ def test_judge_end_to_end_on_the_testbed(tmp_path: Path, research_runs: Research
     assert refused.returncode == 2 and "another output" in refused.stderr
 
 
+def test_wait_ready_waits_for_the_judge_model(tmp_path: Path, research_runs: ResearchRuns, testbed: LocalTestbed) -> None:
+    served = _config(tmp_path, str(research_runs.local), testbed.model_url)
+    ready = cli("judge", "wait-ready", str(served), "--timeout", "0", env=_env())
+    assert ready.returncode == 0 and ready.stdout.startswith("ready: 'shopsim-judge' is served"), ready.stderr
+    other = tmp_path / "other-model.yaml"
+    other.write_text(served.read_text().replace("model: shopsim-judge", "model: no-such-judge"))
+    missing = cli("judge", "wait-ready", str(other), "--timeout", "0.3", "--interval", "0.1", env=_env())
+    assert missing.returncode == 3
+    assert "model_not_listed: 'no-such-judge' is not among the served models" in missing.stderr
+    keyed = tmp_path / "keyed.yaml"
+    keyed.write_text(served.read_text().replace("  timeout: 30\n", "  timeout: 30\n  api_key_env: SHOPSIMRL_TEST_JUDGE_KEY\n"))
+    no_key = cli("judge", "wait-ready", str(keyed), "--timeout", "0", env=_env())
+    assert no_key.returncode == 2 and "SHOPSIMRL_TEST_JUDGE_KEY" in no_key.stderr
+
+
 def test_repairs_and_unparseable_answers_keep_every_raw_output(tmp_path: Path, research_runs: ResearchRuns) -> None:
     with start_testbed(SHOPSIM_POLICY_JUDGE_FAULT_RATE="0.5") as bed:
         path = _config(tmp_path, str(research_runs.local), bed.model_url)

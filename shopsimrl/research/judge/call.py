@@ -13,6 +13,8 @@ nothing was judged, and a resumed stage tries the episode again.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,7 +24,15 @@ from shopsimrl.model import ModelRequestError, OpenAICompatibleChatModel, OpenAI
 from shopsimrl.research.judge.config import TOOL_NAME, JudgeConfig, Rubric, schema_errors
 from shopsimrl.schemas import ModelOutput, redact_uri
 
-__all__ = ["JUDGE_OUTPUT_VERSION", "STATUSES", "JudgeModelError", "judge_episode", "judge_model", "model_identity"]
+__all__ = [
+    "JUDGE_OUTPUT_VERSION",
+    "STATUSES",
+    "JudgeModelError",
+    "judge_episode",
+    "judge_model",
+    "model_identity",
+    "wait_for_judge_model",
+]
 
 JUDGE_OUTPUT_VERSION = "shopsimrl-judge-output-v1"
 STATUSES = ("ok", "unparseable", "error")
@@ -61,6 +71,30 @@ def judge_settings(config: JudgeConfig) -> OpenAICompatibleSettings:
 def judge_model(config: JudgeConfig) -> OpenAICompatibleChatModel:
     """The project's model adapter, set up for the judge (one pool for every episode of a process)."""
     return OpenAICompatibleChatModel(judge_settings(config))
+
+
+async def wait_for_judge_model(config: JudgeConfig, *, timeout: float, interval: float) -> tuple[bool, str]:
+    """Probe ``GET {base_url}/models`` until it lists the judge model, at most ``timeout``
+    seconds: (ready, what the last probe saw). A pod's readiness check before it judges, so a
+    model server still loading does not turn a shard's episodes into ``error`` records."""
+    model = judge_model(config)
+    model.check_api_key()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                ids = await model.list_models()
+            except ModelRequestError as exc:
+                seen = f"model_unreachable: {exc}"
+            else:
+                if config.model.model in ids:
+                    return True, f"{config.model.model!r} is served at {redact_uri(config.base_url)}"
+                seen = f"model_not_listed: {config.model.model!r} is not among the served models {ids}"
+            if time.monotonic() + interval > deadline:
+                return False, seen
+            await asyncio.sleep(interval)
+    finally:
+        await model.aclose()
 
 
 def model_identity(config: JudgeConfig) -> dict[str, Any]:

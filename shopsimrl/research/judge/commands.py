@@ -4,7 +4,8 @@
   plan, run N judge workers as a local Indexed Job (the pods' code path) and reduce;
 - ``judge plan JUDGE.yaml --shards N --out URI``: freeze the selection, rubric and settings;
 - ``judge worker JUDGE.yaml --out URI``: one shard (``JOB_COMPLETION_INDEX``), resumable;
-- ``judge reduce URI``: ``judge_outputs.jsonl`` and ``judge_summary.json`` from committed shards.
+- ``judge reduce URI``: ``judge_outputs.jsonl`` and ``judge_summary.json`` from committed shards;
+- ``judge wait-ready JUDGE.yaml``: wait until the judge model is served (a pod's init container).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from shopsimrl import eventloop
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError
 from shopsimrl.model import ModelConfigError
 from shopsimrl.research.export import ExportError, iter_judge_inputs
-from shopsimrl.research.judge.call import JudgeModelError
+from shopsimrl.research.judge.call import JudgeModelError, wait_for_judge_model
 from shopsimrl.research.judge.config import JudgeConfig, JudgeConfigError, Rubric, load_judge_config, load_rubric
 from shopsimrl.research.judge.local import JudgeOutputError, JudgeResult, run_local_judge
 from shopsimrl.research.judge.sharded import JudgePlan, JudgePlanError, ReduceResult, plan_judge, reduce_judge, run_judge_worker
@@ -30,7 +32,7 @@ from shopsimrl.sharded.layout import ShardMapError
 from shopsimrl.sharded.local_job import run_indexed
 from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
 
-__all__ = ["exit_code_for", "format_summary", "judge_plan", "judge_reduce", "judge_run", "judge_worker"]
+__all__ = ["exit_code_for", "format_summary", "judge_plan", "judge_reduce", "judge_run", "judge_wait_ready", "judge_worker"]
 
 _BAD_INPUT = (
     JudgeConfigError,
@@ -85,6 +87,11 @@ def judge_worker(config_path: Path, out: str, index: int | None) -> ExitCode:
             raise JudgeConfigError("no shard index: pass --index, or set JOB_COMPLETION_INDEX (an Indexed Job sets it)")
         index = int(raw)
     return run_judge_worker(config, out, index)
+
+
+def judge_wait_ready(config_path: Path, *, timeout: float, interval: float) -> tuple[bool, str]:
+    config = load_judge_config(config_path)
+    return eventloop.run(wait_for_judge_model(config, timeout=timeout, interval=interval))
 
 
 def judge_reduce(uri: str, wait_s: float | None = None) -> ReduceResult:
