@@ -633,7 +633,9 @@ def status(
         store = ShardedRunStore(run_uri)
         report = shard_status(store)
         journal_url = lease_status(store, report)
-    except (RunNotPlannedError, ShardMapError, RunLocationError, ManifestError) as exc:
+    except RunNotPlannedError as exc:
+        _fail(ExitCode.BAD_INPUT, _judge_location_hint(store, run_uri) or str(exc))
+    except (ShardMapError, RunLocationError, ManifestError) as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
     except StoreUnavailableError as exc:
         _fail(ExitCode.RETRYABLE, str(exc))
@@ -665,6 +667,15 @@ def status(
         typer.echo(f"shop {shop['url']}: {state}")
     if "kubernetes" in report:
         typer.echo("kubernetes: " + json.dumps(report["kubernetes"], ensure_ascii=False, default=str))
+
+
+def _judge_location_hint(store: Any, run_uri: str) -> str | None:
+    """What to run instead when ``status`` is pointed at a judge location (it has no run plan)."""
+    try:
+        is_judge = store.read_bytes("judge_plan.json") is not None
+    except Exception:  # the store failed on this second look: keep the first error
+        return None
+    return f"{store.display_uri} is a judge location: `shopsimrl judge status {run_uri}` shows its shards" if is_judge else None
 
 
 def _heartbeat_note(row: dict[str, Any]) -> str:
@@ -1134,6 +1145,36 @@ def judge_worker(
     """Judge one shard (resumable) and commit it. Exit 1: some episodes ended in error; 3: stopped by a signal (verdicts saved)."""
     _setup_logging(quiet, verbose)
     raise typer.Exit(int(_judge_call(lambda judge: judge.judge_worker(judge_config, out, index))))
+
+
+@judge_app.command("status")
+def judge_status_command(
+    location: str = typer.Argument(..., metavar="URI", help="The judge location."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Per-shard progress of a sharded judge from its commit markers and part listings (no part is read)."""
+    _setup_logging(quiet, verbose)
+    report = _judge_call(lambda judge: judge.judge_status(location))
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
+        return
+    typer.echo(
+        f"judge {report['judge_location']} · {report['judge_fingerprint'][:12]} · {report['episodes']} episodes · "
+        f"{report['committed_shards']}/{len(report['shards'])} shards committed ({report['judged_in_committed_shards']} judged) · "
+        + ("no summary yet" if report["summary_over_shards"] is None else f"summary over {report['summary_over_shards']} shards")
+    )
+    for row in report["shards"]:
+        if row["state"] == "committed":
+            detail = f"{row['judged']}/{row['episodes']} judged" + (f" · errors {row['errors']}" if row["errors"] else "")
+        elif row["parts"] and report["flush_every"]:
+            detail = (
+                f"at most {row['parts'] * report['flush_every']} of {row['episodes']} judged (parts of ≤ {report['flush_every']})"
+            )
+        else:
+            detail = f"{row['episodes']} episodes"
+        typer.echo(f"  shard {row['shard']:>5}  {row['state']:<14} {detail} · parts {row['parts']}")
 
 
 @judge_app.command("wait-ready")

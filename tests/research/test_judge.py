@@ -306,6 +306,12 @@ def test_sharded_judge_on_moto_matches_the_local_stage(
     assert cli("judge", "plan", str(path), "--shards", "2", "--out", uri, env=env).returncode == 2
     early = cli("judge", "reduce", uri, env=env)
     assert early.returncode == 1 and "0 of 3 committed" in early.stdout
+    planned_only = cli("judge", "status", uri, env=env)
+    assert planned_only.returncode == 0, planned_only.stderr[-3000:]
+    assert "0/3 shards committed (0 judged) · summary over 0 shards" in planned_only.stdout
+    assert planned_only.stdout.count("not started") == 3
+    wrong_command = cli("status", uri, env=env)
+    assert wrong_command.returncode == 2 and f"judge status {uri}" in wrong_command.stderr
     for index in range(3):
         worker = cli("judge", "worker", str(path), "--out", uri, env={**env, "JOB_COMPLETION_INDEX": str(index)})
         assert worker.returncode == 0, worker.stderr[-3000:]
@@ -314,6 +320,9 @@ def test_sharded_judge_on_moto_matches_the_local_stage(
     reduced = cli("judge", "reduce", uri, env=env)
     assert reduced.returncode == 0, reduced.stderr[-3000:]
     assert "3 of 3 committed" in reduced.stdout
+    done = orjson.loads(cli("judge", "status", uri, "--json", env=env).stdout)
+    assert done["committed_shards"] == done["summary_over_shards"] == 3
+    assert done["judged_in_committed_shards"] == len(local_records) == sum(row["episodes"] for row in done["shards"])
 
     import s3fs
 
@@ -352,6 +361,8 @@ def test_sharded_worker_resumes_its_shard_after_kill_9(tmp_path: Path, research_
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
         assert not list(shard.glob("_SUCCESS*"))
+        (killed,) = orjson.loads(cli("judge", "status", out, "--json", env=_env()).stdout)["shards"]
+        assert killed["state"] == "started" and killed["parts"] == len(list(shard.glob("part-*"))) >= 2
         resumed = cli("judge", "worker", str(path), "--out", out, "--index", "0", env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (started,) = [

@@ -5,6 +5,7 @@
 - ``judge plan JUDGE.yaml --shards N --out URI``: freeze the selection, rubric and settings;
 - ``judge worker JUDGE.yaml --out URI``: one shard (``JOB_COMPLETION_INDEX``), resumable;
 - ``judge reduce URI``: ``judge_outputs.jsonl`` and ``judge_summary.json`` from committed shards;
+- ``judge status URI``: per-shard progress of a judge location (no part read);
 - ``judge wait-ready JUDGE.yaml``: wait until the judge model is served (a pod's init container).
 """
 
@@ -24,7 +25,15 @@ from shopsimrl.research.export import ExportError, iter_judge_inputs
 from shopsimrl.research.judge.call import JudgeModelError, wait_for_judge_model
 from shopsimrl.research.judge.config import JudgeConfig, JudgeConfigError, Rubric, load_judge_config, load_rubric
 from shopsimrl.research.judge.local import JudgeOutputError, JudgeResult, run_local_judge
-from shopsimrl.research.judge.sharded import JudgePlan, JudgePlanError, ReduceResult, plan_judge, reduce_judge, run_judge_worker
+from shopsimrl.research.judge.sharded import (
+    JudgePlan,
+    JudgePlanError,
+    ReduceResult,
+    judge_status,
+    plan_judge,
+    reduce_judge,
+    run_judge_worker,
+)
 from shopsimrl.research.outputs import OutputLocationError, OutputWriteError
 from shopsimrl.research.redaction import ExportRefusedError
 from shopsimrl.research.runs import Run, RunReadError, open_run
@@ -32,7 +41,16 @@ from shopsimrl.sharded.layout import ShardMapError
 from shopsimrl.sharded.local_job import run_indexed
 from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
 
-__all__ = ["exit_code_for", "format_summary", "judge_plan", "judge_reduce", "judge_run", "judge_wait_ready", "judge_worker"]
+__all__ = [
+    "exit_code_for",
+    "format_summary",
+    "judge_plan",
+    "judge_reduce",
+    "judge_run",
+    "judge_status",
+    "judge_wait_ready",
+    "judge_worker",
+]
 
 _BAD_INPUT = (
     JudgeConfigError,

@@ -57,7 +57,7 @@ from shopsimrl.sharded.layout import (
     part_lines,
 )
 
-__all__ = ["JUDGE_PLAN_VERSION", "JudgePlan", "JudgePlanError", "plan_judge", "reduce_judge", "run_judge_worker"]
+__all__ = ["JUDGE_PLAN_VERSION", "JudgePlan", "JudgePlanError", "judge_status", "plan_judge", "reduce_judge", "run_judge_worker"]
 
 log = structlog.get_logger("shopsimrl.research.judge.sharded")
 
@@ -330,6 +330,54 @@ def _committed(store: ShardedRunStore, plan: JudgePlan, index: int) -> list[tupl
     if not verified:
         return None
     return [(name, data) for name in names if (data := cache[name]) is not None]
+
+
+def _summary_shards(store: ShardedRunStore) -> int | None:
+    """How many committed shards the last ``judge reduce`` summarized (None: no summary yet)."""
+    data = store.read_bytes(SUMMARY_NAME)
+    if data is None:
+        return None
+    try:
+        return int(orjson.loads(data)["shards"]["committed"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def judge_status(uri: str) -> dict[str, Any]:
+    """Per-shard progress of a judge location from its commit markers and part listings; no
+    part is read, so a call costs a listing and the markers whatever the number of verdicts.
+    A committed shard's counts are its marker's (the reducer verifies the parts); an
+    uncommitted one shows its parts (each holds at most ``flush_every`` verdicts)."""
+    store = ShardedRunStore(uri)
+    plan = read_plan(store)
+    rows = []
+    for index in range(plan.shards):
+        spec = plan.document["inputs"][index]
+        listing = store.list_shard(index)
+        row: dict[str, Any] = {"shard": index, "episodes": spec["records"], "parts": len(listing.parts)}
+        markers = [
+            marker
+            for _, marker in store.read_markers(index, listing.markers)
+            if marker_problem(marker, index=index, plan_fingerprint=plan.fingerprint, episode_ids_sha256=spec["ids_sha256"])
+            is None
+        ]
+        if markers:
+            best = max(markers, key=lambda m: (int(m["episodes"]["completed"]), len(m["parts"])))
+            row.update(state="committed", judged=int(best["episodes"]["completed"]), errors=int(best["episodes"]["failed"]))
+        else:
+            row["state"] = "corrupt-marker" if listing.markers else "started" if listing.parts else "not started"
+        rows.append(row)
+    committed = [row for row in rows if row["state"] == "committed"]
+    return {
+        "judge_location": store.display_uri,
+        "judge_fingerprint": plan.fingerprint,
+        "episodes": int(plan.document["selected"]),
+        "flush_every": int(plan.document.get("flush_every") or 0) or None,
+        "committed_shards": len(committed),
+        "judged_in_committed_shards": sum(row["judged"] for row in committed),
+        "summary_over_shards": _summary_shards(store),
+        "shards": rows,
+    }
 
 
 def wait_for_commits(uri: str, *, timeout_s: float, interval_s: float = 5.0) -> list[int]:
