@@ -65,7 +65,7 @@ async def bench(episodes: int, steps: int, persist: bool) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as tmp:
 
         class NullSink:
-            def save_trace(self, record: dict) -> None:
+            def save_traces(self, records: list[dict]) -> None:
                 pass
 
         sink = LocalRunStore(Path(tmp)) if persist else NullSink()

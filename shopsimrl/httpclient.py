@@ -1,6 +1,7 @@
 """HTTP for the model and environment adapters: httpx's types over a lean HTTP/1.1 client.
 
-The adapters speak httpx: they get ``httpx.Response`` objects, pass ``httpx.Timeout`` and handle
+The adapters speak httpx: they get ``httpx.Response`` objects (a whole body's built cheaply,
+see ``_ReadResponse``), pass ``httpx.Timeout`` and handle
 httpx's exception hierarchy. Underneath, ``http://`` origins go through shopsimrl.http11 (asyncio
 protocols, httptools' C parser, a LIFO keep-alive pool per origin); ``https://`` origins (hosted
 model endpoints), URLs with user:password@ and services created with ``trust_env`` (proxies from
@@ -87,6 +88,50 @@ def _httpx_error(exc: BaseException) -> httpx.TransportError:
             mapped.__cause__ = exc
             return mapped
     raise exc  # not a transport failure: let it through unchanged
+
+
+class _ReadResponse(httpx.Response):
+    """An ``httpx.Response`` whose body was read whole and needs no decoding, built cheaply.
+
+    httpx's constructor parses every header and passes the body through a byte stream (~25 µs,
+    about 5 % of the runner's CPU per step at ~2.4 requests a step; docs/benchmarks.md); here the
+    headers are parsed only when read (error paths, Retry-After) and the body is set as read.
+    It answers as ``httpx.Response(status, headers=raw, content=body)`` does for a body without
+    Content-Encoding (tested attribute by attribute against it); an encoded body takes httpx's
+    own constructor, which decodes it."""
+
+    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        # httpx.Response.__init__ is skipped on purpose; these are the attributes it sets.
+        self.status_code = status
+        self._raw_headers = raw_headers
+        self._parsed_headers: httpx.Headers | None = None
+        self._request = None
+        self.next_request = None
+        self.extensions = {}
+        self.history = []
+        self.is_closed = True
+        self.is_stream_consumed = True
+        self.default_encoding = "utf-8"
+        self._content = body
+        self._num_bytes_downloaded = 0  # as httpx.Response(content=...) reports it
+        self.stream = httpx.ByteStream(body)
+
+    @property  # httpx sets a plain attribute; here it is parsed on first read
+    def headers(self) -> httpx.Headers:
+        if self._parsed_headers is None:
+            self._parsed_headers = httpx.Headers(self._raw_headers)
+        return self._parsed_headers
+
+    @headers.setter
+    def headers(self, value: httpx.Headers) -> None:
+        self._parsed_headers = httpx.Headers(value)
+
+
+def _read_response(status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes) -> httpx.Response:
+    for name, _ in raw_headers:
+        if len(name) == 16 and name.lower() == b"content-encoding":
+            return httpx.Response(status, headers=raw_headers, content=body)  # httpx decodes it
+    return _ReadResponse(status, raw_headers, body)
 
 
 class _Body(httpx.AsyncByteStream):
@@ -257,7 +302,7 @@ class HttpService:
         origin = self._origin(url)
         if origin is not None:
             status, raw_headers, answer = await self._lean_send(origin, method, content, headers, timeout, stream=False)
-            return httpx.Response(status, headers=raw_headers, content=http11.body(answer))
+            return _read_response(status, raw_headers, http11.body(answer))
         response = await self._send(method, url, content, headers, timeout)
         try:
             body = await response.read()
@@ -265,7 +310,7 @@ class HttpService:
             raise _httpx_error(exc) from exc
         finally:
             response.release()
-        return httpx.Response(response.status, headers=response.raw_headers, content=body)
+        return _read_response(response.status, list(response.raw_headers), body)
 
     @asynccontextmanager
     async def stream(

@@ -33,7 +33,9 @@ log = structlog.get_logger("shopsimrl.scheduler")
 
 
 class TraceSink(Protocol):
-    def save_trace(self, record: dict[str, Any]) -> None: ...
+    def save_traces(self, records: list[dict[str, Any]]) -> None:
+        """Persist ``records`` in order; durable (as the sink defines it) when it returns."""
+        ...
 
 
 class ConcurrencyLimitedModel:
@@ -147,11 +149,36 @@ class Evaluator:
             return True
 
         saves: set[asyncio.Task[None]] = set()
+        waiting: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
+        writer: asyncio.Task[None] | None = None
+
+        async def write_waiting() -> None:
+            # Group commit: the traces that finished while the previous write ran go out in one
+            # call (one fsync for a local run), off the event loop, one write at a time.
+            while waiting:
+                batch = waiting[:]
+                waiting.clear()
+                try:
+                    async with self._save_lock:
+                        await asyncio.to_thread(self.sink.save_traces, [trace for trace, _ in batch])
+                except Exception as exc:
+                    for _, done in batch:
+                        done.set_exception(exc)
+                except BaseException:
+                    for _, done in batch:
+                        done.cancel()
+                    raise
+                else:
+                    for _, done in batch:
+                        done.set_result(None)
 
         async def save(trace: dict[str, Any]) -> None:
-            async with self._save_lock:
-                # fsync off the event loop, one writer at a time
-                await asyncio.to_thread(self.sink.save_trace, trace)
+            nonlocal writer
+            done: asyncio.Future[None] = loop.create_future()
+            waiting.append((trace, done))
+            if writer is None or writer.done():
+                writer = asyncio.ensure_future(write_waiting())
+            await done
 
         async def run_episodes() -> None:
             """One of ``concurrency`` tasks: take a queued attempt, run it, save its trace."""

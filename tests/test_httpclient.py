@@ -737,3 +737,60 @@ async def test_a_large_stream_read_after_it_arrived_leaves_its_connection_reusab
                 assert received == size and following.json() == "next"
         finally:
             await service.aclose()
+
+
+# --------------------------------------------------------------------------- the response object
+
+_ANSWER_ATTRIBUTES = (
+    "status_code",
+    "content",
+    "text",
+    "encoding",
+    "charset_encoding",
+    "is_success",
+    "is_error",
+    "is_redirect",
+    "reason_phrase",
+    "http_version",
+    "is_closed",
+    "is_stream_consumed",
+    "num_bytes_downloaded",
+)
+
+
+@pytest.mark.parametrize("trust_env", [False, True], ids=["lean", "aiohttp"])
+async def test_a_whole_answer_reads_as_httpx_would_build_it(trust_env: bool) -> None:
+    """HttpService builds read answers without httpx's constructor: every attribute the
+    adapters may read equals that of ``httpx.Response(status, headers=raw, content=body)`` built
+    from the same bytes, charset and Retry-After included; a gzip answer is decoded as httpx does."""
+    import gzip
+
+    plain = '{"商品": "中文"}'.encode("gbk")
+    packed = gzip.compress(b'{"packed": true}')
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for request in read_requests(reader):
+            if b"/gzip" in request:
+                head = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Type: application/json\r\n"
+                writer.write(head + b"Content-Length: %d\r\n\r\n" % len(packed) + packed)
+            else:
+                head = b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json; charset=gbk\r\nRetry-After: 7\r\n"
+                writer.write(head + b"Content-Length: %d\r\n\r\n" % len(plain) + plain)
+            await writer.drain()
+
+    async with raw_server(serve) as url:
+        service = HttpService(max_connections=2, trust_env=trust_env)
+        try:
+            limited = await service.request("POST", f"{url}/limited", content=b"{}", timeout=httpx.Timeout(5.0))
+            packed_answer = await service.request("GET", f"{url}/gzip", timeout=httpx.Timeout(5.0))
+        finally:
+            await service.aclose()
+    expected = httpx.Response(429, headers=list(limited.headers.raw), content=plain)
+    assert isinstance(limited, httpx.Response)
+    for attribute in _ANSWER_ATTRIBUTES:
+        assert getattr(limited, attribute) == getattr(expected, attribute), attribute
+    assert orjson.loads(limited.text) == {"商品": "中文"}  # the charset applied: httpx's json() reads bytes as UTF-8
+    assert limited.headers["retry-after"] == "7" and limited.headers.get("content-type") == "application/json; charset=gbk"
+    assert repr(limited) == repr(expected)
+    assert await limited.aread() == plain and [line async for line in limited.aiter_lines()] == [plain.decode("gbk")]
+    assert packed_answer.json() == {"packed": True}

@@ -110,7 +110,7 @@ async def test_one_bad_episode_never_aborts_the_run(tmp_path: Path) -> None:
 
 async def test_a_failing_store_stops_the_run(tmp_path: Path) -> None:
     class FullDisk:
-        def save_trace(self, record: dict) -> None:
+        def save_traces(self, records: list[dict]) -> None:
             raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match="No space"):
@@ -135,11 +135,13 @@ class BlockingSink:
         self.entered = threading.Event()
         self.release = threading.Event()
         self.saved: list[str] = []
+        self.batches: list[list[str]] = []
 
-    def save_trace(self, record: dict) -> None:
+    def save_traces(self, records: list[dict]) -> None:
         self.entered.set()
         assert self.release.wait(30), "the test never let the save finish"
-        self.saved.append(record["episode_id"])
+        self.saved.extend(record["episode_id"] for record in records)
+        self.batches.append([record["episode_id"] for record in records])
 
 
 async def test_a_save_in_progress_when_the_run_is_stopped_is_finished_before_run_returns() -> None:
@@ -157,3 +159,38 @@ async def test_a_save_in_progress_when_the_run_is_stopped_is_finished_before_run
     with pytest.raises(asyncio.CancelledError):
         await running
     assert seen_at_return == [[JOBS[0].episode_id]]  # the record was saved before run() returned
+
+
+class GatedRuntime(ScriptedRuntime):
+    """Task 1's episode ends at once; the others only once the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.gate = asyncio.Event()
+        self.all_ended = asyncio.Event()
+
+    async def run(self, job: EpisodeJob) -> dict:
+        if job.task_id != 1:
+            await self.gate.wait()
+        try:
+            return await super().run(job)
+        finally:
+            if len(self.calls) == 3:
+                self.all_ended.set()
+
+
+async def test_traces_that_end_during_a_write_go_out_together_in_the_next_one() -> None:
+    """Group commit: while episode 1's trace is being written, episodes 2 and 3 end; both are
+    written by the next call, in the order they ended, and none is left out."""
+    sink = BlockingSink()
+    runtime = GatedRuntime()
+    running = asyncio.ensure_future(Evaluator(runtime, sink, concurrency=3).run(JOBS))
+    await asyncio.to_thread(sink.entered.wait, 30)  # episode 1's trace is in the sink's thread
+    runtime.gate.set()
+    await asyncio.wait_for(runtime.all_ended.wait(), timeout=30)
+    for _ in range(5):  # episodes 2 and 3 return and queue their saves
+        await asyncio.sleep(0)
+    sink.release.set()
+    outcome = await asyncio.wait_for(running, timeout=30)
+    assert outcome.completed == 3
+    assert sink.batches == [[JOBS[0].episode_id], [JOBS[1].episode_id, JOBS[2].episode_id]]

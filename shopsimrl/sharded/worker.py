@@ -131,6 +131,10 @@ class PartSink:
         if wrote:
             self.report_progress()
 
+    def save_traces(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            self.save_trace(record)
+
     def flush(self) -> None:
         with self._lock:
             wrote = self._flush_locked()
