@@ -62,7 +62,8 @@ class PolicySettings(BaseSettings):
     """Context length reported by ``/v1/models`` and enforced like vLLM: HTTP 400 with vLLM's
     text when the prompt estimate reaches it, or when the prompt plus ``max_tokens`` exceeds it."""
     latency_ms: float = Field(0.0, ge=0)
-    """Fixed delay before each answer."""
+    """Response time of each answer, counted from the request's arrival: the policy's own work
+    happens inside it (it answers later only when that work takes longer)."""
     latency_jitter_ms: float = Field(0.0, ge=0)
     """Extra delay drawn uniformly from [0, jitter] per request (seeded, see module doc)."""
     fault_seed: int = 0
@@ -299,6 +300,7 @@ class _PolicyServer:
         return JSONResponse({"object": "list", "data": [model, judge]})
 
     async def chat_completions(self, request: Request) -> Response:
+        arrived = time.monotonic()
         raw = await request.body()
         try:
             body = _validate(orjson.loads(raw))
@@ -309,9 +311,9 @@ class _PolicyServer:
         s = self.settings
         model = body.get("model")
         if model == s.judge_model_id:
-            if s.latency_ms > 0:
-                await asyncio.sleep(s.latency_ms / 1000)
-            return self._judge(body)
+            verdict = self._judge(body)
+            await _answer_time(arrived, s.latency_ms)
+            return verdict
         # Like vLLM, an omitted model means the served one.
         if s.strict_model and model is not None and model != s.model_id:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
@@ -322,8 +324,8 @@ class _PolicyServer:
         rng = random.Random(f"{s.fault_seed}:{digest}:{occurrence}")
         fault = self._draw_fault(rng)
         delay = s.latency_ms + rng.uniform(0.0, s.latency_jitter_ms)
-        if delay > 0:
-            await asyncio.sleep(delay / 1000)
+        if fault in ("429", "500", "timeout"):
+            await _answer_time(arrived, delay)
         if fault == "429":
             return _error(429, "injected rate limit", "RateLimitError", None, **{"Retry-After": str(s.retry_after_s)})
         if fault == "500":
@@ -345,6 +347,7 @@ class _PolicyServer:
         elif fault == "length":
             completion.cut_arguments()
 
+        await _answer_time(arrived, delay)
         response_id = "chatcmpl-" + sha256_hex(f"{digest}:{occurrence}")[:32]
         call_id = "chatcmpl-tool-" + sha256_hex(f"{response_id}:0")[:32]
         model_name = model if isinstance(model, str) and model else s.model_id
@@ -356,6 +359,16 @@ class _PolicyServer:
             return PlainTextResponse(_NON_JSON_BODY, status_code=200)
         # The bytes starlette's JSONResponse writes (compact, UTF-8), from orjson at a fraction of the CPU.
         return Response(orjson.dumps(_full_response(completion, response_id, call_id, model_name)), media_type="application/json")
+
+
+async def _answer_time(arrived: float, delay_ms: float) -> None:
+    """Wait until ``delay_ms`` after the request arrived. The policy's own work (reading the
+    request, deciding) happens inside the latency, as a model server's tokenising and scheduling
+    happen inside its response time; a burst of requests then queues for the policy's CPU only
+    when that work outgrows the latency."""
+    remaining = delay_ms / 1000 - (time.monotonic() - arrived)
+    if remaining > 0:
+        await asyncio.sleep(remaining)
 
 
 def _message(completion: _Completion, call_id: str) -> dict[str, Any]:
