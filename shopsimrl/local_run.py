@@ -10,7 +10,8 @@ its exit code; the CLI prints it.
 Layout: ``<output_dir>/<name>/{manifest.json, traces.jsonl, summary.json, .lock, leases/}``.
 
 Durability rules of :class:`LocalRunStore`:
-- each trace is one line, appended with flush + fsync as soon as its episode ends; a torn tail
+- each trace is one line, appended with flush + fsync as soon as its episode ends (traces that
+  end while a write runs go out together in the next one, one fsync for all); a torn tail
   left by a crash is sealed with a newline before the next append, so it stays a separate,
   skipped line;
 - the file is read as bytes and decoded line by line: a bad line (torn, not UTF-8, not JSON, not
