@@ -48,7 +48,7 @@ fi
 echo "llama.cpp: $SHOPSIMRL_MODEL_BASE_URL (log: $LLM_LOG); shop: $SHOPSIMRL_ENV_BASE_URL (log: $SHOP_LOG)"
 
 # A smoke run always starts fresh: resuming would skip every episode of the previous smoke.
-RUN_DIR=$("$BIN/shopsimrl" plan "$CONFIG" | "$BIN/python" -c 'import json, sys; print(json.load(sys.stdin)["run_dir"])')
+RUN_DIR=$("$BIN/shopsimrl" plan "$CONFIG" --json | "$BIN/python" -c 'import json, sys; print(json.load(sys.stdin)["run_dir"])')
 rm -rf -- "$RUN_DIR"
 
 set +e

@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,14 @@ def test_without_a_docker_daemon_make_says_so_before_any_build(tmp_path: Path, t
     assert result.returncode != 0
     assert "needs a running Docker daemon" in result.stderr
     assert "docker build" not in result.stdout + result.stderr
+
+
+def test_the_llm_smoke_script_reads_its_run_directory_from_the_plan() -> None:
+    """`make smoke-llm` starts each run fresh by removing the run directory `shopsimrl plan`
+    names: run the script's own line (it broke once when `plan` began printing a table)."""
+    line = next(text for text in (ROOT / "scripts" / "llm-smoke.sh").read_text().splitlines() if text.startswith("RUN_DIR="))
+    script = f'set -euo pipefail\nBIN={Path(sys.executable).parent}\nCONFIG=configs/smoke_llm.yaml\n{line}\necho "$RUN_DIR"\n'
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SHOPSIMRL_")}
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(ROOT / "runs" / "smoke-llm")

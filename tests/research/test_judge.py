@@ -119,6 +119,21 @@ def test_rubric_schema_is_enforced() -> None:
     ) == ["$.score: expected number, got bool"]
 
 
+def test_length_bounds_can_be_left_out_of_the_tool_and_are_still_checked(tmp_path: Path) -> None:
+    rubric = load_rubric(RUBRIC)
+    sent = rubric.tool(length_bounds=False)["function"]["parameters"]
+    assert b"maxLength" in orjson.dumps(rubric.tool()) and b"maxLength" not in orjson.dumps(sent)
+    assert sent["properties"]["verdict"] == rubric.verdict_schema["properties"]["verdict"]
+    too_long = {"verdict": "success", "score": 1.0, "failure_categories": [], "rationale": "x" * 2001}
+    assert any(error.startswith("$.rationale") for error in schema_errors(too_long, rubric.verdict_schema))
+    # The default is frozen as before the setting existed (earlier plans keep their fingerprint).
+    path = _config(tmp_path, str(tmp_path / "run"), "http://127.0.0.1:9/v1")
+    assert "send_length_bounds" not in load_judge_config(path).frozen()["model"]
+    off = tmp_path / "off.yaml"
+    off.write_text(path.read_text().replace("  timeout: 30\n", "  timeout: 30\n  send_length_bounds: false\n"))
+    assert load_judge_config(off).frozen()["model"]["send_length_bounds"] is False
+
+
 def test_rubric_with_unsupported_keywords_is_refused() -> None:
     text = RUBRIC.read_text(encoding="utf-8").replace("uniqueItems: true", "pattern: '^a'")
     with pytest.raises(JudgeConfigError, match="unsupported JSON Schema keyword"):

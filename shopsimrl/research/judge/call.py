@@ -164,8 +164,10 @@ async def judge_episode(
     *,
     max_repairs: int,
     identity: dict[str, Any],
+    tool: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The judge output record of one judge input (``export``'s ``judge_input``)."""
+    """The judge output record of one judge input (``export``'s ``judge_input``); ``tool``: the
+    tool offered (default ``rubric.tool()``)."""
     started = _now()
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": rubric.instructions},
@@ -175,7 +177,7 @@ async def judge_episode(
     status, verdict, error = "unparseable", None, None
     for number in range(1, max_repairs + 2):
         try:
-            output = await model.generate(messages, [rubric.tool()])
+            output = await model.generate(messages, [tool or rubric.tool()])
         except ModelRequestError as exc:
             if exc.status_code in _FATAL_STATUS:
                 raise JudgeModelError(f"the judge model refused the request: {exc}") from None

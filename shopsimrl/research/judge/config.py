@@ -73,6 +73,11 @@ class JudgeModelSection(_Strict):
     """``forced``: ``{"type": "function", "function": {"name": "submit_verdict"}}``; ``required``
     or ``auto`` for servers that reject a named function (llama.cpp's chat handlers)."""
     assistant_content_empty_string: bool = False
+    send_length_bounds: bool = True
+    """Send the verdict schema's length bounds (maxLength, minItems, …) with the tool. ``false``
+    for servers that compile the schema into a grammar and fail on large bounds (llama.cpp
+    refuses ``maxLength: 2000`` and then crashes); the bounds are checked here either way, and an
+    answer outside them gets a repair turn."""
     extra_body: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("base_url")
@@ -148,6 +153,8 @@ class JudgeConfig(_Strict):
         selection, the repairs. Never a key, only the name of its variable."""
         model = self.model.model_dump(mode="json")
         model.pop("base_url")
+        if model["send_length_bounds"]:
+            del model["send_length_bounds"]  # the default: frozen as before the setting existed
         return {
             "name": self.name,
             "model": model,
@@ -302,6 +309,17 @@ def schema_errors(value: Any, schema: dict[str, Any], where: str = "$") -> list[
     return errors
 
 
+_LENGTH_BOUNDS = frozenset({"maxLength", "minLength", "maxItems", "minItems"})
+
+
+def _without_length_bounds(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        return {key: _without_length_bounds(value) for key, value in schema.items() if key not in _LENGTH_BOUNDS}
+    if isinstance(schema, list):
+        return [_without_length_bounds(value) for value in schema]
+    return schema
+
+
 @dataclass(frozen=True)
 class Rubric:
     version: str
@@ -310,14 +328,16 @@ class Rubric:
     sha256: str
     path: str
 
-    def tool(self) -> dict[str, Any]:
-        """The one tool offered: the verdict as the function's arguments."""
+    def tool(self, *, length_bounds: bool = True) -> dict[str, Any]:
+        """The one tool offered: the verdict as the function's arguments (without the schema's
+        length bounds when ``length_bounds`` is false)."""
+        schema = self.verdict_schema if length_bounds else _without_length_bounds(self.verdict_schema)
         return {
             "type": "function",
             "function": {
                 "name": TOOL_NAME,
                 "description": "Submit the verdict on the episode. Call it exactly once.",
-                "parameters": self.verdict_schema,
+                "parameters": schema,
             },
         }
 

@@ -170,6 +170,7 @@ async def judge_stream(
     model = judge_model(config)
     model.check_api_key()
     identity = model_identity(config)
+    tool = rubric.tool(length_bounds=config.model.send_length_bounds)
     slots = asyncio.Semaphore(config.concurrency)
     pending: set[asyncio.Task[None]] = set()
     written = 0
@@ -177,7 +178,7 @@ async def judge_stream(
     async def one(item: dict[str, Any]) -> None:
         nonlocal written
         try:
-            record = await judge_episode(model, rubric, item, max_repairs=config.max_repairs, identity=identity)
+            record = await judge_episode(model, rubric, item, max_repairs=config.max_repairs, identity=identity, tool=tool)
             sink(record)
             written += 1
         finally:
