@@ -123,6 +123,21 @@ def browser() -> Iterator[Any]:
         driver.quit()
 
 
+def navigate(driver: Any, element: Any, timeout: float = 60.0) -> None:
+    """Click a link or submit button and wait for the page it loads. A click may return before
+    the old page is gone; reading right after it could find the old page's elements (stale a
+    moment later) or its old text."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    old = driver.find_element(By.TAG_NAME, "html")
+    element.click()
+    wait = WebDriverWait(driver, timeout)
+    wait.until(expected_conditions.staleness_of(old))
+    wait.until(lambda current: current.execute_script("return document.readyState") == "complete")
+
+
 def console_errors(driver: Any) -> list[str]:
     """The page's console errors since the last call (SEVERE entries of the browser log)."""
     return [entry["message"] for entry in driver.get_log("browser") if entry.get("level") == "SEVERE"]

@@ -23,7 +23,7 @@ from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob
 from tests.sharded.conftest import REPO
 
-from .conftest import RUN_KINDS, ResearchRuns, console_errors, run_location, screenshot
+from .conftest import RUN_KINDS, ResearchRuns, console_errors, navigate, run_location, screenshot
 from .synthetic import HOSTILE, HOSTILE_ID, hostile_record, perturbed, trace_line
 
 READY = re.compile(r"viewer at (http://\S+/)")
@@ -304,18 +304,18 @@ def test_browse_filter_sort_and_open_episodes(
 
     Select(driver.find_element(By.NAME, "success")).select_by_value("0")
     driver.find_element(By.NAME, "reward_min").send_keys("0.2")
-    driver.find_element(By.ID, "apply").click()
+    navigate(driver, driver.find_element(By.ID, "apply"))
     kept = [row for row in rows if row["success"] == 0.0 and row["reward"] is not None and row["reward"] >= 0.2]
     assert driver.find_element(By.ID, "count").text.startswith(f"{len(kept)} of {len(rows)} episodes")
-    driver.find_element(By.CSS_SELECTOR, 'th a[data-column="reward"]').click()  # ascending
-    driver.find_element(By.CSS_SELECTOR, 'th a[data-column="reward"]').click()  # descending
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, 'th a[data-column="reward"]'))  # ascending
+    navigate(driver, driver.find_element(By.CSS_SELECTOR, 'th a[data-column="reward"]'))  # descending
     shown = [link.text for link in driver.find_elements(By.CSS_SELECTOR, "#episodes tbody td:first-child a")]
     assert shown == _in_order(kept, "reward", desc=True)
     assert Select(driver.find_element(By.NAME, "success")).first_selected_option.get_attribute("value") == "0"  # filters kept
     screenshot(driver, "viewer-filtered")
     assert console_errors(driver) == []
 
-    driver.find_element(By.LINK_TEXT, shown[0]).click()
+    navigate(driver, driver.find_element(By.LINK_TEXT, shown[0]))
     record = open_run(research_runs.sharded).record(shown[0])
     assert driver.find_element(By.ID, "episode-id").text == shown[0]
     assert driver.find_element(By.ID, "instruction").text == record["reset"]["task_instruction"]
@@ -328,9 +328,9 @@ def test_browse_filter_sort_and_open_episodes(
     screenshot(driver, "viewer-episode")
     assert console_errors(driver) == []
 
-    driver.find_element(By.ID, "next").click()
+    navigate(driver, driver.find_element(By.ID, "next"))
     assert driver.find_element(By.ID, "episode-id").text == shown[1]
-    driver.find_element(By.ID, "back").click()
+    navigate(driver, driver.find_element(By.ID, "back"))
     assert driver.find_element(By.ID, "count").text.startswith(f"{len(kept)} of {len(rows)} episodes")
     assert console_errors(driver) == []
 
@@ -362,13 +362,13 @@ def test_browse_pages_and_hostile_text(browser: Any, viewers: dict[str, Viewer],
     driver = browser
     driver.get(viewers["mixed"].url)
     Select(driver.find_element(By.NAME, "per_page")).select_by_value("25")
-    driver.find_element(By.ID, "apply").click()
+    navigate(driver, driver.find_element(By.ID, "apply"))
     assert "page 1 of 3" in driver.find_element(By.ID, "count").text
-    driver.find_element(By.ID, "page-next").click()
+    navigate(driver, driver.find_element(By.ID, "page-next"))
     assert "page 2 of 3" in driver.find_element(By.ID, "count").text
     assert len(driver.find_elements(By.CSS_SELECTOR, "#episodes tbody tr")) == 25
     Select(driver.find_element(By.NAME, "failure_class")).select_by_value("environment_error")
-    driver.find_element(By.ID, "apply").click()
+    navigate(driver, driver.find_element(By.ID, "apply"))
     failed = [row for row in _rows(str(mixed_run)) if row["failure_class"] == "environment_error"]
     assert driver.find_element(By.ID, "count").text.startswith(f"{len(failed)} of 60 episodes")
     assert console_errors(driver) == []
