@@ -2,8 +2,9 @@
 
 The server runs in an environment of its own, never in the project's ``.venv``:
 llama-cpp-python pulls in fastapi, numpy and more, which the project does not declare. Everything
-lives under one cache directory (default ``<repository>/.cache/llm``, ``SHOPSIMRL_LLM_CACHE``
-overrides it)::
+lives under one cache directory per machine (default ``$XDG_CACHE_HOME/shopsimrl/llm``, else
+``~/.cache/shopsimrl/llm``; ``SHOPSIMRL_LLM_CACHE`` overrides it), so every clone on the machine
+reuses one build::
 
     venv/     the server's virtual environment: llama-cpp-python[server] and its dependencies
     wheels/   the llama-cpp-python wheel compiled from source (the expensive part, reused)
@@ -95,7 +96,6 @@ CHAT_FORMAT = f"{BASE_CHAT_FORMAT}+tool-results"
 BUILD_CMAKE_ARGS = "-DGGML_NATIVE=OFF"
 # Measured on this project's 2-core machines (docs/llm_smoke.md); said before the build starts.
 BUILD_ESTIMATE = "about 16 CPU-minutes: 8 minutes on 2 idle cores, 25 on a busy machine"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 # Ninja's progress lines in the build log: "[57/193] Building CXX object ...".
 _BUILD_STEP = re.compile(rb"^\s*\[(\d+)/(\d+)\]")
 
@@ -105,7 +105,12 @@ class InstallError(RuntimeError):
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("SHOPSIMRL_LLM_CACHE") or _REPO_ROOT / ".cache" / "llm")
+    """One cache per machine, outside any clone: the compile is the same for every checkout."""
+    configured = os.environ.get("SHOPSIMRL_LLM_CACHE")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "shopsimrl" / "llm"
 
 
 def server_python(cache: Path) -> Path:
@@ -490,7 +495,7 @@ class LlamaServer:
 
 def main(argv: Sequence[str] | None = None) -> int:  # noqa: RET503 - the last path ends in os.execv, which does not return
     parser = argparse.ArgumentParser(prog="python -m shopsimrl.testbed.llm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=None, help="cache directory (default: <repo>/.cache/llm)")
+    parser.add_argument("--cache", type=Path, default=None, help="cache directory (default: ~/.cache/shopsimrl/llm)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("install", help="the server environment (compiles llama.cpp the first time) and the model")
     commands.add_parser("cache-key", help="print what the cached wheel and model depend on (a CI cache key)")
