@@ -23,7 +23,8 @@ Errors::
     ShopEnvironmentError                  anything the environment adapter raises on purpose
     ├── EnvironmentUnavailableError       infrastructure: connect/read failures, timeouts,
     │                                     HTTP 502/503/504, a 500 without the server's
-    │                                     envelope (after the retries that are safe);
+    │                                     envelope, a 5xx whose envelope says the state is
+    │                                     unchanged (after the retries that are safe);
     │                                     the scheduler may retry the whole episode
     ├── EnvironmentResponseError          the server answered, and the answer is a failure:
     │   │                                 HTTP 4xx, a 500 carrying ``result.error`` (the
@@ -41,9 +42,10 @@ hides a bug.
 
 Retries. ``interact`` and ``terminate`` change server state and are not idempotent, so they
 are retried only when the request provably never left this process (connection refused,
-connect or pool timeout). ``reset`` is retried in those cases and on HTTP 502/503, where a
-proxy did not reach the server; it has no read timeout (the server answers once a slot is
-free). ``release_one`` and ``GET /healthz`` are retried on any transport error and on any 5xx;
+connect or pool timeout) or when the server says it changed nothing (a 5xx whose envelope
+carries ``"state_unchanged": true``, as the testbed's injected faults do). ``reset`` is retried
+in those cases and on HTTP 502/503, where a proxy did not reach the server; it has no read
+timeout (the server answers once a slot is free). ``release_one`` and ``GET /healthz`` are retried on any transport error and on any 5xx;
 a 409 on a ``release_one`` retry, after an attempt that may have reached the server, means that
 attempt already released the lease.
 """
@@ -111,10 +113,13 @@ class EnvironmentUnavailableError(ShopEnvironmentError):
         status: int | None = None,
         request_sent: bool = True,
         attempts: int = 1,
+        state_unchanged: bool = False,
     ) -> None:
         super().__init__(message, action=action, status=status)
         self.request_sent = request_sent
         self.attempts = attempts
+        self.state_unchanged = state_unchanged
+        """The server said the request changed nothing: sending it again is safe for every action."""
 
 
 class EnvironmentResponseError(ShopEnvironmentError):
@@ -304,6 +309,8 @@ class _RetryPolicy:
     """HTTP statuses (5xx) worth another attempt."""
 
     def allows(self, exc: EnvironmentUnavailableError) -> bool:
+        if exc.state_unchanged:
+            return True
         if exc.status is not None:
             return exc.status in self.statuses
         if isinstance(exc.__cause__, httpx.PoolTimeout):
@@ -715,6 +722,10 @@ def _decode(action: str, response: httpx.Response, *, enveloped: bool) -> dict[s
     elif not isinstance(result, dict):
         server_message = response.text[:300] or None
     detail = f"HTTP {status}" + (f": {server_message}" if server_message else "")
+    if status >= 500 and isinstance(result, dict) and result.get("state_unchanged") is True:
+        raise EnvironmentUnavailableError(
+            f"ShopSimulator {action} failed without changing state: {detail}", action=action, status=status, state_unchanged=True
+        )
     # A 500 that carries the server's own {"result": {"error": …}} is a refusal by the application
     # (unknown task, episode already terminated): deterministic, retrying cannot help. Gateway
     # errors and 500s without the envelope mean the service itself is unavailable.

@@ -187,6 +187,26 @@ async def test_step_5xx_is_not_retried_and_classified(stub: ShopStub, make_env: 
     assert stub.leases == {}
 
 
+async def test_a_5xx_that_says_the_state_is_unchanged_is_sent_again(stub: ShopStub, make_env: Factory) -> None:
+    """The testbed's injected faults say so in the envelope: resending is safe for every action."""
+    episode = make_env().open_episode()
+    unchanged = {"error": "injected fault: the testbed answered 500 without changing state", "state_unchanged": True}
+    stub.script("reset", Reply(status=500, result=unchanged, effect=False))
+    await episode.reset(1)
+    for action, call in (("interact", episode.step("search[耳机]")), ("terminate", episode.terminate("action_limit"))):
+        stub.script(action, Reply(status=500, result=unchanged, effect=False))
+        await call
+        assert stub.actions().count(action) == 2
+    assert stub.actions() == ["reset", "reset", "interact", "interact", "terminate", "terminate"]
+    # Every attempt failing the same way ends as infrastructure, never as the agent's outcome.
+    for _ in range(4):
+        stub.script("interact", Reply(status=500, result=unchanged, effect=False))
+    with pytest.raises(EnvironmentUnavailableError, match="without changing state") as caught:
+        await episode.step("search[耳机]")
+    assert caught.value.state_unchanged and caught.value.attempts == 4
+    await episode.close()
+
+
 async def test_reset_retries_when_nothing_reached_the_server(sleeps: list[float]) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
     env = ShopSimulatorEnvironment(

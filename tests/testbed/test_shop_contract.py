@@ -655,7 +655,7 @@ def test_injected_faults_never_take_a_slot(make_shop) -> None:
         failed = [result for status, result in outcomes if status == 500]
         assert succeeded and failed and len(succeeded) + len(failed) == 12
         assert shop.health()["free_slots"] == 16 - len(succeeded)
-        assert all("injected fault" in result["error"] for result in failed)
+        assert all("injected fault" in result["error"] and result["state_unchanged"] is True for result in failed)
 
 
 async def test_many_concurrent_leases_are_distinct(make_shop) -> None:

@@ -257,7 +257,8 @@ class ShopService:
         action = data.get("action")
         await self._delay()
         if action in ("reset", "interact", "terminate") and self._faulted():
-            return 500, {"error": "injected fault: the testbed answered 500 without changing state"}
+            # Says so in the envelope: a client may send the request again, whatever the action.
+            return 500, {"error": "injected fault: the testbed answered 500 without changing state", "state_unchanged": True}
         env_idx, lease_id = data.get("env_idx"), data.get("lease_id")
         try:
             if action == "release_all":
