@@ -21,8 +21,7 @@ The loop ends on ``done``; after ``max_steps`` calls without ``done`` the runtim
 ``action_limit``. The lease is always released; a failed release makes the episode ``failed``.
 
 Additive trace keys (beyond ``shopsimrl-episode-v4``): ``failure_class`` (``null`` for a
-completed episode; ``infrastructure`` — retryable; ``environment_error``, ``model_error``,
-``runtime_error`` — not retried) and ``attempt`` (set by the scheduler).
+completed episode; see :func:`classify_failure`) and ``attempt`` (set by the scheduler).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ import structlog
 
 from shopsimrl.environment import (
     EnvironmentUnavailableError,
+    EnvironmentVersionError,
     LeaseError,
     ShopEnvironment,
     ShopEnvironmentError,
@@ -83,21 +83,42 @@ def public_reset(result: dict[str, Any]) -> dict[str, Any]:
     return public
 
 
-def classify_failure(exc: BaseException) -> str:
-    """Which failures the scheduler may retry: only ``infrastructure`` ones."""
-    if isinstance(exc, (EnvironmentUnavailableError, LeaseError)):
+_CONFIGURATION_STATUSES = frozenset({401, 403, 404})
+"""Model answers no conversation can cause: authentication, permission, an unknown model."""
+
+
+def classify_failure(exc: BaseException, *, agent_acted: bool = True, agent_spoke: bool = True) -> str:
+    """Whose failure it is (docs/runtime_eval.md §4, "Who a failure is charged to").
+
+    ``agent_acted``: an action of the agent (or a termination its reply caused) reached the
+    environment in this episode. ``agent_spoke``: the conversation sent to the model holds the
+    agent's own replies. A failure that neither can have caused is never the agent's:
+
+    - ``infrastructure``: unreachable services, timeouts, 5xx after the retries, a lost lease, a
+      changed environment version, and any environment failure before the agent's first action;
+      retried within the invocation and by the next one, outside the intent-to-treat score;
+    - ``configuration_error``: the model server refuses what the run's settings alone decide (a
+      missing key, 401/403/404, ``max_tokens`` not below the context window, a 4xx on the
+      episode's first prompt); not retried within the invocation (it would fail again), run again
+      by the next one, outside the score;
+    - ``environment_error``: the environment failed on an agent's action (the real server answers
+      500 to some agent inputs, deterministically); ``model_error``: the model server refused a
+      conversation holding the agent's replies; ``runtime_error``: a bug. These are outcomes of
+      the episode: a 0 in the intent-to-treat score, final once recorded.
+    """
+    if isinstance(exc, (EnvironmentUnavailableError, LeaseError, EnvironmentVersionError)):
         return "infrastructure"
     if isinstance(exc, ShopEnvironmentError):
-        return "environment_error"
+        return "environment_error" if agent_acted else "infrastructure"
     if isinstance(exc, ModelConfigError):
-        return "model_error"
+        return "configuration_error"
     if isinstance(exc, ModelRequestError):
-        status = getattr(exc, "status_code", None)
-        return (
-            "model_error"
-            if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 429)
-            else "infrastructure"
-        )
+        status = exc.status_code
+        if not (isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 429)):
+            return "infrastructure"
+        if exc.configuration or status in _CONFIGURATION_STATUSES or not agent_spoke:
+            return "configuration_error"
+        return "model_error"
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return "infrastructure"
     return "runtime_error"
@@ -180,7 +201,7 @@ class AgentRuntime:
         elog = log.bind(episode_id=job.episode_id)
         trace = trace_skeleton(job)
         trace["started_at"] = started_at
-        progress = {"stage": "reset"}
+        progress: dict[str, Any] = {"stage": "reset", "agent_acted": False, "agent_spoke": False}
         try:
             await self._play(job, episode, trace, progress)
             if not isinstance(trace["final"], dict) or trace["final"].get("done") is not True:
@@ -189,7 +210,9 @@ class AgentRuntime:
         except Exception as exc:  # every episode-level failure becomes a failed trace
             trace["status"] = "failed"
             trace["error"] = _error(progress["stage"], exc)
-            trace["failure_class"] = classify_failure(exc)
+            trace["failure_class"] = classify_failure(
+                exc, agent_acted=progress["agent_acted"], agent_spoke=progress["agent_spoke"]
+            )
             elog.warning("episode_failed", stage=trace["error"]["stage"], error=type(exc).__name__, message=str(exc)[:300])
         finally:
             cleanup_error: BaseException | None = None
@@ -223,8 +246,9 @@ class AgentRuntime:
             "runtime": self.runtime_identity(),
         }
 
-    async def _play(self, job: EpisodeJob, episode: Any, trace: dict[str, Any], progress: dict[str, str]) -> None:
-        """Play the episode into ``trace``; ``progress["stage"]`` names where a failure happened."""
+    async def _play(self, job: EpisodeJob, episode: Any, trace: dict[str, Any], progress: dict[str, Any]) -> None:
+        """Play the episode into ``trace``; ``progress`` says where a failure happened (``stage``)
+        and whether the agent had spoken or acted by then (who the failure is charged to)."""
         reset = await episode.reset(job.task_id)
         public = public_reset(reset)
         trace["reset"] = public
@@ -256,6 +280,7 @@ class AgentRuntime:
 
             progress["stage"] = f"model_step_{step_index}"
             output = await self.model.generate(list(conversation), tools, seed=job.seed + step_index - 1)
+            progress["agent_spoke"] = True
             step: dict[str, Any] = {
                 "step_index": step_index,
                 "observation": observation_text,
@@ -272,6 +297,7 @@ class AgentRuntime:
                 code = output.policy_failure.get("code")
                 if code not in POLICY_FAILURE_CODES:
                     raise RuntimeError(f"unsupported policy failure {code!r}")
+                progress["agent_acted"] = True
                 final = await episode.terminate(POLICY_TERMINATION_REASON)
                 trace["final"] = _without(final, LEASE_KEYS)
                 return
@@ -296,6 +322,7 @@ class AgentRuntime:
 
             progress["stage"] = f"environment_step_{step_index}"
             step["action"] = action
+            progress["agent_acted"] = True
             result = await episode.step(action)
             step["environment"] = _without(result, LEASE_KEYS)
             conversation.append(_assistant_tool_message(output))

@@ -34,8 +34,11 @@ key                               meaning
 ``primary.success_ci95``          the same interval for success_rate (a proportion)
 ``primary.score``                 reward_mean × 100 (WebShop-style score)
 ``primary.reward_mean_itt``,      intent to treat: completed episodes plus every failed
-``primary.success_rate_itt``      episode that is not ``infrastructure``, the latter as 0
-``intent_to_treat``               that denominator, its SEs, intervals and score
+``primary.success_rate_itt``      episode whose failure is an outcome (not ``infrastructure``
+                                  or ``configuration_error``), the latter as 0
+``intent_to_treat``               that denominator, its SEs, intervals and score;
+                                  ``rerolled``: scored episodes that replaced an earlier
+                                  attempt whose failure was an outcome
 ``intervals``                     the interval method, the cluster key and count, and a
                                   note per interval that is missing or fell back
 ``per_task``                      tasks, episodes per task, and with repeats the unbiased
@@ -83,7 +86,7 @@ from statistics import NormalDist
 from typing import Any, TypeGuard
 
 from shopsimrl.schemas import SUMMARY_SCHEMA_VERSION
-from shopsimrl.traces import is_completed
+from shopsimrl.traces import EXCUSED_FAILURE_CLASSES, failure_is_outcome, is_completed
 
 __all__ = [
     "CI_METHOD",
@@ -612,7 +615,12 @@ class SummaryAccumulator:
         self._successes_bounded = True
         self._failed_counted_zero = 0
         self._failed_infrastructure = 0
+        self._failed_configuration = 0
         self._failed_unclassified = 0
+        # Re-rolls: episodes with a superseded attempt that was an outcome, less those whose
+        # winner is excused (not scored). Both sets hold failures only, never every episode.
+        self._outcomes_superseded: set[str] = set()
+        self._excused_winners: set[str] = set()
         self._policy_codes = _BoundedCounter()
 
     # ------------------------------------------------------------------ input
@@ -647,9 +655,13 @@ class SummaryAccumulator:
             self._errors.add(str(error.get("type") or "unknown"))
             failure_class = record.get("failure_class")
             self._failure_classes.add(str(failure_class) if failure_class else "unknown")
-            # Intent to treat: only a failure known to be infrastructure is excused.
-            if failure_class == "infrastructure":
-                self._failed_infrastructure += 1
+            # Intent to treat: only a failure known to say nothing about the agent is excused.
+            if failure_class in EXCUSED_FAILURE_CLASSES:
+                if failure_class == "infrastructure":
+                    self._failed_infrastructure += 1
+                else:
+                    self._failed_configuration += 1
+                self._excused_winners.add(str(record.get("episode_id")))
             else:
                 self._failed_counted_zero += 1
                 self._failed_unclassified += not failure_class
@@ -726,6 +738,8 @@ class SummaryAccumulator:
         if self._in_plan(record):
             self._superseded += 1
             self._note_span(record)
+            if failure_is_outcome(dict(record) if not isinstance(record, dict) else record):
+                self._outcomes_superseded.add(str(record.get("episode_id")))
 
     # ------------------------------------------------------------------ output
 
@@ -799,6 +813,8 @@ class SummaryAccumulator:
                 "failed_counted_as_zero": self._failed_counted_zero,
                 "failed_unclassified": self._failed_unclassified,
                 "failed_infrastructure_excluded": self._failed_infrastructure,
+                "failed_configuration_excluded": self._failed_configuration,
+                "rerolled": len(self._outcomes_superseded - self._excused_winners),
                 "reward_mean": itt_reward.mean,
                 "reward_sem": itt_reward.sem,
                 "reward_ci95": _pair(itt_reward.ci95),
@@ -931,7 +947,8 @@ _TABLE_ROWS = (
         "reward {intent_to_treat.reward_mean} · 95% CI {intent_to_treat.reward_ci95:ci}"
         " · success {intent_to_treat.success_rate:%} · over {intent_to_treat.episodes} episodes"
         " (failures as 0: {intent_to_treat.failed_counted_as_zero},"
-        " infrastructure excluded: {intent_to_treat.failed_infrastructure_excluded})",
+        " excluded: infrastructure {intent_to_treat.failed_infrastructure_excluded},"
+        " configuration {intent_to_treat.failed_configuration_excluded} · re-rolled {intent_to_treat.rerolled})",
     ),
     (
         "tasks",

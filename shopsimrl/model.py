@@ -108,10 +108,14 @@ class ModelConfigError(ModelError, ValueError):
 class ModelRequestError(ModelError):
     """A model call failed: a non-retryable HTTP status, or every attempt failed."""
 
-    def __init__(self, message: str, *, status_code: int | None, attempts: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, message: str, *, status_code: int | None, attempts: list[dict[str, Any]], configuration: bool = False
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.attempts = attempts
+        self.configuration = configuration
+        """The run's settings alone cause it (no conversation could succeed), not the agent."""
 
     @property
     def attempt_count(self) -> int:
@@ -498,6 +502,7 @@ class OpenAICompatibleChatModel:
                 f"at POST {redact_uri(url)}: {self._redact(str(exc))}",
                 status_code=exc.status,
                 attempts=attempts,
+                configuration=True,
             )
         output = ModelOutput(
             policy_failure={

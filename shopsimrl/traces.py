@@ -30,11 +30,14 @@ import orjson
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, json_safe
 
 __all__ = [
+    "EXCUSED_FAILURE_CLASSES",
+    "FAILURE_CLASSES",
     "Offer",
     "Verdict",
     "WinnerPicker",
     "attempt_rank",
     "encode_trace_line",
+    "failure_is_outcome",
     "is_completed",
     "iter_jsonl_records",
     "parse_trace_line",
@@ -42,6 +45,18 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+FAILURE_CLASSES = ("infrastructure", "configuration_error", "environment_error", "model_error", "runtime_error")
+"""``failure_class`` of a failed record (docs/runtime_eval.md §4 has the attribution table)."""
+EXCUSED_FAILURE_CLASSES = frozenset({"infrastructure", "configuration_error"})
+"""Failures that say nothing about the agent: outside the intent-to-treat score, and run again by
+the next invocation. Every other failure (and one without a class: traces of the earlier
+implementation) is an outcome of the episode: a 0 in the score, final once recorded."""
+
+
+def failure_is_outcome(record: dict[str, Any]) -> bool:
+    """A failed record that scores as the agent's 0 (and is not run again unless re-rolled)."""
+    return not is_completed(record) and record.get("failure_class") not in EXCUSED_FAILURE_CLASSES
 
 
 def trace_skeleton(job: EpisodeJob) -> dict[str, Any]:

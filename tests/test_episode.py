@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from shopsimrl.environment import EnvironmentResponseError, EnvironmentUnavailableError
+import pytest
+
+from shopsimrl.environment import (
+    EnvironmentResponseError,
+    EnvironmentUnavailableError,
+    EnvironmentVersionError,
+    LeaseError,
+)
 from shopsimrl.episode import AgentRuntime
-from shopsimrl.model import ModelRequestError
+from shopsimrl.model import ModelConfigError, ModelRequestError
 from shopsimrl.prompts import PromptBuilder
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, ModelOutput, Skill
 from shopsimrl.skills import NoSkills
@@ -145,20 +153,91 @@ async def test_cleanup_failure_makes_the_episode_failed() -> None:
     assert trace["error"]["stage"] == "cleanup" and trace["failure_class"] == "infrastructure"
 
 
-async def test_failures_are_classified_and_staged() -> None:
-    env = FakeEnvironment()
-    env.reset_error = EnvironmentResponseError("'unknown or inactive task_id 7'", action="reset", status=500)
-    trace = await runtime(FakeModel([]), env).run(JOB)
-    assert trace["status"] == "failed" and trace["error"]["stage"] == "reset"
-    assert trace["failure_class"] == "environment_error" and env.closes == 1
+SERVER_500 = EnvironmentResponseError("'NoneType' object is not subscriptable", action="interact", status=500)
 
-    model = FakeModel([ModelRequestError("model request failed after 3 attempts: 503", status_code=503, attempts=[])])
-    trace = await runtime(model, FakeEnvironment()).run(JOB)
-    assert trace["error"]["stage"] == "model_step_1" and trace["failure_class"] == "infrastructure"
-    assert trace["error"]["type"] == "ModelRequestError"
 
-    model = FakeModel([ModelRequestError("non-retryable model HTTP 400", status_code=400, attempts=[])])
-    assert (await runtime(model, FakeEnvironment()).run(JOB))["failure_class"] == "model_error"
+def _model_4xx(status: int, **kwargs: Any) -> ModelRequestError:
+    return ModelRequestError(f"non-retryable model HTTP {status}", status_code=status, attempts=[], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("case", "outputs", "env", "stage", "expected"),
+    [
+        # Before the agent acted, nothing the environment does is the agent's.
+        ("reset 500", [], FakeEnvironment(), "reset", "infrastructure"),
+        ("version", [], FakeEnvironment(), "reset", "infrastructure"),
+        # The shop fails on the agent's action: the agent's outcome.
+        (
+            "interact 500",
+            [tool_output("search", {"query": "x"})],
+            FakeEnvironment(steps=[SERVER_500]),
+            "environment_step_1",
+            "environment_error",
+        ),
+        (
+            "interact 409",
+            [tool_output("search", {"query": "x"})],
+            FakeEnvironment(steps=[LeaseError("stale", action="interact", status=409)]),
+            "environment_step_1",
+            "infrastructure",
+        ),
+        (
+            "interact unavailable",
+            [tool_output("search", {"query": "x"})],
+            FakeEnvironment(steps=[EnvironmentUnavailableError("HTTP 500", action="interact", status=500, state_unchanged=True)]),
+            "environment_step_1",
+            "infrastructure",
+        ),
+        (
+            "model 503",
+            [ModelRequestError("after 3 attempts: 503", status_code=503, attempts=[])],
+            FakeEnvironment(),
+            "model_step_1",
+            "infrastructure",
+        ),
+        # The first prompt is the run's own: a 4xx there is its configuration.
+        ("model 400 first prompt", [_model_4xx(400)], FakeEnvironment(), "model_step_1", "configuration_error"),
+        (
+            "model 400 later turn",
+            [tool_output("search", {"query": "x"}), _model_4xx(400)],
+            FakeEnvironment(),
+            "model_step_2",
+            "model_error",
+        ),
+        (
+            "model 401 later turn",
+            [tool_output("search", {"query": "x"}), _model_4xx(401)],
+            FakeEnvironment(),
+            "model_step_2",
+            "configuration_error",
+        ),
+        (
+            "max_tokens >= window",
+            [tool_output("search", {"query": "x"}), _model_4xx(400, configuration=True)],
+            FakeEnvironment(),
+            "model_step_2",
+            "configuration_error",
+        ),
+        (
+            "missing key",
+            [ModelConfigError("model API key variable 'K' is not set")],
+            FakeEnvironment(),
+            "model_step_1",
+            "configuration_error",
+        ),
+    ],
+)
+async def test_failures_are_charged_to_whoever_caused_them(
+    case: str, outputs: list[Any], env: FakeEnvironment, stage: str, expected: str
+) -> None:
+    if case == "reset 500":
+        env.reset_error = EnvironmentResponseError("'unknown or inactive task_id 7'", action="reset", status=500)
+    if case == "version":
+        env.reset_error = EnvironmentVersionError("observation_version is 'v6'", action="reset")
+    trace = await runtime(FakeModel(outputs), env).run(JOB)
+    assert trace["status"] == "failed" and trace["error"]["stage"] == stage, case
+    assert trace["failure_class"] == expected, case
+    assert env.closes == 1
 
 
 async def test_page_without_tools_fails_at_the_tool_stage() -> None:

@@ -4,7 +4,8 @@ reads of a trace record, computed in one place with the summary's own step readi
 
 Rewards: ``reward`` is the environment's reward of a completed episode (None otherwise);
 ``reward_itt`` is the summary's intent-to-treat value: a failed episode counts 0, except one
-failed for infrastructure (None: excused, as in ``summary.json``). ``success`` likewise from
+whose failure says nothing about the agent (``infrastructure``, ``configuration_error``; None:
+excused, as in ``summary.json``). ``success`` likewise from
 ``r_success``.
 """
 
@@ -14,7 +15,7 @@ import math
 from typing import Any
 
 from shopsimrl.metrics import step_facts
-from shopsimrl.traces import is_completed
+from shopsimrl.traces import EXCUSED_FAILURE_CLASSES, is_completed
 
 __all__ = ["CORE_COLUMNS", "episode_row", "task_key"]
 
@@ -81,7 +82,7 @@ def episode_row(record: dict[str, Any]) -> dict[str, Any]:
     detail = _map(final.get("reward_detail"))
     completed = is_completed(record)
     failure_class = record.get("failure_class")
-    excused = not completed and failure_class == "infrastructure"
+    excused = not completed and failure_class in EXCUSED_FAILURE_CLASSES
 
     reward = _number(final.get("reward")) if completed else None
     success = _number(detail.get("r_success")) if completed else None
