@@ -121,6 +121,21 @@ def _prepare(config: ExperimentConfig, final_test: bool) -> Any:
 
 
 FINAL_TEST = typer.Option(False, "--final-test", help="Allow running the held-out test split (requires skills.path: null).")
+RETRY_FAILED = typer.Option(
+    True,
+    "--retry-failed/--no-retry-failed",
+    help="Run again the episodes whose earlier failure says nothing about the agent (infrastructure, configuration).",
+)
+REROLL_FAILED = typer.Option(
+    False,
+    "--reroll-failed",
+    help="Also run again the failures that are the agent's outcomes (final otherwise); each re-roll is marked and counted.",
+)
+
+
+def _check_rerun_flags(retry_failed: bool, reroll_failed: bool) -> None:
+    if reroll_failed and not retry_failed:
+        _fail(ExitCode.BAD_INPUT, "--reroll-failed and --no-retry-failed contradict each other")
 
 
 @app.command()
@@ -246,9 +261,8 @@ def _plan_value(value: Any) -> str:
 def run(
     config_path: Path = typer.Argument(..., metavar="CONFIG", help="Experiment YAML."),
     final_test: bool = FINAL_TEST,
-    retry_failed: bool = typer.Option(
-        True, "--retry-failed/--no-retry-failed", help="Give episodes that failed in earlier invocations a fresh set of attempts."
-    ),
+    retry_failed: bool = RETRY_FAILED,
+    reroll_failed: bool = REROLL_FAILED,
     max_episode_retries: int | None = typer.Option(
         None, min=0, help="Extra attempts per episode for infrastructure failures (default: runtime.max_episode_retries)."
     ),
@@ -271,13 +285,16 @@ def run(
     from shopsimrl.model import ModelConfigError
 
     _setup_logging(quiet, verbose)
+    _check_rerun_flags(retry_failed, reroll_failed)
     if shards is not None:
         if max_episode_retries is not None:
             _fail(
                 ExitCode.BAD_INPUT,
                 "--max-episode-retries applies to single-process runs; sharded workers use runtime.max_episode_retries",
             )
-        _run_sharded(config_path, run_uri, shards, final_test, backoff_limit_per_index, concurrency, retry_failed, progress)
+        _run_sharded(
+            config_path, run_uri, shards, final_test, backoff_limit_per_index, concurrency, retry_failed, reroll_failed, progress
+        )
         return
     if run_uri is not None:
         _fail(ExitCode.BAD_INPUT, "--run needs --shards (a single-process run writes to the config's run directory)")
@@ -295,6 +312,7 @@ def run(
             prepared,
             max_episode_retries=max_episode_retries,
             retry_failed=retry_failed,
+            reroll_failed=reroll_failed,
             show_progress=progress,
             announce=lambda line: typer.echo(line, err=True),
         )
@@ -400,6 +418,7 @@ def _run_sharded(
     backoff_limit: int,
     concurrency: int | None,
     retry_failed: bool,
+    reroll_failed: bool,
     progress: bool,
 ) -> None:
     from shopsimrl.progress import ShardedRunProgress
@@ -419,6 +438,7 @@ def _run_sharded(
             backoff_limit_per_index=backoff_limit,
             final_test=final_test,
             retry_failed=retry_failed,
+            reroll_failed=reroll_failed,
             env=env,
             on_event=bar.on_worker_event,
             on_tick=bar.tick,
@@ -523,9 +543,8 @@ def worker(
         None, "--shards", envvar="SHOPSIMRL_SHARDS", min=1, help="Shard count (default: the frozen shards.json)."
     ),
     final_test: bool = FINAL_TEST,
-    retry_failed: bool = typer.Option(
-        True, "--retry-failed/--no-retry-failed", help="Give failed episodes a fresh set of attempts."
-    ),
+    retry_failed: bool = RETRY_FAILED,
+    reroll_failed: bool = REROLL_FAILED,
     processes: int | None = typer.Option(
         None,
         "--processes",
@@ -543,6 +562,7 @@ def worker(
     if processes is not None:
         settings = settings.model_copy(update={"processes": processes})
     _setup_logging(quiet, verbose)
+    _check_rerun_flags(retry_failed, reroll_failed)
     index = shard_index if shard_index is not None else settings.shard_index
     if run_uri is None or config_path is None or index is None:
         _fail(
@@ -557,6 +577,7 @@ def worker(
             shards=shards,
             final_test=final_test,
             retry_failed=retry_failed,
+            reroll_failed=reroll_failed,
             settings=settings,
         )
     )

@@ -44,7 +44,7 @@ from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, run_identity, validate_manifest
 from shopsimrl.metrics import SummaryAccumulator
 from shopsimrl.schemas import canonical_json, fingerprint
-from shopsimrl.traces import WinnerPicker, encode_trace_line, iter_jsonl_records
+from shopsimrl.traces import WinnerPicker, encode_trace_line, failure_is_outcome, iter_jsonl_records
 
 if TYPE_CHECKING:
     from shopsimrl.experiment import PreparedExperiment
@@ -126,6 +126,9 @@ class EpisodeState:
     attempts: int
     offset: int
     """Byte offset of the winning record (for a second, streaming pass)."""
+    final_failure: bool = False
+    """The winning record is a failure that is an outcome of the episode (final unless re-rolled)."""
+    failure_class: str | None = None
 
 
 @dataclass
@@ -141,6 +144,10 @@ class ResumeIndex:
     def attempts(self, episode_id: str) -> int:
         state = self.episodes.get(episode_id)
         return state.attempts if state else 0
+
+    def final_failures(self) -> dict[str, str | None]:
+        """Episode → ``failure_class`` of its winning record, where that failure is an outcome."""
+        return {eid: state.failure_class for eid, state in self.episodes.items() if state.final_failure}
 
 
 class LocalRunStore:
@@ -234,7 +241,7 @@ class LocalRunStore:
         """One pass over traces.jsonl: per episode its attempts and its winning record
         (:class:`~shopsimrl.traces.WinnerPicker`, the rule the sharded reducer applies too)."""
         index = ResumeIndex()
-        picker: WinnerPicker[int] = WinnerPicker()
+        picker: WinnerPicker[tuple[int, bool, str | None]] = WinnerPicker()
         attempts: dict[str, int] = {}
         for offset, record in iter_jsonl_records(self.traces_path):
             index.lines += 1
@@ -242,11 +249,19 @@ class LocalRunStore:
                 index.bad_lines += 1
                 continue
             attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
-            picker.offer(record, offset)
+            failure_class = record.get("failure_class")
+            picker.offer(record, (offset, failure_is_outcome(record), failure_class if isinstance(failure_class, str) else None))
         for episode_id, count in attempts.items():
             winner = picker.winner(episode_id)
             assert winner is not None  # every counted episode was offered
-            index.episodes[episode_id] = EpisodeState(completed=episode_id in picker.completed, attempts=count, offset=winner)
+            offset, final, failure_class = winner
+            index.episodes[episode_id] = EpisodeState(
+                completed=episode_id in picker.completed,
+                attempts=count,
+                offset=offset,
+                final_failure=final,
+                failure_class=failure_class,
+            )
         return index
 
     def iter_records(self, index: ResumeIndex | None = None) -> Iterator[tuple[bool, dict[str, Any]]]:
@@ -273,6 +288,7 @@ def run_local(
     *,
     max_episode_retries: int | None = None,
     retry_failed: bool = True,
+    reroll_failed: bool = False,
     show_progress: bool = True,
     announce: Callable[[str], None] = lambda line: None,
 ) -> tuple[LocalRunStore, dict[str, Any]]:
@@ -307,14 +323,12 @@ def run_local(
         index = store.load_index()
         completed = {eid for eid, state in index.episodes.items() if state.completed}
         prior = {eid: state.attempts for eid, state in index.episodes.items()}
-        todo = sum(1 for job in prepared.jobs if job.episode_id not in completed)
-        announce(
-            f"run {config.name}: {len(prepared.jobs)} episodes, {len(prepared.jobs) - todo} already completed, "
-            f"{todo} to run → {config.run_dir}"
-        )
+        final = {eid: cls for eid, cls in index.final_failures().items() if eid not in completed}
+        announce(_plan_line(config.name, prepared.jobs, completed, prior, final, retry_failed, reroll_failed, config.run_dir))
         retries = config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
+        resume = _Resume(completed, prior, final)
         try:
-            terminated = eventloop.run(_evaluate(prepared, store, completed, prior, retries, retry_failed, show_progress))
+            terminated = eventloop.run(_evaluate(prepared, store, resume, retries, retry_failed, reroll_failed, show_progress))
         except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
             terminated = True
         except OSError as exc:
@@ -333,13 +347,47 @@ def run_local(
     return store, summary
 
 
+@dataclass(frozen=True)
+class _Resume:
+    completed: set[str]
+    prior: dict[str, int]
+    final: dict[str, str | None]
+
+
+def _plan_line(
+    name: str,
+    jobs: list[Any],
+    completed: set[str],
+    prior: dict[str, int],
+    final: dict[str, str | None],
+    retry_failed: bool,
+    reroll_failed: bool,
+    run_dir: Path,
+) -> str:
+    """What this invocation will run, in one line."""
+    planned = [job.episode_id for job in jobs]
+    done = sum(1 for eid in planned if eid in completed)
+    kept = sum(1 for eid in planned if eid in final)
+    failed_before = sum(1 for eid in planned if eid not in completed and prior.get(eid, 0) > 0)
+    if reroll_failed:
+        todo = len(planned) - done
+    elif retry_failed:
+        todo = len(planned) - done - kept
+    else:
+        todo = len(planned) - done - failed_before
+    parts = [f"run {name}: {len(planned)} episodes", f"{done} already completed"]
+    if kept:
+        parts.append(f"{kept} failed as outcomes ({'re-rolled now' if reroll_failed else 'final; --reroll-failed reruns them'})")
+    return ", ".join(parts) + f", {todo} to run → {run_dir}"
+
+
 async def _evaluate(
     prepared: PreparedExperiment,
     store: LocalRunStore,
-    completed: set[str],
-    prior: dict[str, int],
+    resume: _Resume,
     max_episode_retries: int,
     retry_failed: bool,
+    reroll_failed: bool,
     show_progress: bool,
 ) -> bool:
     """Run the pending episodes; True when a signal stopped the run (leases are released)."""
@@ -379,13 +427,18 @@ async def _evaluate(
                 concurrency=config.experiment.concurrency,
                 max_episode_retries=max_episode_retries,
                 retry_failed=retry_failed,
+                reroll_failed=reroll_failed,
             )
-            pending = evaluator.pending(prepared.jobs, completed, prior, EvaluationOutcome())
+            pending = evaluator.pending(prepared.jobs, resume.completed, resume.prior, EvaluationOutcome(), resume.final)
             with RunProgress(
                 len(prepared.jobs), before=len(prepared.jobs) - len(pending), enabled=show_progress and sys.stderr.isatty()
             ) as bar:
                 evaluator.on_trace = bar.on_trace
-                evaluation = asyncio.ensure_future(evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior))
+                evaluation = asyncio.ensure_future(
+                    evaluator.run(
+                        prepared.jobs, completed=resume.completed, prior_attempts=resume.prior, final_failures=resume.final
+                    )
+                )
                 try:
                     await evaluation
                 except asyncio.CancelledError:

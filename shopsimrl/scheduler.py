@@ -4,20 +4,24 @@ It only schedules: bounded concurrency, separate limits for model calls, retries
 infrastructure failures, persistence of every attempt as it ends. It never takes an agent
 decision and never reruns a completed episode.
 
-Retry semantics (documented in docs/runtime_eval.md):
+Retry semantics (documented in docs/runtime_eval.md §4): the scored population is a property
+of the plan, not of how many times ``run`` was invoked.
 - within one invocation, an episode whose attempt failed with ``failure_class == "infrastructure"``
   is requeued after a short backoff, up to ``1 + max_episode_retries`` attempts; other failures
   are recorded once;
-- a later invocation gives every episode that is not completed a fresh budget of attempts
-  (``retry_failed=True``, the default); with ``retry_failed=False`` episodes that already have a
-  failed attempt are left as they are and only never-attempted episodes run.
+- a later invocation runs again, with a fresh budget, every episode whose failure says nothing
+  about the agent (``infrastructure``, ``configuration_error``: ``retry_failed=True``, the
+  default); a failure that is an outcome of the episode (``environment_error``, ``model_error``,
+  ``runtime_error``, unclassified) is final once recorded. ``reroll_failed=True`` runs those
+  again too, and marks each such attempt with ``rerolled_from`` (the class it replaces);
+  ``retry_failed=False`` runs only never-attempted episodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +34,9 @@ from shopsimrl.schemas import EpisodeJob, ModelOutput
 __all__ = ["ConcurrencyLimitedModel", "EvaluationOutcome", "Evaluator", "TraceSink"]
 
 log = structlog.get_logger("shopsimrl.scheduler")
+
+MAX_REQUEUE_DELAY_S = 30.0
+"""The backoff before an episode runs again doubles per attempt up to this (then jittered)."""
 
 
 class TraceSink(Protocol):
@@ -65,6 +72,9 @@ class EvaluationOutcome:
     retried: int = 0
     skipped_completed: int = 0
     skipped_failed: int = 0
+    skipped_final: int = 0
+    """Episodes whose recorded failure is an outcome (final unless re-rolled)."""
+    rerolled: int = 0
 
 
 class Evaluator:
@@ -76,30 +86,45 @@ class Evaluator:
         concurrency: int = 1,
         max_episode_retries: int = 2,
         retry_failed: bool = True,
+        reroll_failed: bool = False,
         retry_backoff_seconds: float = 1.0,
         on_trace: Callable[[dict[str, Any], bool], None] | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
+        if reroll_failed and not retry_failed:
+            raise ValueError("reroll_failed needs retry_failed")
         self.runtime = runtime
         self.sink = sink
         self.concurrency = concurrency
         self.max_attempts = 1 + max_episode_retries
         self.retry_failed = retry_failed
+        self.reroll_failed = reroll_failed
         self.retry_backoff_seconds = retry_backoff_seconds
         self.on_trace = on_trace
         self._save_lock = asyncio.Lock()
 
     def pending(
-        self, jobs: Sequence[EpisodeJob], completed: set[str], prior_attempts: Mapping[str, int], outcome: EvaluationOutcome
+        self,
+        jobs: Sequence[EpisodeJob],
+        completed: Collection[str],
+        prior_attempts: Mapping[str, int],
+        outcome: EvaluationOutcome,
+        final_failures: Mapping[str, str | None] | None = None,
     ) -> list[EpisodeJob]:
+        """The jobs this invocation runs. ``final_failures``: episode → ``failure_class`` of its
+        winning record, for episodes whose recorded failure is an outcome."""
+        final_failures = final_failures or {}
         pending = []
         for job in jobs:
             if job.episode_id in completed:
                 outcome.skipped_completed += 1
+            elif job.episode_id in final_failures and not self.reroll_failed:
+                outcome.skipped_final += 1
             elif not self.retry_failed and prior_attempts.get(job.episode_id, 0) > 0:
                 outcome.skipped_failed += 1
             else:
+                outcome.rerolled += job.episode_id in final_failures
                 pending.append(job)
         return pending
 
@@ -107,12 +132,14 @@ class Evaluator:
         self,
         jobs: Sequence[EpisodeJob],
         *,
-        completed: set[str] | None = None,
+        completed: Collection[str] | None = None,
         prior_attempts: Mapping[str, int] | None = None,
+        final_failures: Mapping[str, str | None] | None = None,
     ) -> EvaluationOutcome:
         outcome = EvaluationOutcome()
         prior_attempts = prior_attempts or {}
-        pending = self.pending(jobs, completed or set(), prior_attempts, outcome)
+        final_failures = final_failures or {}
+        pending = self.pending(jobs, completed or set(), prior_attempts, outcome, final_failures)
         outcome.scheduled = len(pending)
         if not pending:
             return outcome
@@ -140,7 +167,7 @@ class Evaluator:
                 outcome.completed += 1
             elif will_retry:
                 outcome.retried += 1
-                delay = self.retry_backoff_seconds * (2 ** (attempt - 1)) * (1 + random.random() * 0.5)
+                delay = min(self.retry_backoff_seconds * 2 ** (attempt - 1), MAX_REQUEUE_DELAY_S) * (1 + random.random() * 0.5)
                 log.info("episode_requeued", episode_id=job.episode_id, attempt=attempt, delay_s=round(delay, 2))
                 loop.call_later(delay, queue.put_nowait, (job, attempt + 1))
                 return False
@@ -187,6 +214,9 @@ class Evaluator:
                 job, attempt = await queue.get()
                 trace = await self._attempt(job)
                 trace["attempt"] = prior_attempts.get(job.episode_id, 0) + attempt
+                if job.episode_id in final_failures:
+                    # A re-roll replaces an outcome: the record says which, so the summary counts it.
+                    trace["rerolled_from"] = final_failures[job.episode_id] or "unclassified"
                 # A finished episode is saved even if the run is cancelled meanwhile: the save
                 # runs as its own task, which run() waits for before it returns.
                 saving = asyncio.ensure_future(save(trace))

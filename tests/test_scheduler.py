@@ -55,6 +55,7 @@ async def run(store: LocalRunStore, runtime: ScriptedRuntime, **kwargs) -> objec
         JOBS,
         completed={e for e, s in index.episodes.items() if s.completed},
         prior_attempts={e: s.attempts for e, s in index.episodes.items()},
+        final_failures=index.final_failures(),
     )
 
 
@@ -92,9 +93,52 @@ async def test_e5_attempt_cap_is_per_invocation(tmp_path: Path) -> None:
 
 
 async def test_non_infrastructure_failures_are_not_retried(tmp_path: Path) -> None:
-    runtime = ScriptedRuntime({1: ["environment_error"]})
+    runtime = ScriptedRuntime({1: ["environment_error"], 2: ["configuration_error"]})
     outcome = await run(LocalRunStore(tmp_path), runtime)
-    assert runtime.calls.count(1) == 1 and outcome.failed == 1
+    assert runtime.calls.count(1) == 1 and runtime.calls.count(2) == 1 and outcome.failed == 2
+
+
+@pytest.mark.parametrize("failure_class", ["environment_error", "model_error", "runtime_error", None])
+async def test_an_outcome_failure_is_final_across_invocations_unless_rerolled(tmp_path: Path, failure_class: str | None) -> None:
+    store = LocalRunStore(tmp_path)
+    runtime = ScriptedRuntime({1: [failure_class or "unclassified-legacy", "ok"]})
+    if failure_class is None:  # a record of the earlier implementation: no class, counted as an outcome
+        runtime.script[1] = [RuntimeError("x"), "ok"]
+    await run(store, runtime)
+    if failure_class is None:
+        lines = store.traces_path.read_text().splitlines()
+        store.traces_path.write_text(
+            "\n".join(line.replace('"failure_class":"runtime_error"', '"failure_class":null') for line in lines) + "\n"
+        )
+    for _ in range(2):  # reruns leave the recorded outcome alone
+        outcome = await run(store, runtime)
+        assert outcome.scheduled == 0 and outcome.skipped_final == 1 and outcome.skipped_completed == 2
+    assert runtime.calls.count(1) == 1
+    outcome = await run(store, runtime, reroll_failed=True)  # the explicit choice: run it again, marked
+    assert runtime.calls.count(1) == 2 and outcome.rerolled == 1 and outcome.completed == 1
+    records = [r for _, r in store.iter_records() if r["episode_id"] == JOBS[0].episode_id]
+    assert [r.get("rerolled_from") for r in records] == [None, failure_class or "unclassified"]
+    from shopsimrl.local_run import summarize_local
+
+    summary = summarize_local(store, None, [job.episode_id for job in JOBS])
+    assert summary["intent_to_treat"]["rerolled"] == 1 and summary["counts"]["completed"] == 3
+    # A re-roll happens once: the re-rolled episode is completed now, so nothing runs again.
+    assert (await run(store, runtime, reroll_failed=True)).scheduled == 0
+
+
+async def test_configuration_failures_run_again_in_the_next_invocation(tmp_path: Path) -> None:
+    store = LocalRunStore(tmp_path)
+    runtime = ScriptedRuntime({2: ["configuration_error", "ok"]})
+    outcome = await run(store, runtime)
+    assert runtime.calls.count(2) == 1 and outcome.failed == 1 and outcome.retried == 0
+    from shopsimrl.local_run import summarize_local
+
+    summary = summarize_local(store, None, [job.episode_id for job in JOBS])
+    itt = summary["intent_to_treat"]
+    assert itt["episodes"] == 2 and itt["failed_configuration_excluded"] == 1 and itt["failed_counted_as_zero"] == 0
+    outcome = await run(store, runtime)  # the settings were fixed: the episode runs, and it is no re-roll
+    assert runtime.calls.count(2) == 2 and outcome.completed == 1 and outcome.rerolled == 0
+    assert summarize_local(store, None, [job.episode_id for job in JOBS])["intent_to_treat"]["rerolled"] == 0
 
 
 async def test_one_bad_episode_never_aborts_the_run(tmp_path: Path) -> None:

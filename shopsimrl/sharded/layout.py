@@ -32,7 +32,7 @@ import threading
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import zstandard
@@ -48,7 +48,7 @@ from shopsimrl.manifest import (
 from shopsimrl.planning import SHARD_ASSIGNMENT, PlanError, shard_jobs
 from shopsimrl.schemas import MANIFEST_SCHEMA_VERSIONS, EpisodeJob, TraceFormatError, canonical_json, fingerprint, sha256_hex
 from shopsimrl.sharded.objectstore import TEMP_PREFIX, ObjectStore, RetryPolicy, StoreUnavailableError
-from shopsimrl.traces import is_completed, parse_trace_line
+from shopsimrl.traces import attempt_rank, failure_is_outcome, is_completed, parse_trace_line
 
 __all__ = [
     "MARKER_NAME",
@@ -59,6 +59,7 @@ __all__ = [
     "PROGRESS_SCHEMA_VERSION",
     "SHARD_MAP_SCHEMA_VERSION",
     "FrozenPlan",
+    "RecordOutcome",
     "RunNotPlannedError",
     "ShardListing",
     "ShardMap",
@@ -76,6 +77,7 @@ __all__ = [
     "part_lines",
     "part_name",
     "part_order",
+    "record_outcome",
     "scan_shard",
 ]
 
@@ -430,6 +432,8 @@ class ShardState:
     parts: dict[str, dict[str, Any]] = field(default_factory=dict)
     completed: set[str] = field(default_factory=set)
     attempts: dict[str, int] = field(default_factory=dict)
+    best_unfinished: dict[str, RecordOutcome] = field(default_factory=dict)
+    """Per episode: its best unfinished record by the winner rule (the winner when none completed)."""
     part_completed: dict[str, set[str]] = field(default_factory=dict)
     """Per part read: the episodes it holds a completed record of."""
     completed_records: int = 0
@@ -437,22 +441,58 @@ class ShardState:
     not_in_shard: int = 0
     next_seq: int = 0
 
-    def fold(self, entry: dict[str, Any], outcomes: Iterable[tuple[str, bool]], shard_ids: Collection[str]) -> None:
-        """Add one part: its marker entry and ``(episode_id, completed)`` per valid record."""
+    def fold(self, entry: dict[str, Any], outcomes: Iterable[RecordOutcome], shard_ids: Collection[str]) -> None:
+        """Add one part: its marker entry and the outcome of each valid record."""
         records = 0
         completed: set[str] = set()
-        for episode_id, done in outcomes:
+        for outcome in outcomes:
+            episode_id = outcome.episode_id
             if episode_id not in shard_ids:
                 self.not_in_shard += 1
                 continue
             records += 1
             self.attempts[episode_id] = self.attempts.get(episode_id, 0) + 1
-            if done:
+            if outcome.completed:
                 self.completed_records += 1
                 completed.add(episode_id)
+            else:
+                best = self.best_unfinished.get(episode_id)
+                if best is None or outcome.rank >= best.rank:  # ties: the record read later wins
+                    self.best_unfinished[episode_id] = outcome
         self.completed |= completed
         self.part_completed[entry["name"]] = completed
         self.parts[entry["name"]] = {**entry, "records": records}
+
+    def final_failures(self) -> dict[str, str | None]:
+        """Episode → ``failure_class``, for episodes without a completed record whose winning
+        record is a failure that is an outcome (final unless re-rolled)."""
+        return {
+            eid: outcome.failure_class
+            for eid, outcome in self.best_unfinished.items()
+            if outcome.final and eid not in self.completed
+        }
+
+
+class RecordOutcome(NamedTuple):
+    """What resume needs of one stored record."""
+
+    episode_id: str
+    completed: bool
+    rank: tuple[int, str]
+    final: bool
+    """A failure that is an outcome of the episode (:func:`~shopsimrl.traces.failure_is_outcome`)."""
+    failure_class: str | None
+
+
+def record_outcome(record: dict[str, Any]) -> RecordOutcome:
+    failure_class = record.get("failure_class")
+    return RecordOutcome(
+        record["episode_id"],
+        is_completed(record),
+        attempt_rank(record),
+        failure_is_outcome(record),
+        failure_class if isinstance(failure_class, str) else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -461,8 +501,8 @@ class WrittenPart:
 
     entry: dict[str, Any]
     """``{name, sha256, records}`` as the commit marker lists it."""
-    outcomes: tuple[tuple[str, bool], ...]
-    """``(episode_id, completed)`` per record, in order."""
+    outcomes: tuple[RecordOutcome, ...]
+    """Per record, in order."""
 
 
 def scan_shard(
@@ -500,7 +540,7 @@ def scan_shard(
             if record is None:
                 state.unreadable_lines += 1
             else:
-                outcomes.append((record["episode_id"], is_completed(record)))
+                outcomes.append(record_outcome(record))
         state.fold(part_entry(name, data, len(outcomes)), outcomes, shard_ids)
     return state
 

@@ -98,12 +98,16 @@ class ShardedRunResult:
         return ExitCode.OK
 
 
-def _worker_command(run: str, config: Path, shards: int, final_test: bool, retry_failed: bool) -> list[str]:
+def _worker_command(
+    run: str, config: Path, shards: int, final_test: bool, retry_failed: bool, reroll_failed: bool = False
+) -> list[str]:
     command = [sys.executable, "-m", "shopsimrl", "worker", "--run", run, "--config", str(config), "--shards", str(shards)]
     if final_test:
         command.append("--final-test")
     if not retry_failed:
         command.append("--no-retry-failed")
+    if reroll_failed:
+        command.append("--reroll-failed")
     return command
 
 
@@ -223,6 +227,7 @@ def run_indexed(
     restart_backoff_s: float = 1.0,
     final_test: bool = False,
     retry_failed: bool = True,
+    reroll_failed: bool = False,
     env: dict[str, str] | None = None,
     poll_interval_s: float = 0.1,
     stop_timeout_s: float = 120.0,
@@ -282,7 +287,11 @@ def run_indexed(
                 index = ready[0]
                 waiting.remove(index)
                 running[index] = process = subprocess.Popen(
-                    command or _worker_command(run, config, shards, final_test, retry_failed),
+                    # A re-roll is asked for once: a restarted index must not re-roll its re-rolls.
+                    command
+                    or _worker_command(
+                        run, config, shards, final_test, retry_failed, reroll_failed and not outcomes[index].restarts
+                    ),
                     env={**base_env, "JOB_COMPLETION_INDEX": str(index), "SHOPSIMRL_PARALLELISM": str(parallelism)},
                     stdin=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,

@@ -42,6 +42,7 @@ from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.sharded.layout import (
     PART_PATTERN,
     PROGRESS_SCHEMA_VERSION,
+    RecordOutcome,
     ShardedRunStore,
     ShardMapError,
     ShardState,
@@ -51,11 +52,12 @@ from shopsimrl.sharded.layout import (
     marker_problem,
     part_entry,
     part_order,
+    record_outcome,
     scan_shard,
 )
 from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
 from shopsimrl.stopping import STOP_SIGNALS
-from shopsimrl.traces import encode_trace_line, is_completed
+from shopsimrl.traces import encode_trace_line
 
 __all__ = ["PartSink", "WorkerOptions", "commit_shard", "plan_run", "run_worker"]
 
@@ -98,7 +100,7 @@ class PartSink:
         self.flush_episodes, self.flush_seconds = flush_episodes, flush_seconds
         self._seq = first_seq
         self._buffer: list[bytes] = []
-        self._outcomes: list[tuple[str, bool]] = []
+        self._outcomes: list[RecordOutcome] = []
         self._oldest = 0.0
         self._lock = threading.Lock()
         self.written: list[WrittenPart] = []
@@ -121,7 +123,7 @@ class PartSink:
 
     def save_trace(self, record: dict[str, Any]) -> None:
         line = encode_trace_line(record)
-        outcome = (record["episode_id"], is_completed(record))
+        outcome = record_outcome(record)
         with self._lock:
             if not self._buffer:
                 self._oldest = time.monotonic()
@@ -172,8 +174,8 @@ class PartSink:
         self._seq = int(PART_PATTERN.match(name).group(1)) + 1  # type: ignore[union-attr]
         self.written.append(part)
         self._records += len(self._outcomes)
-        self._completed.update(episode_id for episode_id, done in self._outcomes if done and episode_id not in self._resumed)
-        self._failed_attempts += sum(1 for _, done in self._outcomes if not done)
+        self._completed.update(o.episode_id for o in self._outcomes if o.completed and o.episode_id not in self._resumed)
+        self._failed_attempts += sum(1 for o in self._outcomes if not o.completed)
         log.info("part_written", part=name, records=len(self._buffer), bytes=len(stored), lines_bytes=sum(map(len, self._buffer)))
         self._buffer.clear()
         self._outcomes.clear()
@@ -211,6 +213,7 @@ class WorkerOptions:
     shards: int | None = None
     final_test: bool = False
     retry_failed: bool = True
+    reroll_failed: bool = False
     settings: WorkerSettings = field(default_factory=WorkerSettings)
 
 
@@ -336,7 +339,10 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
         if committed >= shard_ids:
             log.info("shard_already_committed", completed=len(jobs))
             return ExitCode.OK
-        if not options.retry_failed:
+        in_markers = {part["name"] for marker in check.verified for part in marker["parts"]}
+        settled = committed | set(state.final_failures())
+        if not options.retry_failed or (not options.reroll_failed and settled >= shard_ids and in_markers >= set(state.parts)):
+            # Nothing to run or commit: every episode not completed failed as an outcome (final).
             log.info("shard_committed_with_failures", failed=len(shard_ids - committed))
             return ExitCode.EPISODES_FAILED
 
@@ -351,7 +357,10 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
     loops = settings.processes or 1
     # Each event loop of each worker running at once gets an equal share of the shop's slots.
     sharing = min(settings.parallelism or shard_map.count, shard_map.count) * loops
-    pending = [job for job in jobs if job.episode_id not in state.completed]
+    final = state.final_failures()
+    pending = [
+        job for job in jobs if job.episode_id not in state.completed and (options.reroll_failed or job.episode_id not in final)
+    ]
     if loops > 1 and len(pending) > 1:
         outcome, written = _evaluate_in_processes(options, index, pending, state, loops, sharing, writer, plan_fp)
     else:
@@ -367,7 +376,7 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
             heartbeat_seconds=settings.heartbeat_seconds,
         )
         sink.report_progress()
-        outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, sharing))
+        outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options, sharing))
         if outcome == "interrupted":
             sink.report_progress("interrupted")
         written = sink.written
@@ -397,6 +406,7 @@ class _SliceSpec:
     shard: int
     episode_ids: list[str]
     prior_attempts: dict[str, int]
+    final_failures: dict[str, str | None]
     writer: str
     first_seq: int
     sharing: int
@@ -423,6 +433,7 @@ def _evaluate_in_processes(
     makes the outcome "interrupted" (its saved parts stay; a restart resumes the rest)."""
     context = multiprocessing.get_context("spawn")  # no fork: the parent may hold threads (s3fs)
     children: list[tuple[Any, Any]] = []
+    final = state.final_failures()
     for k in range(loops):
         ids = [job.episode_id for job in pending[k::loops]]
         if not ids:
@@ -432,6 +443,7 @@ def _evaluate_in_processes(
             shard=shard,
             episode_ids=ids,
             prior_attempts={eid: state.attempts[eid] for eid in ids if eid in state.attempts},
+            final_failures={eid: cls for eid, cls in final.items() if eid in ids},
             writer=secrets.token_hex(4),
             first_seq=state.next_seq,
             sharing=sharing,
@@ -499,6 +511,7 @@ def _slice_main(spec: _SliceSpec, send: Any) -> None:
         by_id = {job.episode_id: job for job in prepared.jobs}
         jobs = [by_id[eid] for eid in spec.episode_ids]
         state = ShardState(attempts=dict(spec.prior_attempts))
+        state.best_unfinished = {eid: RecordOutcome(eid, False, (0, ""), True, cls) for eid, cls in spec.final_failures.items()}
         settings = options.settings
         sink = PartSink(
             store,
@@ -514,7 +527,7 @@ def _slice_main(spec: _SliceSpec, send: Any) -> None:
         )
         sink.report_progress()
         try:
-            outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options.retry_failed, spec.sharing))
+            outcome = eventloop.run(_evaluate(prepared, jobs, state, sink, settings, options, spec.sharing))
             if outcome == "interrupted":
                 sink.report_progress("interrupted")
         finally:
@@ -592,7 +605,7 @@ async def _evaluate(
     state: ShardState,
     sink: PartSink,
     settings: WorkerSettings,
-    retry_failed: bool,
+    options: WorkerOptions,
     processes: int,
 ) -> str:
     """Run the shard's pending jobs; "interrupted" when a signal stopped them, else "done".
@@ -650,11 +663,17 @@ async def _evaluate(
                     sink,
                     concurrency=config.experiment.concurrency,
                     max_episode_retries=config.runtime.max_episode_retries,
-                    retry_failed=retry_failed,
+                    retry_failed=options.retry_failed,
+                    reroll_failed=options.reroll_failed,
                     on_trace=on_trace,
                 )
                 evaluation = asyncio.ensure_future(
-                    evaluator.run(jobs, completed=set(state.completed), prior_attempts=dict(state.attempts))
+                    evaluator.run(
+                        jobs,
+                        completed=set(state.completed),
+                        prior_attempts=dict(state.attempts),
+                        final_failures=state.final_failures(),
+                    )
                 )
                 try:
                     await evaluation

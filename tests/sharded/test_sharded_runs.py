@@ -447,3 +447,39 @@ def test_the_reducer_ends_with_a_partial_summary_when_a_shard_fails_for_good(tes
     assert summary["incomplete"]["reason"] == "the reducer stopped waiting after 1 s (--timeout) with 1 shards uncommitted"
     assert summary["incomplete"]["missing_shards"][0]["why"].startswith("no commit marker and no parts")
     assert "Traceback" not in timed_out.stderr + deadline.stderr
+
+
+def test_the_agents_failures_stay_final_in_a_sharded_run_and_are_rerolled_only_when_asked(
+    backend: Backend, tmp_path: Path
+) -> None:
+    from tests.testbed_process import start_testbed
+
+    with start_testbed(SHOPSIM_POLICY_RATE_SERVER_CRASH="0.3", PYTHONHASHSEED="0") as bed:
+        config = write_config(tmp_path, bed, episodes=8)
+        uri = backend.uri("final")
+        env = worker_env(backend)
+        first = cli("run", str(config), "--shards", "2", "--run", uri, env=env)
+        assert first.returncode == 1, first.stderr[-2000:]
+        store = ShardedRunStore(uri)
+        before = reduce_run(store, write=False)
+        failed = before["failure_classes"].get("environment_error", 0)
+        assert 0 < failed == before["counts"]["failed"] and before["intent_to_treat"]["rerolled"] == 0
+        parts = {i: store.list_shard(i).parts for i in (0, 1)}
+
+        again = cli("run", str(config), "--shards", "2", "--run", uri, env=env)
+        assert again.returncode == 1
+        assert {i: store.list_shard(i).parts for i in (0, 1)} == parts  # nothing ran, nothing was written
+        assert reduce_run(store, write=False)["intent_to_treat"] == before["intent_to_treat"]
+
+        rerolled = cli("run", str(config), "--shards", "2", "--run", uri, "--reroll-failed", env=env)
+        assert rerolled.returncode == 1  # the same actions fail the same way
+        after = reduce_run(store, write=False)
+        assert after["intent_to_treat"]["rerolled"] == failed and after["counts"]["failed"] == failed
+        marked = [
+            record
+            for i in (0, 1)
+            for name in store.list_shard(i).parts
+            for record in iter_part_records(name, store.read_part(i, name) or b"")
+            if record and record.get("rerolled_from")
+        ]
+        assert len(marked) == failed and {r["rerolled_from"] for r in marked} == {"environment_error"}

@@ -20,12 +20,12 @@ from shopsimrl.sharded.layout import (
     iter_part_records,
     marker_document,
     part_entry,
+    record_outcome,
 )
 from shopsimrl.sharded.objectstore import RetryPolicy, StoreUnavailableError, is_create_conflict
 from shopsimrl.sharded.reduce import reduce_run
 from shopsimrl.sharded.status import shard_status
 from shopsimrl.sharded.worker import commit_shard
-from shopsimrl.traces import is_completed
 
 from .conftest import Backend, S3Server
 from .faultproxy import FaultPlan, FaultProxy, Scripted
@@ -56,7 +56,7 @@ def lines(*records: dict) -> bytes:
 def write(store: ShardedRunStore, index: int, seq: int, writer: str, *records: dict) -> WrittenPart:
     """A part as a worker writes it (compressed), with what the worker knows of it."""
     name, stored = store.write_part(index, seq, writer, lines(*records))
-    return WrittenPart(part_entry(name, stored, len(records)), tuple((r["episode_id"], is_completed(r)) for r in records))
+    return WrittenPart(part_entry(name, stored, len(records)), tuple(record_outcome(r) for r in records))
 
 
 def records_of(store: ShardedRunStore, index: int, name: str) -> list[dict]:
