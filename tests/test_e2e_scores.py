@@ -175,3 +175,100 @@ def test_an_agent_action_the_server_fails_on_is_an_environment_error_counted_in_
     assert summary["counts"]["failed"] == 1 and summary["counts"]["scored"] == 0
     assert summary["primary"]["reward_mean"] is None
     assert summary["intent_to_treat"]["episodes"] == 1 and summary["primary"]["reward_mean_itt"] == 0.0
+
+
+FAULTY = {
+    # 3 % of resets, actions and terminations answer 500 "state unchanged" (infrastructure) ...
+    "SHOPSIM_FAULT_RATE_5XX": "0.03",
+    "SHOPSIM_SEED": "11",
+    # ... and the agent sometimes searches with the `<a>` prefix the real server fails on (its outcome).
+    "SHOPSIM_POLICY_RATE_SERVER_CRASH": "0.1",
+    "PYTHONHASHSEED": "0",
+}
+
+
+def faulty_config(directory: Path, name: str) -> Path:
+    """40 val episodes; no in-place retry of the shop's faults, so each one fails its episode as
+    infrastructure and the scheduler runs it again (with a budget no episode exhausts)."""
+    config = write_config(directory, name=name, sample_size=40)
+    text = config.read_text(encoding="utf-8")
+    text = text.replace(
+        "environment: {base_url: http://127.0.0.1:1}", "environment: {base_url: http://127.0.0.1:1, max_retries: 1}"
+    )
+    text = text.replace("max_episode_retries: 2", "max_episode_retries: 25")
+    config.write_text(text, encoding="utf-8")
+    return config
+
+
+def outcomes(run_dir: Path) -> dict[str, object]:
+    """Per planned episode, what the summary scores: the reward, or the failure's class."""
+    scored: dict[str, object] = {}
+    for record in records(run_dir):
+        if is_completed(record):
+            scored[record["episode_id"]] = record["final"]["reward"]
+        elif record["failure_class"] != "infrastructure":
+            scored.setdefault(record["episode_id"], record["failure_class"])
+    return scored
+
+
+def test_the_score_of_a_faulty_plan_does_not_depend_on_how_often_run_was_invoked(tmp_path: Path) -> None:
+    """One invocation, an interrupted and resumed one, and a run followed by a rerun of one faulty
+    plan score the same episodes the same way: the shop's faults are retried (never the agent's
+    zeros), the agent's failures are final once recorded, and the score is the fault-free one."""
+    import signal
+    import time
+
+    with start_testbed(**FAULTY) as faulty:
+        once = run(faulty_config(tmp_path, "once"), faulty.env())
+        assert once.returncode == 1, once.stderr[-3000:]  # the agent's own failures
+
+        twice = faulty_config(tmp_path, "twice")
+        first, second = run(twice, faulty.env()), run(twice, faulty.env())
+        assert first.returncode == second.returncode == 1
+        assert "0 to run" in second.stderr  # the agent's failures are final: nothing runs again
+
+        resumed = faulty_config(tmp_path, "resumed")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "run", str(resumed), "--no-progress"],
+            env=faulty.env(),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        traces = tmp_path / "runs/resumed/traces.jsonl"
+        deadline = time.monotonic() + 120
+        while not (traces.exists() and traces.read_bytes().count(b"\n") >= 10) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 3, stderr[-3000:]  # interrupted mid-plan, safe to retry
+        interrupted_at = len(records(tmp_path / "runs/resumed"))
+        assert 10 <= interrupted_at < 40 + 10  # some attempts were saved, the plan was not done
+        assert run(resumed, faulty.env()).returncode == 1
+        health = faulty.healthz()
+        assert health["free_slots"] == health["environment_slots"]
+
+    with start_testbed(
+        SHOPSIM_POLICY_RATE_SERVER_CRASH=FAULTY["SHOPSIM_POLICY_RATE_SERVER_CRASH"], PYTHONHASHSEED=FAULTY["PYTHONHASHSEED"]
+    ) as clean:
+        fault_free = run(faulty_config(tmp_path, "clean"), clean.env())
+        assert fault_free.returncode == 1
+
+    reference = outcomes(tmp_path / "runs/clean")
+    assert len(reference) == 40  # every planned episode has an outcome
+    failed = [eid for eid, outcome in reference.items() if outcome == "environment_error"]
+    assert 0 < len(failed) < 40
+    summaries = {}
+    for name in ("once", "twice", "resumed", "clean"):
+        assert outcomes(tmp_path / f"runs/{name}") == reference, name
+        summaries[name] = json.loads((tmp_path / f"runs/{name}/summary.json").read_text(encoding="utf-8"))
+    infrastructure = [r for r in records(tmp_path / "runs/once") if r["failure_class"] == "infrastructure"]
+    assert infrastructure  # the shop's faults did happen, and were run again
+    assert all("without changing state" in r["error"]["message"] for r in infrastructure)
+    for name, summary in summaries.items():
+        itt = summary["intent_to_treat"]
+        assert itt["episodes"] == 40 and itt["failed_counted_as_zero"] == len(failed), name
+        assert itt["failed_infrastructure_excluded"] == 0 and itt["rerolled"] == 0, name
+        assert itt["reward_mean"] == pytest.approx(summaries["clean"]["intent_to_treat"]["reward_mean"], abs=1e-12), name
+        assert summary["failure_classes"] == {"environment_error": len(failed)}, name

@@ -80,6 +80,10 @@ class PolicySettings(BaseSettings):
     """Plain text content, no tool call, ``finish_reason: stop``."""
     rate_length: float = Field(0.0, ge=0, le=1)
     """``finish_reason: length`` with the tool-call arguments JSON cut in half."""
+    rate_server_crash: float = Field(0.0, ge=0, le=1)
+    """Where search is offered, search with the ``<a>`` prefix the real ShopSimulator answers
+    HTTP 500 to: an agent action the environment fails on. Drawn per conversation (not per
+    occurrence of the request), so an episode run again makes the same choice."""
     reasoning: bool = False
     """Send a short Chinese explanation of each decision as ``reasoning_content``."""
     strategy: Literal["heuristic", "naive"] = "heuristic"
@@ -260,6 +264,15 @@ class _PolicyServer:
             options_need_skill=self.settings.options_need_skill,
         )
 
+    def _crash_search(self, body: dict[str, Any], tools: list[dict[str, Any]], decision: Decision | None) -> Decision | None:
+        """``rate_server_crash``: now and then search with the ``<a>`` prefix the real server fails on."""
+        rate = self.settings.rate_server_crash
+        if not rate or decision is None or not any(tool["function"]["name"] == "search" for tool in tools):
+            return decision
+        if random.Random(f"{self.settings.fault_seed}:{_conversation_key(body)}:server-crash").random() >= rate:
+            return decision
+        return Decision("search", {"query": "<a> " + str(decision.arguments.get("query", "商品"))}, decision.reasoning)
+
     def _judge(self, body: dict[str, Any]) -> Response:
         """The deterministic judge's answer (non-streamed; the judge stage does not stream)."""
         if body.get("stream"):
@@ -341,6 +354,7 @@ class _PolicyServer:
         if too_long is not None:
             return too_long
         decision = self._decide(body, tools)
+        decision = self._crash_search(body, tools, decision)
         completion = _Completion(decision, s.reasoning, prompt_tokens, max_tokens)
         if fault == "no_tool_call":
             completion.as_text(_TEXT_ONLY_REPLY)
@@ -359,6 +373,24 @@ class _PolicyServer:
             return PlainTextResponse(_NON_JSON_BODY, status_code=200)
         # The bytes starlette's JSONResponse writes (compact, UTF-8), from orjson at a fraction of the CPU.
         return Response(orjson.dumps(_full_response(completion, response_id, call_id, model_name)), media_type="application/json")
+
+
+def _conversation_key(body: dict[str, Any]) -> str:
+    """What the conversation says, without the ids each answer draws anew (tool-call ids differ
+    between two runs of one episode): the same episode gets the same key in every run."""
+    said = [
+        [
+            message.get("role"),
+            message.get("content"),
+            [
+                [(call.get("function") or {}).get("name"), (call.get("function") or {}).get("arguments")]
+                for call in message.get("tool_calls") or []
+            ],
+        ]
+        for message in body["messages"]
+        if isinstance(message, dict)
+    ]
+    return sha256_hex(canonical_json({"messages": said, "seed": body.get("seed")}))
 
 
 async def _answer_time(arrived: float, delay_ms: float) -> None:
