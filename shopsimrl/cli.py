@@ -1278,13 +1278,20 @@ def _interrupted_io(exc: OSError) -> NoReturn:
 @app.command("labels")
 def labels_command(
     location: str = RUN_ARGUMENT,
-    output: Path = typer.Option(Path("episode_labels.jsonl"), "-o", "--output", help="Where to write the label records (JSONL)."),
+    output: Path | None = typer.Option(
+        None,
+        "-o",
+        "--output",
+        help="Where to write the label records (JSONL; default: beside a local RUN, RUN.labels.jsonl).",
+        show_default=False,
+    ),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Rule labels for every episode (failure taxonomy with step evidence), and the counts per label."""
     _setup_logging(quiet, verbose)
     labels = _import_extra("shopsimrl.research.labels", "research")
+    output = output or _beside_run(location, ".labels.jsonl")
     run = _open_research_run(location)
     try:
         counts = labels.write_labels(run, output)
@@ -1297,6 +1304,15 @@ def labels_command(
         codes = ", ".join(f"{code} {number}" for code, number in counts.codes.get(name, {}).items())
         typer.echo(f"  {name:<24} {count:>6}" + (f"  ({codes})" if codes else ""))
     typer.echo(f"labels: {output}")
+
+
+def _beside_run(location: str, suffix: str) -> Path:
+    """The default output of a research tool: next to the run (never inside it, never in the
+    current directory): ``runs/x`` → ``runs/x<suffix>``, a traces file ``t.jsonl`` → ``t<suffix>``."""
+    if "://" in location:
+        _fail(ExitCode.BAD_INPUT, f"-o/--output: {location} is not on this machine; name the file to write")
+    path = Path(location)
+    return path.with_name(path.stem + suffix) if path.is_file() else path.resolve().parent / (path.resolve().name + suffix)
 
 
 def _include(text: str, allowed: tuple[str, ...]) -> frozenset[str]:
