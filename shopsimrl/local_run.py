@@ -18,9 +18,10 @@ Durability rules of :class:`LocalRunStore`:
   a trace) is skipped and counted, never fatal;
 - each episode's winning record is picked by the one rule of :mod:`shopsimrl.traces` (the first
   completed record; without one, the latest attempt); every other record is a superseded attempt;
-- ``manifest.json`` and ``summary.json`` are written to a temp file, fsynced, renamed, and the
-  directory fsynced; a write that fails (full disk, quota, file size limit) removes its temp
-  file, leaves the previous file as it was and raises :class:`RunWriteError`;
+- ``manifest.json`` and ``summary.json`` are written to a temp file (its mode from the umask, as
+  for the traces), fsynced, renamed, and the directory fsynced; a write that fails (full disk,
+  quota, file size limit) removes its temp file, leaves the previous file as it was and raises
+  :class:`RunWriteError`; a summary that would only change its ``created_at`` is not rewritten;
 - one process at a time holds the run (``flock`` on ``.lock``).
 """
 
@@ -32,8 +33,8 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,9 +99,11 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write_json(path: Path, value: Any) -> None:
     """Replace ``path`` whole or not at all; raises :class:`RunWriteError` when it cannot be written."""
     data = (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        # 0o666 leaves the mode to the umask, like the traces beside it (mkstemp would make it 0600).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as exc:
         raise RunWriteError(path, exc) from exc
     try:
@@ -259,6 +262,14 @@ class LocalRunStore:
             yield (state is not None and state.offset == offset), record
 
     # -- summary ----------------------------------------------------------------------------
+
+    def read_summary(self) -> dict[str, Any] | None:
+        """The summary.json there is, or None when there is none or it is not a JSON object."""
+        try:
+            value = json.loads(self.summary_path.read_bytes())
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         canonical_json(summary)  # refuse NaN before touching the file
@@ -421,5 +432,14 @@ def summarize_local(
     summary = accumulator.result()
     summary.setdefault("counts", {})["unreadable_lines"] = index.bad_lines
     summary["run"] = run_identity(manifest, uri=str(store.run_dir.resolve()))
+    previous = store.read_summary()
+    if previous is not None and _same_but_created_at(summary, previous):
+        return previous  # nothing changed (a resume with nothing to run): the file and its created_at stay
     store.write_summary(summary)
     return summary
+
+
+def _same_but_created_at(summary: dict[str, Any], previous: dict[str, Any]) -> bool:
+    # Compared as JSON reads them back (tuples are lists there).
+    fresh = json.loads(json.dumps({**summary, "created_at": previous.get("created_at")}, ensure_ascii=False))
+    return bool(fresh == previous)
