@@ -40,6 +40,7 @@ from shopsimrl.environment import (
     ShopEnvironment,
     ShopEnvironmentError,
 )
+from shopsimrl.logs import brief
 from shopsimrl.model import ChatModel, ModelConfigError, ModelRequestError
 from shopsimrl.prompts import (
     InvalidToolArguments,
@@ -190,7 +191,8 @@ class AgentRuntime:
             trace["status"] = "failed"
             trace["error"] = _error(progress["stage"], exc)
             trace["failure_class"] = classify_failure(exc)
-            elog.warning("episode_failed", stage=trace["error"]["stage"], error=type(exc).__name__, message=str(exc)[:300])
+            # Info, one short line: the live bar counts failures and the trace has the whole error.
+            elog.info("episode_failed", stage=trace["error"]["stage"], error=type(exc).__name__, message=brief(str(exc)))
         finally:
             cleanup_error: BaseException | None = None
             try:
