@@ -85,7 +85,7 @@ reduce: $(STAMP)  ## merge the shards of RUN=<uri> into summary.json
 	@test -n "$(RUN)" || { echo "usage: make reduce RUN=<run uri>"; exit 2; }
 	$(BIN)/shopsimrl reduce $(RUN)
 
-status: $(STAMP)  ## per-shard progress of RUN=<uri>
+status: $(STAMP)  ## progress of RUN=<uri> (a sharded run per shard, or a local run directory)
 	@test -n "$(RUN)" || { echo "usage: make status RUN=<run uri>"; exit 2; }
 	$(BIN)/shopsimrl status $(RUN)
 

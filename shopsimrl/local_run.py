@@ -7,7 +7,8 @@ pending episodes with :class:`~shopsimrl.scheduler.Evaluator` (SIGTERM/SIGINT st
 saved, exit 3), then writes ``summary.json``. A failure is raised as :class:`RunStopped` with
 its exit code; the CLI prints it.
 
-Layout: ``<output_dir>/<name>/{manifest.json, traces.jsonl, summary.json, .lock, leases/}``.
+Layout: ``<output_dir>/<name>/{manifest.json, traces.jsonl, summary.json, progress.json, .lock, leases/}``
+(``progress.json``: the running process's counts and heartbeat, for ``shopsimrl status``).
 
 Durability rules of :class:`LocalRunStore`:
 - each trace is one line, appended with flush + fsync as soon as its episode ends (traces that
@@ -154,6 +155,7 @@ class LocalRunStore:
         self.manifest_path = self.run_dir / "manifest.json"
         self.traces_path = self.run_dir / "traces.jsonl"
         self.summary_path = self.run_dir / "summary.json"
+        self.progress_path = self.run_dir / "progress.json"
         self._lock_handle: Any = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -325,7 +327,9 @@ def run_local(
         )
         retries = config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
         try:
-            terminated = eventloop.run(_evaluate(prepared, store, completed, prior, retries, retry_failed, show_progress))
+            terminated = eventloop.run(
+                _evaluate(prepared, store, completed, prior, retries, retry_failed, show_progress, manifest["plan_fingerprint"])
+            )
         except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
             terminated = True
         except OSError as exc:
@@ -352,10 +356,11 @@ async def _evaluate(
     max_episode_retries: int,
     retry_failed: bool,
     show_progress: bool,
+    plan_fingerprint: str,
 ) -> bool:
     """Run the pending episodes; True when a signal stopped the run (leases are released)."""
     from shopsimrl.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
-    from shopsimrl.progress import RunProgress
+    from shopsimrl.progress import ProgressFile, RunProgress
     from shopsimrl.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
     from shopsimrl.stopping import GracefulStop
 
@@ -396,14 +401,30 @@ async def _evaluate(
                 len(prepared.jobs), before=len(prepared.jobs) - len(pending), enabled=show_progress and sys.stderr.isatty()
             ) as bar:
                 evaluator.on_trace = bar.on_trace
-                evaluation = asyncio.ensure_future(evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior))
+                progress = ProgressFile(
+                    store.progress_path,
+                    bar,
+                    plan_fingerprint=plan_fingerprint,
+                    completed_before=sum(1 for job in prepared.jobs if job.episode_id in completed),
+                )
+                await asyncio.to_thread(progress.write)
+                beat = asyncio.ensure_future(progress.beat())
+                final = "stopped"
                 try:
-                    await evaluation
-                except asyncio.CancelledError:
-                    if not stop.requested:
-                        raise
-                    # mypy keeps stop.requested narrowed to False by the check above; a signal sets it since.
-                    return True  # type: ignore[unreachable]
+                    evaluation = asyncio.ensure_future(evaluator.run(prepared.jobs, completed=completed, prior_attempts=prior))
+                    try:
+                        await evaluation
+                    except asyncio.CancelledError:
+                        if not stop.requested:
+                            raise
+                        # mypy keeps stop.requested narrowed to False by the check above; a signal sets it since.
+                        final = "interrupted"  # type: ignore[unreachable]
+                        return True
+                    final = "finished"
+                finally:
+                    beat.cancel()
+                    await asyncio.gather(beat, return_exceptions=True)
+                    progress.write(final)
             return False
         finally:
             try:

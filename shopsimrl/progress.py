@@ -10,16 +10,24 @@ than the server takes) add one warning, then at most one a minute with the count
 
 :class:`RunProgress` is fed persisted traces (a single-process run); :class:`ShardedRunProgress`
 is fed the JSON log records of shard workers (a local sharded run, see :mod:`shopsimrl.sharded.local_job`).
+:class:`ProgressFile` keeps a local run's counts in its ``progress.json`` for ``shopsimrl status``
+in another terminal.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import json
+import os
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Self
 
 import structlog
@@ -28,9 +36,10 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn,
 from rich.progress_bar import ProgressBar
 from rich.text import Text
 
+from shopsimrl.lease_journal import ProcessIdentity
 from shopsimrl.logs import live_console, tap
 
-__all__ = ["RunProgress", "ShardedRunProgress"]
+__all__ = ["LOCAL_PROGRESS_SCHEMA", "ProgressFile", "RunProgress", "ShardedRunProgress", "read_progress_file"]
 
 log = structlog.get_logger("shopsimrl.progress")
 
@@ -322,3 +331,90 @@ class ShardedRunProgress(RunProgress):
             failed=self.failed,
             retries=self.retries,
         )
+
+
+LOCAL_PROGRESS_SCHEMA = "shopsimrl-local-progress-v1"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class ProgressFile:
+    """A local run's ``progress.json``: the counts of :class:`RunProgress`, the process and a
+    heartbeat, for ``shopsimrl status`` in another terminal (it takes no lock and reads no trace).
+
+    Rewritten whole (a temporary file renamed over it) when the run starts, every
+    ``heartbeat_seconds`` while it runs and once more with its final state (``finished``,
+    ``interrupted``, ``stopped``). Advisory: no fsync, and a write that fails is logged once and
+    tried again at the next beat; the run goes on."""
+
+    def __init__(
+        self,
+        path: Path,
+        bar: RunProgress,
+        *,
+        plan_fingerprint: str,
+        completed_before: int,
+        heartbeat_seconds: float = 2.0,
+    ) -> None:
+        self.path = Path(path)
+        self.bar = bar
+        self.heartbeat_seconds = heartbeat_seconds
+        self._fixed = {
+            "schema_version": LOCAL_PROGRESS_SCHEMA,
+            "plan_fingerprint": plan_fingerprint,
+            "process": ProcessIdentity.current().to_dict(),
+            "started_at": _now(),
+            "heartbeat_seconds": heartbeat_seconds,
+            "jobs": bar.total,
+            "settled_before": bar.before,
+            "completed_before": completed_before,
+        }
+        self._warned = False
+
+    def document(self, state: str) -> dict[str, Any]:
+        bar = self.bar
+        return {
+            **self._fixed,
+            "state": state,
+            "updated_at": _now(),
+            "completed": bar.completed,
+            "failed": bar.failed,
+            "requeued": bar.retries,
+            "model_retries": bar.model_retries,
+            "reward_mean": bar.reward_mean(),
+        }
+
+    def write(self, state: str = "running") -> None:
+        data = (json.dumps(self.document(state), ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+        tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if not self._warned:
+                self._warned = True
+                log.warning("progress_not_written", path=str(self.path), error=f"{type(exc).__name__}: {exc}")
+
+    async def beat(self) -> None:
+        """Rewrite the file every ``heartbeat_seconds``, until cancelled."""
+        while True:
+            await asyncio.sleep(self.heartbeat_seconds)
+            await asyncio.to_thread(self.write)
+
+
+def read_progress_file(path: Path) -> dict[str, Any] | None:
+    """A ``progress.json`` as :class:`ProgressFile` writes it; None when absent or unreadable."""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(value, dict) or value.get("schema_version") != LOCAL_PROGRESS_SCHEMA:
+        return None
+    return value

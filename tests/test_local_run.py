@@ -303,7 +303,7 @@ def test_a_local_run_honours_the_umask_and_a_resume_with_nothing_to_run_keeps_th
 
         first = run()
         assert first.returncode == 0, first.stderr[-3000:]
-        names = ("manifest.json", "summary.json", "traces.jsonl")
+        names = ("manifest.json", "summary.json", "traces.jsonl", "progress.json")
         modes = {name: stat.S_IMODE((run_dir / name).stat().st_mode) for name in names}
         assert modes == dict.fromkeys(names, 0o640), {name: oct(mode) for name, mode in modes.items()}
 
