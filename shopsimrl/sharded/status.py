@@ -173,10 +173,11 @@ def _count_lines(path: Path) -> int:
 def local_status(run_dir: str | Path, *, now: datetime | None = None) -> dict[str, Any]:
     """The state and counts of a local run, whether a process runs it now or not.
 
-    ``state``: ``running`` (its process is alive and beating), ``running?`` (no heartbeat for
-    three intervals, from a process on another host), ``stopped`` (the process that ran it is
-    gone without saying so: killed), ``interrupted``, ``finished`` (then ``summary.json`` has
-    the numbers), ``not started``. Raises ManifestError for a manifest that is not one."""
+    ``state``: ``running`` (its process is alive; on another host: its heartbeat is recent),
+    ``running?`` (a process on another host, no heartbeat for three intervals), ``stopped`` (the
+    process that ran it is gone without saying so: killed), ``interrupted``, ``finished`` (then
+    ``summary.json`` has the numbers), ``not running`` / ``not started`` (no progress file).
+    Raises ManifestError for a manifest that is not one."""
     store = LocalRunStore(run_dir)
     now = now or datetime.now(UTC)
     manifest = store.read_manifest()
@@ -215,8 +216,9 @@ def _progress_view(progress: dict[str, Any], now: datetime) -> dict[str, Any]:
     here = ProcessIdentity.current()
     on_this_host = process is not None and (process.host, process.pid_namespace) == (here.host, here.pid_namespace)
     if state == "running":
-        if on_this_host and process is not None and not process.is_alive():
-            state = "stopped"
+        if on_this_host and process is not None:
+            # Here the process itself answers; a late heartbeat (a loaded machine) is no sign.
+            state = "running" if process.is_alive() else "stopped"
         elif age is not None and isinstance(interval, (int, float)) and age > _STALE_BEATS * interval:
             state = "running?"
     completed = _count(progress.get("completed"))
