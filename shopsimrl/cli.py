@@ -702,7 +702,8 @@ def _local_status(run_dir: str, env_url: str | None, as_json: bool) -> None:
     if invocation:
         reward = invocation["reward_mean"]
         typer.echo(
-            f"  this invocation (since {invocation['started_at']}): {invocation['completed']} completed · "
+            f"  {'this' if report['state'] == 'running' else 'latest'} invocation (started {invocation['started_at']}): "
+            f"{invocation['completed']} completed · "
             f"{invocation['failed']} failed · requeued {invocation['requeued']} · model retries {invocation['model_retries']} · "
             f"reward {'-' if reward is None else f'{reward:.3f}'} · {invocation['settled_before']} settled before"
         )

@@ -101,6 +101,8 @@ def test_status_of_a_finished_local_run_with_and_without_its_progress_file(tmp_p
         assert done.returncode == 0, done.stderr[-3000:]
         report = status_json(run_dir, env)
         assert report["state"] == "finished" and report["completed"] == report["jobs"] == 3 and report["summary"]
+        text = status(run_dir, env).stdout
+        assert "3/3 episodes completed · finished" in text and "latest invocation" in text and "summary.json written" in text
         assert report["invocation"]["completed"] == 3 and report["trace_lines"] == 3 and report["leases_held"] == 0
 
         # A run directory of an earlier version has no progress file: the traces are counted.
