@@ -483,6 +483,21 @@ def slow_bed() -> Iterator[LocalTestbed]:
 
 
 @pytest.mark.slow
+def test_the_slot_sizing_warning_of_every_worker_is_shown_once(tmp_path: Path) -> None:
+    """4 shards × concurrency 8 against 8 slots: each worker warns that its episodes will wait
+    for slots, word for word the same; the coordinator shows it once, the repeats at debug."""
+    with start_testbed(SHOPSIM_ENV_SLOTS="8") as small:
+        config = write_config(tmp_path, name="oversubscribed", sample_size=16, concurrency=8)
+        command = ["run", str(config), "--shards", "4", "--run", str(tmp_path / "run"), "--no-progress", "-v"]
+        done = cli(*command, env=bed_env(small, SHOPSIMRL_LOG_FORMAT="json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    sizing = [r for r in records if "episodes in flight, but ShopSimulator has 8 slots" in r["event"]]
+    assert sorted(r["shard"] for r in sizing) == [0, 1, 2, 3], sizing
+    assert [r["level"] for r in sizing].count("warning") == 1 and [r["level"] for r in sizing].count("debug") == 3
+
+
+@pytest.mark.slow
 def test_a_crashed_worker_shows_its_traceback_and_exit_code(slow_bed: LocalTestbed, tmp_path: Path) -> None:
     # 16 episodes at 300 ms a model call: the shard is still running when the signal lands, however
     # late a loaded machine delivers it (6 could finish between the line and the kill).
