@@ -6,7 +6,8 @@ the suite must leave ``.venv`` as ``make install`` made it. It walks the declare
 here) and fails, naming each, on
 
 * an installed distribution that nothing declares (something installed into the venv by hand or
-  by a test, e.g. the llama.cpp server's packages, which belong in .cache/llm/venv);
+  by a test, e.g. the llama.cpp server's packages, which belong in the
+  machine's LLM cache, ~/.cache/shopsimrl/llm/venv);
 * a declared one that is missing;
 * with ``--constraints FILE``: an installed version that the file does not pin exactly (the
   venv was not installed from it, or a new dependency needs ``make constraints``).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real LLM end to end: the llama.cpp server environment (.cache/llm/venv, built once per
+# A real LLM end to end: the llama.cpp server environment (~/.cache/shopsimrl/llm/venv, built once per
 # machine, never .venv) and SmolLM2-135M, served on a free loopback port; the testbed shop; one
 # config run against both (fresh run directory); the summary; both servers stopped.
 #   scripts/llm-smoke.sh [CONFIG] [extra `shopsimrl run` flags...]

@@ -6,7 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${1:-configs/testbed_demo.yaml}
 shift || true
-BIN=${BIN:-.venv/bin}
+# make passes BIN; run by hand, the development install, else the demo's light one.
+if [ -z "${BIN:-}" ]; then
+  if [ -x .venv/bin/shopsimrl ]; then BIN=.venv/bin; else BIN=.venv-demo/bin; fi
+fi
 free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 SHOP_PORT=${SHOP_PORT:-$(free_port)}
 POLICY_PORT=${POLICY_PORT:-$(free_port)}

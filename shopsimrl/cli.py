@@ -586,7 +586,7 @@ def worker(
 
 @app.command()
 def reduce(
-    run_uri: str = typer.Argument(..., metavar="URI", help="Run location of a sharded run."),
+    run_uri: str = typer.Argument(..., metavar="URI", help="A local run directory, or the location of a sharded run."),
     wait: bool = typer.Option(False, "--wait", help="Poll until every shard has a commit marker (exit 3 on timeout)."),
     timeout: float = typer.Option(3600.0, "--timeout", min=0, help="With --wait: give up after this many seconds."),
     include_uncommitted: bool = typer.Option(
@@ -624,7 +624,7 @@ def reduce(
 
 @app.command()
 def status(
-    run_uri: str = typer.Argument(..., metavar="URI", help="Run location of a sharded run."),
+    run_uri: str = typer.Argument(..., metavar="URI", help="A local run directory, or the location of a sharded run."),
     namespace: str | None = typer.Option(None, "--namespace", help="Kubernetes namespace of the release (adds the Job's view)."),
     release: str | None = typer.Option(None, "--release", help="Helm release name (with --namespace)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
@@ -639,10 +639,11 @@ def status(
 ) -> None:
     """Per-shard progress from commit markers and the workers' progress objects (no trace part is
     read), leases held per running shard, the shop's slot usage; with --namespace/--release also
-    the Job."""
+    the Job. A local run directory: its state and counts while another process runs it (no lock
+    taken), its leases, the shop's slot usage."""
     from shopsimrl.sharded.layout import RunNotPlannedError, ShardedRunStore, ShardMapError
     from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
-    from shopsimrl.sharded.status import lease_status, shard_status
+    from shopsimrl.sharded.status import is_local_run, lease_status, shard_status
 
     _setup_logging(quiet, verbose)
     if env_url is not None:
@@ -650,6 +651,11 @@ def status(
             check_environment_url(env_url)
         except ConfigError as exc:
             _fail(ExitCode.BAD_INPUT, f"--env-url: {exc}")
+    if is_local_run(run_uri):
+        if namespace or release:
+            _fail(ExitCode.BAD_INPUT, f"--namespace/--release: {run_uri} is a local run, it has no Kubernetes Job")
+        _local_status(run_uri, env_url, as_json)
+        return
     try:
         store = ShardedRunStore(run_uri)
         report = shard_status(store)
@@ -688,6 +694,49 @@ def status(
         typer.echo(f"shop {shop['url']}: {state}")
     if "kubernetes" in report:
         typer.echo("kubernetes: " + json.dumps(report["kubernetes"], ensure_ascii=False, default=str))
+
+
+def _local_status(run_dir: str, env_url: str | None, as_json: bool) -> None:
+    from shopsimrl.sharded.status import local_status
+
+    try:
+        report = local_status(run_dir)
+    except ManifestError as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
+    except OSError as exc:
+        _interrupted_io(exc)
+    report["environment"] = _slot_status(env_url or report.pop("environment_url"))
+    report.pop("environment_url", None)
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False, indent=2))
+        return
+    jobs = "?" if report["jobs"] is None else report["jobs"]
+    head = (
+        f"run {report['run']} (local) · plan {report['plan_fingerprint'][:12]} · {report['completed']}/{jobs} episodes completed"
+    )
+    process = report.get("process")
+    state = report["state"]
+    if process and state in ("running", "running?", "stopped"):
+        state += f" (pid {process['pid']} on {process['host']})"
+    typer.echo(f"{head} · {state}{_heartbeat_note(report) if report['state'].startswith('running') else ''}")
+    invocation = report.get("invocation")
+    if invocation:
+        reward = invocation["reward_mean"]
+        typer.echo(
+            f"  {'this' if report['state'] == 'running' else 'latest'} invocation (started {invocation['started_at']}): "
+            f"{invocation['completed']} completed · "
+            f"{invocation['failed']} failed · requeued {invocation['requeued']} · model retries {invocation['model_retries']} · "
+            f"reward {'-' if reward is None else f'{reward:.3f}'} · {invocation['settled_before']} settled before"
+        )
+    leases = f" · leases {report['leases_held']}"
+    if report.get("leases_left_by_stopped_processes"):
+        leases += f" (+{report['leases_left_by_stopped_processes']} left by a stopped process)"
+    summary = " · summary.json written" if report["summary"] else ""
+    typer.echo(f"  traces.jsonl {report['trace_lines']} lines{leases}{summary}")
+    shop = report["environment"]
+    if shop.get("url"):
+        state = shop.get("error") or f"{shop['free_slots']}/{shop['environment_slots']} slots free"
+        typer.echo(f"shop {shop['url']}: {state}")
 
 
 def _judge_location_hint(store: Any, run_uri: str) -> str | None:
@@ -1299,13 +1348,20 @@ def _interrupted_io(exc: OSError) -> NoReturn:
 @app.command("labels")
 def labels_command(
     location: str = RUN_ARGUMENT,
-    output: Path = typer.Option(Path("episode_labels.jsonl"), "-o", "--output", help="Where to write the label records (JSONL)."),
+    output: Path | None = typer.Option(
+        None,
+        "-o",
+        "--output",
+        help="Where to write the label records (JSONL; default: beside a local RUN, RUN.labels.jsonl).",
+        show_default=False,
+    ),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Rule labels for every episode (failure taxonomy with step evidence), and the counts per label."""
     _setup_logging(quiet, verbose)
     labels = _import_extra("shopsimrl.research.labels", "research")
+    output = output or _beside_run(location, ".labels.jsonl")
     run = _open_research_run(location)
     try:
         counts = labels.write_labels(run, output)
@@ -1318,6 +1374,15 @@ def labels_command(
         codes = ", ".join(f"{code} {number}" for code, number in counts.codes.get(name, {}).items())
         typer.echo(f"  {name:<24} {count:>6}" + (f"  ({codes})" if codes else ""))
     typer.echo(f"labels: {output}")
+
+
+def _beside_run(location: str, suffix: str) -> Path:
+    """The default output of a research tool: next to the run (never inside it, never in the
+    current directory): ``runs/x`` → ``runs/x<suffix>``, a traces file ``t.jsonl`` → ``t<suffix>``."""
+    if "://" in location:
+        _fail(ExitCode.BAD_INPUT, f"-o/--output: {location} is not on this machine; name the file to write")
+    path = Path(location)
+    return path.with_name(path.stem + suffix) if path.is_file() else path.resolve().parent / (path.resolve().name + suffix)
 
 
 def _include(text: str, allowed: tuple[str, ...]) -> frozenset[str]:

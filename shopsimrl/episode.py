@@ -40,6 +40,7 @@ from shopsimrl.environment import (
     ShopEnvironment,
     ShopEnvironmentError,
 )
+from shopsimrl.logs import brief
 from shopsimrl.model import ChatModel, ModelConfigError, ModelRequestError
 from shopsimrl.prompts import (
     InvalidToolArguments,
@@ -213,7 +214,8 @@ class AgentRuntime:
             trace["failure_class"] = classify_failure(
                 exc, agent_acted=progress["agent_acted"], agent_spoke=progress["agent_spoke"]
             )
-            elog.warning("episode_failed", stage=trace["error"]["stage"], error=type(exc).__name__, message=str(exc)[:300])
+            # Info, one short line: the live bar counts failures and the trace has the whole error.
+            elog.info("episode_failed", stage=trace["error"]["stage"], error=type(exc).__name__, message=brief(str(exc)))
         finally:
             cleanup_error: BaseException | None = None
             try:

@@ -7,7 +7,8 @@ pending episodes with :class:`~shopsimrl.scheduler.Evaluator` (SIGTERM/SIGINT st
 saved, exit 3), then writes ``summary.json``. A failure is raised as :class:`RunStopped` with
 its exit code; the CLI prints it.
 
-Layout: ``<output_dir>/<name>/{manifest.json, traces.jsonl, summary.json, .lock, leases/}``.
+Layout: ``<output_dir>/<name>/{manifest.json, traces.jsonl, summary.json, progress.json, .lock, leases/}``
+(``progress.json``: the running process's counts and heartbeat, for ``shopsimrl status``).
 
 Durability rules of :class:`LocalRunStore`:
 - each trace is one line, appended with flush + fsync as soon as its episode ends (traces that
@@ -18,9 +19,10 @@ Durability rules of :class:`LocalRunStore`:
   a trace) is skipped and counted, never fatal;
 - each episode's winning record is picked by the one rule of :mod:`shopsimrl.traces` (the first
   completed record; without one, the latest attempt); every other record is a superseded attempt;
-- ``manifest.json`` and ``summary.json`` are written to a temp file, fsynced, renamed, and the
-  directory fsynced; a write that fails (full disk, quota, file size limit) removes its temp
-  file, leaves the previous file as it was and raises :class:`RunWriteError`;
+- ``manifest.json`` and ``summary.json`` are written to a temp file (its mode from the umask, as
+  for the traces), fsynced, renamed, and the directory fsynced; a write that fails (full disk,
+  quota, file size limit) removes its temp file, leaves the previous file as it was and raises
+  :class:`RunWriteError`; a summary that would only change its ``created_at`` is not rewritten;
 - one process at a time holds the run (``flock`` on ``.lock``).
 """
 
@@ -32,8 +34,8 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,9 +100,11 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write_json(path: Path, value: Any) -> None:
     """Replace ``path`` whole or not at all; raises :class:`RunWriteError` when it cannot be written."""
     data = (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        # 0o666 leaves the mode to the umask, like the traces beside it (mkstemp would make it 0600).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as exc:
         raise RunWriteError(path, exc) from exc
     try:
@@ -158,6 +162,7 @@ class LocalRunStore:
         self.manifest_path = self.run_dir / "manifest.json"
         self.traces_path = self.run_dir / "traces.jsonl"
         self.summary_path = self.run_dir / "summary.json"
+        self.progress_path = self.run_dir / "progress.json"
         self._lock_handle: Any = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -275,6 +280,14 @@ class LocalRunStore:
 
     # -- summary ----------------------------------------------------------------------------
 
+    def read_summary(self) -> dict[str, Any] | None:
+        """The summary.json there is, or None when there is none or it is not a JSON object."""
+        try:
+            value = json.loads(self.summary_path.read_bytes())
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         canonical_json(summary)  # refuse NaN before touching the file
         atomic_write_json(self.summary_path, summary)
@@ -328,7 +341,11 @@ def run_local(
         retries = config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
         resume = _Resume(completed, prior, final)
         try:
-            terminated = eventloop.run(_evaluate(prepared, store, resume, retries, retry_failed, reroll_failed, show_progress))
+            terminated = eventloop.run(
+                _evaluate(
+                    prepared, store, resume, retries, retry_failed, reroll_failed, show_progress, manifest["plan_fingerprint"]
+                )
+            )
         except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
             terminated = True
         except OSError as exc:
@@ -389,10 +406,11 @@ async def _evaluate(
     retry_failed: bool,
     reroll_failed: bool,
     show_progress: bool,
+    plan_fingerprint: str,
 ) -> bool:
     """Run the pending episodes; True when a signal stopped the run (leases are released)."""
     from shopsimrl.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
-    from shopsimrl.progress import RunProgress
+    from shopsimrl.progress import ProgressFile, RunProgress
     from shopsimrl.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
     from shopsimrl.stopping import GracefulStop
 
@@ -434,18 +452,34 @@ async def _evaluate(
                 len(prepared.jobs), before=len(prepared.jobs) - len(pending), enabled=show_progress and sys.stderr.isatty()
             ) as bar:
                 evaluator.on_trace = bar.on_trace
-                evaluation = asyncio.ensure_future(
-                    evaluator.run(
-                        prepared.jobs, completed=resume.completed, prior_attempts=resume.prior, final_failures=resume.final
-                    )
+                progress = ProgressFile(
+                    store.progress_path,
+                    bar,
+                    plan_fingerprint=plan_fingerprint,
+                    completed_before=sum(1 for job in prepared.jobs if job.episode_id in resume.completed),
                 )
+                await asyncio.to_thread(progress.write)
+                beat = asyncio.ensure_future(progress.beat())
+                final = "stopped"
                 try:
-                    await evaluation
-                except asyncio.CancelledError:
-                    if not stop.requested:
-                        raise
-                    # mypy keeps stop.requested narrowed to False by the check above; a signal sets it since.
-                    return True  # type: ignore[unreachable]
+                    evaluation = asyncio.ensure_future(
+                        evaluator.run(
+                            prepared.jobs, completed=resume.completed, prior_attempts=resume.prior, final_failures=resume.final
+                        )
+                    )
+                    try:
+                        await evaluation
+                    except asyncio.CancelledError:
+                        if not stop.requested:
+                            raise
+                        # mypy keeps stop.requested narrowed to False by the check above; a signal sets it since.
+                        final = "interrupted"  # type: ignore[unreachable]
+                        return True
+                    final = "finished"
+                finally:
+                    beat.cancel()
+                    await asyncio.gather(beat, return_exceptions=True)
+                    progress.write(final)
             return False
         finally:
             try:
@@ -474,5 +508,14 @@ def summarize_local(
     summary = accumulator.result()
     summary.setdefault("counts", {})["unreadable_lines"] = index.bad_lines
     summary["run"] = run_identity(manifest, uri=str(store.run_dir.resolve()))
+    previous = store.read_summary()
+    if previous is not None and _same_but_created_at(summary, previous):
+        return previous  # nothing changed (a resume with nothing to run): the file and its created_at stay
     store.write_summary(summary)
     return summary
+
+
+def _same_but_created_at(summary: dict[str, Any], previous: dict[str, Any]) -> bool:
+    # Compared as JSON reads them back (tuples are lists there).
+    fresh = json.loads(json.dumps({**summary, "created_at": previous.get("created_at")}, ensure_ascii=False))
+    return bool(fresh == previous)

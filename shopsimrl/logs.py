@@ -8,16 +8,21 @@ every line an episode produces carries it. Logs go to stderr; stdout stays free 
 While a live progress bar is on screen, log lines are printed through the bar's console
 (:func:`live_console`): rich then clears the bar, prints the line above it and redraws the bar,
 instead of the line landing inside the bar.
+
+:func:`tap` lets a live display count an event (a model retry) whatever the level shows: an
+info line hidden by ``-q`` is still counted.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any, Literal
 
 import structlog
@@ -26,7 +31,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.text import Text
 
-__all__ = ["LogSettings", "configure_logging", "current_settings", "level", "live_console", "log_format", "print_line"]
+__all__ = [
+    "LogSettings",
+    "brief",
+    "configure_logging",
+    "current_settings",
+    "level",
+    "live_console",
+    "log_format",
+    "print_line",
+    "tap",
+]
 
 LevelName = Literal["debug", "info", "warning", "error"]
 
@@ -103,6 +118,81 @@ def _terminal_logger(*_args: Any) -> _TerminalLogger:
     return _TerminalLogger()
 
 
+_JSON_BODY = re.compile(r"\{.*\}", re.DOTALL)
+
+
+def brief(text: str, limit: int = 160) -> str:
+    """An error message for a one-line log field: whitespace collapsed, a JSON error body (an
+    OpenAI-style ``{"error": {"message": …}}``) reduced to its message, at most ``limit``
+    characters. The whole message stays in the trace."""
+    match = _JSON_BODY.search(text)
+    if match:
+        try:
+            body = json.loads(match.group(0))
+        except ValueError:
+            body = None
+        error = body.get("error") if isinstance(body, dict) else None
+        message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+        if isinstance(message, str):
+            text = text[: match.start()] + message + text[match.end() :]
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+EventCallback = Callable[[dict[str, Any]], None]
+_TAPS: dict[str, list[EventCallback]] = {}
+_TAPPED_FROM = logging.INFO
+"""Events :func:`tap` can see are logged at this level or above; below the configured level
+they are dropped after the taps (a processor), not before (the wrapper class)."""
+_METHOD_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "msg": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "exception": logging.ERROR,
+    "critical": logging.CRITICAL,
+    "fatal": logging.CRITICAL,
+}
+
+
+def _run_taps(_logger: Any, _method: str, event_dict: Any) -> Any:
+    callbacks = _TAPS.get(event_dict.get("event"))
+    for callback in list(callbacks or ()):
+        with suppress(Exception):  # a broken display must never stop a process that is saving traces
+            callback(dict(event_dict))
+    return event_dict
+
+
+class _DropBelow:
+    """The configured level, applied after the taps."""
+
+    def __init__(self, minimum: int) -> None:
+        self.minimum = minimum
+
+    def __call__(self, _logger: Any, method: str, event_dict: Any) -> Any:
+        if _METHOD_LEVELS.get(method, logging.CRITICAL) < self.minimum:
+            raise structlog.DropEvent
+        return event_dict
+
+
+@contextmanager
+def tap(event: str, callback: EventCallback) -> Iterator[None]:
+    """Inside the block, ``callback`` gets the fields of every ``event`` logged at info or above
+    in this process, also when the level hides the line. The callback must be quick; it runs
+    where the line is logged."""
+    _TAPS.setdefault(event, []).append(callback)
+    try:
+        yield
+    finally:
+        callbacks = _TAPS.get(event, [])
+        if callback in callbacks:
+            callbacks.remove(callback)
+        if not callbacks:
+            _TAPS.pop(event, None)
+
+
 def configure_logging(verbosity: int = 0, *, settings: LogSettings | None = None) -> LogSettings:
     """Configure structlog from the environment; ``verbosity`` -1 (``-q``) shows warnings and
     errors only, +1 (``-v``) debug lines too, 0 keeps ``SHOPSIMRL_LOG_LEVEL``. ``settings``
@@ -120,15 +210,19 @@ def configure_logging(verbosity: int = 0, *, settings: LogSettings | None = None
         if settings.log_format == "json"
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    configured = logging.getLevelName(settings.log_level.upper())
     structlog.configure(
         processors=[
+            _run_taps,
+            _DropBelow(configured),
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(settings.log_level.upper())),
+        # Lines below both levels cost nothing (the wrapper's no-op methods); see _TAPPED_FROM.
+        wrapper_class=structlog.make_filtering_bound_logger(min(configured, _TAPPED_FROM)),
         logger_factory=_terminal_logger,
         cache_logger_on_first_use=False,
     )

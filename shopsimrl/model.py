@@ -67,6 +67,7 @@ import httpx
 import structlog
 
 from shopsimrl.httpclient import HttpService
+from shopsimrl.logs import brief
 from shopsimrl.retry import Attempt, Backoff, retry_async
 from shopsimrl.schemas import ModelOutput, ToolCall, canonical_json, parse_json, redact_uri, sha256_hex, wire_json
 
@@ -471,8 +472,14 @@ class OpenAICompatibleChatModel:
             record = attempts[-1]
             record["backoff_ms"] = round(failed.delay_s * 1000.0, 3)
             status = getattr(failed.error, "status", None)
-            _log.warning(
-                "model_request_retry", attempt=failed.number, status=status, error=record["error"][:200], delay_s=failed.delay_s
+            # Info, one short line: the live bar counts retries, and load refusals get one
+            # aggregated warning there (shopsimrl.progress); the full error is in the trace.
+            _log.info(
+                "model_request_retry",
+                attempt=failed.number,
+                status=status,
+                delay_s=round(failed.delay_s, 2),
+                error=brief(record["error"], 120),
             )
 
         def exhausted(last: Attempt, elapsed_s: float) -> ModelRequestError:

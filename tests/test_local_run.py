@@ -1,4 +1,5 @@
-"""Local run directory: torn tails, garbage lines, fingerprint refusal with a diff, the lock."""
+"""Local run directory: torn tails, garbage lines, fingerprint refusal with a diff, the lock, a full
+disk, file modes under the umask, a resume with nothing to run."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -16,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.local_run import LocalRunStore, RunLockedError
+from shopsimrl.local_run import LocalRunStore, RunLockedError, atomic_write_json
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
+from tests.testbed_process import start_testbed, write_config
 
 
 def trace(episode_id: str, status: str = "completed", reward: float = 1.0) -> dict:
@@ -268,3 +271,44 @@ def test_a_full_disk_while_reducing_a_sharded_run_exits_3_and_leaves_no_temporar
     assert "Traceback" not in result.stderr and "summary.json" in result.stderr and "still failing" in result.stderr
     assert not [name for name in result.files if "/.tmp-" in name or name.startswith(".tmp-")], result.files
     assert {name.split("/")[1] for name in result.files if name.count("/") == 1} == before  # no summary.json
+
+
+def test_atomic_json_files_get_the_mode_the_umask_gives(tmp_path: Path) -> None:
+    # The writer of manifest.json, summary.json and a gate's contributions.json.
+    previous = os.umask(0o002)
+    try:
+        atomic_write_json(tmp_path / "contributions.json", {"a": 1})
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "contributions.json").stat().st_mode) == 0o664
+    assert [p.name for p in tmp_path.iterdir()] == ["contributions.json"]  # no temporary file left
+
+
+def test_a_local_run_honours_the_umask_and_a_resume_with_nothing_to_run_keeps_the_summary(tmp_path: Path) -> None:
+    config = write_config(tmp_path, name="modes", sample_size=3)
+    run_dir = tmp_path / "runs" / "modes"
+    with start_testbed() as bed:
+        env = {**_cli_env(), "SHOPSIMRL_MODEL_BASE_URL": bed.model_url, "SHOPSIMRL_ENV_BASE_URL": bed.shop_url}
+
+        def run() -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "shopsimrl", "run", str(config), "--no-progress"],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env=env,
+                timeout=180,
+                preexec_fn=lambda: os.umask(0o027),
+            )
+
+        first = run()
+        assert first.returncode == 0, first.stderr[-3000:]
+        names = ("manifest.json", "summary.json", "traces.jsonl", "progress.json")
+        modes = {name: stat.S_IMODE((run_dir / name).stat().st_mode) for name in names}
+        assert modes == dict.fromkeys(names, 0o640), {name: oct(mode) for name, mode in modes.items()}
+
+        summary = (run_dir / "summary.json").read_bytes()
+        again = run()
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "3 already completed, 0 to run" in again.stdout + again.stderr
+        assert (run_dir / "summary.json").read_bytes() == summary  # created_at included

@@ -277,10 +277,59 @@ def test_sharded_progress_follows_restarts_retries_and_committed_shards() -> Non
             finished(1, episode)
         finished(0, "f")
         finished(0, "g", status="failed")
+        progress.on_worker_event(0, {"event": "model_request_retry", "status": 429, "attempt": 1})
+        progress.on_worker_event(1, {"event": "model_request_retry", "status": 500, "attempt": 1})
     final = [line for line in screen_lines(buffer.getvalue()) if BAR.search(line)][-1]
     # before: 1 (shard 0) + 0 (shard 1) + 4 (shard 2); this invocation: 3 on shard 0, 4 on shard 1.
     assert "5 + 7 / 12" in final, final
-    assert re.search(r"reward 0\.833\s+failed 1\s+retried 1", final), final
+    assert re.search(r"reward 0\.833\s+failed 1\s+retried 1\s+model retries 2", final), final
+
+
+def test_a_tap_counts_an_info_event_that_quiet_hides(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("SHOPSIMRL_LOG_LEVEL", raising=False)
+    logs.configure_logging(verbosity=-1)  # -q
+    seen: list[dict[str, Any]] = []
+    log = structlog.get_logger("test")
+    with logs.tap("model_request_retry", seen.append):
+        log.info("model_request_retry", status=429)
+        log.info("something_else")
+        log.warning("model_request_retry", status=503)
+    log.info("model_request_retry", status=500)  # after the block: not seen
+    assert [fields["status"] for fields in seen] == [429, 503]
+    err = capsys.readouterr().err
+    assert "status=429" not in err and "something_else" not in err and "status=503" in err
+
+
+def test_brief_keeps_an_error_to_one_short_line() -> None:
+    body = '{"error":{"message":"injected rate limit","type":"RateLimitError","param":null,"code":429}}'
+    assert logs.brief(f"HTTP 429: {body}") == "HTTP 429: injected rate limit"
+    assert logs.brief("model request failed after 6 attempts:\n  HTTP 500: {not json}") == (
+        "model request failed after 6 attempts: HTTP 500: {not json}"
+    )
+    long = logs.brief("x" * 500, 120)
+    assert len(long) == 120 and long.endswith("…")
+
+
+def test_load_refusals_give_one_warning_then_one_a_minute(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SHOPSIMRL_LOG_FORMAT", "json")
+    logs.configure_logging(verbosity=-1)
+    now = [0.0]
+    bar = RunProgress(10, enabled=False, clock=lambda: now[0])
+    log = structlog.get_logger("test")
+    with bar:
+        for second in range(0, 150, 5):  # a refusal every 5 s for 150 s, and one plain server error
+            now[0] = float(second)
+            log.info("model_request_retry", status=429 if second % 10 else 503, episode_id="task-000001__sample-000")
+        log.info("model_request_retry", status=500)
+    warnings = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert bar.model_retries == 31
+    # The first at once, one at 60 s and 120 s with the refusals since, the rest when the bar closes.
+    assert [w["refused"] for w in warnings] == [1, 12, 12, 5] and warnings[-1]["refused_total"] == 30
+    assert "refuses requests for load" in warnings[0]["event"] and "max_concurrent_requests" in warnings[0]["event"]
+    assert warnings[1]["statuses"] == "HTTP 429 ×6, HTTP 503 ×6" and warnings[1]["window_s"] == 60.0
+    assert all(w["level"] == "warning" and "episode_id" not in w for w in warnings)
 
 
 # --------------------------------------------------------------------------- end to end on a terminal
@@ -316,6 +365,45 @@ def test_a_local_run_on_a_terminal_logs_above_the_bar_and_counts_a_resume(tmp_pa
         assert code in (0, 1), output[-3000:]
         assert_logs_above_the_bar(lines, expected_logs=0)
         assert any(BAR.search(line) and f"{before} + {12 - before} / 12" in line for line in lines), "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_retries_and_failures_are_counted_in_the_bar_one_info_line_each(tmp_path: Path) -> None:
+    """Rate limits from the policy (seeded): some model calls are retried, some give up (one
+    retry allowed) and fail their episode, which is requeued. Each is one short line at info (no
+    JSON error body); with -q none shows, the bar counts them, and the refusals for load
+    come as one warning (then one a minute)."""
+    with start_testbed(SHOPSIM_POLICY_RATE_429="0.3", SHOPSIM_POLICY_RETRY_AFTER_S="0", SHOPSIM_POLICY_FAULT_SEED="5") as bed:
+        runs = {}
+        for name, flags in (("loud", []), ("quiet", ["-q"])):
+            config = write_config(tmp_path, name=name, sample_size=8)
+            config.write_text(config.read_text().replace("max_retries: 6", "max_retries: 2"))
+            code, output = run_on_terminal([*SHOPSIMRL, "run", str(config), *flags], env=bed_env(bed), cwd=ROOT)
+            assert code in (0, 1), output[-3000:]
+            runs[name] = screen_lines(output)
+
+    def bar_counts(lines: list[str]) -> dict[str, int]:
+        final = [line for line in lines if BAR.search(line)][-1]
+        found = re.search(r"failed (\d+)\s+retried (\d+)\s+model retries (\d+)", final)
+        assert found, final
+        return dict(zip(("failed", "retried", "model_retries"), map(int, found.groups()), strict=True))
+
+    loud, quiet = runs["loud"], runs["quiet"]
+    counts = bar_counts(loud)
+    retries = [line for line in loud if "model_request_retry" in line]
+    failures = [line for line in loud if "episode_failed" in line]
+    assert counts["model_retries"] >= 1 and counts["retried"] >= 1, "\n".join(loud)  # the seed gives both
+    assert len(retries) == counts["model_retries"] and len(failures) == counts["failed"] + counts["retried"]
+    for line in retries + failures:
+        assert "[info" in line and ("status=429" in line or line in failures), line
+        assert "{" not in line and "Traceback" not in line, line  # short: the error body and traceback stay in the trace
+    assert_logs_above_the_bar(loud, expected_logs=len(retries))
+
+    assert not [line for line in quiet if "model_request_retry" in line or "episode_failed" in line], "\n".join(quiet)
+    load = [line for line in quiet if "refuses requests for load" in line]
+    assert 1 <= len(load) <= 2, "\n".join(quiet)  # at once, and the rest when the run ends (it takes seconds)
+    assert f"refused_total={bar_counts(quiet)['model_retries']}" in load[-1], load[-1]
+    assert bar_counts(quiet)["model_retries"] >= 1
 
 
 @pytest.mark.slow
@@ -392,6 +480,21 @@ def slow_bed() -> Iterator[LocalTestbed]:
     """Every model call takes 300 ms: a shard is still running when the test acts on it."""
     with start_testbed(SHOPSIM_POLICY_LATENCY_MS="300") as testbed:
         yield testbed
+
+
+@pytest.mark.slow
+def test_the_slot_sizing_warning_of_every_worker_is_shown_once(tmp_path: Path) -> None:
+    """4 shards × concurrency 8 against 8 slots: each worker warns that its episodes will wait
+    for slots, word for word the same; the coordinator shows it once, the repeats at debug."""
+    with start_testbed(SHOPSIM_ENV_SLOTS="8") as small:
+        config = write_config(tmp_path, name="oversubscribed", sample_size=16, concurrency=8)
+        command = ["run", str(config), "--shards", "4", "--run", str(tmp_path / "run"), "--no-progress", "-v"]
+        done = cli(*command, env=bed_env(small, SHOPSIMRL_LOG_FORMAT="json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    sizing = [r for r in records if "episodes in flight, but ShopSimulator has 8 slots" in r["event"]]
+    assert sorted(r["shard"] for r in sizing) == [0, 1, 2, 3], sizing
+    assert [r["level"] for r in sizing].count("warning") == 1 and [r["level"] for r in sizing].count("debug") == 3
 
 
 @pytest.mark.slow

@@ -20,8 +20,10 @@ learns from ``shard_resumed`` and ``episode_finished``) and logged again by the 
 record's level, so it reaches the user through the coordinator's own log set-up (console or JSON,
 ``-q``/``-v``, the progress bar's console); the per-episode records are relayed at debug level.
 Anything a worker writes that is not a JSON record (a traceback, an ``error:`` line) is passed
-on as it is, prefixed with the shard. Workers log at info (debug when the coordinator does), so
-progress is learned whatever level the user chose. Each worker also gets a copy of the
+on as it is, prefixed with the shard. The slot sizing warning, which every worker gives word for
+word about the whole run (processes × concurrency against the shop's slots), is relayed once,
+the repeats at debug. Workers log at info
+(debug when the coordinator does), so progress is learned whatever level the user chose. Each worker also gets a copy of the
 coordinator's stderr (``SHOPSIMRL_LOG_FALLBACK_FD``): if the coordinator dies and the pipe closes, the
 worker writes there from then on, so its last lines (stopping, releasing leases) still show.
 """
@@ -130,7 +132,29 @@ def _parse_record(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and isinstance(record.get("event"), str) else None
 
 
-def _relay(index: int, line: str, on_event: WorkerEventListener | None) -> None:
+_SHARD_FIELDS = frozenset({"shard", "writer", "pid", "run"})
+"""What tells one worker's record from another's; the rest is what a warning says."""
+
+
+_ABOUT_THE_WHOLE_RUN = ("episodes in flight, but ShopSimulator has",)
+"""Warnings a worker gives about every process of the run (``SlotUsage.sizing_warning``): the
+same from each shard. Others, identical or not (``SIGTERM: stopping``), are each worker's own."""
+
+
+class _WarnedOnce:
+    """The run-wide warnings relayed so far, by what they say, and the shard that said it first."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, int] = {}
+
+    def repeats(self, index: int, event: str, record: dict[str, Any]) -> bool:
+        if not any(marker in event for marker in _ABOUT_THE_WHOLE_RUN):
+            return False
+        said = json.dumps([event, {k: v for k, v in record.items() if k not in _SHARD_FIELDS}], sort_keys=True, default=str)
+        return self._first.setdefault(said, index) != index
+
+
+def _relay(index: int, line: str, on_event: WorkerEventListener | None, warned: _WarnedOnce | None = None) -> None:
     record = _parse_record(line)
     if record is None:
         if logs.log_format() == "json":
@@ -144,6 +168,8 @@ def _relay(index: int, line: str, on_event: WorkerEventListener | None) -> None:
     name = str(record.pop("level", "info")).lower()
     record.pop("timestamp", None)  # the relayed line is stamped again, a pipe's latency later
     level = logging.DEBUG if event in _RELAYED_AT_DEBUG else _LEVELS.get(name, logging.INFO)
+    if level == logging.WARNING and warned is not None and warned.repeats(index, event, record):
+        level = logging.DEBUG
     record.setdefault("shard", index)
     log.log(level, event, **record)
 
@@ -156,10 +182,13 @@ class _WorkerOutput:
     kill -9 of the coordinator would signal the workers while the pipe is still open, and the
     line a worker logs on stopping would be lost in it."""
 
-    def __init__(self, index: int, stream: IO[bytes], on_event: WorkerEventListener | None) -> None:
+    def __init__(
+        self, index: int, stream: IO[bytes], on_event: WorkerEventListener | None, warned: _WarnedOnce | None = None
+    ) -> None:
         self.index = index
         self.stream = stream
         self.on_event = on_event
+        self.warned = warned
         self.open = True
         self._partial = b""
         os.set_blocking(stream.fileno(), False)
@@ -186,7 +215,7 @@ class _WorkerOutput:
         if not line:
             return
         try:
-            _relay(self.index, line, self.on_event)
+            _relay(self.index, line, self.on_event, self.warned)
         except Exception as exc:  # one bad record must not stop the relay: the pipe would fill
             log.error("worker_output_unreadable", shard=self.index, error=f"{type(exc).__name__}: {exc}", line=line[:300])
 
@@ -258,6 +287,7 @@ def run_indexed(
     not_before: dict[int, float] = {}
     running: dict[int, subprocess.Popen[bytes]] = {}
     outputs: dict[int, _WorkerOutput] = {}
+    warned = _WarnedOnce()
     interrupted = False
 
     def wait(timeout: float) -> None:
@@ -299,7 +329,7 @@ def run_indexed(
                     preexec_fn=preexec,
                 )
                 assert process.stderr is not None
-                outputs[index] = _WorkerOutput(index, process.stderr, on_event)
+                outputs[index] = _WorkerOutput(index, process.stderr, on_event, warned)
                 log.info("index_started", index=index, pid=process.pid, restarts=outcomes[index].restarts)
             if interrupted and not running:
                 break

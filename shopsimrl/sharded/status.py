@@ -1,19 +1,29 @@
-"""``shopsimrl status``: a sharded run's progress per shard, without reading a trace part.
+"""``shopsimrl status``: a run's progress, read from another process without disturbing it.
 
-Committed shards are told by their commit markers' counts; running ones by their writers'
-progress objects (state, heartbeat age, completed episodes) and their lease journals (the
-leases each unfinished shard holds, and the ShopSimulator they name).
+A sharded run per shard, without reading a trace part: committed shards are told by their
+commit markers' counts; running ones by their writers' progress objects (state, heartbeat age,
+completed episodes) and their lease journals (the leases each unfinished shard holds, and the
+ShopSimulator they name).
+
+A local run (:func:`local_status`) from its directory, without taking its lock: the manifest,
+the ``progress.json`` its process rewrites every few seconds (counts, heartbeat, whether that
+process is alive), the lines of ``traces.jsonl`` (counted, not parsed) and its lease journal.
+Only a run without a usable progress file has its traces parsed for the counts.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-from shopsimrl.lease_journal import read_journals, shard_journal_storage
+from shopsimrl.lease_journal import DirectoryJournalStorage, ProcessIdentity, read_journals, shard_journal_storage
+from shopsimrl.local_run import LocalRunStore
+from shopsimrl.progress import read_progress_file
+from shopsimrl.schemas import episode_id_for
 from shopsimrl.sharded.layout import ShardedRunStore, ShardListing, load_frozen_plan, marker_problem
 
-__all__ = ["lease_status", "shard_status"]
+__all__ = ["is_local_run", "lease_status", "local_status", "shard_status"]
 
 
 def _claimed(marker: dict[str, Any], key: str) -> int:
@@ -135,3 +145,115 @@ def lease_status(store: ShardedRunStore, report: dict[str, Any]) -> str | None:
             row["leases_left_by_stopped_workers"] = stopped
         url = url or next((j.environment for j in journals if j.environment), None)
     return url
+
+
+# --------------------------------------------------------------------------- a local run
+
+
+def is_local_run(location: str) -> bool:
+    """A directory holding a local run (a manifest, no shard map)."""
+    if "://" in location:
+        return False
+    path = Path(location)
+    return (path / "manifest.json").is_file() and not (path / "shards.json").exists()
+
+
+def _count_lines(path: Path) -> int:
+    """Newline-terminated lines (a torn tail is not one), read in blocks: no JSON is parsed."""
+    lines = 0
+    try:
+        with path.open("rb") as handle:
+            while block := handle.read(1 << 20):
+                lines += block.count(b"\n")
+    except FileNotFoundError:
+        return 0
+    return lines
+
+
+def local_status(run_dir: str | Path, *, now: datetime | None = None) -> dict[str, Any]:
+    """The state and counts of a local run, whether a process runs it now or not.
+
+    ``state``: ``running`` (its process is alive; on another host: its heartbeat is recent),
+    ``running?`` (a process on another host, no heartbeat for three intervals), ``stopped`` (the
+    process that ran it is gone without saying so: killed), ``interrupted``, ``finished`` (then
+    ``summary.json`` has the numbers), ``not running`` / ``not started`` (no progress file).
+    Raises ManifestError for a manifest that is not one."""
+    store = LocalRunStore(run_dir)
+    now = now or datetime.now(UTC)
+    manifest = store.read_manifest()
+    if manifest is None:
+        raise FileNotFoundError(f"{store.manifest_path}: no such file (not a local run)")
+    fingerprint = manifest["plan_fingerprint"]
+    jobs = manifest["plan"].get("jobs")
+    job_count = len(jobs) if isinstance(jobs, list) else None
+    report: dict[str, Any] = {
+        "run": str(store.run_dir),
+        "kind": "local",
+        "plan_fingerprint": fingerprint,
+        "jobs": job_count,
+        "trace_lines": _count_lines(store.traces_path),
+        "summary": store.summary_path.is_file(),
+    }
+    progress = read_progress_file(store.progress_path)
+    if progress is not None and progress.get("plan_fingerprint") == fingerprint:
+        report.update(_progress_view(progress, now))
+    else:
+        report.update(_traces_view(store, manifest))
+    journals = read_journals(DirectoryJournalStorage(store.run_dir / "leases"))
+    report["leases_held"] = sum(j.leases for j in journals if j.alive is not False)
+    stopped = sum(j.leases for j in journals if j.alive is False)
+    if stopped:
+        report["leases_left_by_stopped_processes"] = stopped
+    report["environment_url"] = next((j.environment for j in journals if j.environment), None)
+    return report
+
+
+def _progress_view(progress: dict[str, Any], now: datetime) -> dict[str, Any]:
+    state = str(progress.get("state") or "running")
+    age = _age_seconds(progress.get("updated_at"), now)
+    interval = progress.get("heartbeat_seconds")
+    process = ProcessIdentity.from_dict(progress.get("process"))
+    here = ProcessIdentity.current()
+    on_this_host = process is not None and (process.host, process.pid_namespace) == (here.host, here.pid_namespace)
+    if state == "running":
+        if on_this_host and process is not None:
+            # Here the process itself answers; a late heartbeat (a loaded machine) is no sign.
+            state = "running" if process.is_alive() else "stopped"
+        elif age is not None and isinstance(interval, (int, float)) and age > _STALE_BEATS * interval:
+            state = "running?"
+    completed = _count(progress.get("completed"))
+    failed = _count(progress.get("failed"))
+    return {
+        "state": state,
+        "completed": _count(progress.get("completed_before")) + completed,
+        "settled": _count(progress.get("settled_before")) + completed + failed,
+        "invocation": {
+            "started_at": progress.get("started_at"),
+            "settled_before": _count(progress.get("settled_before")),
+            "completed": completed,
+            "failed": failed,
+            "requeued": _count(progress.get("requeued")),
+            "model_retries": _count(progress.get("model_retries")),
+            "reward_mean": progress.get("reward_mean"),
+        },
+        "process": None if process is None else {"host": process.host, "pid": process.pid},
+        "heartbeat_age_s": None if age is None else round(age, 1),
+        "heartbeat_seconds": interval,
+    }
+
+
+def _traces_view(store: LocalRunStore, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Counts from the traces themselves: a run without a progress file (never started here, or
+    written by an earlier version). The one case that parses every line."""
+    ids = {
+        episode_id_for(job["task_id"], job["sample_id"])
+        for job in manifest["plan"].get("jobs") or []
+        if isinstance(job, dict) and isinstance(job.get("task_id"), int) and isinstance(job.get("sample_id"), int)
+    }
+    index = store.load_index()
+    tried = [state for episode_id, state in index.episodes.items() if episode_id in ids]
+    return {
+        "state": "finished" if store.summary_path.is_file() else ("not started" if not index.lines else "not running"),
+        "completed": sum(1 for state in tried if state.completed),
+        "settled": len(tried),
+    }

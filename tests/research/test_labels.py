@@ -3,6 +3,8 @@ the counts, the labels file, and the command on a local, a sharded (moto S3) and
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
@@ -22,7 +24,7 @@ from shopsimrl.research.outputs import OutputLocationError
 from shopsimrl.research.runs import open_run
 from tests.sharded.conftest import cli
 
-from .conftest import ResearchRuns
+from .conftest import FIXTURES, ResearchRuns
 from .handmade import CATEGORY, GOAL_ASIN, Episode, good_episode, product, results, search_home
 
 OTHER = "100000000002"
@@ -327,3 +329,32 @@ def _env() -> dict[str, str]:
     import os
 
     return {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "SHOPSIMRL_"))}
+
+
+def test_labels_are_written_beside_the_run_by_default(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "legacy-run"
+    run.mkdir(parents=True)
+    (run / "traces.jsonl").write_bytes((FIXTURES / "legacy_v4_traces.jsonl").read_bytes())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "shopsimrl", "labels", str(run)],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+        env=_env(),
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    beside = tmp_path / "runs" / "legacy-run.labels.jsonl"
+    assert len(list(read_labels(beside))) == 6 and f"labels: {beside}" in done.stdout
+    assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in run.iterdir()) == ["traces.jsonl"]
+
+    remote = subprocess.run(
+        [sys.executable, "-m", "shopsimrl", "labels", "s3://bucket/runs/x"],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+        env=_env(),
+    )
+    assert remote.returncode == 2 and "-o/--output" in remote.stderr and list(elsewhere.iterdir()) == []
