@@ -909,6 +909,9 @@ def summarize_traces(
 
 # --------------------------------------------------------------------------- table
 
+# The intent-to-treat rows come first: they count every planned episode with an outcome (a
+# failure as 0), so a checkpoint that fails on hard tasks cannot look better than one that
+# finishes them; the means over completed episodes follow, named as conditional.
 _TABLE_ROWS = (
     (
         "run",
@@ -922,17 +925,19 @@ _TABLE_ROWS = (
         " · not in plan {counts.not_in_plan}",
     ),
     (
-        "reward",
-        "mean {primary.reward_mean} · sem {primary.reward_sem} · 95% CI {primary.reward_ci95:ci} · score {primary.score:.2f}",
-    ),
-    ("success", "rate {primary.success_rate:%} · sem {primary.success_sem:%} · 95% CI {primary.success_ci95:ci%}"),
-    (
-        "ITT",
-        "reward {intent_to_treat.reward_mean} · 95% CI {intent_to_treat.reward_ci95:ci}"
-        " · success {intent_to_treat.success_rate:%} · over {intent_to_treat.episodes} episodes"
+        "reward (ITT)",
+        "mean {intent_to_treat.reward_mean} · 95% CI {intent_to_treat.reward_ci95:ci} · score {intent_to_treat.score:.2f}"
+        " · coverage {counts.coverage:%} · over {intent_to_treat.episodes} episodes"
         " (failures as 0: {intent_to_treat.failed_counted_as_zero},"
         " infrastructure excluded: {intent_to_treat.failed_infrastructure_excluded})",
     ),
+    ("success (ITT)", "rate {intent_to_treat.success_rate:%} · 95% CI {intent_to_treat.success_ci95:ci%}"),
+    (
+        "reward (completed)",
+        "mean {primary.reward_mean} · sem {primary.reward_sem} · 95% CI {primary.reward_ci95:ci} · score {primary.score:.2f}"
+        " · conditional: only the {counts.scored} scored episodes",
+    ),
+    ("success (completed)", "rate {primary.success_rate:%} · sem {primary.success_sem:%} · 95% CI {primary.success_ci95:ci%}"),
     (
         "tasks",
         "{per_task.tasks} · episodes per task {per_task.episodes_per_task.min}–{per_task.episodes_per_task.max}"

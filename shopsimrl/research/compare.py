@@ -6,11 +6,13 @@ job keys differ are refused, naming the difference, unless the caller allows a p
 comparison over the episodes they share. With more than two runs each is compared with the
 first (the baseline), in order.
 
-Which episodes count (docs/research.md "compare"): the headline ``reward`` and ``success`` are
-the summary's own (``summary.json`` ``primary``): completed episodes only, so a pair counts when
-the episode completed in both runs. ``reward_itt`` and ``success_itt`` are the summary's
-intent-to-treat values: a failed episode counts 0, except one failed for infrastructure, which
-is excused (the pair drops out). Reward components, behaviour, tokens and latency are over pairs
+Which episodes count (docs/research.md "compare"): the headline, first, is ``reward_itt`` and
+``success_itt``, the summary's intent-to-treat values: a failed episode counts 0, so a run that
+fails on hard tasks is not flattered, except one failed for infrastructure, which is excused:
+that pair drops out of the intent-to-treat rows for both runs (a paired difference needs both
+sides; the excused pairs are counted in ``itt_excused``). ``reward`` and ``success``, second, are
+conditional on completing (``summary.json`` ``primary``): a pair counts when the episode
+completed in both runs. Reward components, behaviour, tokens and latency are over pairs
 completed in both runs, as the summary counts them over completed episodes.
 """
 
@@ -147,11 +149,20 @@ class Metric:
 
 
 HEAD_METRICS = (
-    Metric("reward", "reward", None, "completed"),
-    Metric("success", "success", None, "completed", binary=True),
     Metric("reward_itt", "reward_itt", None, "itt"),
     Metric("success_itt", "success_itt", None, "itt", binary=True),
+    Metric("reward", "reward", None, "completed"),
+    Metric("success", "success", None, "completed", binary=True),
 )
+"""The intent-to-treat rows first: they count every paired episode (the number to quote); the
+conditional rows, over pairs completed in both runs, second."""
+DISPLAY_NAMES = {
+    "reward_itt": "reward (ITT)",
+    "success_itt": "success (ITT)",
+    "reward": "reward (completed)",
+    "success": "success (completed)",
+}
+"""How the head metrics are printed (the JSON keeps the metric names)."""
 TAIL_METRICS = (
     Metric("steps", "steps", None, "completed"),
     Metric("invalid_action_rate", "invalid_actions", "actions", "completed"),
@@ -331,13 +342,14 @@ def _mcnemar(a: np.ndarray, b: np.ndarray) -> dict[str, Any] | None:
 
 
 def _per_task(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    """Win/tie/loss of B against A per task, on the headline reward (pairs completed in both)."""
+    """Win/tie/loss of B against A per task, on the headline: the intent-to-treat reward (a
+    failure counts 0; a pair with an infrastructure failure on either side does not count)."""
     by_task: dict[str, list[tuple[float, float]]] = defaultdict(list)
     categories: dict[str, str | None] = {}
     for a, b in pairs:
         categories.setdefault(a["task"], a["category"] or b["category"])
-        if a["completed"] and b["completed"] and a["reward"] is not None and b["reward"] is not None:
-            by_task[a["task"]].append((a["reward"], b["reward"]))
+        if a["reward_itt"] is not None and b["reward_itt"] is not None:
+            by_task[a["task"]].append((a["reward_itt"], b["reward_itt"]))
     tasks = []
     counts = Counter({"win": 0, "tie": 0, "loss": 0})
     for task, values in sorted(by_task.items(), key=lambda item: (len(item[0]), item[0])):
@@ -358,7 +370,7 @@ def _per_task(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, A
         )
     without = len({a["task"] for a, _ in pairs} - set(by_task))
     return {
-        "metric": "reward",
+        "metric": "reward_itt",
         "win": counts["win"],
         "tie": counts["tie"],
         "loss": counts["loss"],
@@ -420,6 +432,7 @@ def compare_pair(
     pairing = pair_runs(base, other, allow_partial=allow_partial)
     pairs = [(base.rows[e], other.rows[e]) for e in pairing.episode_ids]
     completed = Counter((a["completed"], b["completed"]) for a, b in pairs)
+    excused = Counter((a["reward_itt"] is None, b["reward_itt"] is None) for a, b in pairs)
     if base.plan is None or other.plan is None:
         plan_lines = [f"{run.location} has no manifest: its plan is unknown" for run in (base, other) if run.plan is None]
     else:
@@ -438,6 +451,11 @@ def compare_pair(
         "failed_only_in_a": completed[(False, True)],
         "failed_only_in_b": completed[(True, False)],
         "failed_in_both": completed[(False, False)],
+        "itt_excused": {
+            "only_a": excused[(True, False)],
+            "only_b": excused[(False, True)],
+            "both": excused[(True, True)],
+        },
         "metrics": _metric_table(metrics, pairs, resamples=resamples, seed=seed),
         "per_task": _per_task(pairs),
         "termination_transitions": _transitions(pairs),
@@ -456,11 +474,16 @@ def _run_block(run: LoadedRun) -> dict[str, Any]:
         "episodes": len(run.rows),
         "completed": counts["completed"],
         "failed": counts["failed"],
+        "coverage": counts["coverage"],
         "reward_mean": primary["reward_mean"],
         "reward_ci95": primary["reward_ci95"],
         "success_rate": primary["success_rate"],
         "success_ci95": primary["success_ci95"],
         "reward_mean_itt": itt["reward_mean"],
+        "reward_itt_ci95": itt["reward_ci95"],
+        "success_rate_itt": itt["success_rate"],
+        "success_itt_ci95": itt["success_ci95"],
+        "itt_episodes": itt["episodes"],
         "unreadable_lines": run.unreadable_lines,
         "labels": run.label_counts.to_dict() if run.label_counts is not None else None,
     }
@@ -500,12 +523,18 @@ def compare_runs(
 # --------------------------------------------------------------------------- text
 
 
-def _fmt(value: float | None) -> str:
+def decimals_for(values: Iterable[float | None]) -> int:
+    """One precision for a row of numbers (both means, the difference, its bounds), from the
+    row's largest magnitude, so that the numbers of a row line up and read alike."""
+    largest = max((abs(v) for v in values if v is not None and math.isfinite(v)), default=0.0)
+    return 0 if largest >= 1000 else 1 if largest >= 100 else 3
+
+
+def _fmt(value: float | None, decimals: int | None = None) -> str:
     if value is None:
         return "–"
-    if abs(value) >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3f}"
+    places = decimals_for([value]) if decimals is None else decimals
+    return f"{value:,.{places}f}"
 
 
 def _width(text: str) -> int:
@@ -518,8 +547,20 @@ def _pad(text: str, width: int, *, left: bool) -> str:
     return text + fill if left else fill + text
 
 
-def _ci(ci: list[float | None] | None) -> str:
-    return f"[{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else "–"
+def _ci(ci: list[float | None] | None, decimals: int | None = None) -> str:
+    return f"[{_fmt(ci[0], decimals)}, {_fmt(ci[1], decimals)}]" if ci else "–"
+
+
+def display_name(metric: str) -> str:
+    """The printed name of a metric (the head metrics say which population they count)."""
+    return DISPLAY_NAMES.get(metric, metric)
+
+
+def metric_cells(entry: dict[str, Any]) -> list[str]:
+    """A, B, B − A and the interval of one metric row, with one precision for the row."""
+    ci = entry["ci95"] or []
+    places = decimals_for([entry["a"], entry["b"], entry["difference"], *ci])
+    return [_fmt(entry["a"], places), _fmt(entry["b"], places), _fmt(entry["difference"], places), _ci(entry["ci95"], places)]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
@@ -543,21 +584,33 @@ def _label_lines(changes: dict[str, Any]) -> list[str]:
     return [head, *_table(["label", "A", "B", "gained", "lost"], rows, indent="    ")]
 
 
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def _run_line(index: int, run: dict[str, Any]) -> str:
+    """A run's own summary: the intent-to-treat headline with its interval and the coverage, then
+    the conditional mean over completed episodes, named as such."""
+    identity = run["identity"]
+    return (
+        f"  {chr(65 + index) if index < 26 else index}  {run['location']}  [{run['kind']}]  "
+        f"experiment {identity.get('experiment') or '–'} · checkpoint {identity.get('checkpoint_id') or '–'} · "
+        f"{run['completed']} completed, {run['failed']} failed (coverage {_percent(run.get('coverage'))}) · "
+        f"reward (ITT) {_fmt(run.get('reward_mean_itt'), 3)} {_ci(run.get('reward_itt_ci95'), 3)} · "
+        f"success (ITT) {_fmt(run.get('success_rate_itt'), 3)} · "
+        f"reward (completed) {_fmt(run['reward_mean'], 3)} {_ci(run['reward_ci95'], 3)}"
+    )
+
+
 def format_comparison(result: dict[str, Any]) -> str:
     """The comparison as text for a terminal."""
     boot = result["bootstrap"]
     lines = ["runs (the first is the baseline):"]
-    for index, run in enumerate(result["runs"]):
-        identity = run["identity"]
-        lines.append(
-            f"  {chr(65 + index) if index < 26 else index}  {run['location']}  [{run['kind']}]  "
-            f"experiment {identity.get('experiment') or '–'} · checkpoint {identity.get('checkpoint_id') or '–'} · "
-            f"{run['completed']} completed, {run['failed']} failed · reward {_fmt(run['reward_mean'])} "
-            f"{_ci(run['reward_ci95'])} · success {_fmt(run['success_rate'])}"
-        )
+    lines += [_run_line(index, run) for index, run in enumerate(result["runs"])]
     lines.append(
         f"paired bootstrap: {boot['resamples']:,} resamples of tasks, seed {boot['seed']}, 95% percentile intervals; "
-        "reward/success over episodes completed in both runs (the summary's headline), *_itt counts failures as 0"
+        "(ITT) rows, the headline, count every paired episode, a failure as 0 (a pair with an infrastructure failure "
+        "on either side is left out); (completed) rows only the episodes completed in both runs"
     )
     for comparison in result["comparisons"]:
         lines += ["", f"{comparison['b']}  vs  {comparison['a']} (baseline)"]
@@ -572,6 +625,12 @@ def format_comparison(result: dict[str, Any]) -> str:
             f"failed only in A {comparison['failed_only_in_a']}, only in B {comparison['failed_only_in_b']}, "
             f"in both {comparison['failed_in_both']}"
         )
+        excused = comparison.get("itt_excused") or {}
+        if any(excused.values()):
+            lines.append(
+                f"  left out of the (ITT) rows, an infrastructure failure: {sum(excused.values())} pairs "
+                f"(only in A {excused['only_a']}, only in B {excused['only_b']}, in both {excused['both']})"
+            )
         if comparison["dropped"]:
             dropped = ", ".join(f"{count} {reason}" for reason, count in comparison["dropped"].items())
             lines.append(f"  partial comparison (--allow-partial): dropped {sum(comparison['dropped'].values())} ({dropped})")
@@ -579,39 +638,20 @@ def format_comparison(result: dict[str, Any]) -> str:
         for entry in comparison["metrics"]:
             test = entry.get("mcnemar")
             note = f"McNemar p={test['p_value']:.4g} (only A {test['only_a']}, only B {test['only_b']})" if test else ""
-            rows.append(
-                [
-                    entry["metric"],
-                    str(entry["pairs"]),
-                    _fmt(entry["a"]),
-                    _fmt(entry["b"]),
-                    _fmt(entry["difference"]),
-                    _ci(entry["ci95"]),
-                    note,
-                ]
-            )
+            rows.append([display_name(entry["metric"]), str(entry["pairs"]), *metric_cells(entry), note])
         lines += _table(["metric", "pairs", "A", "B", "B−A", "95% CI", ""], rows)
         per_task = comparison["per_task"]
         lines.append(
-            f"  per task (mean reward, B vs A): {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses"
-            + (f", {per_task['no_pair']} without a pair completed in both" if per_task["no_pair"] else "")
+            f"  per task (mean reward (ITT), B vs A): {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses"
+            + (f", {per_task['no_pair']} without a pair counted for ITT" if per_task["no_pair"] else "")
         )
         lines.append("  termination (A -> B):")
         lines += [f"    {t['a']} -> {t['b']}: {t['episodes']}" for t in comparison["termination_transitions"]]
         lines += _label_lines(comparison["labels"])
-        lines.append("  by category (reward):")
+        lines.append("  by category (reward (ITT)):")
         slice_rows = []
         for piece in comparison["categories"]:
             reward = piece["metrics"][0]
-            slice_rows.append(
-                [
-                    piece["category"],
-                    str(reward["pairs"]),
-                    _fmt(reward["a"]),
-                    _fmt(reward["b"]),
-                    _fmt(reward["difference"]),
-                    _ci(reward["ci95"]),
-                ]
-            )
+            slice_rows.append([piece["category"], str(reward["pairs"]), *metric_cells(reward)])
         lines += _table(["category", "pairs", "A", "B", "B−A", "95% CI"], slice_rows, indent="    ")
     return "\n".join(lines)

@@ -7,7 +7,9 @@ right); with two or more, each is also compared with the first by :mod:`shopsimr
 (the same pairing rules, statistics and JSON as ``shopsimrl compare``).
 
 Per-run numbers are the runs' own summaries, recomputed from their records as ``summary.json``
-is (reward and success over completed episodes, intervals clustered by task).
+is: first the intent-to-treat reward and success (every planned episode with an outcome, a
+failure as 0) beside the coverage, then the means conditional on completing, named as such;
+intervals clustered by task.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from shopsimrl.manifest import flatten
-from shopsimrl.research.compare import LoadedRun, compare_loaded, load_run
+from shopsimrl.research.compare import LoadedRun, compare_loaded, display_name, load_run, metric_cells
 from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY
 from shopsimrl.research.paired_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
@@ -108,11 +110,11 @@ def _headline_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
     axes = figure.subplots()
     x = list(range(len(runs)))
     for key, ci_key, name, color, offset in (
-        ("reward_mean", "reward_ci95", "reward", _PALETTE[0], -0.04),
-        ("success_rate", "success_ci95", "success", _PALETTE[1], 0.04),
+        ("reward_mean", "reward_ci95", "reward (ITT)", _PALETTE[0], -0.04),
+        ("success_rate", "success_ci95", "success (ITT)", _PALETTE[1], 0.04),
     ):
-        values = [run.summary["primary"][key] for run in runs]
-        intervals = [run.summary["primary"][ci_key] for run in runs]
+        values = [run.summary["intent_to_treat"][key] for run in runs]
+        intervals = [run.summary["intent_to_treat"][ci_key] for run in runs]
         axes.errorbar(
             [i + offset for i in x],
             [_value(v) for v in values],
@@ -122,8 +124,10 @@ def _headline_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
             color=color,
             label=f"{name} (95% CI)",
         )
-    itt = [run.summary["intent_to_treat"]["reward_mean"] for run in runs]
-    axes.plot(x, [_value(v) for v in itt], linestyle="--", marker="x", color=_PALETTE[2], label="reward, intent to treat")
+    completed = [run.summary["primary"]["reward_mean"] for run in runs]
+    axes.plot(
+        x, [_value(v) for v in completed], linestyle="--", marker="x", color=_PALETTE[2], label="reward (completed episodes only)"
+    )
     axes.set_xticks(x, labels)
     axes.set_xlim(-0.5, len(runs) - 0.5)
     axes.set_ylim(-0.02, 1.02)
@@ -279,7 +283,7 @@ def _win_loss_figure(comparisons: list[dict[str, Any]], labels: list[str]) -> Fi
                 axes.text(start + count / 2, y, str(count), ha="center", va="center", color="white", fontsize=8)
         left = [a + b for a, b in zip(left, counts, strict=True)]
     axes.invert_yaxis()
-    axes.set_xlabel("tasks (mean reward over pairs completed in both runs)")
+    axes.set_xlabel("tasks (mean reward (ITT): a failure counts 0)")
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return figure
 
@@ -358,25 +362,39 @@ def _runs_section(runs: Sequence[LoadedRun], labels: list[str]) -> str:
     plan = _html_table(["plan key", *labels], plan_rows, classes=plan_classes)
     headline_rows = []
     for run, label in zip(runs, labels, strict=True):
-        primary, itt = run.summary["primary"], run.summary["intent_to_treat"]
+        primary, itt, counts = run.summary["primary"], run.summary["intent_to_treat"], run.summary["counts"]
         headline_rows.append(
             [
                 _e(label),
-                f"{_num(primary['reward_mean'])} {_ci(primary['reward_ci95'])}",
-                f"{_num(primary['success_rate'])} {_ci(primary['success_ci95'])}",
                 f"{_num(itt['reward_mean'])} {_ci(itt['reward_ci95'])}",
                 f"{_num(itt['success_rate'])} {_ci(itt['success_ci95'])}",
+                _e(f"{100 * counts['coverage']:.1f}% ({counts['completed']} of {counts['requested']})"),
+                _e(f"{itt['episodes']} ({itt['failed_counted_as_zero']} failed as 0)"),
+                f"{_num(primary['reward_mean'])} {_ci(primary['reward_ci95'])}",
+                f"{_num(primary['success_rate'])} {_ci(primary['success_ci95'])}",
                 _e(run.summary["per_task"]["tasks"]),
             ]
         )
     headline = _html_table(
-        ["run", "reward (95% CI)", "success (95% CI)", "reward, intent to treat", "success, intent to treat", "tasks"],
+        [
+            "run",
+            "reward (ITT, 95% CI)",
+            "success (ITT, 95% CI)",
+            "coverage (completed of planned)",
+            "ITT episodes",
+            "reward (completed only)",
+            "success (completed only)",
+            "tasks",
+        ],
         headline_rows,
     )
     return (
         "<section><h2>Runs</h2>"
         + identities
-        + "<h3>Headline (the summary's numbers: completed episodes; intervals clustered by task)</h3>"
+        + "<h3>Headline (the summary's numbers; intervals clustered by task)</h3>"
+        + '<p class="note">ITT, intent to treat, is the number to quote: every planned episode with an outcome, '
+        "a failed one counting 0 (infrastructure failures excused). The completed-only means are conditional on "
+        "completing: a run that fails on hard tasks looks better there.</p>"
         + headline
         + _labels_table(runs, labels)
         + "<details><summary>Plan of each run (differing keys highlighted)</summary>"
@@ -422,12 +440,9 @@ def _comparison_section(comparison: dict[str, Any], title: str) -> str:
         test = entry.get("mcnemar")
         rows.append(
             [
-                _e(entry["metric"]),
+                _e(display_name(entry["metric"])),
                 _e(entry["pairs"]),
-                _num(entry["a"]),
-                _num(entry["b"]),
-                _num(entry["difference"]),
-                _ci(entry["ci95"]),
+                *(_e(cell) for cell in metric_cells(entry)),
                 _e(f"p = {test['p_value']:.4g} (only A {test['only_a']}, only B {test['only_b']})" if test else ""),
             ]
         )
@@ -463,24 +478,30 @@ def _comparison_section(comparison: dict[str, Any], title: str) -> str:
             [
                 _e(piece["category"]),
                 _e(reward["pairs"]),
-                _num(reward["a"]),
-                _num(reward["b"]),
-                _num(reward["difference"]),
-                _ci(reward["ci95"]),
+                *(_e(cell) for cell in metric_cells(reward)),
                 _num(success["difference"]),
             ]
         )
-    categories = _html_table(["category", "pairs", "reward A", "reward B", "B − A", "95% CI", "success B − A"], category_rows)
+    categories = _html_table(
+        ["category", "pairs", "reward (ITT) A", "reward (ITT) B", "B − A", "95% CI", "success (ITT) B − A"], category_rows
+    )
+    excused = comparison.get("itt_excused") or {}
+    excused_note = (
+        f"<p>Left out of the (ITT) rows, an infrastructure failure on either side: {sum(excused.values())} pairs "
+        f"(only in A {excused['only_a']}, only in B {excused['only_b']}, in both {excused['both']}).</p>"
+        if any(excused.values())
+        else ""
+    )
     return (
         f"<section><h2>{_e(title)}</h2>"
         f"<p>{comparison['episodes']} paired episodes over {comparison['tasks']} tasks (up to {comparison['repeats']} per task); "
         f"completed in both {comparison['completed_in_both']}, failed only in A {comparison['failed_only_in_a']}, "
         f"only in B {comparison['failed_only_in_b']}, in both {comparison['failed_in_both']}.</p>"
-        f"{dropped}<h3>Plan differences</h3><ul>{plan}</ul>"
+        f"{excused_note}{dropped}<h3>Plan differences</h3><ul>{plan}</ul>"
         f"<h3>Paired differences</h3>{metrics}"
         f"<h3>Termination reasons (A → B)</h3>{transitions}"
         f"{_comparison_labels(comparison['labels'])}"
-        f"<details><summary>Per task: {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses for B</summary>{tasks}{more_note}</details>"
+        f"<details><summary>Per task (mean reward (ITT)): {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses for B</summary>{tasks}{more_note}</details>"
         f"<details><summary>By catalog category</summary>{categories}</details></section>"
     )
 
@@ -561,8 +582,9 @@ def build_report(
     if comparisons:
         sections.append(
             f'<p class="note">Paired bootstrap: {resamples:,} resamples of tasks (seed {seed}), percentile intervals. '
-            "reward and success count pairs completed in both runs (the summary's headline); the _itt rows count a failed "
-            "episode as 0 and leave out infrastructure failures. Success: exact McNemar test on the discordant pairs.</p>"
+            "The (ITT) rows, the headline, count every paired episode, a failed one as 0; a pair with an infrastructure "
+            "failure on either side is left out of them. The (completed) rows count only pairs completed in both runs. "
+            "Success: exact McNemar test on the discordant pairs.</p>"
         )
     title = "shopsimrl report: " + ", ".join(f"{_letter(i)} {_name(run)}" for i, run in enumerate(runs))
     page = (

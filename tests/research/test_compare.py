@@ -309,3 +309,44 @@ def test_repeats_are_resampled_by_task_and_failures_enter_as_the_summary_counts_
     assert by_task.high - by_task.low > 1.3 * (by_episode.high - by_episode.low)
     assert "up to 3 per task, resampled by task" in format_comparison(result)
     assert comparison["per_task"]["win"] == 5 and comparison["per_task"]["loss"] == 5
+
+
+def test_the_headline_rows_count_failures_and_a_crashing_checkpoint_does_not_look_better(tmp_path: Path) -> None:
+    """B does better than A on the easy tasks and fails every hard one (a model error). Over the
+    pairs completed in both, B gains 0.1; over every paired episode (ITT, a failure as 0) it loses
+    0.27. The ITT rows come first, in the JSON and the text, and the per-task verdict is on them.
+    An infrastructure failure leaves its pair out of the ITT rows, counted in ``itt_excused``."""
+    a_records, b_records = [], []
+    for task in range(10):
+        for sample in range(2):
+            easy = task < 5
+            a_records.append(_record(task, sample, 0.5 if easy else 0.6))
+            b_records.append(_record(task, sample, 0.6) if easy else _record(task, sample, None, failure="model_error"))
+    a_records[1] = _record(0, 1, None, failure="infrastructure")
+    result = compare_loaded([load_run(_write_run(tmp_path / "a", a_records)), load_run(_write_run(tmp_path / "b", b_records))])
+    (comparison,) = result["comparisons"]
+    assert [entry["metric"] for entry in comparison["metrics"][:4]] == ["reward_itt", "success_itt", "reward", "success"]
+    itt, completed = metric(comparison, "reward_itt"), metric(comparison, "reward")
+    assert completed["pairs"] == 9 and completed["difference"] == pytest.approx(0.1)
+    assert itt["pairs"] == 19 and itt["a"] == pytest.approx((9 * 0.5 + 10 * 0.6) / 19) and itt["b"] == pytest.approx(9 * 0.6 / 19)
+    assert itt["difference"] < 0 and itt["ci95"][1] < 0
+    assert comparison["itt_excused"] == {"only_a": 1, "only_b": 0, "both": 0}
+    assert comparison["per_task"]["metric"] == "reward_itt"
+    assert (comparison["per_task"]["win"], comparison["per_task"]["loss"]) == (5, 5)
+    block = result["runs"][1]
+    assert block["reward_mean"] == pytest.approx(0.6) and block["reward_mean_itt"] == pytest.approx(0.3)
+    assert block["coverage"] == 0.5 and block["itt_episodes"] == 20
+
+    text = format_comparison(result)
+    run_line = next(line for line in text.splitlines() if line.startswith("  B  "))
+    assert "(coverage 50.0%) · reward (ITT) 0.300 [" in run_line
+    assert run_line.index("reward (ITT)") < run_line.index("reward (completed) 0.600")
+    header = next(line for line in text.splitlines() if line.strip().startswith("metric"))
+    body = text.splitlines()[text.splitlines().index(header) + 1 :]
+    assert [line.split("  ")[1] for line in body[:4]] == [
+        "reward (ITT)",
+        "success (ITT)",
+        "reward (completed)",
+        "success (completed)",
+    ]
+    assert "left out of the (ITT) rows, an infrastructure failure: 1 pairs (only in A 1, only in B 0, in both 0)" in text

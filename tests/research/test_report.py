@@ -80,7 +80,7 @@ def test_a_checkpoint_sweep_report_renders_every_plot(
     screenshot(browser, "report-sweep-forest")
     # The paired table shows the naive run's loss, with its interval, as compare prints it.
     table = browser.find_elements("css selector", "section table")[4].text  # after identity, headline, labels, plan
-    assert re.search(r"reward 24 0\.\d{3} 0\.\d{3} -0\.\d{3} \[-0\.\d{3}, -0\.\d{3}\]", table), table
+    assert re.search(r"^reward \(ITT\) 24 0\.\d{3} 0\.\d{3} -0\.\d{3} \[-0\.\d{3}, -0\.\d{3}\]", table.splitlines()[1]), table
 
 
 def test_a_single_v4_run_has_the_per_run_plots_only(research_runs: ResearchRuns, browser: Any, tmp_path: Path) -> None:
@@ -153,3 +153,27 @@ def test_label_counts_per_run_and_their_paired_transitions(research_runs: Resear
     a, b, gained, lost = (int(cell) for cell in paired["wrong_or_missing_options"])
     assert (a, b) == (expected[0].labels["wrong_or_missing_options"], expected[1].labels["wrong_or_missing_options"])
     assert gained > 0 and a + gained - lost == b
+
+
+def test_the_headline_table_leads_with_itt_and_the_coverage(tmp_path: Path) -> None:
+    """B fails every hard task: its completed-only reward is higher than A's, its ITT reward (the
+    first column, beside the coverage) lower."""
+    from .test_compare import _record, _write_run
+
+    a_records = [_record(task, 0, 0.5) for task in range(10)]
+    b_records = [_record(task, 0, 0.6) if task < 5 else _record(task, 0, None, failure="model_error") for task in range(10)]
+    runs = [load_run(_write_run(tmp_path / "a", a_records)), load_run(_write_run(tmp_path / "b", b_records))]
+    page_html = build_report(runs, resamples=200).html
+    section = page_html[page_html.index("<h3>Headline") :]
+    header = re.findall(r"<th>(.*?)</th>", section[: section.index("</thead>")])
+    assert header[:5] == [
+        "run",
+        "reward (ITT, 95% CI)",
+        "success (ITT, 95% CI)",
+        "coverage (completed of planned)",
+        "ITT episodes",
+    ]
+    assert header[5:7] == ["reward (completed only)", "success (completed only)"]
+    rows = _cells(page_html, "<h3>Headline")
+    assert rows["A: a"][0].startswith("0.500 [") and rows["B: b"][0].startswith("0.300 [")
+    assert rows["B: b"][2:4] == ["50.0% (5 of 10)", "10 (5 failed as 0)"] and rows["B: b"][4].startswith("0.600 [")
