@@ -28,6 +28,7 @@ from typing import Any
 import matplotlib as mpl
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
 
 from shopsimrl.manifest import flatten
 from shopsimrl.research.compare import LoadedRun, compare_loaded, display_name, load_run, metric_cells
@@ -138,12 +139,26 @@ def _headline_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
     return figure
 
 
-def _grouped_bars(axes: Axes, groups: list[str], series: list[tuple[str, list[float | None]]]) -> None:
+def _grouped_bars(
+    axes: Axes, groups: list[str], series: list[tuple[str, list[float | None]]], *, value_labels: str | None = None
+) -> None:
+    """Bars per group and series. ``value_labels`` (a format such as ``"{:.1%}"``) writes each bar's
+    value above it, so a bar of height 0 still says 0 and a missing one says n/a."""
     width = 0.8 / max(1, len(series))
     for index, (name, values) in enumerate(series):
         positions = [g + (index - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        axes.bar(positions, [_value(v) for v in values], width=width, label=name, color=_PALETTE[index % len(_PALETTE)])
+        bars = axes.bar(positions, [_value(v) for v in values], width=width, label=name, color=_PALETTE[index % len(_PALETTE)])
+        if value_labels is not None:
+            texts = ["n/a" if v is None else value_labels.format(v) for v in values]
+            axes.bar_label(bars, texts, padding=2, fontsize=7)
     axes.set_xticks(range(len(groups)), groups)
+
+
+def _rate_limits(axes: Axes, values: Sequence[float | None], *, floor: float = 0.05) -> None:
+    """A y range that shows the bars and their labels; all-zero rates keep a visible axis."""
+    top = max([floor, *[v for v in values if v is not None]])
+    axes.set_ylim(0, top * 1.25)
+    axes.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0 if top >= 0.1 else 1))
 
 
 def _components_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
@@ -195,37 +210,82 @@ def _behaviour_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
     steps_axes.boxplot(steps, tick_labels=labels, showmeans=True, showfliers=False)  # fliers: one mark per outlier
     steps_axes.set_title("steps per completed episode")
     steps_axes.grid(axis="y", alpha=0.3)
-    rates = [_value(run.summary["behavior"]["invalid_action_rate"]) for run in runs]
-    invalid_axes.bar(labels, rates, color=_PALETTE[3])
+    rates = [run.summary["behavior"]["invalid_action_rate"] for run in runs]
+    _grouped_bars(invalid_axes, labels, [("invalid / actions", rates)], value_labels="{:.1%}")
     invalid_axes.set_title("invalid-action rate (invalid / actions)")
-    invalid_axes.set_ylim(0, max([0.05, *[r for r in rates if r == r]]) * 1.15)
+    _rate_limits(invalid_axes, rates)
     invalid_axes.grid(axis="y", alpha=0.3)
     for axes in (steps_axes, invalid_axes):
         axes.tick_params(axis="x", labelrotation=20 if len(runs) > 3 else 0)
     return figure
 
 
+def _tokens_per_episode(run: LoadedRun, key: str) -> float | None:
+    tokens = run.summary["cost"]["tokens"].get(key)
+    completed = run.summary["counts"]["completed"]
+    return tokens / completed if tokens is not None and completed else None
+
+
 def _cost_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
-    figure = Figure(figsize=(max(7.0, 1.2 * len(runs) + 4), 3.4))
-    latency_axes, token_axes = figure.subplots(1, 2)
+    """Latency, and prompt and completion tokens each on its own axis: a prompt is often a hundred
+    times the completion, and stacked on it the completion would not show."""
+    figure = Figure(figsize=(max(9.0, 1.6 * len(runs) + 6), 3.4))
+    latency_axes, prompt_axes, completion_axes = figure.subplots(1, 3)
     series = [
         (name, [run.summary["latency"]["model_step_ms"].get(key) for run in runs])
         for name, key in (("p50", "p50"), ("p95", "p95"), ("mean", "mean"))
     ]
     _grouped_bars(latency_axes, labels, series)
-    latency_axes.set_title("model latency per step (ms)")
+    latency_axes.set_title("model latency\nper step (ms)")
     latency_axes.legend(fontsize=8)
     latency_axes.grid(axis="y", alpha=0.3)
-    bottom = [0.0] * len(runs)
-    for index, key in enumerate(("prompt_tokens", "completion_tokens")):
-        per_episode = [run.summary["cost"]["tokens"].get(key, 0) / max(1, run.summary["counts"]["completed"]) for run in runs]
-        token_axes.bar(labels, per_episode, bottom=bottom, label=key.replace("_", " "), color=_PALETTE[index + 4])
-        bottom = [a + b for a, b in zip(bottom, per_episode, strict=True)]
-    token_axes.set_title("tokens per completed episode")
-    token_axes.legend(fontsize=8)
-    token_axes.grid(axis="y", alpha=0.3)
-    for axes in (latency_axes, token_axes):
+    prompt = [_tokens_per_episode(run, "prompt_tokens") for run in runs]
+    _grouped_bars(prompt_axes, labels, [("prompt", prompt)], value_labels="{:,.0f}")
+    prompt_axes.set_title("prompt tokens\nper completed episode")
+    completion = [("completion", [_tokens_per_episode(run, "completion_tokens") for run in runs])]
+    reasoning = [_tokens_per_episode(run, "reasoning_tokens") for run in runs]
+    if any(value is not None for value in reasoning):
+        completion.append(("of which reasoning", reasoning))
+    _grouped_bars(completion_axes, labels, completion, value_labels="{:,.0f}")
+    completion_axes.set_title("completion tokens\nper completed episode")
+    if len(completion) > 1:
+        completion_axes.legend(fontsize=8)
+    # Headroom for the value labels; an all-zero panel keeps an axis.
+    prompt_axes.set_ylim(0, max([1.0, *[v for v in prompt if v is not None]]) * 1.2)
+    completion_axes.set_ylim(0, max([1.0, *[v for _, values in completion for v in values if v is not None]]) * 1.2)
+    for axes in (latency_axes, prompt_axes, completion_axes):
+        axes.grid(axis="y", alpha=0.3)
         axes.tick_params(axis="x", labelrotation=20 if len(runs) > 3 else 0)
+    return figure
+
+
+def _share_of(count: Any, total: Any) -> float | None:
+    return count / total if isinstance(count, int) and isinstance(total, int) and total > 0 else None
+
+
+def _faults_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
+    """What went wrong on the way: protocol errors and policy failures per model call, model calls
+    that needed a retry, and completed episodes that took more than one attempt."""
+    figure = Figure(figsize=(max(7.0, 1.8 * len(runs) + 4), 3.6))
+    axes = figure.subplots()
+    series: list[tuple[str, list[float | None]]] = [
+        ("protocol errors / model call", [run.summary["behavior"]["protocol_error_rate"] for run in runs]),
+        ("policy failures / model call", [run.summary["behavior"]["policy_failure_rate"] for run in runs]),
+        (
+            "model calls retried / model call",
+            [_share_of(run.summary["retries"]["model_calls_retried"], run.summary["behavior"]["model_steps"]) for run in runs],
+        ),
+        (
+            "episodes retried / completed",
+            [_share_of(run.summary["retries"]["episodes_retried"], run.summary["counts"]["completed"]) for run in runs],
+        ),
+    ]
+    _grouped_bars(axes, labels, series, value_labels="{:.1%}")
+    _rate_limits(axes, [v for _, values in series for v in values])
+    axes.set_ylabel("share")
+    axes.grid(axis="y", alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes.tick_params(axis="x", labelrotation=20 if len(runs) > 3 else 0)
     return figure
 
 
@@ -258,7 +318,7 @@ def _forest_figure(comparisons: list[dict[str, Any]], labels: list[str]) -> Figu
             label=f"{labels[index + 1]} − {labels[0]}",
         )
     axes.axvline(0.0, color="#444", linewidth=1)
-    axes.set_yticks(range(rows), names)
+    axes.set_yticks(range(rows), [display_name(name) for name in names])
     axes.invert_yaxis()
     axes.set_xlabel("paired difference against the baseline (95% bootstrap CI over tasks)")
     axes.grid(axis="x", alpha=0.3)
@@ -536,7 +596,8 @@ def build_report(
     plots: list[tuple[str, str, Callable[[], Figure]]] = [
         (
             "Reward and success per run",
-            "Means with 95% intervals clustered by task; runs in the order given.",
+            "Intent-to-treat means (every planned episode with an outcome, a failure as 0) with 95% intervals clustered "
+            "by task; the reward over completed episodes only, dashed; runs in the order given.",
             lambda: _headline_figure(runs, labels),
         ),
         ("Reward components", "Each r_* component's mean over completed episodes.", lambda: _components_figure(runs, labels)),
@@ -552,8 +613,14 @@ def build_report(
         ),
         (
             "Model latency and tokens",
-            "Per-step model latency percentiles and tokens per completed episode.",
+            "Per-step model latency percentiles; prompt and completion tokens per completed episode, each on its own scale.",
             lambda: _cost_figure(runs, labels),
+        ),
+        (
+            "Protocol errors, policy failures and retries",
+            "Protocol errors and policy failures per model call (completed episodes), model calls that needed more than "
+            "one HTTP attempt, and completed episodes that needed more than one attempt.",
+            lambda: _faults_figure(runs, labels),
         ),
     ]
     if comparisons:
