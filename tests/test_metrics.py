@@ -292,6 +292,9 @@ def test_legacy_fixture_summary_matches_hand_computation() -> None:
         "pass_at_k": None,
         "pass_hat_k": None,
         "tasks_at_k": None,
+        "pass_at_k_ci95": None,
+        "pass_hat_k_ci95": None,
+        "pass_k_notes": {},
     }
 
     assert summary["reward_components"] == {
