@@ -31,7 +31,17 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from shopsimrl.manifest import flatten
-from shopsimrl.research.compare import LoadedRun, compare_loaded, display_name, load_run, metric_cells
+from shopsimrl.research.compare import (
+    MIN_SLICE_PAIRS,
+    NO_SPREAD_FOOTNOTE,
+    OTHER_SLICE,
+    LoadedRun,
+    compare_loaded,
+    display_name,
+    format_p,
+    load_run,
+    metric_cells,
+)
 from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY
 from shopsimrl.research.paired_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
@@ -503,11 +513,13 @@ def _comparison_section(comparison: dict[str, Any], title: str) -> str:
                 _e(display_name(entry["metric"])),
                 _e(entry["pairs"]),
                 *(_e(cell) for cell in metric_cells(entry)),
-                _e(f"p = {test['p_value']:.4g} (only A {test['only_a']}, only B {test['only_b']})" if test else ""),
+                _e(f"p = {format_p(test['p_value'])} (only A {test['only_a']}, only B {test['only_b']})" if test else ""),
             ]
         )
     significant = ["excludes-zero" if e["ci95"] and (e["ci95"][0] > 0 or e["ci95"][1] < 0) else "" for e in comparison["metrics"]]
     metrics = _html_table(["metric", "pairs", "A", "B", "B − A", "95% CI", "McNemar (exact)"], rows, classes=significant)
+    if any(entry.get("ci95_note") for entry in comparison["metrics"]):
+        metrics += f'<p class="note">{_e(NO_SPREAD_FOOTNOTE)}</p>'
     plan = "".join(f"<li><code>{_e(line)}</code></li>" for line in comparison["plan_differences"]) or "<li>none</li>"
     dropped = ""
     if comparison["dropped"]:
@@ -534,16 +546,37 @@ def _comparison_section(comparison: dict[str, Any], title: str) -> str:
     category_rows = []
     for piece in comparison["categories"]:
         reward, success = piece["metrics"]
+        folded = piece.get("folded") or []
+        name = piece["category"] + (f" ({len(folded)} categories: {', '.join(folded)})" if folded else "")
         category_rows.append(
             [
-                _e(piece["category"]),
+                _e(name),
                 _e(reward["pairs"]),
                 *(_e(cell) for cell in metric_cells(reward)),
+                _e(format_p(reward.get("p_value"))),
+                _e(format_p(reward.get("p_holm"))),
                 _num(success["difference"]),
+                _e(format_p(success.get("p_holm"))),
             ]
         )
     categories = _html_table(
-        ["category", "pairs", "reward (ITT) A", "reward (ITT) B", "B − A", "95% CI", "success (ITT) B − A"], category_rows
+        [
+            "category",
+            "pairs",
+            "reward (ITT) A",
+            "reward (ITT) B",
+            "B − A",
+            "95% CI",
+            "p (bootstrap)",
+            "p (Holm)",
+            "success (ITT) B − A",
+            "success p (McNemar, Holm)",
+        ],
+        category_rows,
+    ) + (
+        f'<p class="note">Categories with fewer than {MIN_SLICE_PAIRS} pairs are folded into {OTHER_SLICE}. '
+        "p (Holm): adjusted over the slices of the metric, so that the chance of any false finding among them stays "
+        "at 5 %; read the unadjusted p of one slice only for a category chosen before looking.</p>"
     )
     excused = comparison.get("itt_excused") or {}
     excused_note = (
