@@ -308,31 +308,45 @@ def _forest_figure(comparisons: list[dict[str, Any]], labels: list[str]) -> Figu
     band = 0.8 / len(comparisons)
     for index, comparison in enumerate(comparisons):
         by_name = {m["metric"]: m for m in comparison["metrics"]}
-        ys, xs, low, high = [], [], [], []
+        # Two groups: bootstrap intervals, and the no-spread ones (hollow, dashed): those are
+        # an assumption about the spread, not a measurement of it.
+        points: dict[bool, tuple[list[float], list[float], list[float], list[float]]] = {
+            False: ([], [], [], []),
+            True: ([], [], [], []),
+        }
         for row, name in enumerate(names):
             entry = by_name.get(name)
             if entry is None or entry["difference"] is None:
                 continue
             ci = entry["ci95"] or [entry["difference"], entry["difference"]]
+            ys, xs, low, high = points[bool(entry.get("ci95_note"))]
             ys.append(row + (index - (len(comparisons) - 1) / 2) * band)
             xs.append(entry["difference"])
             low.append(entry["difference"] - ci[0])
             high.append(ci[1] - entry["difference"])
-        axes.errorbar(
-            xs,
-            ys,
-            xerr=[low, high],
-            fmt="o",
-            capsize=3,
-            color=_PALETTE[(index + 1) % len(_PALETTE)],
-            label=f"{labels[index + 1]} − {labels[0]}",
-        )
+        color = _PALETTE[(index + 1) % len(_PALETTE)]
+        for no_spread, (ys, xs, low, high) in points.items():
+            if not xs:
+                continue
+            bars = axes.errorbar(
+                xs,
+                ys,
+                xerr=[low, high],
+                fmt="o",
+                capsize=3,
+                color=color,
+                markerfacecolor="white" if no_spread else color,
+                label=f"{labels[index + 1]} − {labels[0]}" + (" (no spread between tasks)" if no_spread else ""),
+            )
+            if no_spread:
+                for line in bars[2]:
+                    line.set_linestyle("--")
     axes.axvline(0.0, color="#444", linewidth=1)
     axes.set_yticks(range(rows), [display_name(name) for name in names])
     axes.invert_yaxis()
     axes.set_xlabel("paired difference against the baseline (95% bootstrap CI over tasks)")
     axes.grid(axis="x", alpha=0.3)
-    axes.legend(fontsize=8, loc="best")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return figure
 
 
@@ -660,7 +674,9 @@ def build_report(
         plots += [
             (
                 "Paired differences against the baseline",
-                "Forest plot: B − A per metric with its paired bootstrap interval; 0 is no difference.",
+                "Forest plot: B − A per metric with its paired bootstrap interval; 0 is no difference. Hollow markers "
+                "with dashed bars: every task's pairs differ by the same amount, so the interval assumes the largest "
+                "spread a difference can have (not an exact result).",
                 lambda: _forest_figure(comparisons, labels),
             ),
             (
