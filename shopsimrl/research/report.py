@@ -150,7 +150,12 @@ def _headline_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
 
 
 def _grouped_bars(
-    axes: Axes, groups: list[str], series: list[tuple[str, list[float | None]]], *, value_labels: str | None = None
+    axes: Axes,
+    groups: list[str],
+    series: list[tuple[str, list[float | None]]],
+    *,
+    value_labels: str | None = None,
+    label_rotation: float = 0.0,
 ) -> None:
     """Bars per group and series. ``value_labels`` (a format such as ``"{:.1%}"``) writes each bar's
     value above it, so a bar of height 0 still says 0 and a missing one says n/a."""
@@ -160,7 +165,7 @@ def _grouped_bars(
         bars = axes.bar(positions, [_value(v) for v in values], width=width, label=name, color=_PALETTE[index % len(_PALETTE)])
         if value_labels is not None:
             texts = ["n/a" if v is None else value_labels.format(v) for v in values]
-            axes.bar_label(bars, texts, padding=2, fontsize=7)
+            axes.bar_label(bars, texts, padding=2, fontsize=7, rotation=label_rotation)
     axes.set_xticks(range(len(groups)), groups)
 
 
@@ -179,10 +184,16 @@ def _components_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
         (label, [run.summary["reward_components"].get(key) for key in components])
         for run, label in zip(runs, labels, strict=True)
     ]
-    _grouped_bars(axes, components or ["(none)"], series if components else [(label, [None]) for label in labels])
-    axes.set_ylim(0, 1.05)
+    _grouped_bars(
+        axes,
+        components or ["(none)"],
+        series if components else [(label, [None]) for label in labels],
+        value_labels="{:.2f}",
+        label_rotation=90.0 if len(runs) > 1 else 0.0,
+    )
+    axes.set_ylim(0, 1.25)  # room for the value labels above a bar at 1
     axes.set_ylabel("mean over completed episodes")
-    axes.legend(fontsize=8, ncols=min(4, len(runs)))
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     axes.grid(axis="y", alpha=0.3)
     return figure
 
