@@ -1316,7 +1316,10 @@ RUN_ARGUMENT = typer.Argument(
     ..., metavar="RUN", help="A local run directory, a sharded run (a directory or s3://bucket/path), or v4 traces."
 )
 INCLUDE = typer.Option(
-    "", "--include", help="Comma-separated: reasoning, persona (judge-input also goal). Left out unless named."
+    "",
+    "--include",
+    help="Comma-separated: reasoning, persona (judge-input also goal). Left out unless named; export sft keeps the "
+    "persona the policy saw without its user id and times, and persona includes it in full.",
 )
 
 

@@ -879,18 +879,38 @@ class SummaryAccumulator:
             "pass_at_k": None,
             "pass_hat_k": None,
             "tasks_at_k": None,
+            "pass_at_k_ci95": None,
+            "pass_hat_k_ci95": None,
+            "pass_k_notes": {},
         }
         largest = max(sizes, default=0)
         if largest < 2:
             return block
         pass_at, pass_hat, counted = {}, {}, {}
+        intervals: dict[str, dict[str, list[float] | None]] = {"pass_at_k": {}, "pass_hat_k": {}}
+        notes: dict[str, str] = {}
         for k in _report_ks(largest):
             usable = [(n, c, weight) for (n, c), weight in shapes.items() if n >= k]
             total = sum(weight for *_, weight in usable)
             pass_at[str(k)] = math.fsum(pass_at_k(n, c, k) * w for n, c, w in usable) / total
             pass_hat[str(k)] = math.fsum(pass_hat_k(n, c, k) * w for n, c, w in usable) / total
             counted[str(k)] = total
-        block.update(pass_at_k=pass_at, pass_hat_k=pass_hat, tasks_at_k=counted)
+            # The task is the unit: a t interval over the per-task estimates, bounded in [0, 1]
+            # and never zero-width (clustered_mean with one value per task).
+            for name, estimator in (("pass_at_k", pass_at_k), ("pass_hat_k", pass_hat_k)):
+                per_task = [pair for n, c, w in usable for pair in [(1.0, estimator(n, c, k))] * w]
+                estimate = clustered_mean(per_task)
+                intervals[name][str(k)] = _pair(estimate.ci95)
+                if estimate.note is not None:
+                    notes[f"{name}[{k}]"] = estimate.note
+        block.update(
+            pass_at_k=pass_at,
+            pass_hat_k=pass_hat,
+            tasks_at_k=counted,
+            pass_at_k_ci95=intervals["pass_at_k"],
+            pass_hat_k_ci95=intervals["pass_hat_k"],
+            pass_k_notes=notes,
+        )
         return block
 
 
@@ -925,6 +945,9 @@ def summarize_traces(
 
 # --------------------------------------------------------------------------- table
 
+# The intent-to-treat rows come first: they count every planned episode with an outcome (a
+# failure as 0), so a checkpoint that fails on hard tasks cannot look better than one that
+# finishes them; the means over completed episodes follow, named as conditional.
 _TABLE_ROWS = (
     (
         "run",
@@ -938,23 +961,23 @@ _TABLE_ROWS = (
         " · not in plan {counts.not_in_plan}",
     ),
     (
-        "reward",
-        "mean {primary.reward_mean} · sem {primary.reward_sem} · 95% CI {primary.reward_ci95:ci} · score {primary.score:.2f}",
-    ),
-    ("success", "rate {primary.success_rate:%} · sem {primary.success_sem:%} · 95% CI {primary.success_ci95:ci%}"),
-    (
-        "ITT",
-        "reward {intent_to_treat.reward_mean} · 95% CI {intent_to_treat.reward_ci95:ci}"
-        " · success {intent_to_treat.success_rate:%} · over {intent_to_treat.episodes} episodes"
+        "reward (ITT)",
+        "mean {intent_to_treat.reward_mean} · 95% CI {intent_to_treat.reward_ci95:ci} · score {intent_to_treat.score:.2f}"
+        " · coverage {counts.coverage:%} · over {intent_to_treat.episodes} episodes"
         " (failures as 0: {intent_to_treat.failed_counted_as_zero},"
         " excluded: infrastructure {intent_to_treat.failed_infrastructure_excluded},"
         " configuration {intent_to_treat.failed_configuration_excluded} · re-rolled {intent_to_treat.rerolled})",
     ),
+    ("success (ITT)", "rate {intent_to_treat.success_rate:%} · 95% CI {intent_to_treat.success_ci95:ci%}"),
     (
-        "tasks",
-        "{per_task.tasks} · episodes per task {per_task.episodes_per_task.min}–{per_task.episodes_per_task.max}"
-        " · pass@k {per_task.pass_at_k:kv} · pass^k {per_task.pass_hat_k:kv}",
+        "reward (completed)",
+        "mean {primary.reward_mean} · sem {primary.reward_sem} · 95% CI {primary.reward_ci95:ci} · score {primary.score:.2f}"
+        " · conditional: only the {counts.scored} scored episodes",
     ),
+    ("success (completed)", "rate {primary.success_rate:%} · sem {primary.success_sem:%} · 95% CI {primary.success_ci95:ci%}"),
+    ("tasks", "{per_task.tasks} · episodes per task {per_task.episodes_per_task.min}–{per_task.episodes_per_task.max}"),
+    ("pass@k", "{per_task:pass_at_k}"),
+    ("pass^k", "{per_task:pass_hat_k}"),
     ("components", "{reward_components:kv}"),
     (
         "steps",
@@ -986,8 +1009,9 @@ _TABLE_ROWS = (
 class _TableFormatter(string.Formatter):
     """Resolves dotted summary paths; a missing or null value prints as a dash.
 
-    Specs: ``%`` (percent), ``ci`` / ``ci%`` (an interval pair), ``kv`` (a counter or mapping),
-    ``short`` (the first 12 characters of a digest).
+    Specs: ``%`` (percent), ``ci`` / ``ci%`` / ``ci.3f`` (an interval pair, its bounds formatted
+    by the rest of the spec), ``kv`` (a counter or mapping), ``pass_at_k`` / ``pass_hat_k`` (of the
+    ``per_task`` block: each k with its interval), ``short`` (the first 12 characters of a digest).
     """
 
     def get_field(self, field_name: str, args: Any, kwargs: Any) -> tuple[Any, str]:
@@ -999,15 +1023,26 @@ class _TableFormatter(string.Formatter):
     def format_field(self, value: Any, format_spec: str) -> str:
         if value is None:
             return "–"
-        if format_spec in ("ci", "ci%"):
+        if format_spec.startswith("ci"):
             if not (isinstance(value, (list, tuple)) and len(value) == 2):
                 return "–"
-            inner = "%" if format_spec == "ci%" else ""
+            inner = format_spec[2:]
             return f"[{self.format_field(value[0], inner)}, {self.format_field(value[1], inner)}]"
         if format_spec == "kv":
             if not isinstance(value, Mapping) or not value:
                 return "–"
             return ", ".join(f"{key} {self.format_field(item, '.3f')}" for key, item in value.items())
+        if format_spec in ("pass_at_k", "pass_hat_k"):
+            # ``value`` is the per_task block: each k's estimate with its interval beside it.
+            estimates = value.get(format_spec) if isinstance(value, Mapping) else None
+            if not isinstance(estimates, Mapping) or not estimates:
+                return "–"
+            intervals = value.get(f"{format_spec}_ci95")
+            intervals = intervals if isinstance(intervals, Mapping) else {}
+            return " · ".join(
+                f"k={k} {self.format_field(item, '.3f')} {self.format_field(intervals.get(k), 'ci.3f')}"
+                for k, item in estimates.items()
+            )
         if format_spec == "short" and isinstance(value, str):
             return value[:12]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -1028,4 +1063,12 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
     notes = summary.get("intervals", {}).get("notes") if isinstance(summary.get("intervals"), Mapping) else None
     if isinstance(notes, Mapping):
         lines += [f"{'note'.ljust(width)}  {name} interval: {text}" for name, text in notes.items()]
+    per_task = summary.get("per_task")
+    pass_notes = per_task.get("pass_k_notes") if isinstance(per_task, Mapping) else None
+    if isinstance(pass_notes, Mapping):
+        # One line per distinct note: the same fallback usually holds for many k.
+        grouped: dict[str, list[str]] = {}
+        for name, text in pass_notes.items():
+            grouped.setdefault(str(text), []).append(str(name))
+        lines += [f"{'note'.ljust(width)}  {', '.join(names)} intervals: {text}" for text, names in grouped.items()]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,9 @@ def test_legacy_fixture_summary_matches_hand_computation() -> None:
         "pass_at_k": None,
         "pass_hat_k": None,
         "tasks_at_k": None,
+        "pass_at_k_ci95": None,
+        "pass_hat_k_ci95": None,
+        "pass_k_notes": {},
     }
 
     assert summary["reward_components"] == {
@@ -721,11 +725,36 @@ def test_format_summary_table_shows_the_headline_numbers() -> None:
     assert "requested 8 · completed 4 · failed 2 · scored 4 · coverage 50.0%" in table
     assert "mean 0.3750" in table and "score 37.50" in table
     assert "rate 25.0%" in table
+    assert "reward (ITT)         mean 0.2500 · 95% CI [0.0434, 0.7100] · score 25.00 · coverage 50.0%" in table
     assert "protocol errors 1 (8.3%)" in table
     assert "invalid 1 (10.0%)" in table
     assert "action_limit 1, generation_length 1, purchase 2" in table
     assert "ModelRequestError 1, RuntimeError 1" in table
     assert "4.0 episodes/h" in table
+
+
+def test_the_printed_headline_counts_failures_and_names_the_conditional_mean() -> None:
+    """A checkpoint that fails on its hard tasks: over completed episodes it looks perfect, over
+    every planned episode it scores 0.6. The first number printed is the latter, with its interval
+    and the coverage beside it; the conditional mean comes after and says what it is."""
+    records = [_trace(f"easy-{i}", reward=1.0, success=1) for i in range(6)]
+    records += [_failed(f"hard-{i}", failure_class="model_error") for i in range(3)]
+    records.append(_failed("flaky", failure_class="infrastructure"))
+    summary = summarize_traces(records, requested=10, created_at=CREATED)
+    rows = format_summary_table(summary).splitlines()[3:]
+    itt = summary["intent_to_treat"]
+    low, high = itt["reward_ci95"]
+    assert rows[0].split(maxsplit=2)[:2] == ["reward", "(ITT)"]
+    assert rows[0].split(maxsplit=2)[2] == (
+        f"mean 0.6667 · 95% CI [{low:.4f}, {high:.4f}] · score 66.67 · coverage 60.0% · over 9 episodes"
+        " (failures as 0: 3, infrastructure excluded: 1)"
+    )
+    assert rows[1].startswith("success (ITT)") and "rate 66.7%" in rows[1]
+    assert rows[2].startswith("reward (completed)") and "mean 1.0000" in rows[2]
+    assert rows[2].endswith("conditional: only the 6 scored episodes")
+    assert rows[3].startswith("success (completed)")
+    # No earlier row prints a reward: the conditional mean is never the first number read.
+    assert not any(re.search(r"reward|\bscore\b", row) for row in format_summary_table(summary).splitlines()[:3])
 
 
 def test_format_summary_table_accepts_a_reference_v2_summary() -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from shopsimrl.metrics import (
     clustered_mean,
+    format_summary_table,
     pass_at_k,
     pass_hat_k,
     student_t_quantile,
@@ -216,3 +217,49 @@ def test_intent_to_treat_counts_every_non_infrastructure_failure_as_zero() -> No
     assert summary["primary"]["success_rate_itt"] == pytest.approx(6 / 9)
     low, high = itt["reward_ci95"]
     assert 0.0 <= low < 6 / 9 < high <= 1.0
+
+
+@pytest.mark.parametrize(("tasks", "repeats"), [(40, 8), (20, 4)])
+def test_pass_k_intervals_keep_nominal_coverage(tasks: int, repeats: int) -> None:
+    """Task success probabilities ~ Beta(0.4, 0.6); the truth is the mean over tasks of
+    1 − (1 − p)^k (pass@k) and p^k (pass^k), from the Beta moments. The summary's interval is a
+    t interval over the per-task estimates, bounded in [0, 1] (clustered_mean, one value a task)."""
+    alpha, beta = 0.4, 0.6
+    ks = sorted({1, 2, repeats // 2, repeats})
+    truth = {
+        "pass_at_k": {k: 1 - math.prod((beta + i) / (alpha + beta + i) for i in range(k)) for k in ks},
+        "pass_hat_k": {k: math.prod((alpha + i) / (alpha + beta + i) for i in range(k)) for k in ks},
+    }
+    rng = random.Random(tasks * 100 + repeats)
+    covered = {(name, k): 0 for name in truth for k in ks}
+    for _ in range(REPLICATIONS // 2):
+        records = []
+        for task in range(tasks):
+            p = rng.betavariate(alpha, beta)
+            records += [record(task, sample, 1.0 if rng.random() < p else 0.0) for sample in range(repeats)]
+        per_task = summarize_traces(records)["per_task"]
+        for name, values in truth.items():
+            for k, true_value in values.items():
+                low, high = per_task[f"{name}_ci95"][str(k)]
+                assert 0.0 <= low <= per_task[name][str(k)] <= high <= 1.0
+                covered[(name, k)] += low <= true_value <= high
+    coverage = {key: count / (REPLICATIONS // 2) for key, count in covered.items()}
+    assert all(value >= 0.92 for value in coverage.values()), coverage
+
+
+def test_pass_k_intervals_are_never_zero_width_and_say_why() -> None:
+    """Every task passed every attempt: pass@k is 1 for every k, and its interval is the one the
+    summary gives equal task means (widest spread, one observation per task), with a note."""
+    summary = summarize_traces([record(t, s, 1.0) for t in range(6) for s in range(3)])
+    per_task = summary["per_task"]
+    for name in ("pass_at_k", "pass_hat_k"):
+        for k in ("1", "2", "3"):
+            low, high = per_task[f"{name}_ci95"][k]
+            assert high == 1.0 and 0.0 < low < 0.9, (name, k)
+            assert "all 6 task means equal 1" in per_task["pass_k_notes"][f"{name}[{k}]"]
+    table = format_summary_table(summary)
+    low = per_task["pass_at_k_ci95"]["2"][0]
+    assert f"k=2 1.000 [{low:.3f}, 1.000]" in table
+    assert "pass_at_k[1], pass_hat_k[1], pass_at_k[2]" in table  # one note line for the lot
+    single = summarize_traces([record(t, 0, 1.0) for t in range(5)])["per_task"]
+    assert single["pass_at_k_ci95"] is None and single["pass_k_notes"] == {}

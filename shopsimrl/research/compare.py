@@ -6,11 +6,13 @@ job keys differ are refused, naming the difference, unless the caller allows a p
 comparison over the episodes they share. With more than two runs each is compared with the
 first (the baseline), in order.
 
-Which episodes count (docs/research.md "compare"): the headline ``reward`` and ``success`` are
-the summary's own (``summary.json`` ``primary``): completed episodes only, so a pair counts when
-the episode completed in both runs. ``reward_itt`` and ``success_itt`` are the summary's
-intent-to-treat values: a failed episode counts 0, except one failed for infrastructure, which
-is excused (the pair drops out). Reward components, behaviour, tokens and latency are over pairs
+Which episodes count (docs/research.md "compare"): the headline, first, is ``reward_itt`` and
+``success_itt``, the summary's intent-to-treat values: a failed episode counts 0, so a run that
+fails on hard tasks is not flattered, except one failed for infrastructure, which is excused:
+that pair drops out of the intent-to-treat rows for both runs (a paired difference needs both
+sides; the excused pairs are counted in ``itt_excused``). ``reward`` and ``success``, second, are
+conditional on completing (``summary.json`` ``primary``): a pair counts when the episode
+completed in both runs. Reward components, behaviour, tokens and latency are over pairs
 completed in both runs, as the summary counts them over completed episodes.
 """
 
@@ -26,13 +28,15 @@ from typing import Any, Literal
 import numpy as np
 
 from shopsimrl.manifest import plan_diff
-from shopsimrl.metrics import SummaryAccumulator
+from shopsimrl.metrics import SummaryAccumulator, student_t_quantile, wilson_interval
 from shopsimrl.research.episodes import CORE_COLUMNS, episode_row, task_key
 from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY, LabelCounts, episode_labels, label_counts
 from shopsimrl.research.paired_stats import (
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
+    bootstrap_p_value,
     cluster_sums,
+    holm_adjust,
     mcnemar_exact,
     percentile_interval,
     resampled_differences,
@@ -52,6 +56,9 @@ __all__ = [
 
 COMPARE_SCHEMA_VERSION = "shopsimrl-compare-v1"
 _SHOWN_IDS = 5
+MIN_SLICE_PAIRS = 10
+"""A category slice needs this many paired episodes; smaller ones are folded into ``other``."""
+OTHER_SLICE = "other"
 _TIE = 1e-12
 """Task mean differences below this are ties (float noise of equal rewards)."""
 
@@ -144,14 +151,25 @@ class Metric:
     in both (failures count 0, infrastructure failures are excused)."""
     binary: bool = False
     """A success indicator: McNemar's exact test on the discordant pairs is added."""
+    unit: bool = False
+    """Values live in [0, 1] (rewards, success, components): a difference lies in [−1, 1]."""
 
 
 HEAD_METRICS = (
-    Metric("reward", "reward", None, "completed"),
-    Metric("success", "success", None, "completed", binary=True),
-    Metric("reward_itt", "reward_itt", None, "itt"),
-    Metric("success_itt", "success_itt", None, "itt", binary=True),
+    Metric("reward_itt", "reward_itt", None, "itt", unit=True),
+    Metric("success_itt", "success_itt", None, "itt", binary=True, unit=True),
+    Metric("reward", "reward", None, "completed", unit=True),
+    Metric("success", "success", None, "completed", binary=True, unit=True),
 )
+"""The intent-to-treat rows first: they count every paired episode (the number to quote); the
+conditional rows, over pairs completed in both runs, second."""
+DISPLAY_NAMES = {
+    "reward_itt": "reward (ITT)",
+    "success_itt": "success (ITT)",
+    "reward": "reward (completed)",
+    "success": "success (completed)",
+}
+"""How the head metrics are printed (the JSON keeps the metric names)."""
 TAIL_METRICS = (
     Metric("steps", "steps", None, "completed"),
     Metric("invalid_action_rate", "invalid_actions", "actions", "completed"),
@@ -179,7 +197,7 @@ _KEPT = tuple(
 def metrics_for(runs: Iterable[LoadedRun]) -> list[Metric]:
     """The metrics of a comparison: the head, every ``r_*`` component any run has, the tail."""
     components = sorted({key for run in runs for row in run.rows.values() for key in row if key.startswith("r_")})
-    return [*HEAD_METRICS, *(Metric(name, name, None, "completed") for name in components), *TAIL_METRICS]
+    return [*HEAD_METRICS, *(Metric(name, name, None, "completed", unit=True) for name in components), *TAIL_METRICS]
 
 
 def _column(rows: Sequence[dict[str, Any]], key: str | None) -> np.ndarray:
@@ -287,9 +305,11 @@ def _metric_table(
     *,
     resamples: int,
     seed: int,
+    p_values: bool = False,
 ) -> list[dict[str, Any]]:
     """Per metric: pairs, tasks, both means, B − A and its bootstrap interval over tasks (and
-    McNemar for success indicators)."""
+    McNemar for success indicators). ``p_values``: also a two-sided ``p_value`` per metric,
+    McNemar's for a 0/1 indicator, else the bootstrap's."""
     a_rows, b_rows = [a for a, _ in pairs], [b for _, b in pairs]
     columns = [(*_values(a_rows, metric), *_values(b_rows, metric)) for metric in metrics]
     a_num, a_den, b_num, b_den = (np.column_stack([c[k] for c in columns]).reshape(len(pairs), len(metrics)) for k in range(4))
@@ -299,13 +319,15 @@ def _metric_table(
     tasks = [a["task"] for a, _ in pairs]
     sums = cluster_sums(tasks, a_num, b_num, a_den, b_den)
     mean_a, mean_b, difference = sums.estimates()
-    intervals = percentile_interval(resampled_differences(sums, resamples=resamples, seed=seed))
+    differences = resampled_differences(sums, resamples=resamples, seed=seed)
+    intervals = percentile_interval(differences)
     table = []
     for j, metric in enumerate(metrics):
         rows = np.flatnonzero(counted[:, j])
         clusters = len({tasks[i] for i in rows})
         # As in the summary: below two tasks the spread between tasks is unknown, so no interval.
         interval = intervals[j] if clusters >= 2 and intervals[j].low is not None else None
+        ci95 = [interval.low, interval.high] if interval is not None else None
         entry: dict[str, Any] = {
             "metric": metric.name,
             "population": metric.population,
@@ -314,12 +336,41 @@ def _metric_table(
             "a": _number(mean_a[j]) if rows.size else None,
             "b": _number(mean_b[j]) if rows.size else None,
             "difference": _number(difference[j]) if rows.size else None,
-            "ci95": [interval.low, interval.high] if interval is not None else None,
+            "ci95": ci95,
         }
+        width = None
+        if interval is not None and interval.low is not None and interval.high is not None:
+            width = interval.high - interval.low
+        if width is not None and width <= _TIE and entry["difference"] is not None:
+            bounded = metric.unit and all(
+                bool(((values[rows, j] >= 0.0) & (values[rows, j] <= 1.0)).all()) for values in (a_num, b_num)
+            )
+            entry["ci95"], entry["ci95_note"] = _no_spread_interval(entry["difference"], clusters, bounded=bounded)
         if metric.binary:
             entry["mcnemar"] = _mcnemar(a_num[rows, j], b_num[rows, j]) if rows.size else None
+        if p_values:
+            test = entry.get("mcnemar")
+            entry["p_value"] = test["p_value"] if test else bootstrap_p_value(differences[:, j]) if rows.size else None
         table.append(entry)
     return table
+
+
+def _no_spread_interval(difference: float, clusters: int, *, bounded: bool) -> tuple[list[float] | None, str]:
+    """Every resample gave the same difference: every task's pairs differ by the same amount (two
+    runs of one deterministic policy differ by 0 everywhere). A zero-width interval would claim
+    an exactness the data do not have, so, as the summary does for equal task means: for values
+    in [0, 1], whose difference lies in [−1, 1], the interval assumes the largest spread a
+    difference with this mean can have, one observation per task (Wilson's interval for the
+    difference mapped onto [0, 1], t(0.975, G−1) quantile, G tasks); otherwise no interval."""
+    if not bounded:
+        return None, f"all {clusters} tasks differ by the same amount: no spread between tasks was seen, so there is no interval"
+    share = min(1.0, max(0.0, (difference + 1.0) / 2.0))
+    low, high = wilson_interval(share, clusters, student_t_quantile(0.975, clusters - 1))
+    note = (
+        f"all {clusters} tasks differ by {difference:.6g}: no spread between tasks was seen, so the interval assumes "
+        "the largest spread a difference in [-1, 1] with this mean can have, one observation per task"
+    )
+    return [2.0 * low - 1.0, 2.0 * high - 1.0], note
 
 
 def _mcnemar(a: np.ndarray, b: np.ndarray) -> dict[str, Any] | None:
@@ -331,13 +382,14 @@ def _mcnemar(a: np.ndarray, b: np.ndarray) -> dict[str, Any] | None:
 
 
 def _per_task(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    """Win/tie/loss of B against A per task, on the headline reward (pairs completed in both)."""
+    """Win/tie/loss of B against A per task, on the headline: the intent-to-treat reward (a
+    failure counts 0; a pair with an infrastructure failure on either side does not count)."""
     by_task: dict[str, list[tuple[float, float]]] = defaultdict(list)
     categories: dict[str, str | None] = {}
     for a, b in pairs:
         categories.setdefault(a["task"], a["category"] or b["category"])
-        if a["completed"] and b["completed"] and a["reward"] is not None and b["reward"] is not None:
-            by_task[a["task"]].append((a["reward"], b["reward"]))
+        if a["reward_itt"] is not None and b["reward_itt"] is not None:
+            by_task[a["task"]].append((a["reward_itt"], b["reward_itt"]))
     tasks = []
     counts = Counter({"win": 0, "tie": 0, "loss": 0})
     for task, values in sorted(by_task.items(), key=lambda item: (len(item[0]), item[0])):
@@ -358,7 +410,7 @@ def _per_task(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, A
         )
     without = len({a["task"] for a, _ in pairs} - set(by_task))
     return {
-        "metric": "reward",
+        "metric": "reward_itt",
         "win": counts["win"],
         "tie": counts["tie"],
         "loss": counts["loss"],
@@ -399,13 +451,32 @@ def _label_changes(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[s
 
 
 def _slices(pairs: list[tuple[dict[str, Any], dict[str, Any]]], *, resamples: int, seed: int) -> list[dict[str, Any]]:
+    """The headline metrics per catalog category. A category with fewer than
+    ``MIN_SLICE_PAIRS`` paired episodes is folded into ``other`` (its interval would be noise);
+    each metric's p-values are Holm-adjusted over the slices, one family per metric (``p_holm``):
+    with dozens of categories some unadjusted p < 0.05 is expected by chance alone."""
     by_category: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
     for a, b in pairs:
         by_category[a["category"] or b["category"] or "unknown"].append((a, b))
+    kept = {name: members for name, members in by_category.items() if len(members) >= MIN_SLICE_PAIRS}
+    folded = sorted(set(by_category) - set(kept))
+    pieces: list[tuple[str, list[tuple[dict[str, Any], dict[str, Any]]], list[str]]] = [
+        (name, members, []) for name, members in sorted(kept.items())
+    ]
+    if folded:
+        name = OTHER_SLICE if OTHER_SLICE not in kept else f"{OTHER_SLICE} (folded)"
+        pieces.append((name, [pair for category in folded for pair in by_category[category]], folded))
     slices = []
-    for category, members in sorted(by_category.items()):
-        table = _metric_table(HEAD_METRICS[:2], members, resamples=resamples, seed=seed)
-        slices.append({"category": category, "episodes": len(members), "metrics": table})
+    for category, members, folded_names in pieces:
+        table = _metric_table(HEAD_METRICS[:2], members, resamples=resamples, seed=seed, p_values=True)
+        piece: dict[str, Any] = {"category": category, "episodes": len(members), "metrics": table}
+        if folded_names:
+            piece["folded"] = folded_names
+        slices.append(piece)
+    for j in range(len(HEAD_METRICS[:2])):
+        adjusted = holm_adjust([piece["metrics"][j]["p_value"] for piece in slices])
+        for piece, value in zip(slices, adjusted, strict=True):
+            piece["metrics"][j]["p_holm"] = value
     return slices
 
 
@@ -420,6 +491,7 @@ def compare_pair(
     pairing = pair_runs(base, other, allow_partial=allow_partial)
     pairs = [(base.rows[e], other.rows[e]) for e in pairing.episode_ids]
     completed = Counter((a["completed"], b["completed"]) for a, b in pairs)
+    excused = Counter((a["reward_itt"] is None, b["reward_itt"] is None) for a, b in pairs)
     if base.plan is None or other.plan is None:
         plan_lines = [f"{run.location} has no manifest: its plan is unknown" for run in (base, other) if run.plan is None]
     else:
@@ -438,11 +510,17 @@ def compare_pair(
         "failed_only_in_a": completed[(False, True)],
         "failed_only_in_b": completed[(True, False)],
         "failed_in_both": completed[(False, False)],
+        "itt_excused": {
+            "only_a": excused[(True, False)],
+            "only_b": excused[(False, True)],
+            "both": excused[(True, True)],
+        },
         "metrics": _metric_table(metrics, pairs, resamples=resamples, seed=seed),
         "per_task": _per_task(pairs),
         "termination_transitions": _transitions(pairs),
         "labels": _label_changes(pairs),
         "categories": _slices(pairs, resamples=resamples, seed=seed),
+        "category_slices": {"min_pairs": MIN_SLICE_PAIRS, "p_adjust": "holm", "family": "the slices of one metric"},
     }
 
 
@@ -456,11 +534,16 @@ def _run_block(run: LoadedRun) -> dict[str, Any]:
         "episodes": len(run.rows),
         "completed": counts["completed"],
         "failed": counts["failed"],
+        "coverage": counts["coverage"],
         "reward_mean": primary["reward_mean"],
         "reward_ci95": primary["reward_ci95"],
         "success_rate": primary["success_rate"],
         "success_ci95": primary["success_ci95"],
         "reward_mean_itt": itt["reward_mean"],
+        "reward_itt_ci95": itt["reward_ci95"],
+        "success_rate_itt": itt["success_rate"],
+        "success_itt_ci95": itt["success_ci95"],
+        "itt_episodes": itt["episodes"],
         "unreadable_lines": run.unreadable_lines,
         "labels": run.label_counts.to_dict() if run.label_counts is not None else None,
     }
@@ -500,12 +583,18 @@ def compare_runs(
 # --------------------------------------------------------------------------- text
 
 
-def _fmt(value: float | None) -> str:
+def decimals_for(values: Iterable[float | None]) -> int:
+    """One precision for a row of numbers (both means, the difference, its bounds), from the
+    row's largest magnitude, so that the numbers of a row line up and read alike."""
+    largest = max((abs(v) for v in values if v is not None and math.isfinite(v)), default=0.0)
+    return 0 if largest >= 1000 else 1 if largest >= 100 else 3
+
+
+def _fmt(value: float | None, decimals: int | None = None) -> str:
     if value is None:
         return "–"
-    if abs(value) >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3f}"
+    places = decimals_for([value]) if decimals is None else decimals
+    return f"{value:,.{places}f}"
 
 
 def _width(text: str) -> int:
@@ -518,8 +607,28 @@ def _pad(text: str, width: int, *, left: bool) -> str:
     return text + fill if left else fill + text
 
 
-def _ci(ci: list[float | None] | None) -> str:
-    return f"[{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else "–"
+def _ci(ci: list[float | None] | None, decimals: int | None = None) -> str:
+    return f"[{_fmt(ci[0], decimals)}, {_fmt(ci[1], decimals)}]" if ci else "–"
+
+
+def display_name(metric: str) -> str:
+    """The printed name of a metric (the head metrics say which population they count)."""
+    return DISPLAY_NAMES.get(metric, metric)
+
+
+def metric_cells(entry: dict[str, Any]) -> list[str]:
+    """A, B, B − A and the interval of one metric row, with one precision for the row."""
+    ci = entry["ci95"] or []
+    places = decimals_for([entry["a"], entry["b"], entry["difference"], *ci])
+    interval = _ci(entry["ci95"], places) + (" *" if entry.get("ci95_note") else "")
+    return [_fmt(entry["a"], places), _fmt(entry["b"], places), _fmt(entry["difference"], places), interval]
+
+
+NO_SPREAD_FOOTNOTE = (
+    "* no spread between tasks (every task's pairs differ by the same amount): not an exact result; the interval "
+    "assumes the largest spread a difference in [-1, 1] can have, one observation per task, or there is none "
+    "(ci95_note in --json)"
+)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
@@ -543,21 +652,40 @@ def _label_lines(changes: dict[str, Any]) -> list[str]:
     return [head, *_table(["label", "A", "B", "gained", "lost"], rows, indent="    ")]
 
 
+def format_p(value: float | None) -> str:
+    """A p-value with three decimals (one format for a column), below 0.001 as such."""
+    if value is None:
+        return "–"
+    return "<0.001" if value < 0.001 else f"{value:.3f}"
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def _run_line(index: int, run: dict[str, Any]) -> str:
+    """A run's own summary: the intent-to-treat headline with its interval and the coverage, then
+    the conditional mean over completed episodes, named as such."""
+    identity = run["identity"]
+    return (
+        f"  {chr(65 + index) if index < 26 else index}  {run['location']}  [{run['kind']}]  "
+        f"experiment {identity.get('experiment') or '–'} · checkpoint {identity.get('checkpoint_id') or '–'} · "
+        f"{run['completed']} completed, {run['failed']} failed (coverage {_percent(run.get('coverage'))}) · "
+        f"reward (ITT) {_fmt(run.get('reward_mean_itt'), 3)} {_ci(run.get('reward_itt_ci95'), 3)} · "
+        f"success (ITT) {_fmt(run.get('success_rate_itt'), 3)} · "
+        f"reward (completed) {_fmt(run['reward_mean'], 3)} {_ci(run['reward_ci95'], 3)}"
+    )
+
+
 def format_comparison(result: dict[str, Any]) -> str:
     """The comparison as text for a terminal."""
     boot = result["bootstrap"]
     lines = ["runs (the first is the baseline):"]
-    for index, run in enumerate(result["runs"]):
-        identity = run["identity"]
-        lines.append(
-            f"  {chr(65 + index) if index < 26 else index}  {run['location']}  [{run['kind']}]  "
-            f"experiment {identity.get('experiment') or '–'} · checkpoint {identity.get('checkpoint_id') or '–'} · "
-            f"{run['completed']} completed, {run['failed']} failed · reward {_fmt(run['reward_mean'])} "
-            f"{_ci(run['reward_ci95'])} · success {_fmt(run['success_rate'])}"
-        )
+    lines += [_run_line(index, run) for index, run in enumerate(result["runs"])]
     lines.append(
         f"paired bootstrap: {boot['resamples']:,} resamples of tasks, seed {boot['seed']}, 95% percentile intervals; "
-        "reward/success over episodes completed in both runs (the summary's headline), *_itt counts failures as 0"
+        "(ITT) rows, the headline, count every paired episode, a failure as 0 (a pair with an infrastructure failure "
+        "on either side is left out); (completed) rows only the episodes completed in both runs"
     )
     for comparison in result["comparisons"]:
         lines += ["", f"{comparison['b']}  vs  {comparison['a']} (baseline)"]
@@ -572,46 +700,47 @@ def format_comparison(result: dict[str, Any]) -> str:
             f"failed only in A {comparison['failed_only_in_a']}, only in B {comparison['failed_only_in_b']}, "
             f"in both {comparison['failed_in_both']}"
         )
+        excused = comparison.get("itt_excused") or {}
+        if any(excused.values()):
+            lines.append(
+                f"  left out of the (ITT) rows, an infrastructure failure: {sum(excused.values())} pairs "
+                f"(only in A {excused['only_a']}, only in B {excused['only_b']}, in both {excused['both']})"
+            )
         if comparison["dropped"]:
             dropped = ", ".join(f"{count} {reason}" for reason, count in comparison["dropped"].items())
             lines.append(f"  partial comparison (--allow-partial): dropped {sum(comparison['dropped'].values())} ({dropped})")
         rows = []
         for entry in comparison["metrics"]:
             test = entry.get("mcnemar")
-            note = f"McNemar p={test['p_value']:.4g} (only A {test['only_a']}, only B {test['only_b']})" if test else ""
-            rows.append(
-                [
-                    entry["metric"],
-                    str(entry["pairs"]),
-                    _fmt(entry["a"]),
-                    _fmt(entry["b"]),
-                    _fmt(entry["difference"]),
-                    _ci(entry["ci95"]),
-                    note,
-                ]
-            )
+            note = f"McNemar p={format_p(test['p_value'])} (only A {test['only_a']}, only B {test['only_b']})" if test else ""
+            rows.append([display_name(entry["metric"]), str(entry["pairs"]), *metric_cells(entry), note])
         lines += _table(["metric", "pairs", "A", "B", "B−A", "95% CI", ""], rows)
+        if any(entry.get("ci95_note") for entry in comparison["metrics"]):
+            lines.append(f"  {NO_SPREAD_FOOTNOTE}")
         per_task = comparison["per_task"]
         lines.append(
-            f"  per task (mean reward, B vs A): {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses"
-            + (f", {per_task['no_pair']} without a pair completed in both" if per_task["no_pair"] else "")
+            f"  per task (mean reward (ITT), B vs A): {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses"
+            + (f", {per_task['no_pair']} without a pair counted for ITT" if per_task["no_pair"] else "")
         )
         lines.append("  termination (A -> B):")
         lines += [f"    {t['a']} -> {t['b']}: {t['episodes']}" for t in comparison["termination_transitions"]]
         lines += _label_lines(comparison["labels"])
-        lines.append("  by category (reward):")
+        lines.append(
+            f"  by category (reward (ITT); fewer than {MIN_SLICE_PAIRS} pairs folded into {OTHER_SLICE}; "
+            "p: bootstrap, Holm-adjusted over the slices):"
+        )
         slice_rows = []
         for piece in comparison["categories"]:
             reward = piece["metrics"][0]
+            name = piece["category"] + (f" ({len(piece['folded'])} categories)" if piece.get("folded") else "")
             slice_rows.append(
                 [
-                    piece["category"],
+                    name,
                     str(reward["pairs"]),
-                    _fmt(reward["a"]),
-                    _fmt(reward["b"]),
-                    _fmt(reward["difference"]),
-                    _ci(reward["ci95"]),
+                    *metric_cells(reward),
+                    format_p(reward.get("p_value")),
+                    format_p(reward.get("p_holm")),
                 ]
             )
-        lines += _table(["category", "pairs", "A", "B", "B−A", "95% CI"], slice_rows, indent="    ")
+        lines += _table(["category", "pairs", "A", "B", "B−A", "95% CI", "p", "p (Holm)"], slice_rows, indent="    ")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,14 +28,17 @@ from typing import IO, Any
 import numpy as np
 import orjson
 
+from shopsimrl.prompts import persona_section
 from shopsimrl.research.dedup import NearDuplicateIndex
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.outputs import OutputWriteError, check_output_location, replacing
 from shopsimrl.research.redaction import (
+    IDENTIFYING_PERSONA_FIELDS,
     RedactionError,
     persona_of,
     refuse_test_split,
     refusing_test_records,
+    removed_persona_fields,
 )
 from shopsimrl.research.runs import Run
 from shopsimrl.research.training import TraceShapeError, check_chat_record, sft_records
@@ -59,6 +63,7 @@ SELECTIONS = ("success", "completed", "all")
 """``success``: completed with ``r_success == 1``; ``completed``: every scored episode; ``all``:
 failed ones too (judge input only: an SFT record needs a finished episode)."""
 DEFAULT_NEAR_DUPLICATE = 0.9
+_PERSONA_LABEL = persona_section({}).partition("\n")[0]
 _PURCHASE_KEYS = ("asin", "name", "category", "product_category", "price", "options")
 """What a judge sees of a purchase: what the agent bought. The shop's purchase object also holds
 the bought product's own task instruction, which for the goal's product is the private goal."""
@@ -192,6 +197,37 @@ def _trajectory_text(record: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+_TERMS = re.compile(r"[\s,，、;；:：/|()（）\[\]【】\"'“”]+")
+
+
+def _uses_persona_words(item: dict[str, Any]) -> bool:
+    """Whether the record's target (the last reply's call arguments) uses a word of two or more
+    characters that the persona section holds and no other message of the record does: a pair
+    that would break if the persona were removed."""
+    messages = item.get("messages") or []
+    system = messages[0].get("content") if messages and isinstance(messages[0], dict) else None
+    if not isinstance(system, str) or _PERSONA_LABEL not in system:
+        return False
+    start = system.index(_PERSONA_LABEL)
+    end = system.find("\n\n", start)
+    persona = system[start : end if end >= 0 else len(system)]
+    context = [system.replace(persona, "")]
+    for message in messages[1:-1]:
+        if isinstance(message, dict):
+            context.append(str(message.get("content") or ""))
+            context += [str(_map(call.get("function")).get("arguments")) for call in message.get("tool_calls") or []]
+    others = "\n".join(context)
+    words: set[str] = set()
+    for call in _map(messages[-1]).get("tool_calls") or []:
+        try:
+            arguments = orjson.loads(_map(call.get("function")).get("arguments") or "{}")
+        except orjson.JSONDecodeError:
+            continue
+        for value in arguments.values() if isinstance(arguments, dict) else ():
+            words.update(word for word in _TERMS.split(str(value)) if len(word) >= 2)
+    return any(word in persona and word not in others for word in words)
+
+
 def _identity(run: Run) -> dict[str, Any]:
     identity = run.identity
     return {key: identity.get(key) for key in ("uri", "experiment", "model_id", "checkpoint_id", "plan_fingerprint", "split")} | {
@@ -210,9 +246,13 @@ def _base_report(kind: str, run: Run, output: Path, include: frozenset[str], sel
         "selection": {"select": select, "episodes_in_run": 0, "selected": 0, "not_selected": {}},
         "redaction": {
             "included": sorted(include),
-            "left_out": [name for name in ("reasoning", "persona", "goal") if name not in include],
+            # SFT records keep the persona the policy saw (without identifying fields): see "persona".
+            "left_out": [name for name in _LEFT_OUT[kind] if name not in include],
         },
     }
+
+
+_LEFT_OUT = {"sft": ("reasoning", "goal"), "judge-input": ("reasoning", "persona", "goal")}
 
 
 def export_sft(
@@ -239,14 +279,20 @@ def export_sft(
     coverage = _Coverage()
     dropped: list[dict[str, Any]] = []
     candidates: list[tuple[str, str, np.ndarray, dict[str, Any]]] = []
+    persona_fields: dict[str, list[str]] = {}
+    persona_dependent: dict[str, int] = {}
+    refused_for_persona = 0
     with _spool(output) as spool:
         for record, row in _selected_records(run, select, selection, coverage):
             episode_id = str(row["episode_id"])
             try:
                 records = sft_records(record, include=include)
             except (TraceShapeError, RedactionError) as exc:
+                refused_for_persona += isinstance(exc, RedactionError)
                 dropped.append({"episode_id": episode_id, "reason": "unusable", "detail": str(exc)})
                 continue
+            persona_fields[episode_id] = removed_persona_fields(record, include)
+            persona_dependent[episode_id] = sum(_uses_persona_words(item) for item in records)
             if not records:
                 dropped.append({"episode_id": episode_id, "reason": "unusable", "detail": "no model call made a valid action"})
                 continue
@@ -287,6 +333,17 @@ def export_sft(
     reasons: dict[str, int] = {}
     for item in dropped:
         reasons[item["reason"]] = reasons.get(item["reason"], 0) + 1
+    removed: dict[str, int] = {}
+    for episode_id in kept:
+        for name in persona_fields[episode_id]:
+            removed[name] = removed.get(name, 0) + 1
+    summary["redaction"]["persona"] = {
+        "exported": "in full" if "persona" in include else "as the policy saw it, without its identifying fields",
+        "identifying_fields": [] if "persona" in include else sorted(IDENTIFYING_PERSONA_FIELDS),
+        "kept_episodes_with_fields_removed": dict(sorted(removed.items())),
+        "episodes_refused": refused_for_persona,
+        "records_using_persona_words": sum(persona_dependent[episode_id] for episode_id in kept),
+    }
     summary |= {
         "dedup": {
             "exact": "identical records once tool-call ids are numbered in order",

@@ -30,7 +30,9 @@ __all__ = [
     "BOOTSTRAP_SEED",
     "ClusterSums",
     "Interval",
+    "bootstrap_p_value",
     "cluster_sums",
+    "holm_adjust",
     "mcnemar_exact",
     "percentile_interval",
     "resampled_differences",
@@ -134,6 +136,31 @@ def percentile_interval(differences: Floats, confidence: float = 0.95) -> list[I
         low, high = np.quantile(finite, [tail, 1.0 - tail])
         intervals.append(Interval(float(low), float(high), int(finite.size)))
     return intervals
+
+
+def bootstrap_p_value(differences: Floats) -> float | None:
+    """Two-sided bootstrap p-value of "no difference" from one metric's resampled differences:
+    twice the smaller share of resamples at or beyond 0 on either side, each share counted as
+    (k + 1)/(B + 1) so that a finite number of resamples never claims p = 0; at most 1. None
+    when fewer than half of the resamples are defined (as :func:`percentile_interval`)."""
+    finite = differences[np.isfinite(differences)]
+    if finite.size == 0 or finite.size * 2 < differences.size:
+        return None
+    below, above = int((finite <= 0).sum()), int((finite >= 0).sum())
+    return min(1.0, 2.0 * (min(below, above) + 1) / (finite.size + 1))
+
+
+def holm_adjust(p_values: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of a family of p-values (None entries are not in the family
+    and stay None): the i-th smallest of m becomes max over j ≤ i of min(1, (m − j + 1)·p_(j)).
+    It keeps the family-wise error rate at the nominal level under any dependence."""
+    known = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    adjusted: list[float | None] = [None] * len(p_values)
+    running = 0.0
+    for rank, (p, index) in enumerate(known):
+        running = max(running, min(1.0, (len(known) - rank) * p))
+        adjusted[index] = running
+    return adjusted
 
 
 def mcnemar_exact(only_a: int, only_b: int) -> float:

@@ -6,9 +6,14 @@ when asked for by name (``--include reasoning,persona,goal``):
 
 - ``reasoning``: the model's thinking (``steps[i].model.reasoning``). The conversation never
   holds it (the runtime does not send it back), so it is absent unless added.
-- ``persona``: the user profile. The model saw it in the system message, as the section
-  :func:`shopsimrl.prompts.persona_section` renders; that section is removed. A system message
-  from which it cannot be removed cleanly makes the episode unusable (fail closed), never a leak.
+- ``persona``: the user profile, in full. The model saw it in the system message, as the section
+  :func:`shopsimrl.prompts.persona_section` renders, and its replies depend on it (the system
+  prompt tells it to match the profile; search queries take words from it). So by default the
+  section stays as the policy saw it, minus the fields that identify the user and teach nothing
+  (:data:`IDENTIFYING_PERSONA_FIELDS`: user id, registration and update times), re-rendered the
+  same way. A system message whose section cannot be found verbatim, or an identifying value
+  still present anywhere in the exported messages (a reply or a page that repeats it), makes the
+  episode unusable (fail closed), never a leak.
 - ``goal``: the private goal the environment reveals after the episode (``final.goal``: the
   product, its attributes, options and budget). The model never saw it; only the judge input
   can carry it.
@@ -25,21 +30,27 @@ from shopsimrl.prompts import persona_section
 from shopsimrl.research.runs import Run
 
 __all__ = [
+    "IDENTIFYING_PERSONA_FIELDS",
     "INCLUDABLE",
     "ExportRefusedError",
     "RedactionError",
     "parse_include",
     "persona_of",
+    "public_persona",
     "redacted_conversation",
     "refuse_test_split",
     "refusing_test_records",
+    "removed_persona_fields",
 ]
 
 INCLUDABLE = ("reasoning", "persona", "goal")
+IDENTIFYING_PERSONA_FIELDS = frozenset({"用户ID", "注册时间", "最后更新时间", "更新时间"})
+"""Persona keys (at any depth) left out of a default export: who the user is and when the record
+was made, which no reply should depend on."""
 
-_PERSONA_LABEL = persona_section({}).partition("\n")[0]
 _SENTINEL_CHARS = 4
-"""Persona values this long or longer must not be left in a redacted system message."""
+"""Removed persona values this long or longer must not be left in the exported messages (shorter
+ones, a single digit, say, turn up by chance)."""
 
 
 class RedactionError(ValueError):
@@ -104,20 +115,60 @@ def _leaves(value: Any) -> Iterator[str]:
         yield str(value)
 
 
-def _without_persona(content: str, persona: dict[str, Any]) -> str:
-    section = persona_section(persona)
-    if persona:
-        # PromptBuilder joins sections with a blank line; the persona is never the first section.
-        content = content.replace("\n\n" + section, "", 1)
-    leaked = _PERSONA_LABEL in content or any(len(value) >= _SENTINEL_CHARS and value in content for value in _leaves(persona))
-    if leaked:
-        raise RedactionError("the persona could not be separated from the system message")
-    return content
+def public_persona(persona: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The persona without its identifying fields (at any depth), and what was removed: field
+    name → the removed values as text."""
+    removed: dict[str, list[str]] = {}
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            kept = {}
+            for key, item in value.items():
+                if key in IDENTIFYING_PERSONA_FIELDS:
+                    removed.setdefault(str(key), []).extend(_leaves(item) if isinstance(item, dict | list) else [str(item)])
+                else:
+                    kept[key] = strip(item)
+            return kept
+        if isinstance(value, list):
+            return [strip(item) for item in value]
+        return value
+
+    return strip(persona), removed
+
+
+def removed_persona_fields(record: Mapping[str, Any], include: frozenset[str]) -> list[str]:
+    """The identifying persona fields a default export removes from this episode (none when the
+    persona is included in full)."""
+    if "persona" in include:
+        return []
+    return sorted(public_persona(persona_of(record))[1])
+
+
+def _public_system(content: str, persona: dict[str, Any]) -> tuple[str, list[str]]:
+    """The system message with the persona section re-rendered without identifying fields, and
+    the removed values that must then appear nowhere in the messages. A system message without
+    the section verbatim (the earlier implementation's prompts showed no persona) is left as it
+    is: the check of the removed values still fails it if it shows them some other way."""
+    public, removed = public_persona(persona)
+    if not removed:
+        return content, []
+    content = content.replace(persona_section(persona), persona_section(public), 1)
+    return content, [value for values in removed.values() for value in values if len(value) >= _SENTINEL_CHARS]
+
+
+def _message_texts(message: Mapping[str, Any]) -> Iterator[str]:
+    content = message.get("content")
+    if isinstance(content, str):
+        yield content
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            yield function["arguments"]
 
 
 def redacted_conversation(record: Mapping[str, Any], include: frozenset[str]) -> list[dict[str, Any]]:
-    """A copy of the episode's conversation (the messages as sent) with the persona section
-    removed from the system message unless ``persona`` is included."""
+    """A copy of the episode's conversation (the messages as sent), the persona section without
+    its identifying fields unless ``persona`` is included in full."""
     conversation = record.get("conversation")
     if not isinstance(conversation, list):
         return []
@@ -125,5 +176,12 @@ def redacted_conversation(record: Mapping[str, Any], include: frozenset[str]) ->
     if "persona" not in include and messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
         content = messages[0].get("content")
         if isinstance(content, str):
-            messages[0]["content"] = _without_persona(content, persona_of(record))
+            messages[0]["content"], removed = _public_system(content, persona_of(record))
+            for position, message in enumerate(messages):
+                texts = _message_texts(message) if isinstance(message, dict) else iter(())
+                if any(value in text for text in texts for value in removed):
+                    raise RedactionError(
+                        f"conversation[{position}] repeats an identifying persona field "
+                        f"({', '.join(sorted(public_persona(persona_of(record))[1]))}): it cannot be removed from the pair"
+                    )
     return messages

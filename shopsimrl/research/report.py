@@ -7,7 +7,9 @@ right); with two or more, each is also compared with the first by :mod:`shopsimr
 (the same pairing rules, statistics and JSON as ``shopsimrl compare``).
 
 Per-run numbers are the runs' own summaries, recomputed from their records as ``summary.json``
-is (reward and success over completed episodes, intervals clustered by task).
+is: first the intent-to-treat reward and success (every planned episode with an outcome, a
+failure as 0) beside the coverage, then the means conditional on completing, named as such;
+intervals clustered by task.
 """
 
 from __future__ import annotations
@@ -26,9 +28,20 @@ from typing import Any
 import matplotlib as mpl
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
 
 from shopsimrl.manifest import flatten
-from shopsimrl.research.compare import LoadedRun, compare_loaded, load_run
+from shopsimrl.research.compare import (
+    MIN_SLICE_PAIRS,
+    NO_SPREAD_FOOTNOTE,
+    OTHER_SLICE,
+    LoadedRun,
+    compare_loaded,
+    display_name,
+    format_p,
+    load_run,
+    metric_cells,
+)
 from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY
 from shopsimrl.research.paired_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
@@ -108,11 +121,11 @@ def _headline_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
     axes = figure.subplots()
     x = list(range(len(runs)))
     for key, ci_key, name, color, offset in (
-        ("reward_mean", "reward_ci95", "reward", _PALETTE[0], -0.04),
-        ("success_rate", "success_ci95", "success", _PALETTE[1], 0.04),
+        ("reward_mean", "reward_ci95", "reward (ITT)", _PALETTE[0], -0.04),
+        ("success_rate", "success_ci95", "success (ITT)", _PALETTE[1], 0.04),
     ):
-        values = [run.summary["primary"][key] for run in runs]
-        intervals = [run.summary["primary"][ci_key] for run in runs]
+        values = [run.summary["intent_to_treat"][key] for run in runs]
+        intervals = [run.summary["intent_to_treat"][ci_key] for run in runs]
         axes.errorbar(
             [i + offset for i in x],
             [_value(v) for v in values],
@@ -122,8 +135,10 @@ def _headline_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
             color=color,
             label=f"{name} (95% CI)",
         )
-    itt = [run.summary["intent_to_treat"]["reward_mean"] for run in runs]
-    axes.plot(x, [_value(v) for v in itt], linestyle="--", marker="x", color=_PALETTE[2], label="reward, intent to treat")
+    completed = [run.summary["primary"]["reward_mean"] for run in runs]
+    axes.plot(
+        x, [_value(v) for v in completed], linestyle="--", marker="x", color=_PALETTE[2], label="reward (completed episodes only)"
+    )
     axes.set_xticks(x, labels)
     axes.set_xlim(-0.5, len(runs) - 0.5)
     axes.set_ylim(-0.02, 1.02)
@@ -134,12 +149,31 @@ def _headline_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
     return figure
 
 
-def _grouped_bars(axes: Axes, groups: list[str], series: list[tuple[str, list[float | None]]]) -> None:
+def _grouped_bars(
+    axes: Axes,
+    groups: list[str],
+    series: list[tuple[str, list[float | None]]],
+    *,
+    value_labels: str | None = None,
+    label_rotation: float = 0.0,
+) -> None:
+    """Bars per group and series. ``value_labels`` (a format such as ``"{:.1%}"``) writes each bar's
+    value above it, so a bar of height 0 still says 0 and a missing one says n/a."""
     width = 0.8 / max(1, len(series))
     for index, (name, values) in enumerate(series):
         positions = [g + (index - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        axes.bar(positions, [_value(v) for v in values], width=width, label=name, color=_PALETTE[index % len(_PALETTE)])
+        bars = axes.bar(positions, [_value(v) for v in values], width=width, label=name, color=_PALETTE[index % len(_PALETTE)])
+        if value_labels is not None:
+            texts = ["n/a" if v is None else value_labels.format(v) for v in values]
+            axes.bar_label(bars, texts, padding=2, fontsize=7, rotation=label_rotation)
     axes.set_xticks(range(len(groups)), groups)
+
+
+def _rate_limits(axes: Axes, values: Sequence[float | None], *, floor: float = 0.05) -> None:
+    """A y range that shows the bars and their labels; all-zero rates keep a visible axis."""
+    top = max([floor, *[v for v in values if v is not None]])
+    axes.set_ylim(0, top * 1.25)
+    axes.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0 if top >= 0.1 else 1))
 
 
 def _components_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
@@ -150,10 +184,16 @@ def _components_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
         (label, [run.summary["reward_components"].get(key) for key in components])
         for run, label in zip(runs, labels, strict=True)
     ]
-    _grouped_bars(axes, components or ["(none)"], series if components else [(label, [None]) for label in labels])
-    axes.set_ylim(0, 1.05)
+    _grouped_bars(
+        axes,
+        components or ["(none)"],
+        series if components else [(label, [None]) for label in labels],
+        value_labels="{:.2f}",
+        label_rotation=90.0 if len(runs) > 1 else 0.0,
+    )
+    axes.set_ylim(0, 1.25)  # room for the value labels above a bar at 1
     axes.set_ylabel("mean over completed episodes")
-    axes.legend(fontsize=8, ncols=min(4, len(runs)))
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     axes.grid(axis="y", alpha=0.3)
     return figure
 
@@ -191,37 +231,82 @@ def _behaviour_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
     steps_axes.boxplot(steps, tick_labels=labels, showmeans=True, showfliers=False)  # fliers: one mark per outlier
     steps_axes.set_title("steps per completed episode")
     steps_axes.grid(axis="y", alpha=0.3)
-    rates = [_value(run.summary["behavior"]["invalid_action_rate"]) for run in runs]
-    invalid_axes.bar(labels, rates, color=_PALETTE[3])
+    rates = [run.summary["behavior"]["invalid_action_rate"] for run in runs]
+    _grouped_bars(invalid_axes, labels, [("invalid / actions", rates)], value_labels="{:.1%}")
     invalid_axes.set_title("invalid-action rate (invalid / actions)")
-    invalid_axes.set_ylim(0, max([0.05, *[r for r in rates if r == r]]) * 1.15)
+    _rate_limits(invalid_axes, rates)
     invalid_axes.grid(axis="y", alpha=0.3)
     for axes in (steps_axes, invalid_axes):
         axes.tick_params(axis="x", labelrotation=20 if len(runs) > 3 else 0)
     return figure
 
 
+def _tokens_per_episode(run: LoadedRun, key: str) -> float | None:
+    tokens = run.summary["cost"]["tokens"].get(key)
+    completed = run.summary["counts"]["completed"]
+    return tokens / completed if tokens is not None and completed else None
+
+
 def _cost_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
-    figure = Figure(figsize=(max(7.0, 1.2 * len(runs) + 4), 3.4))
-    latency_axes, token_axes = figure.subplots(1, 2)
+    """Latency, and prompt and completion tokens each on its own axis: a prompt is often a hundred
+    times the completion, and stacked on it the completion would not show."""
+    figure = Figure(figsize=(max(9.0, 1.6 * len(runs) + 6), 3.4))
+    latency_axes, prompt_axes, completion_axes = figure.subplots(1, 3)
     series = [
         (name, [run.summary["latency"]["model_step_ms"].get(key) for run in runs])
         for name, key in (("p50", "p50"), ("p95", "p95"), ("mean", "mean"))
     ]
     _grouped_bars(latency_axes, labels, series)
-    latency_axes.set_title("model latency per step (ms)")
+    latency_axes.set_title("model latency\nper step (ms)")
     latency_axes.legend(fontsize=8)
     latency_axes.grid(axis="y", alpha=0.3)
-    bottom = [0.0] * len(runs)
-    for index, key in enumerate(("prompt_tokens", "completion_tokens")):
-        per_episode = [run.summary["cost"]["tokens"].get(key, 0) / max(1, run.summary["counts"]["completed"]) for run in runs]
-        token_axes.bar(labels, per_episode, bottom=bottom, label=key.replace("_", " "), color=_PALETTE[index + 4])
-        bottom = [a + b for a, b in zip(bottom, per_episode, strict=True)]
-    token_axes.set_title("tokens per completed episode")
-    token_axes.legend(fontsize=8)
-    token_axes.grid(axis="y", alpha=0.3)
-    for axes in (latency_axes, token_axes):
+    prompt = [_tokens_per_episode(run, "prompt_tokens") for run in runs]
+    _grouped_bars(prompt_axes, labels, [("prompt", prompt)], value_labels="{:,.0f}")
+    prompt_axes.set_title("prompt tokens\nper completed episode")
+    completion = [("completion", [_tokens_per_episode(run, "completion_tokens") for run in runs])]
+    reasoning = [_tokens_per_episode(run, "reasoning_tokens") for run in runs]
+    if any(value is not None for value in reasoning):
+        completion.append(("of which reasoning", reasoning))
+    _grouped_bars(completion_axes, labels, completion, value_labels="{:,.0f}")
+    completion_axes.set_title("completion tokens\nper completed episode")
+    if len(completion) > 1:
+        completion_axes.legend(fontsize=8)
+    # Headroom for the value labels; an all-zero panel keeps an axis.
+    prompt_axes.set_ylim(0, max([1.0, *[v for v in prompt if v is not None]]) * 1.2)
+    completion_axes.set_ylim(0, max([1.0, *[v for _, values in completion for v in values if v is not None]]) * 1.2)
+    for axes in (latency_axes, prompt_axes, completion_axes):
+        axes.grid(axis="y", alpha=0.3)
         axes.tick_params(axis="x", labelrotation=20 if len(runs) > 3 else 0)
+    return figure
+
+
+def _share_of(count: Any, total: Any) -> float | None:
+    return count / total if isinstance(count, int) and isinstance(total, int) and total > 0 else None
+
+
+def _faults_figure(runs: Sequence[LoadedRun], labels: list[str]) -> Figure:
+    """What went wrong on the way: protocol errors and policy failures per model call, model calls
+    that needed a retry, and completed episodes that took more than one attempt."""
+    figure = Figure(figsize=(max(7.0, 1.8 * len(runs) + 4), 3.6))
+    axes = figure.subplots()
+    series: list[tuple[str, list[float | None]]] = [
+        ("protocol errors / model call", [run.summary["behavior"]["protocol_error_rate"] for run in runs]),
+        ("policy failures / model call", [run.summary["behavior"]["policy_failure_rate"] for run in runs]),
+        (
+            "model calls retried / model call",
+            [_share_of(run.summary["retries"]["model_calls_retried"], run.summary["behavior"]["model_steps"]) for run in runs],
+        ),
+        (
+            "episodes retried / completed",
+            [_share_of(run.summary["retries"]["episodes_retried"], run.summary["counts"]["completed"]) for run in runs],
+        ),
+    ]
+    _grouped_bars(axes, labels, series, value_labels="{:.1%}")
+    _rate_limits(axes, [v for _, values in series for v in values])
+    axes.set_ylabel("share")
+    axes.grid(axis="y", alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes.tick_params(axis="x", labelrotation=20 if len(runs) > 3 else 0)
     return figure
 
 
@@ -234,31 +319,45 @@ def _forest_figure(comparisons: list[dict[str, Any]], labels: list[str]) -> Figu
     band = 0.8 / len(comparisons)
     for index, comparison in enumerate(comparisons):
         by_name = {m["metric"]: m for m in comparison["metrics"]}
-        ys, xs, low, high = [], [], [], []
+        # Two groups: bootstrap intervals, and the no-spread ones (hollow, dashed): those are
+        # an assumption about the spread, not a measurement of it.
+        points: dict[bool, tuple[list[float], list[float], list[float], list[float]]] = {
+            False: ([], [], [], []),
+            True: ([], [], [], []),
+        }
         for row, name in enumerate(names):
             entry = by_name.get(name)
             if entry is None or entry["difference"] is None:
                 continue
             ci = entry["ci95"] or [entry["difference"], entry["difference"]]
+            ys, xs, low, high = points[bool(entry.get("ci95_note"))]
             ys.append(row + (index - (len(comparisons) - 1) / 2) * band)
             xs.append(entry["difference"])
             low.append(entry["difference"] - ci[0])
             high.append(ci[1] - entry["difference"])
-        axes.errorbar(
-            xs,
-            ys,
-            xerr=[low, high],
-            fmt="o",
-            capsize=3,
-            color=_PALETTE[(index + 1) % len(_PALETTE)],
-            label=f"{labels[index + 1]} − {labels[0]}",
-        )
+        color = _PALETTE[(index + 1) % len(_PALETTE)]
+        for no_spread, (ys, xs, low, high) in points.items():
+            if not xs:
+                continue
+            bars = axes.errorbar(
+                xs,
+                ys,
+                xerr=[low, high],
+                fmt="o",
+                capsize=3,
+                color=color,
+                markerfacecolor="white" if no_spread else color,
+                label=f"{labels[index + 1]} − {labels[0]}" + (" (no spread between tasks)" if no_spread else ""),
+            )
+            if no_spread:
+                for line in bars[2]:
+                    line.set_linestyle("--")
     axes.axvline(0.0, color="#444", linewidth=1)
-    axes.set_yticks(range(rows), names)
+    axes.set_yticks(range(rows), [display_name(name) for name in names])
     axes.invert_yaxis()
     axes.set_xlabel("paired difference against the baseline (95% bootstrap CI over tasks)")
     axes.grid(axis="x", alpha=0.3)
-    axes.legend(fontsize=8, loc="best")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return figure
 
 
@@ -279,7 +378,7 @@ def _win_loss_figure(comparisons: list[dict[str, Any]], labels: list[str]) -> Fi
                 axes.text(start + count / 2, y, str(count), ha="center", va="center", color="white", fontsize=8)
         left = [a + b for a, b in zip(left, counts, strict=True)]
     axes.invert_yaxis()
-    axes.set_xlabel("tasks (mean reward over pairs completed in both runs)")
+    axes.set_xlabel("tasks (mean reward (ITT): a failure counts 0)")
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return figure
 
@@ -358,25 +457,39 @@ def _runs_section(runs: Sequence[LoadedRun], labels: list[str]) -> str:
     plan = _html_table(["plan key", *labels], plan_rows, classes=plan_classes)
     headline_rows = []
     for run, label in zip(runs, labels, strict=True):
-        primary, itt = run.summary["primary"], run.summary["intent_to_treat"]
+        primary, itt, counts = run.summary["primary"], run.summary["intent_to_treat"], run.summary["counts"]
         headline_rows.append(
             [
                 _e(label),
-                f"{_num(primary['reward_mean'])} {_ci(primary['reward_ci95'])}",
-                f"{_num(primary['success_rate'])} {_ci(primary['success_ci95'])}",
                 f"{_num(itt['reward_mean'])} {_ci(itt['reward_ci95'])}",
                 f"{_num(itt['success_rate'])} {_ci(itt['success_ci95'])}",
+                _e(f"{100 * counts['coverage']:.1f}% ({counts['completed']} of {counts['requested']})"),
+                _e(f"{itt['episodes']} ({itt['failed_counted_as_zero']} failed as 0)"),
+                f"{_num(primary['reward_mean'])} {_ci(primary['reward_ci95'])}",
+                f"{_num(primary['success_rate'])} {_ci(primary['success_ci95'])}",
                 _e(run.summary["per_task"]["tasks"]),
             ]
         )
     headline = _html_table(
-        ["run", "reward (95% CI)", "success (95% CI)", "reward, intent to treat", "success, intent to treat", "tasks"],
+        [
+            "run",
+            "reward (ITT, 95% CI)",
+            "success (ITT, 95% CI)",
+            "coverage (completed of planned)",
+            "ITT episodes",
+            "reward (completed only)",
+            "success (completed only)",
+            "tasks",
+        ],
         headline_rows,
     )
     return (
         "<section><h2>Runs</h2>"
         + identities
-        + "<h3>Headline (the summary's numbers: completed episodes; intervals clustered by task)</h3>"
+        + "<h3>Headline (the summary's numbers; intervals clustered by task)</h3>"
+        + '<p class="note">ITT, intent to treat, is the number to quote: every planned episode with an outcome, '
+        "a failed one counting 0 (infrastructure failures excused). The completed-only means are conditional on "
+        "completing: a run that fails on hard tasks looks better there.</p>"
         + headline
         + _labels_table(runs, labels)
         + "<details><summary>Plan of each run (differing keys highlighted)</summary>"
@@ -422,17 +535,16 @@ def _comparison_section(comparison: dict[str, Any], title: str) -> str:
         test = entry.get("mcnemar")
         rows.append(
             [
-                _e(entry["metric"]),
+                _e(display_name(entry["metric"])),
                 _e(entry["pairs"]),
-                _num(entry["a"]),
-                _num(entry["b"]),
-                _num(entry["difference"]),
-                _ci(entry["ci95"]),
-                _e(f"p = {test['p_value']:.4g} (only A {test['only_a']}, only B {test['only_b']})" if test else ""),
+                *(_e(cell) for cell in metric_cells(entry)),
+                _e(f"p = {format_p(test['p_value'])} (only A {test['only_a']}, only B {test['only_b']})" if test else ""),
             ]
         )
     significant = ["excludes-zero" if e["ci95"] and (e["ci95"][0] > 0 or e["ci95"][1] < 0) else "" for e in comparison["metrics"]]
     metrics = _html_table(["metric", "pairs", "A", "B", "B − A", "95% CI", "McNemar (exact)"], rows, classes=significant)
+    if any(entry.get("ci95_note") for entry in comparison["metrics"]):
+        metrics += f'<p class="note">{_e(NO_SPREAD_FOOTNOTE)}</p>'
     plan = "".join(f"<li><code>{_e(line)}</code></li>" for line in comparison["plan_differences"]) or "<li>none</li>"
     dropped = ""
     if comparison["dropped"]:
@@ -459,28 +571,55 @@ def _comparison_section(comparison: dict[str, Any], title: str) -> str:
     category_rows = []
     for piece in comparison["categories"]:
         reward, success = piece["metrics"]
+        folded = piece.get("folded") or []
+        name = piece["category"] + (f" ({len(folded)} categories: {', '.join(folded)})" if folded else "")
         category_rows.append(
             [
-                _e(piece["category"]),
+                _e(name),
                 _e(reward["pairs"]),
-                _num(reward["a"]),
-                _num(reward["b"]),
-                _num(reward["difference"]),
-                _ci(reward["ci95"]),
+                *(_e(cell) for cell in metric_cells(reward)),
+                _e(format_p(reward.get("p_value"))),
+                _e(format_p(reward.get("p_holm"))),
                 _num(success["difference"]),
+                _e(format_p(success.get("p_holm"))),
             ]
         )
-    categories = _html_table(["category", "pairs", "reward A", "reward B", "B − A", "95% CI", "success B − A"], category_rows)
+    categories = _html_table(
+        [
+            "category",
+            "pairs",
+            "reward (ITT) A",
+            "reward (ITT) B",
+            "B − A",
+            "95% CI",
+            "p (bootstrap)",
+            "p (Holm)",
+            "success (ITT) B − A",
+            "success p (McNemar, Holm)",
+        ],
+        category_rows,
+    ) + (
+        f'<p class="note">Categories with fewer than {MIN_SLICE_PAIRS} pairs are folded into {OTHER_SLICE}. '
+        "p (Holm): adjusted over the slices of the metric, so that the chance of any false finding among them stays "
+        "at 5 %; read the unadjusted p of one slice only for a category chosen before looking.</p>"
+    )
+    excused = comparison.get("itt_excused") or {}
+    excused_note = (
+        f"<p>Left out of the (ITT) rows, an infrastructure failure on either side: {sum(excused.values())} pairs "
+        f"(only in A {excused['only_a']}, only in B {excused['only_b']}, in both {excused['both']}).</p>"
+        if any(excused.values())
+        else ""
+    )
     return (
         f"<section><h2>{_e(title)}</h2>"
         f"<p>{comparison['episodes']} paired episodes over {comparison['tasks']} tasks (up to {comparison['repeats']} per task); "
         f"completed in both {comparison['completed_in_both']}, failed only in A {comparison['failed_only_in_a']}, "
         f"only in B {comparison['failed_only_in_b']}, in both {comparison['failed_in_both']}.</p>"
-        f"{dropped}<h3>Plan differences</h3><ul>{plan}</ul>"
+        f"{excused_note}{dropped}<h3>Plan differences</h3><ul>{plan}</ul>"
         f"<h3>Paired differences</h3>{metrics}"
         f"<h3>Termination reasons (A → B)</h3>{transitions}"
         f"{_comparison_labels(comparison['labels'])}"
-        f"<details><summary>Per task: {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses for B</summary>{tasks}{more_note}</details>"
+        f"<details><summary>Per task (mean reward (ITT)): {per_task['win']} wins, {per_task['tie']} ties, {per_task['loss']} losses for B</summary>{tasks}{more_note}</details>"
         f"<details><summary>By catalog category</summary>{categories}</details></section>"
     )
 
@@ -515,7 +654,8 @@ def build_report(
     plots: list[tuple[str, str, Callable[[], Figure]]] = [
         (
             "Reward and success per run",
-            "Means with 95% intervals clustered by task; runs in the order given.",
+            "Intent-to-treat means (every planned episode with an outcome, a failure as 0) with 95% intervals clustered "
+            "by task; the reward over completed episodes only, dashed; runs in the order given.",
             lambda: _headline_figure(runs, labels),
         ),
         ("Reward components", "Each r_* component's mean over completed episodes.", lambda: _components_figure(runs, labels)),
@@ -531,15 +671,23 @@ def build_report(
         ),
         (
             "Model latency and tokens",
-            "Per-step model latency percentiles and tokens per completed episode.",
+            "Per-step model latency percentiles; prompt and completion tokens per completed episode, each on its own scale.",
             lambda: _cost_figure(runs, labels),
+        ),
+        (
+            "Protocol errors, policy failures and retries",
+            "Protocol errors and policy failures per model call (completed episodes), model calls that needed more than "
+            "one HTTP attempt, and completed episodes that needed more than one attempt.",
+            lambda: _faults_figure(runs, labels),
         ),
     ]
     if comparisons:
         plots += [
             (
                 "Paired differences against the baseline",
-                "Forest plot: B − A per metric with its paired bootstrap interval; 0 is no difference.",
+                "Forest plot: B − A per metric with its paired bootstrap interval; 0 is no difference. Hollow markers "
+                "with dashed bars: every task's pairs differ by the same amount, so the interval assumes the largest "
+                "spread a difference can have (not an exact result).",
                 lambda: _forest_figure(comparisons, labels),
             ),
             (
@@ -561,8 +709,9 @@ def build_report(
     if comparisons:
         sections.append(
             f'<p class="note">Paired bootstrap: {resamples:,} resamples of tasks (seed {seed}), percentile intervals. '
-            "reward and success count pairs completed in both runs (the summary's headline); the _itt rows count a failed "
-            "episode as 0 and leave out infrastructure failures. Success: exact McNemar test on the discordant pairs.</p>"
+            "The (ITT) rows, the headline, count every paired episode, a failed one as 0; a pair with an infrastructure "
+            "failure on either side is left out of them. The (completed) rows count only pairs completed in both runs. "
+            "Success: exact McNemar test on the discordant pairs.</p>"
         )
     title = "shopsimrl report: " + ", ".join(f"{_letter(i)} {_name(run)}" for i, run in enumerate(runs))
     page = (

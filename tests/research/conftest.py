@@ -70,6 +70,20 @@ def naive_run(tmp_path_factory: pytest.TempPathFactory, research_runs: ResearchR
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def faulty_run(tmp_path_factory: pytest.TempPathFactory, research_runs: ResearchRuns) -> Path:
+    """The plan of ``research_runs`` against a policy that answers some calls without a tool call
+    (protocol errors) and some with HTTP 500 (retried by the model client), seeded."""
+    base = tmp_path_factory.mktemp("faulty-run")
+    knobs = {"SHOPSIM_POLICY_RATE_NO_TOOL_CALL": "0.1", "SHOPSIM_POLICY_RATE_500": "0.15", "SHOPSIM_POLICY_FAULT_SEED": "7"}
+    with start_testbed(**knobs) as bed:
+        config = write_config(base, bed, episodes=research_runs.episodes, name="research", concurrency=4)
+        result = cli("run", str(config), env=worker_env(Backend("local", str(base))))
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    (run_dir,) = (base / "local-runs").iterdir()
+    return run_dir
+
+
 @pytest.fixture
 def s3_env(research_runs: ResearchRuns, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The S3 settings in this process too (readers opened in the test talk to moto)."""
@@ -146,6 +160,14 @@ def console_errors(driver: Any) -> list[str]:
 def screenshot(driver: Any, name: str) -> Path:
     path = ARTIFACTS / f"{name}.png"
     driver.save_screenshot(str(path))
+    return path
+
+
+def element_screenshot(driver: Any, element: Any, name: str) -> Path:
+    """A PNG of one element (scrolled into view first), as the browser drew it."""
+    driver.execute_script("arguments[0].scrollIntoView()", element)
+    path = ARTIFACTS / f"{name}.png"
+    assert element.screenshot(str(path)), f"no screenshot of {name}"
     return path
 
 

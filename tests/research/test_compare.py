@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from shopsimrl.local_run import LocalRunStore
+from shopsimrl.metrics import student_t_quantile, wilson_interval
 from shopsimrl.research.compare import CompareError, compare_loaded, compare_runs, format_comparison, load_run
 from shopsimrl.research.labels import TAXONOMY, label_counts
-from shopsimrl.research.paired_stats import cluster_sums, percentile_interval, resampled_differences
+from shopsimrl.research.paired_stats import cluster_sums, holm_adjust, mcnemar_exact, percentile_interval, resampled_differences
 from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, fingerprint
 
@@ -93,10 +94,18 @@ def test_two_runs_of_the_same_policy_include_zero_local_against_sharded(
     result = compare_runs([str(research_runs.local), research_runs.sharded])
     (comparison,) = result["comparisons"]
     assert result["runs"][1]["kind"] == "sharded" and comparison["plan_differences"] == []
-    for name in ("reward", "success", "reward_itt", "r_option", "steps"):
+    # The same episodes, episode by episode: every resample differs by 0. That is no spread, not
+    # an exact 0: the interval is the summary's widest-spread one on [-1, 1], or none off that scale.
+    tasks = research_runs.episodes
+    widest = wilson_interval(0.5, tasks, student_t_quantile(0.975, tasks - 1))
+    for name in ("reward", "success", "reward_itt", "r_option"):
         entry = metric(comparison, name)
-        assert entry["ci95"][0] <= 0 <= entry["ci95"][1], entry
+        assert entry["difference"] == 0 and entry["ci95"] == [pytest.approx(2 * widest[0] - 1), pytest.approx(2 * widest[1] - 1)]
+        assert f"all {tasks} tasks differ by 0" in entry["ci95_note"], entry
+    steps = metric(comparison, "steps")
+    assert steps["ci95"] is None and "no interval" in steps["ci95_note"]
     assert metric(comparison, "success")["mcnemar"]["p_value"] == 1.0
+    assert "* no spread between tasks" in format_comparison(compare_runs([str(research_runs.local), research_runs.sharded]))
     assert comparison["termination_transitions"] == [{"a": "purchase", "b": "purchase", "episodes": research_runs.episodes}]
     # The same labels episode by episode: nothing gained or lost, the same counts as the local run.
     assert all(row["gained"] == row["lost"] == 0 and row["a"] == row["b"] for row in comparison["labels"]["rows"])
@@ -309,3 +318,72 @@ def test_repeats_are_resampled_by_task_and_failures_enter_as_the_summary_counts_
     assert by_task.high - by_task.low > 1.3 * (by_episode.high - by_episode.low)
     assert "up to 3 per task, resampled by task" in format_comparison(result)
     assert comparison["per_task"]["win"] == 5 and comparison["per_task"]["loss"] == 5
+
+
+def test_the_headline_rows_count_failures_and_a_crashing_checkpoint_does_not_look_better(tmp_path: Path) -> None:
+    """B does better than A on the easy tasks and fails every hard one (a model error). Over the
+    pairs completed in both, B gains 0.1; over every paired episode (ITT, a failure as 0) it loses
+    0.27. The ITT rows come first, in the JSON and the text, and the per-task verdict is on them.
+    An infrastructure failure leaves its pair out of the ITT rows, counted in ``itt_excused``."""
+    a_records, b_records = [], []
+    for task in range(10):
+        for sample in range(2):
+            easy = task < 5
+            a_records.append(_record(task, sample, 0.5 if easy else 0.6))
+            b_records.append(_record(task, sample, 0.6) if easy else _record(task, sample, None, failure="model_error"))
+    a_records[1] = _record(0, 1, None, failure="infrastructure")
+    result = compare_loaded([load_run(_write_run(tmp_path / "a", a_records)), load_run(_write_run(tmp_path / "b", b_records))])
+    (comparison,) = result["comparisons"]
+    assert [entry["metric"] for entry in comparison["metrics"][:4]] == ["reward_itt", "success_itt", "reward", "success"]
+    itt, completed = metric(comparison, "reward_itt"), metric(comparison, "reward")
+    assert completed["pairs"] == 9 and completed["difference"] == pytest.approx(0.1)
+    assert itt["pairs"] == 19 and itt["a"] == pytest.approx((9 * 0.5 + 10 * 0.6) / 19) and itt["b"] == pytest.approx(9 * 0.6 / 19)
+    assert itt["difference"] < 0 and itt["ci95"][1] < 0
+    assert comparison["itt_excused"] == {"only_a": 1, "only_b": 0, "both": 0}
+    assert comparison["per_task"]["metric"] == "reward_itt"
+    assert (comparison["per_task"]["win"], comparison["per_task"]["loss"]) == (5, 5)
+    block = result["runs"][1]
+    assert block["reward_mean"] == pytest.approx(0.6) and block["reward_mean_itt"] == pytest.approx(0.3)
+    assert block["coverage"] == 0.5 and block["itt_episodes"] == 20
+
+    text = format_comparison(result)
+    run_line = next(line for line in text.splitlines() if line.startswith("  B  "))
+    assert "(coverage 50.0%) · reward (ITT) 0.300 [" in run_line
+    assert run_line.index("reward (ITT)") < run_line.index("reward (completed) 0.600")
+    header = next(line for line in text.splitlines() if line.strip().startswith("metric"))
+    body = text.splitlines()[text.splitlines().index(header) + 1 :]
+    assert [line.split("  ")[1] for line in body[:4]] == [
+        "reward (ITT)",
+        "success (ITT)",
+        "reward (completed)",
+        "success (completed)",
+    ]
+    assert "left out of the (ITT) rows, an infrastructure failure: 1 pairs (only in A 1, only in B 0, in both 0)" in text
+
+
+def test_small_categories_are_folded_and_slice_p_values_are_holm_adjusted(tmp_path: Path) -> None:
+    """Three categories of 12, 10 and 6 tasks and one of 3: the two small ones become one "other"
+    slice. B succeeds where A failed on every third task of the first category only. Each
+    metric's slice p-values are Holm-adjusted together."""
+    sizes = {"家居›灯具›台灯": 12, "食品›茶›绿茶": 10, "数码›电脑›键盘": 6, "服饰›鞋›跑鞋": 3}
+    categories = [name for name, size in sizes.items() for _ in range(size)]
+    a_records = [_record(task, 0, 0.5, category=name) for task, name in enumerate(categories)]
+    b_records = [
+        _record(task, 0, 1.0 if name == "家居›灯具›台灯" and task % 3 == 0 else 0.5, category=name)
+        for task, name in enumerate(categories)
+    ]
+    runs = [load_run(_write_run(tmp_path / "a", a_records)), load_run(_write_run(tmp_path / "b", b_records))]
+    result = compare_loaded(runs, resamples=2000)
+    (comparison,) = result["comparisons"]
+    slices = {piece["category"]: piece for piece in comparison["categories"]}
+    assert list(slices) == ["家居›灯具›台灯", "食品›茶›绿茶", "other"]
+    assert slices["other"]["folded"] == ["数码›电脑›键盘", "服饰›鞋›跑鞋"] and slices["other"]["episodes"] == 9
+    assert comparison["category_slices"] == {"min_pairs": 10, "p_adjust": "holm", "family": "the slices of one metric"}
+    for j in (0, 1):
+        raw = [piece["metrics"][j]["p_value"] for piece in comparison["categories"]]
+        assert [piece["metrics"][j]["p_holm"] for piece in comparison["categories"]] == holm_adjust(raw)
+    lamps = slices["家居›灯具›台灯"]["metrics"]
+    assert lamps[0]["metric"] == "reward_itt" and lamps[0]["difference"] == pytest.approx(4 * 0.5 / 12)
+    assert lamps[1]["p_value"] == mcnemar_exact(0, 4) and lamps[1]["p_holm"] == pytest.approx(min(1.0, 3 * mcnemar_exact(0, 4)))
+    text = format_comparison(result)
+    assert "fewer than 10 pairs folded into other" in text and "other (2 categories)" in text and "p (Holm)" in text

@@ -23,12 +23,12 @@ from shopsimrl.research.export import (
     export_sft,
     judge_input,
 )
-from shopsimrl.research.redaction import ExportRefusedError, persona_of
+from shopsimrl.research.redaction import IDENTIFYING_PERSONA_FIELDS, ExportRefusedError, persona_of, public_persona
 from shopsimrl.research.runs import open_run
 from tests.sharded.conftest import cli
 
 from .conftest import ResearchRuns
-from .handmade import CATEGORY, GOAL_ASIN, Episode, good_episode, product, results
+from .handmade import CATEGORY, GOAL_ASIN, PERSONA, Episode, good_episode, product, results
 
 
 def _keys(value: Any) -> set[str]:
@@ -81,8 +81,9 @@ def _private_texts(run_location: Path | str) -> dict[str, set[str]]:
                 private["reasoning"].add(step["model"]["reasoning"])
         persona = persona_of(record)
         if persona:
+            # The profile stays (the replies depend on it); what identifies the user does not.
             private["persona"].add(json.dumps(persona, ensure_ascii=False, sort_keys=True))
-            private["persona"].add("用户个人文档：\n")
+            private["persona"] |= {str(persona[key]) for key in IDENTIFYING_PERSONA_FIELDS if key in persona}
         goal = (record.get("final") or {}).get("goal") or {}
         for key in ("instruction_text", "task_uid"):
             if goal.get(key) and goal[key] != (record.get("reset") or {}).get("task_instruction"):
@@ -96,7 +97,9 @@ def _private_texts(run_location: Path | str) -> dict[str, set[str]]:
 # --------------------------------------------------------------------------- SFT
 
 
-def test_sft_export_of_a_run_with_reasoning_leaves_out_reasoning_persona_and_goal(reasoning_run: Path, tmp_path: Path) -> None:
+def test_sft_export_of_a_run_with_reasoning_leaves_out_reasoning_goal_and_who_the_user_is(
+    reasoning_run: Path, tmp_path: Path
+) -> None:
     private = _private_texts(reasoning_run)
     assert private["reasoning"] and private["persona"] and private["goal"], "the run must have something to leave out"
     report = export_sft(open_run(reasoning_run), tmp_path / "sft.jsonl", select="completed")
@@ -107,7 +110,11 @@ def test_sft_export_of_a_run_with_reasoning_leaves_out_reasoning_persona_and_goa
     for kind, values in private.items():
         leaked = [value for value in values if value in text]
         assert not leaked, f"{kind} leaked: {leaked[:1]}"
-    assert report["redaction"] == {"included": [], "left_out": ["reasoning", "persona", "goal"]}
+    persona_report = report["redaction"].pop("persona")
+    assert report["redaction"] == {"included": [], "left_out": ["reasoning", "goal"]}
+    assert persona_report["identifying_fields"] == sorted(IDENTIFYING_PERSONA_FIELDS)
+    assert persona_report["kept_episodes_with_fields_removed"] == {"用户ID": report["kept"]}
+    assert persona_report["episodes_refused"] == 0
     assert report["records"] == len(_lines(output)) == sum(item["records"] for item in report["episodes"])
     # Every line is one model call of a kept episode, in the order the report lists them.
     episodes = report["episodes"]
@@ -129,6 +136,39 @@ def test_sft_export_of_a_run_with_reasoning_leaves_out_reasoning_persona_and_goa
             assert json.dumps(persona_of(record), ensure_ascii=False, sort_keys=True) in full
     assert not [value for value in private["goal"] if value in full]
     assert included["kept"] == report["kept"]
+
+
+def _target_words(item: dict[str, Any]) -> set[str]:
+    """The words (two characters or more) of the arguments of a record's target reply."""
+    words: set[str] = set()
+    for call in item["messages"][-1].get("tool_calls") or []:
+        for value in json.loads(call["function"]["arguments"]).values():
+            words |= {word for word in str(value).split() if len(word) >= 2}
+    return words
+
+
+def test_sft_targets_keep_the_profile_their_words_come_from(reasoning_run: Path, tmp_path: Path) -> None:
+    """The policy searches with words of the user's profile. Every word of a target that the
+    profile holds is in that record's messages, so input and target still pair up; the report
+    counts the records that depend on the profile, and none of them holds the user id."""
+    records = {record["episode_id"]: record for record in open_run(reasoning_run).records()}
+    report = export_sft(open_run(reasoning_run), tmp_path / "sft.jsonl", select="completed")
+    lines = _lines(tmp_path / "sft.jsonl")
+    dependent = 0
+    for entry in report["episodes"]:
+        persona = persona_of(records[entry["episode_id"]])
+        public_text = json.dumps(public_persona(persona)[0], ensure_ascii=False)
+        for item in lines[entry["first_line"] - 1 : entry["first_line"] - 1 + entry["records"]]:
+            prompt = json.dumps(item["messages"][:-1], ensure_ascii=False)
+            from_profile = {word for word in _target_words(item) if word in public_text}
+            assert all(word in prompt for word in from_profile), (entry["episode_id"], from_profile)
+            task = str(item["messages"][1]["content"])
+            dependent += any(
+                word not in task and word not in json.dumps(item["messages"][2:-1], ensure_ascii=False) for word in from_profile
+            )
+            assert persona["用户ID"] not in prompt
+    assert dependent > 0, "the run must have targets that take words from the profile"
+    assert report["redaction"]["persona"]["records_using_persona_words"] == dependent
 
 
 def test_sft_selects_successes_by_default(reasoning_run: Path, tmp_path: Path) -> None:
@@ -177,7 +217,7 @@ def test_exact_and_near_duplicates_are_dropped_and_reported(tmp_path: Path) -> N
     repaired = _long_episode(1, 3, "护眼台灯", repaired=True)  # the same trajectory through the shop
     other = _long_episode(2, 0, "落地灯 客厅 大功率 暖光")
     unseparable = good_episode(3, 0)
-    unseparable["conversation"][0]["content"] += "\n用户个人文档：另一种写法"
+    unseparable["conversation"][0]["content"] += f"\n用户个人文档（另一种写法）：{PERSONA['用户ID']}"
     failed = Episode(4, 0).fail("model_step_1", "ModelRequestError", "HTTP 503", "infrastructure").done()
     run = open_run(_run_dir(tmp_path, [other, near, repaired, again, first, unseparable, failed]))
 
@@ -203,8 +243,9 @@ def test_exact_and_near_duplicates_are_dropped_and_reported(tmp_path: Path) -> N
     assert dropped["task-000003__sample-000"] == {
         "episode_id": "task-000003__sample-000",
         "reason": "unusable",
-        "detail": "the persona could not be separated from the system message",
+        "detail": "conversation[0] repeats an identifying persona field (用户ID): it cannot be removed from the pair",
     }
+    assert report["redaction"]["persona"]["episodes_refused"] == 1
     assert report["dropped"]["by_reason"] == {"exact_duplicate": 1, "near_duplicate": 2, "unusable": 1}
     assert report["selection"] == {"select": "success", "episodes_in_run": 7, "selected": 6, "not_selected": {"not completed": 1}}
     assert report["coverage"]["tasks"] == {"in_run": 4, "selected": 3, "kept": 2}

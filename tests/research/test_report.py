@@ -15,7 +15,7 @@ from shopsimrl.research.labels import label_counts
 from shopsimrl.research.report import build_report, write_report
 from shopsimrl.research.runs import open_run
 
-from .conftest import ResearchRuns, console_errors, screenshot
+from .conftest import ResearchRuns, console_errors, element_screenshot, screenshot
 
 REPO = Path(__file__).resolve().parents[2]
 SINGLE_RUN_FIGURES = [
@@ -24,6 +24,7 @@ SINGLE_RUN_FIGURES = [
     "Termination reasons",
     "Steps and invalid actions",
     "Model latency and tokens",
+    "Protocol errors, policy failures and retries",
 ]
 PAIRED_FIGURES = ["Paired differences against the baseline", "Per-task wins and losses"]
 
@@ -80,7 +81,7 @@ def test_a_checkpoint_sweep_report_renders_every_plot(
     screenshot(browser, "report-sweep-forest")
     # The paired table shows the naive run's loss, with its interval, as compare prints it.
     table = browser.find_elements("css selector", "section table")[4].text  # after identity, headline, labels, plan
-    assert re.search(r"reward 24 0\.\d{3} 0\.\d{3} -0\.\d{3} \[-0\.\d{3}, -0\.\d{3}\]", table), table
+    assert re.search(r"^reward \(ITT\) 24 0\.\d{3} 0\.\d{3} -0\.\d{3} \[-0\.\d{3}, -0\.\d{3}\]", table.splitlines()[1]), table
 
 
 def test_a_single_v4_run_has_the_per_run_plots_only(research_runs: ResearchRuns, browser: Any, tmp_path: Path) -> None:
@@ -93,7 +94,7 @@ def test_a_single_v4_run_has_the_per_run_plots_only(research_runs: ResearchRuns,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    assert f"{output}: 1 runs, 5 figures" in done.stdout
+    assert f"{output}: 1 runs, {len(SINGLE_RUN_FIGURES)} figures" in done.stdout
     page_html = output.read_text(encoding="utf-8")
     _assert_offline(page_html)
     seen = _open(browser, output)
@@ -153,3 +154,84 @@ def test_label_counts_per_run_and_their_paired_transitions(research_runs: Resear
     a, b, gained, lost = (int(cell) for cell in paired["wrong_or_missing_options"])
     assert (a, b) == (expected[0].labels["wrong_or_missing_options"], expected[1].labels["wrong_or_missing_options"])
     assert gained > 0 and a + gained - lost == b
+
+
+def test_the_headline_table_leads_with_itt_and_the_coverage(tmp_path: Path) -> None:
+    """B fails every hard task: its completed-only reward is higher than A's, its ITT reward (the
+    first column, beside the coverage) lower."""
+    from .test_compare import _record, _write_run
+
+    a_records = [_record(task, 0, 0.5) for task in range(10)]
+    b_records = [_record(task, 0, 0.6) if task < 5 else _record(task, 0, None, failure="model_error") for task in range(10)]
+    runs = [load_run(_write_run(tmp_path / "a", a_records)), load_run(_write_run(tmp_path / "b", b_records))]
+    page_html = build_report(runs, resamples=200).html
+    section = page_html[page_html.index("<h3>Headline") :]
+    header = re.findall(r"<th>(.*?)</th>", section[: section.index("</thead>")])
+    assert header[:5] == [
+        "run",
+        "reward (ITT, 95% CI)",
+        "success (ITT, 95% CI)",
+        "coverage (completed of planned)",
+        "ITT episodes",
+    ]
+    assert header[5:7] == ["reward (completed only)", "success (completed only)"]
+    rows = _cells(page_html, "<h3>Headline")
+    assert rows["A: a"][0].startswith("0.500 [") and rows["B: b"][0].startswith("0.300 [")
+    assert rows["B: b"][2:4] == ["50.0% (5 of 10)", "10 (5 failed as 0)"] and rows["B: b"][4].startswith("0.600 [")
+
+
+def _figure_svg(page_html: str, title: str) -> str:
+    start = page_html.index(f'<figure data-title="{title}">')
+    return page_html[start : page_html.index("</figure>", start)]
+
+
+def _svg_texts(svg: str) -> list[str]:
+    return [re.sub(r"<[^>]+>", "", text).strip() for text in re.findall(r"<text\b[^>]*>(.*?)</text>", svg, flags=re.S)]
+
+
+def test_each_plot_shows_what_a_faulty_run_did(
+    research_runs: ResearchRuns, faulty_run: Path, browser: Any, tmp_path: Path
+) -> None:
+    """A clean run against one whose policy answered some calls without a tool call and some with
+    HTTP 500: the faults figure shows both runs' protocol-error and retry rates, a rate of 0 is
+    written as 0 rather than left as an empty panel, completion tokens have their own axis.
+    Every figure is drawn by Chromium and saved as a PNG of its own (report-plot-*.png)."""
+    clean, faulty = load_run(str(research_runs.local)), load_run(str(faulty_run))
+    behaviour, retries = faulty.summary["behavior"], faulty.summary["retries"]
+    assert behaviour["protocol_errors"] > 0 and retries["model_calls_retried"] > 0  # the faults happened
+    output = tmp_path / "faulty.html"
+    output.write_text(build_report([clean, faulty], resamples=500).html, encoding="utf-8")
+    page_html = output.read_text(encoding="utf-8")
+
+    faults = _svg_texts(_figure_svg(page_html, "Protocol errors, policy failures and retries"))
+    assert f"{behaviour['protocol_error_rate']:.1%}" in faults
+    assert f"{retries['model_calls_retried'] / behaviour['model_steps']:.1%}" in faults
+    assert faults.count("0.0%") >= 4  # the clean run's rates: written, not invisible
+    invalid = _svg_texts(_figure_svg(page_html, "Steps and invalid actions"))
+    assert "0.0%" in invalid and "invalid-action rate (invalid / actions)" in invalid
+    cost = _svg_texts(_figure_svg(page_html, "Model latency and tokens"))
+    assert "prompt tokens" in cost and "completion tokens" in cost
+    completion = faulty.summary["cost"]["tokens"]["completion_tokens"] / faulty.summary["counts"]["completed"]
+    assert f"{completion:,.0f}" in cost
+
+    seen = _open(browser, output)
+    assert seen["titles"] == SINGLE_RUN_FIGURES + PAIRED_FIGURES and all(seen["drawn"]), seen
+    assert console_errors(browser) == []
+    for number, title in enumerate(seen["titles"], 1):
+        figure = browser.find_element("css selector", f'figure[data-title="{title}"]')
+        path = element_screenshot(browser, figure, f"report-plot-{number}")
+        assert path.stat().st_size > 5_000, path
+
+
+def test_completion_tokens_are_drawn_on_their_own_scale(research_runs: ResearchRuns, faulty_run: Path) -> None:
+    """Prompt tokens are about 180 times the completion here; each has its own axis, on which the
+    larger run's bar fills most of the height."""
+    from shopsimrl.research.report import _cost_figure
+
+    runs = [load_run(str(research_runs.local)), load_run(str(faulty_run))]
+    figure = _cost_figure(runs, ["A", "B"])
+    by_title = {axes.get_title(): axes for axes in figure.axes}
+    for title in ("prompt tokens\nper completed episode", "completion tokens\nper completed episode"):
+        axes = by_title[title]
+        tallest = max(bar.get_height() for bar in axes.patches)
+        assert tallest / axes.get_ylim()[1] > 0.75, title

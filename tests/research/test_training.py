@@ -15,7 +15,8 @@ from typing import Any
 import orjson
 import pytest
 
-from shopsimrl.research.redaction import RedactionError
+from shopsimrl.prompts import persona_section
+from shopsimrl.research.redaction import RedactionError, public_persona, removed_persona_fields
 from shopsimrl.research.runs import open_run
 from shopsimrl.research.training import (
     ROLLOUT_REQUEST_VERSION,
@@ -96,14 +97,34 @@ def test_a_conversation_that_does_not_match_its_steps_is_refused() -> None:
         episode_turns(record)
 
 
-def test_the_persona_is_removed_from_the_system_message_unless_included() -> None:
+def test_the_persona_stays_as_the_policy_saw_it_without_its_identifying_fields() -> None:
+    """The replies depend on the profile (the system prompt says to match it), so it stays; the
+    user id goes, the section re-rendered as the prompt builder renders it. Included, it is whole."""
     record = good_episode()
     system = record["conversation"][0]["content"]
     assert PERSONA["用户ID"] in system
     redacted = episode_turns(record)[0].prompt[0]["content"]
-    assert "用户个人文档：\n" not in redacted and PERSONA["用户ID"] not in redacted
-    assert system.startswith(redacted) and len(redacted) < len(system)
+    public = {key: value for key, value in PERSONA.items() if key != "用户ID"}
+    assert PERSONA["用户ID"] not in redacted and "用户ID" not in redacted
+    assert redacted == system.replace(persona_section(PERSONA), persona_section(public))
+    assert "极简北欧风格" in redacted and "性价比" in redacted
     assert episode_turns(record, include=frozenset({"persona"}))[0].prompt[0]["content"] == system
+    assert (
+        removed_persona_fields(record, frozenset()) == ["用户ID"] and removed_persona_fields(record, frozenset({"persona"})) == []
+    )
+
+
+def test_an_identifying_field_repeated_outside_the_persona_makes_the_episode_unusable() -> None:
+    """A reply that typed the user id into a search: the id cannot leave the pair, so the episode
+    is refused rather than exported with the id in its context."""
+    record = good_episode()
+    call = record["conversation"][2]["tool_calls"][0]
+    call["function"]["arguments"] = json.dumps({"query": f"台灯 {PERSONA['用户ID']}"}, ensure_ascii=False)
+    with pytest.raises(RedactionError, match=r"conversation\[2\] repeats an identifying persona field \(用户ID\)"):
+        episode_turns(record)
+    assert episode_turns(record, include=frozenset({"persona"}))  # in full, nothing is removed
+    nested = {"基本信息": {"注册时间": "2021-03-04 10:00:00", "城市": "杭州"}, "用户ID": "U1"}
+    assert public_persona(nested) == ({"基本信息": {"城市": "杭州"}}, {"注册时间": ["2021-03-04 10:00:00"], "用户ID": ["U1"]})
 
 
 def test_a_persona_that_cannot_be_separated_is_an_error_not_a_leak() -> None:
