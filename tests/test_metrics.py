@@ -747,7 +747,7 @@ def test_the_printed_headline_counts_failures_and_names_the_conditional_mean() -
     assert rows[0].split(maxsplit=2)[:2] == ["reward", "(ITT)"]
     assert rows[0].split(maxsplit=2)[2] == (
         f"mean 0.6667 · 95% CI [{low:.4f}, {high:.4f}] · score 66.67 · coverage 60.0% · over 9 episodes"
-        " (failures as 0: 3, infrastructure excluded: 1)"
+        " (failures as 0: 3, excluded: infrastructure 1, configuration 0 · re-rolled 0)"
     )
     assert rows[1].startswith("success (ITT)") and "rate 66.7%" in rows[1]
     assert rows[2].startswith("reward (completed)") and "mean 1.0000" in rows[2]
