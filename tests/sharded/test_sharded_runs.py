@@ -97,9 +97,10 @@ def test_sigterm_flushes_then_resume_completes(backend: Backend, testbed: Testbe
     saved = {
         record["episode_id"] for part in listing.parts for record in iter_part_records(part, store.read_part(0, part) or b"")
     }
-    # Every logged episode was flushed; the signal may also land between an episode's save and
-    # its log line, so the part can hold one more than the log shows.
-    assert finished_before <= saved and len(saved - finished_before) <= 1
+    # Every logged episode was flushed. The signal may also land between an episode's save and
+    # its log line (the save is shielded from the cancel, the line is not written), once per
+    # episode runner: the parts can hold up to `concurrency` (2) more than the log shows.
+    assert finished_before <= saved and len(saved - finished_before) <= 2
 
     resumed = start_worker(backend, uri, config, 0, 1, tmp_path / "logs")
     assert resumed.wait() == 0
