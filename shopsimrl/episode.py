@@ -49,7 +49,7 @@ from shopsimrl.prompts import (
     canonical_action,
     protocol_feedback,
 )
-from shopsimrl.schemas import EpisodeJob, ModelOutput
+from shopsimrl.schemas import EpisodeJob, ModelOutput, find_lone_surrogate, replace_lone_surrogates
 from shopsimrl.skills import SkillProvider
 from shopsimrl.traces import trace_skeleton
 
@@ -147,9 +147,15 @@ class _ProtocolViolation(Exception):
 
 
 def _check_single_call(output: ModelOutput) -> tuple[str, str, str]:
-    """Re-check what a custom ChatModel may not have: one call, no visible text, valid arguments."""
+    """Re-check what a custom ChatModel may not have: one call, no visible text, valid arguments,
+    and only valid Unicode in what would reach the conversation or the environment."""
     if output.protocol_error:
         raise _ProtocolViolation(output.protocol_error["code"], output.protocol_error.get("message", ""))
+    spoken = {"content": output.content, "tool_calls": [call.to_dict() for call in output.tool_calls]}
+    invalid_text = find_lone_surrogate(spoken)
+    if invalid_text is not None:
+        where, index, code_point = invalid_text
+        raise _ProtocolViolation("invalid_unicode", f"{where} holds a lone surrogate ({code_point}) at index {index}")
     if len(output.tool_calls) != 1:
         raise _ProtocolViolation("tool_call_count", f"expected exactly one tool call, got {len(output.tool_calls)}")
     if output.content and output.content.strip():
@@ -162,12 +168,24 @@ def _check_single_call(output: ModelOutput) -> tuple[str, str, str]:
     return call.call_id, call.name, action
 
 
+def _valid_text(text: str | None) -> str | None:
+    """``text`` with U+FFFD for each lone surrogate (which no request body can carry)."""
+    return None if text is None else str(replace_lone_surrogates(text))
+
+
 def _assistant_tool_message(output: ModelOutput) -> dict[str, Any]:
+    # A custom ChatModel may hand over text that is not valid Unicode (the HTTP adapter never does):
+    # the conversation gets U+FFFD in its place, so the next request can be sent; the step's
+    # ``model`` record keeps the exact text.
     return {
         "role": "assistant",
-        "content": output.content,
+        "content": _valid_text(output.content),
         "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.raw_arguments}}
+            {
+                "id": _valid_text(call.call_id),
+                "type": "function",
+                "function": {"name": _valid_text(call.name), "arguments": _valid_text(call.raw_arguments)},
+            }
             for call in output.tool_calls
         ],
     }
@@ -315,10 +333,10 @@ class AgentRuntime:
                 if output.tool_calls:
                     conversation.append(_assistant_tool_message(output))
                     for call in output.tool_calls:
-                        conversation.append({"role": "tool", "tool_call_id": call.call_id, "content": feedback})
+                        conversation.append({"role": "tool", "tool_call_id": _valid_text(call.call_id), "content": feedback})
                 else:
                     if output.content and output.content.strip():
-                        conversation.append({"role": "assistant", "content": output.content})
+                        conversation.append({"role": "assistant", "content": _valid_text(output.content)})
                     conversation.append({"role": "user", "content": feedback})
                 continue
 

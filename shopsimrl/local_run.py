@@ -45,7 +45,7 @@ from shopsimrl import eventloop
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, run_identity, validate_manifest
 from shopsimrl.metrics import SummaryAccumulator
-from shopsimrl.schemas import canonical_json, fingerprint
+from shopsimrl.schemas import canonical_json, escape_lone_surrogates, fingerprint
 from shopsimrl.traces import WinnerPicker, encode_trace_line, failure_is_outcome, iter_jsonl_records
 
 if TYPE_CHECKING:
@@ -99,7 +99,8 @@ def _fsync_dir(path: Path) -> None:
 
 def atomic_write_json(path: Path, value: Any) -> None:
     """Replace ``path`` whole or not at all; raises :class:`RunWriteError` when it cannot be written."""
-    data = (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    # A lone surrogate (a model's text that is not valid Unicode) is written as its \uXXXX escape.
+    data = escape_lone_surrogates(json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,9 +29,18 @@ Protocol error codes, in check order (the first failing check wins):
 ``missing_function``, ``missing_tool_call_id``, ``missing_tool_name``; then the policy check
 ``generation_length`` (``finish_reason == "length"`` with tools offered and not exactly one
 fully valid call), so that a call cut off mid-arguments ends the episode instead of getting a
-repair turn; then per call ``invalid_arguments_type``, ``invalid_arguments_json``,
-``invalid_arguments_object``, ``unavailable_tool``; then ``tool_call_count`` (tools offered,
-≠1 call), ``mixed_content`` (visible text beside the call) and ``empty_response``.
+repair turn; then ``invalid_unicode`` (a lone surrogate anywhere in the reply); then per call
+``invalid_arguments_type``, ``invalid_arguments_json``, ``invalid_arguments_object``,
+``invalid_unicode`` (a lone surrogate in the parsed arguments, e.g. ``{"query": "\\ud800"}``),
+``unavailable_tool``; then ``tool_call_count`` (tools offered, ≠1 call), ``mixed_content``
+(visible text beside the call) and ``empty_response``.
+
+Text that is not valid Unicode never leaves the adapter in a usable field: a lone surrogate
+(U+D800–U+DFFF on its own, which JSON can spell as ``\\ud800`` but UTF-8 cannot carry) in any
+field of the reply is replaced by U+FFFD in ``content``, ``reasoning``, ``tool_calls``,
+``finish_reason``, ``usage``, ``response_id`` and ``metadata``, and the exact body is kept in
+``raw_response`` (the trace writes it with ``\\uXXXX`` escapes, losslessly). Parsed arguments
+holding one are not kept (``arguments`` is None); ``raw_arguments`` keeps their exact text.
 
 Context overflow is a policy outcome too: an HTTP 400 (or, from SGLang, an ``error`` chunk in
 a stream) saying that the prompt plus ``max_tokens`` exceeds the context window comes back as
@@ -69,7 +78,18 @@ import structlog
 from shopsimrl.httpclient import HttpService
 from shopsimrl.logs import brief
 from shopsimrl.retry import Attempt, Backoff, retry_async
-from shopsimrl.schemas import ModelOutput, ToolCall, canonical_json, parse_json, redact_uri, sha256_hex, wire_json
+from shopsimrl.schemas import (
+    ModelOutput,
+    ToolCall,
+    canonical_json,
+    find_lone_surrogate,
+    join_surrogate_pairs,
+    parse_json,
+    redact_uri,
+    replace_lone_surrogates,
+    sha256_hex,
+    wire_json,
+)
 
 __all__ = [
     "ChatModel",
@@ -394,7 +414,7 @@ class OpenAICompatibleChatModel:
             text = self._redact(response.text[:ERROR_BODY_CHARS])
             raise ModelRequestError(f"GET {shown} returned HTTP {status}: {text}", status_code=status, attempts=[])
         try:
-            return [str(item["id"]) for item in response.json()["data"]]
+            return [replace_lone_surrogates(str(item["id"])) for item in parse_json(response.content)["data"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise ModelRequestError(
                 f"GET {shown} did not return an OpenAI model list ({type(exc).__name__})", status_code=status, attempts=[]
@@ -538,6 +558,7 @@ class OpenAICompatibleChatModel:
             body, _ = _decode_json(text.encode("utf-8"))
             overflow = _context_overflow_message(body, text)
             if overflow is not None:
+                overflow = replace_lone_surrogates(overflow)  # an escaped one in the error body
                 return _ContextOverflow(overflow[:ERROR_BODY_CHARS], status=status, body=body, excerpt=text[:ERROR_BODY_CHARS])
         if status in RETRYABLE_STATUSES or 500 <= status <= 599:
             return _Retryable(
@@ -610,7 +631,7 @@ class _StreamAssembler:
         if not isinstance(chunk, dict):
             raise _Retryable(f"streamed chunk {self.chunks} is not an object")
         if chunk.get("error") is not None:
-            text = json.dumps(chunk["error"], ensure_ascii=False)
+            text = replace_lone_surrogates(json.dumps(chunk["error"], ensure_ascii=False))
             overflow = _context_overflow_message(chunk, text)
             if overflow is not None:  # SGLang reports it inside a 200 stream
                 raise _ContextOverflow(overflow[:ERROR_BODY_CHARS], status=None, body=chunk, excerpt=text[:ERROR_BODY_CHARS])
@@ -685,10 +706,14 @@ class _StreamAssembler:
             message["tool_calls"] = tool_calls
         body = {**self.top, "object": "chat.completion", "stream_chunks": self.chunks}
         body["choices"] = [{"index": 0, "message": message, "finish_reason": self.finish_reason}]
-        return body
+        # A surrogate pair split across two chunks is one character, as it is within one chunk.
+        return join_surrogate_pairs(body) if find_lone_surrogate(body) is not None else body
 
 
 # --------------------------------------------------------------------------- parsing
+
+
+_NOT_UNICODE = "not valid Unicode text; write plain UTF-8 characters (no \\ud800-\\udfff escapes outside a pair)"
 
 
 class _Rejected(Exception):
@@ -716,6 +741,13 @@ def _parse(body: Any, raw_text: str | None, allowed: set[str], *, offered: bool)
 def _fill(output: ModelOutput, body: Any, allowed: set[str], *, offered: bool) -> None:
     if not isinstance(body, dict):
         raise _Rejected("invalid_response_body", f"the response body is a {type(body).__name__}, not an object")
+    # Text that is not valid Unicode (a lone surrogate, which JSON can escape but UTF-8 cannot
+    # carry) must not reach the conversation, the environment or a reader: the fields are read
+    # from a copy with U+FFFD in its place, the exact body stays in raw_response, and the reply is
+    # a protocol error (a repair turn) unless a policy failure ends the episode first.
+    invalid_text = find_lone_surrogate(body)
+    if invalid_text is not None:
+        body = replace_lone_surrogates(body)
     output.response_id = body["id"] if isinstance(body.get("id"), str) else None
     output.usage = body["usage"] if isinstance(body.get("usage"), dict) else None
     output.metadata = {key: body[key] for key in METADATA_KEYS if body.get(key) is not None}
@@ -769,6 +801,9 @@ def _fill(output: ModelOutput, body: Any, allowed: set[str], *, offered: bool) -
             "message": "generation hit max_tokens before producing exactly one complete tool call",
         }
         return
+    if invalid_text is not None:
+        where, index, code_point = invalid_text
+        raise _Rejected("invalid_unicode", f"{where} holds a lone surrogate ({code_point}) at index {index}: {_NOT_UNICODE}")
     if problems:
         raise _Rejected(*problems[0])
     if offered and len(output.tool_calls) != 1:
@@ -788,6 +823,13 @@ def _check_arguments(i: int, arguments: Any, call: ToolCall, allowed: set[str]) 
         return "invalid_arguments_json", f"tool_calls[{i}].function.arguments is not valid JSON"
     if not isinstance(parsed, dict):
         return "invalid_arguments_object", f"tool_calls[{i}].function.arguments is not a JSON object"
+    invalid_text = find_lone_surrogate(parsed)
+    if invalid_text is not None:  # e.g. {"query": "\\ud800"}: the raw arguments keep it, escaped
+        where, index, code_point = invalid_text
+        return (
+            "invalid_unicode",
+            f"tool_calls[{i}].function.arguments: {where} holds a lone surrogate ({code_point}) at index {index}: {_NOT_UNICODE}",
+        )
     call.arguments = parsed
     if call.name not in allowed:
         return "unavailable_tool", f"tool {call.name!r} was not offered (offered: {sorted(allowed)})"
@@ -880,11 +922,13 @@ def _tool_names(tools: list[dict[str, Any]]) -> set[str]:
 
 
 def _decode_json(content: bytes) -> tuple[Any, str | None]:
-    """(parsed body, None), or (None, body text) when the body is not JSON."""
+    """(parsed body, None), or (None, body text) when the body is not JSON. The text keeps every
+    byte: one that is not UTF-8 becomes a lone surrogate U+DC80–U+DCFF (``surrogateescape``), so
+    ``text.encode("utf-8", "surrogateescape")`` gives the bytes back."""
     try:
         return parse_json(content), None
     except ValueError:
-        return None, content.decode("utf-8", errors="replace")
+        return None, content.decode("utf-8", errors="surrogateescape")
 
 
 def _retry_after(value: str | None) -> float | None:

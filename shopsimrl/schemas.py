@@ -35,10 +35,16 @@ __all__ = [
     "TraceFormatError",
     "canonical_json",
     "episode_id_for",
+    "escape_lone_surrogates",
+    "find_lone_surrogate",
     "fingerprint",
+    "join_surrogate_pairs",
+    "json_bytes",
     "json_safe",
     "parse_json",
+    "parse_json_exact",
     "redact_uri",
+    "replace_lone_surrogates",
     "sha256_hex",
     "wire_json",
 ]
@@ -74,23 +80,118 @@ def canonical_json(value: Any) -> str:
 
 def wire_json(value: Any) -> bytes:
     """Compact UTF-8 JSON for HTTP bodies on the hot path (orjson: several times faster than the
-    standard library). Callers pass finite numbers only: orjson writes NaN as null."""
-    return orjson.dumps(value)
+    standard library). Callers pass finite numbers only: orjson writes NaN as null. A lone
+    surrogate is sent as its ``\\uXXXX`` escape (:func:`json_bytes`)."""
+    return json_bytes(value)
+
+
+# A code point U+D800..U+DFFF in a Python str: half of a UTF-16 pair, or an undecodable byte kept by
+# surrogateescape. JSON may spell one (``"\\ud800"``) and Python's json reads it, but UTF-8 cannot
+# encode it: orjson refuses it, and so does every text file, terminal and HTTP body.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+
+
+def json_bytes(value: Any) -> bytes:
+    """Compact UTF-8 JSON (orjson), lossless for text that is not valid Unicode.
+
+    orjson refuses a str holding a lone surrogate; such a value is written by the standard library
+    instead, each lone surrogate as its ``\\uXXXX`` escape: valid UTF-8 and valid JSON, and every
+    JSON reader (:func:`parse_json` included) gives back the same string. Raises TypeError for a
+    value JSON cannot hold and ValueError for NaN or infinity on that path.
+    """
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        if find_lone_surrogate(value) is None:
+            raise
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    # With ensure_ascii=False a surrogate can only stand inside a string literal, raw: escape it there.
+    return escape_lone_surrogates(text).encode("utf-8")
 
 
 def parse_json(data: bytes | str) -> Any:
     """JSON from the wire (orjson). ``NaN`` and ``Infinity``, which JSON does not have but some
-    servers send, are read as null, so no non-finite number enters a trace. Raises ValueError
-    for text that is not JSON."""
+    servers send, are read as null, so no non-finite number enters a trace. A lone surrogate
+    (``"\\ud800"``, or its raw bytes) is read as the str it spells; a high and a low surrogate that
+    follow each other become the one character they encode, as the escaped pair would. Raises
+    ValueError for text that is not JSON."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        return json.loads(data, parse_constant=lambda _: None)
+        value = json.loads(data, parse_constant=lambda _: None)
+    return join_surrogate_pairs(value) if find_lone_surrogate(value) is not None else value
+
+
+def parse_json_exact(data: bytes | str) -> Any:
+    """JSON as :func:`json_bytes` writes it, for files this package wrote: orjson, or the standard
+    library for text holding an escaped lone surrogate (orjson refuses those). NaN and Infinity
+    are not JSON: ValueError, like any other text that is not JSON."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data, parse_constant=_refuse_constant)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def join_surrogate_pairs(value: Any) -> Any:
+    """``value`` with every adjacent high+low surrogate pair in its strings made one character."""
+    if isinstance(value, str):
+        return _SURROGATE_PAIR.sub(lambda m: m.group().encode("utf-16", "surrogatepass").decode("utf-16"), value)
+    if isinstance(value, dict):
+        return {join_surrogate_pairs(k): join_surrogate_pairs(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [join_surrogate_pairs(v) for v in value]
+    return value
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
+    """Where a JSON-like value holds text that is not valid Unicode: ``(path, index, "U+D800")`` of
+    the first lone surrogate (in a string, or in a key: then the path ends in ``(key)``), else None.
+    Paths read ``choices[0].message.content``; ``index`` counts code points."""
+    if isinstance(value, str):
+        found = _LONE_SURROGATE.search(value)
+        return None if found is None else (path, found.start(), f"U+{ord(found.group()):04X}")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and (found := _LONE_SURROGATE.search(key)) is not None:
+                return (f"{path}.(key)" if path else "(key)", found.start(), f"U+{ord(found.group()):04X}")
+            inner = find_lone_surrogate(item, where)
+            if inner is not None:
+                return inner
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            inner = find_lone_surrogate(item, f"{path}[{index}]")
+            if inner is not None:
+                return inner
+    return None
+
+
+def escape_lone_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate shown as its ``\\uXXXX`` escape, as the trace file spells
+    it: for a page, a terminal or a table cell, which must hold valid Unicode."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def replace_lone_surrogates(value: Any) -> Any:
+    """A copy of a JSON-like value with each lone surrogate replaced by U+FFFD (keys too): text any
+    encoder, terminal or page can carry. Values without one come back unchanged (the same object)."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if find_lone_surrogate(value) is None:
+        return value
+    if isinstance(value, dict):
+        return {replace_lone_surrogates(k): replace_lone_surrogates(v) for k, v in value.items()}
+    return [replace_lone_surrogates(v) for v in value]
 
 
 def sha256_hex(data: bytes | str) -> str:
     if isinstance(data, str):
-        data = data.encode("utf-8")
+        data = data.encode("utf-8", "surrogatepass")  # injective: a lone surrogate hashes too
     return hashlib.sha256(data).hexdigest()
 
 

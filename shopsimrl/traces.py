@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
-from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, json_safe
+from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, json_bytes, json_safe
 
 __all__ = [
     "EXCUSED_FAILURE_CLASSES",
@@ -95,24 +95,27 @@ def is_completed(record: dict[str, Any]) -> bool:
 
 
 def encode_trace_line(record: dict[str, Any]) -> bytes:
-    """One compact JSONL line (orjson). A value JSON cannot hold (an odd object) is made safe and
-    the record flagged ``serialization_repaired``, never fatal. Wire data reaches traces through
+    """One compact JSONL line (orjson). Text that is not valid Unicode (a lone surrogate a model
+    server sent) is kept exactly, written as its ``\\uXXXX`` escape (:func:`schemas.json_bytes`).
+    A value JSON cannot hold (an odd object) is made safe and the record flagged
+    ``serialization_repaired``, never fatal. Wire data reaches traces through
     ``schemas.parse_json``, which reads NaN as null; a non-finite float made by a custom adapter
     is written as null."""
     episode_id = record.get("episode_id")
     if not isinstance(episode_id, str) or not episode_id:
         raise ValueError("a trace needs a string episode_id")
     try:
-        return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
-    except TypeError:
+        return json_bytes(record) + b"\n"
+    except (TypeError, ValueError):
         safe = json_safe(record)
         safe.setdefault("serialization_repaired", True)
-        return orjson.dumps(safe, option=orjson.OPT_APPEND_NEWLINE)
+        return json_bytes(safe) + b"\n"
 
 
 def parse_trace_line(raw: bytes) -> dict[str, Any] | None:
     """One JSONL line back into a trace record, or None when it is torn, garbled or foreign.
-    Records of the earlier implementation may hold NaN, which is read as such."""
+    Records of the earlier implementation may hold NaN, which is read as such; an escaped lone
+    surrogate is read back as the same string (orjson refuses it, the standard library does not)."""
     try:
         record = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -22,7 +22,8 @@ class Reply:
     """Raw body; wins over ``json``."""
     headers: dict[str, str] = field(default_factory=dict)
     sse: list[Any] | None = None
-    """Stream these chunks as ``data: <json>`` events; a str item is sent as a raw SSE line."""
+    """Stream these chunks as ``data: <json>`` events; a str item is sent as a raw SSE line, a
+    bytes item as raw bytes (which need not be UTF-8)."""
     done: bool = True
     """End the SSE stream with ``data: [DONE]``."""
     break_after: int | None = None
@@ -101,6 +102,9 @@ async def _send(send: Any, reply: Reply) -> None:
         for n, chunk in enumerate(reply.sse):
             if reply.break_after is not None and n >= reply.break_after:
                 raise StubBroke("connection dropped by the stub")
+            if isinstance(chunk, bytes):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                continue
             line = chunk if isinstance(chunk, str) else "data: " + json.dumps(chunk, ensure_ascii=False)
             await send({"type": "http.response.body", "body": f"{line}\n\n".encode(), "more_body": True})
         tail = b"data: [DONE]\n\n" if reply.done else b""

@@ -183,7 +183,6 @@ FAULTY = {
     "SHOPSIM_SEED": "11",
     # ... and the agent sometimes searches with the `<a>` prefix the real server fails on (its outcome).
     "SHOPSIM_POLICY_RATE_SERVER_CRASH": "0.1",
-    "PYTHONHASHSEED": "0",
 }
 
 
@@ -249,9 +248,7 @@ def test_the_score_of_a_faulty_plan_does_not_depend_on_how_often_run_was_invoked
         health = faulty.healthz()
         assert health["free_slots"] == health["environment_slots"]
 
-    with start_testbed(
-        SHOPSIM_POLICY_RATE_SERVER_CRASH=FAULTY["SHOPSIM_POLICY_RATE_SERVER_CRASH"], PYTHONHASHSEED=FAULTY["PYTHONHASHSEED"]
-    ) as clean:
+    with start_testbed(SHOPSIM_POLICY_RATE_SERVER_CRASH=FAULTY["SHOPSIM_POLICY_RATE_SERVER_CRASH"]) as clean:
         fault_free = run(faulty_config(tmp_path, "clean"), clean.env())
         assert fault_free.returncode == 1
 

@@ -73,6 +73,18 @@ def test_unserialisable_payload_is_repaired_not_fatal(tmp_path: Path) -> None:
     assert saved["final"]["reward"] is None and saved["serialization_repaired"] is True
 
 
+def test_documents_keep_a_lone_surrogate_as_its_escape(tmp_path: Path) -> None:
+    """summary.json and the sharded documents are indented JSON from the standard library; a lone
+    surrogate (a model's text that is not valid Unicode) must not make them unwritable."""
+    from shopsimrl.sharded.layout import _json_bytes
+
+    value = {"note": "台灯\ud800", "nested": ["\udfff"]}
+    atomic_write_json(tmp_path / "summary.json", value)
+    data = (tmp_path / "summary.json").read_bytes()
+    assert b"\\ud800" in data and json.loads(data.decode("utf-8")) == value
+    assert json.loads(_json_bytes({**value, "big": 2**70}).decode("utf-8")) == {**value, "big": 2**70}
+
+
 def test_fingerprint_mismatch_names_the_keys(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path)
     first = store.initialize(PLAN, {"concurrency": 4})

@@ -605,3 +605,76 @@ def test_public_surface() -> None:
         "OpenAICompatibleChatModel",
         "OpenAICompatibleSettings",
     ]
+
+
+# --------------------------------------------------------------------------- text that is not valid Unicode
+
+
+def _body(**message: Any) -> bytes:
+    """A completion body whose message fields are given as JSON text, so a lone surrogate can be
+    spelled as the escape a server writes (Python's json, unlike UTF-8, can carry it)."""
+    fields = ",".join(f'"{key}":{value}' for key, value in message.items())
+    return (
+        b'{"id":"chatcmpl-u","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant",'
+        + fields.encode()
+        + b'},"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}'
+    )
+
+
+def _raw(body: bytes) -> Reply:
+    return Reply(body=body, headers={"content-type": "application/json"})
+
+
+async def test_a_lone_surrogate_in_the_arguments_is_an_invalid_unicode_protocol_error(stub: OpenAIStub, make: Any) -> None:
+    arguments = json.dumps('{"query": "台灯\\ud800"}')  # the arguments text spells the escape: pure ASCII
+    body = _body(
+        content="null", tool_calls=f'[{{"id":"call-u","type":"function","function":{{"name":"search","arguments":{arguments}}}}}]'
+    )
+    stub.queue(_raw(body))
+    out = await make().generate(MESSAGES, TOOLS)
+    assert out.protocol_error is not None and out.protocol_error["code"] == "invalid_unicode"
+    message = out.protocol_error["message"]
+    assert message.startswith("tool_calls[0].function.arguments: query holds a lone surrogate (U+D800) at index 2")
+    (call,) = out.tool_calls
+    assert call.arguments is None and call.raw_arguments == '{"query": "台灯\\ud800"}'  # the exact text
+    assert out.raw_response == json.loads(body)
+
+
+async def test_lone_surrogates_in_reply_fields_are_replaced_and_the_reply_kept_exactly(stub: OpenAIStub, make: Any) -> None:
+    body = _body(
+        content='"\\udfff"',
+        reasoning_content='"想\\ud83d"',
+        tool_calls='[{"id":"call-\\udc80","type":"function","function":{"name":"search","arguments":"{}"}}]',
+    )
+    stub.queue(_raw(body))
+    out = await make().generate(MESSAGES, TOOLS)
+    assert out.protocol_error is not None and out.protocol_error["code"] == "invalid_unicode"
+    assert out.protocol_error["message"].startswith("choices[0].message.content holds a lone surrogate (U+DFFF) at index 0")
+    assert (out.content, out.reasoning, out.tool_calls[0].call_id) == ("\ufffd", "想\ufffd", "call-\ufffd")
+    assert out.raw_response == json.loads(body) and out.raw_response["choices"][0]["message"]["content"] == "\udfff"
+
+
+async def test_a_reply_cut_off_by_the_token_limit_stays_generation_length(stub: OpenAIStub, make: Any) -> None:
+    body = _body(content='"\\ud800"').replace(b'"finish_reason":"tool_calls"', b'"finish_reason":"length"')
+    stub.queue(_raw(body))
+    out = await make().generate(MESSAGES, TOOLS)
+    assert out.policy_failure is not None and out.policy_failure["code"] == "generation_length"
+    assert out.protocol_error is None and out.content == "\ufffd" and out.raw_response == json.loads(body)
+
+
+async def test_a_surrogate_pair_split_across_stream_chunks_is_one_character(stub: OpenAIStub, make: Any) -> None:
+    call = {"index": 0, "id": "call-p", "type": "function", "function": {"name": "search", "arguments": '{"query": "灯"}'}}
+    chunks = stream_chunks({"role": "assistant"}, {"tool_calls": [call]})
+    chunks[0:0] = ['data: {"id":"chatcmpl-s","choices":[{"index":0,"delta":{"reasoning_content":"a\\ud83d"}}]}']
+    chunks[1:1] = ['data: {"id":"chatcmpl-s","choices":[{"index":0,"delta":{"reasoning_content":"\\ude00b"}}]}']
+    stub.queue(Reply(sse=chunks))
+    out = await make(stream=True).generate(MESSAGES, TOOLS)
+    assert out.protocol_error is None and out.reasoning == "a😀b"
+
+
+async def test_a_body_that_is_not_utf8_is_kept_byte_for_byte(stub: OpenAIStub, make: Any) -> None:
+    body = b'{"id": "\xff\xfe chatcmpl", "choices": [\xed\xa0\x80'
+    stub.queue(_raw(body))
+    out = await make().generate(MESSAGES, TOOLS)
+    assert out.protocol_error is not None and out.protocol_error["code"] == "invalid_json_response"
+    assert out.raw_response["text"].encode("utf-8", "surrogateescape") == body

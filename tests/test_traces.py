@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shopsimrl.local_run import LocalRunStore
-from shopsimrl.schemas import EpisodeJob, fingerprint
+from shopsimrl.schemas import EpisodeJob, fingerprint, json_bytes, parse_json, parse_json_exact
 from shopsimrl.sharded.layout import ShardedRunStore
 from shopsimrl.sharded.reduce import reduce_run
 from shopsimrl.sharded.worker import commit_shard
-from shopsimrl.traces import Verdict, WinnerPicker, encode_trace_line, trace_skeleton
+from shopsimrl.traces import Verdict, WinnerPicker, encode_trace_line, parse_trace_line, trace_skeleton
 
 
 def record(
@@ -139,3 +140,30 @@ def test_the_skeleton_holds_every_v4_key_of_an_unstarted_episode() -> None:
     skeleton = trace_skeleton(EpisodeJob(task_id=7, sample_id=1, seed=3, split="val"))
     assert list(skeleton)[:4] == ["schema_version", "episode_id", "status", "job"]
     assert skeleton["status"] == "failed" and skeleton["final"] is None and skeleton["episode_id"] == "task-000007__sample-001"
+
+
+def test_lone_surrogates_are_stored_exactly_as_json_escapes() -> None:
+    """A model's text that is not valid Unicode (orjson refuses it) is written as ``\\uXXXX``
+    escapes: a valid UTF-8 line that reads back to the same record, not a repaired one."""
+    trace = record("task-000001__sample-000", "completed")
+    trace["steps"] = [{"model": {"content": "台灯\ud800", "raw_response": {"\udfff": ["x\udc80y", "😀"]}}}]
+    line = encode_trace_line(trace)
+    line.decode("utf-8")  # valid UTF-8
+    assert b'"\\udfff":["x\\udc80y","\xf0\x9f\x98\x80"]' in line and b"\xe5\x8f\xb0\xe7\x81\xaf\\ud800" in line
+    assert parse_trace_line(line) == trace and "serialization_repaired" not in trace
+    # NaN and a lone surrogate together: the NaN is repaired (null), the text still kept exactly
+    trace["final"]["reward"] = math.nan
+    again = parse_trace_line(encode_trace_line(trace))
+    assert again is not None and again["serialization_repaired"] is True and again["final"]["reward"] is None
+    assert again["steps"] == trace["steps"]
+
+
+def test_files_this_package_writes_read_back_strictly() -> None:
+    assert parse_json_exact(json_bytes({"q": "\ud800"})) == {"q": "\ud800"}
+    with pytest.raises(ValueError, match="NaN is not JSON"):
+        parse_json_exact(b'{"reward": NaN}')
+    assert parse_json(b'{"reward": NaN, "q": "\\ud83d\\ude00", "r": "\xed\xa0\xbd\xed\xb8\x80"}') == {
+        "reward": None,
+        "q": "😀",
+        "r": "😀",  # the raw bytes of a pair: one character too
+    }

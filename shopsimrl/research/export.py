@@ -42,7 +42,7 @@ from shopsimrl.research.redaction import (
 )
 from shopsimrl.research.runs import Run
 from shopsimrl.research.training import TraceShapeError, check_chat_record, sft_records
-from shopsimrl.schemas import canonical_json
+from shopsimrl.schemas import canonical_json, json_bytes, parse_json_exact
 
 __all__ = [
     "EXPORT_REPORT_VERSION",
@@ -300,7 +300,7 @@ def export_sft(
             if problems:
                 dropped.append({"episode_id": episode_id, "reason": "format", "detail": problems[0]})
                 continue
-            spool.add(episode_id, [orjson.dumps(item, option=orjson.OPT_APPEND_NEWLINE) for item in records])
+            spool.add(episode_id, [json_bytes(item) + b"\n" for item in records])
             exact = hashlib.sha256(_normalised_ids(records).encode("utf-8")).hexdigest()
             candidates.append((episode_id, exact, index.signature(_trajectory_text(record)), row))
 
@@ -376,8 +376,8 @@ def check_sft_file(path: Path, *, reasoning: bool = False) -> list[str]:
     with Path(path).open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
-                record = orjson.loads(raw)
-            except orjson.JSONDecodeError:
+                record = parse_json_exact(raw)
+            except ValueError:
                 errors.append(f"line {number}: not JSON")
                 continue
             errors += [f"line {number}: {error}" for error in check_chat_record(record, reasoning=reasoning)]
@@ -490,7 +490,7 @@ def export_judge_input(
     with _spool(output) as spool:
         for record, row in _selected_records(run, select, selection, coverage):
             coverage.count("kept", row)
-            spool.add(str(row["episode_id"]), [orjson.dumps(judge_input(record, include), option=orjson.OPT_APPEND_NEWLINE)])
+            spool.add(str(row["episode_id"]), [json_bytes(judge_input(record, include)) + b"\n"])
         written = sorted(spool.spans)
         with replacing(output) as out:
             spool.write_to(written, out)

@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from shopsimrl.metrics import step_facts
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.outputs import check_output_location, replacing
 from shopsimrl.research.runs import Run
+from shopsimrl.schemas import json_bytes, parse_json_exact
 
 __all__ = [
     "LABELS_VERSION",
@@ -358,7 +357,7 @@ def write_labels(run: Run, output: Path) -> LabelCounts:
     counts = _Counter()
     with replacing(output) as handle:
         for labels in run_labels(run):
-            handle.write(orjson.dumps(labels, option=orjson.OPT_APPEND_NEWLINE))
+            handle.write(json_bytes(labels) + b"\n")
             counts.add(labels)
     return counts.result()
 
@@ -376,8 +375,8 @@ def read_labels(path: Path) -> Iterator[dict[str, Any]]:
             if not raw.strip():
                 continue
             try:
-                record = orjson.loads(raw)
-            except orjson.JSONDecodeError:
+                record = parse_json_exact(raw)
+            except ValueError:
                 raise LabelsFileError(f"{path}:{number}: not a JSON line") from None
             if not isinstance(record, dict) or not isinstance(record.get("labels"), list):
                 raise LabelsFileError(f"{path}:{number}: not a label record (no 'labels' list)")

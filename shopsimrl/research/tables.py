@@ -29,6 +29,7 @@ import pyarrow.parquet as pq  # type: ignore[import-untyped]
 from shopsimrl.metrics import step_facts
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.runs import Run, open_run
+from shopsimrl.schemas import escape_lone_surrogates
 
 __all__ = [
     "EPISODE_TYPES",
@@ -144,7 +145,8 @@ def _float(value: Any) -> float | None:
 
 
 def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
+    # Arrow strings are UTF-8: a lone surrogate a model server sent is shown as its escape.
+    return escape_lone_surrogates(value) if isinstance(value, str) else None
 
 
 def _bool(value: Any) -> bool | None:
@@ -226,7 +228,7 @@ def episodes_table(run: RunLike, *, batch_rows: int = BATCH_ROWS) -> pa.Table:
 def _arguments_json(call: dict[str, Any]) -> str | None:
     arguments = call.get("arguments")
     if isinstance(arguments, dict):
-        return json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+        return escape_lone_surrogates(json.dumps(arguments, ensure_ascii=False, sort_keys=True))
     return _str(call.get("raw_arguments"))
 
 

@@ -237,14 +237,16 @@ def _scalar(value: Any) -> str:
 
 # --------------------------------------------------------------------------- the terminal
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-"""Control characters but newline and tab; rich strips only a few of them and passes ESC."""
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+"""Control characters but newline and tab (rich strips only a few of them and passes ESC), and
+lone surrogates (text that is not valid Unicode, which no terminal encoding can carry)."""
 
 
 def terminal_safe(text: str) -> str:
     """Text from a trace made harmless for a terminal: control characters (an escape sequence a
-    model wrote could move the cursor or retitle the window) shown as ``\\xNN``."""
-    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+    model wrote could move the cursor or retitle the window) shown as ``\\xNN``, a lone surrogate
+    as ``\\uXXXX``, the escape the trace file holds."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)
 
 
 def _t(text: Any, style: str = "") -> Text:

@@ -37,6 +37,7 @@ from starlette.routing import Route
 from shopsimrl.research.runs import Run, RunReadError
 from shopsimrl.research.tables import episodes_table, to_frame
 from shopsimrl.research.transcript import StepView, Transcript, headline, outline, read_transcript, step_usage
+from shopsimrl.schemas import escape_lone_surrogates
 from shopsimrl.sharded.objectstore import StoreUnavailableError
 
 __all__ = [
@@ -302,7 +303,9 @@ def _page(title: str, body: Html, header: Html, status: int = 200) -> HTMLRespon
         header,
         body,
     )
-    return HTMLResponse(document, status_code=status, headers=SECURITY_HEADERS)
+    # A lone surrogate a model server sent (kept exactly in the trace) is shown as its escape: the
+    # page must be valid UTF-8.
+    return HTMLResponse(escape_lone_surrogates(document), status_code=status, headers=SECURITY_HEADERS)
 
 
 def _fmt(value: Any, digits: int = 3) -> str:

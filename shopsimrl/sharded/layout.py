@@ -46,7 +46,15 @@ from shopsimrl.manifest import (
     validate_manifest,
 )
 from shopsimrl.planning import SHARD_ASSIGNMENT, PlanError, shard_jobs
-from shopsimrl.schemas import MANIFEST_SCHEMA_VERSIONS, EpisodeJob, TraceFormatError, canonical_json, fingerprint, sha256_hex
+from shopsimrl.schemas import (
+    MANIFEST_SCHEMA_VERSIONS,
+    EpisodeJob,
+    TraceFormatError,
+    canonical_json,
+    escape_lone_surrogates,
+    fingerprint,
+    sha256_hex,
+)
 from shopsimrl.sharded.objectstore import TEMP_PREFIX, ObjectStore, RetryPolicy, StoreUnavailableError
 from shopsimrl.traces import attempt_rank, failure_is_outcome, is_completed, parse_trace_line
 
@@ -592,11 +600,13 @@ def marker_part_problems(marker: dict[str, Any], actual_sha256: Mapping[str, str
 def _json_bytes(value: Any) -> bytes:
     """A document as stored: indented UTF-8 JSON. orjson writes a 100,000-job manifest in a few
     dozen ms where the standard library's indenting encoder (pure Python) takes seconds; values
-    it does not take (integers beyond 64 bits) go through the standard library."""
+    it does not take (integers beyond 64 bits, a lone surrogate: written as its \\uXXXX escape) go
+    through the standard library."""
     try:
         return orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
     except TypeError:
-        return (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
+        text = json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n"
+        return escape_lone_surrogates(text).encode("utf-8")
 
 
 def _assign(ids: list[str], count: int) -> list[list[str]]:

@@ -143,10 +143,12 @@ def _kind_score(product: Product, kind: str) -> float:
 
 def _relevance(wants: _Wants, product: Product) -> float:
     """Bag-of-bigrams overlap with the instruction, the product kind weighing most."""
+    # Sorted: the float sums below depend on the order of their terms, and a set's order depends
+    # on the string hash seed; near-tied listings then swapped places between processes.
     wanted: dict[str, float] = {}
-    for token in tokens(" ".join(wants.terms)) | tokens(wants.instruction):
+    for token in sorted(tokens(" ".join(wants.terms)) | tokens(wants.instruction)):
         wanted[token] = 1.0
-    for token in tokens(wants.kind):
+    for token in sorted(tokens(wants.kind)):
         wanted[token] = 3.0
     if not wanted:
         return 0.0

@@ -455,7 +455,7 @@ def test_the_agents_failures_stay_final_in_a_sharded_run_and_are_rerolled_only_w
 ) -> None:
     from tests.testbed_process import start_testbed
 
-    with start_testbed(SHOPSIM_POLICY_RATE_SERVER_CRASH="0.3", PYTHONHASHSEED="0") as bed:
+    with start_testbed(SHOPSIM_POLICY_RATE_SERVER_CRASH="0.3") as bed:
         config = write_config(tmp_path, bed, episodes=8)
         uri = backend.uri("final")
         env = worker_env(backend)

@@ -7,6 +7,7 @@ Every test talks to a real uvicorn server on a loopback port over the fixture ca
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import threading
 from typing import Any
@@ -107,6 +108,42 @@ def test_slots_are_handed_out_round_robin_like_the_real_server(shop: ShopClient)
     assert shop.reset(2)["env_idx"] == 0  # the round wraps to the next free slot after 3
     shop.ok(action="release_all")
     assert shop.reset(0)["env_idx"] == 0  # release_all starts a fresh round
+
+
+def _next_after_last(free: set[int], last: int | None, size: int) -> int:
+    """The testbed's earlier rule: the first free slot after the last one granted, wrapping."""
+    start = 0 if last is None else (last + 1) % size
+    return min((slot for slot in free if slot >= start), default=min(free))
+
+
+def test_slot_numbers_follow_the_real_pools_set_pop_under_out_of_order_releases(make_shop) -> None:
+    """The real pool keeps its free slots in a Python set: ``set(range(n))``, ``pop()`` per reset,
+    ``add()`` per release (contract §2). The same operations on a set here must predict every slot
+    the testbed grants; out-of-order releases make that differ from "next free after the last"."""
+    size, resets = 8, 325
+    rng = random.Random(20261203)
+    model: set[int] = set(range(size))  # the real pool's free set, driven by the same operations
+    held: list[dict[str, Any]] = []
+    differs, last = 0, None
+    with make_shop(slots=size) as shop:
+        for number in range(resets):
+            while held and (not model or rng.random() < 0.45):
+                episode = held.pop(rng.randrange(len(held)))  # any held lease, not the oldest
+                assert shop.release(episode)[0] == 200
+                model.add(episode["env_idx"])
+            earlier_rule = _next_after_last(model, last, size)
+            expected = model.pop()
+            episode = shop.reset((0, 1, 3)[number % 3])
+            assert episode["env_idx"] == expected, number
+            differs += expected != earlier_rule
+            held.append(episode)
+            last = expected
+        for episode in held:
+            shop.release(episode)
+        shop.ok(action="release_all")
+        model = set(range(size))
+        assert [shop.reset(0)["env_idx"] for _ in range(3)] == [model.pop() for _ in range(3)]
+    assert differs > resets // 5, differs  # the scenario tells the two rules apart (~40 % of grants)
 
 
 def test_cp05_reset_blocks_while_the_pool_is_exhausted(make_shop) -> None:

@@ -7,15 +7,23 @@ here pins one of those answers, with the texts of the real server's code path.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
+from shopsimrl.testbed.shop.actions import step
+from shopsimrl.testbed.shop.catalog import load_catalog
+from shopsimrl.testbed.shop.pages import Session
+from shopsimrl.testbed.shop.search import SearchIndex, ServerFault
+
+from .conftest import SMALL_CATALOG as CATALOG
 from .conftest import ShopClient
 
 KETTLE_GOLD = "100000000001"  # options 颜色分类 (白色 / 黑色) and 容量 (1.7l / 1.5l)
 KETTLES = ["100000000001", "100000000002", "100000000003", "100000000004"]  # catalog order
 MISROUTED = "model-visible search ASINs differ from environment-actionable ASINs"
+JSON = {"content-type": "application/json"}
 
 
 def lease(episode: dict[str, Any]) -> dict[str, Any]:
@@ -207,6 +215,76 @@ def test_the_action_limit_waits_until_an_action_leaves_the_misrouted_page(shop: 
     home = shop.act(episode, "click[back to search]")  # action 32 renders, then the limit applies
     assert (home["done"], home["termination_reason"], home["reward"]) == (True, "action_limit", 0.0)
     assert home["observation_state"]["page_type"] == "search_home"
+
+
+# ------------------------------------------------------------------ text that is not valid Unicode
+
+
+def interact_raw(shop: ShopClient, episode: dict[str, Any], body: bytes) -> tuple[int, dict[str, Any]]:
+    """``interact`` with a body made by hand: JSON can hold a lone surrogate, UTF-8 cannot (so
+    httpx's own ``json=`` refuses to send one)."""
+    head = json.dumps({"action": "interact", **lease(episode)})[:-1].encode()
+    reply = shop.http.post("/api/shop_agent", content=head + b', "response": ' + body + b"}", headers=JSON)
+    return reply.status_code, reply.json()["result"]
+
+
+def escaped(text: str) -> bytes:
+    return json.dumps(text).encode("ascii")  # a lone surrogate as its \uXXXX escape, as Python clients send it
+
+
+@pytest.mark.parametrize(
+    ("body", "position"),
+    [
+        (escaped("search[电水壶 \ud800]"), "character '\\ud800' in position 0"),  # its own keyword
+        (escaped("search[电水壶\udfff 不锈钢]"), "character '\\udfff' in position 3"),
+        (escaped("search[电水壶 a\ud800\udbff]"), "characters in position 1-2"),  # two high surrogates
+        ('"search[电水壶 \ud800]"'.encode("utf-8", "surrogatepass"), "character '\\ud800' in position 0"),  # raw bytes
+    ],
+    ids=["own-keyword", "inside-a-keyword", "two-in-a-row", "raw-bytes"],
+)
+def test_a_search_holding_a_lone_surrogate_answers_500_when_it_finds_products(
+    shop: ShopClient, body: bytes, position: str
+) -> None:
+    """The real server percent-encodes each keyword into the links of its results page; a lone
+    surrogate cannot be UTF-8, and the page fails to render: HTTP 500 with Python's text. The
+    action counts, the page does not move, and the lease stays usable."""
+    episode = shop.reset(0)
+    shop.act(episode, "search[电水壶]")
+    back = shop.act(episode, "click[back to search]")  # actions 1 and 2
+    status, result = interact_raw(shop, episode, body)  # action 3
+    assert (status, result) == (500, {"error": f"'utf-8' codec can't encode {position}: surrogates not allowed"})
+    for number in range(4, 30):  # the failed search was action 3 of 30
+        reply = shop.act(episode, "click[back to search]")
+        assert reply["done"] is False and reply["observation_state"]["page_type"] == "search_home", number
+        assert number > 4 or reply["action_feedback"]["reason"] == "unavailable_action"  # still on the home page
+    last = shop.act(episode, "search[电水壶]")  # action 30
+    assert (last["done"], last["termination_reason"]) == (True, "action_limit")
+    assert back["observation_state"]["page_type"] == "search_home"
+    assert shop.release(episode)[0] == 200
+
+
+def test_a_search_holding_a_lone_surrogate_that_finds_nothing_renders(shop: ShopClient) -> None:
+    """Without results the page has no link that carries the keywords: HTTP 200, the text echoed
+    as JSON escapes (which every JSON reader gives back)."""
+    episode = shop.reset(0)
+    status, result = interact_raw(shop, episode, escaped("search[\ud800 \udc80x]"))
+    assert status == 200 and result["action_feedback"]["valid"] is True
+    state = result["observation_state"]
+    assert (state["page_type"], state["total_results"], state["search_text"]) == ("search_results", 0, "\ud800 \udc80x")
+    assert shop.act(episode, "click[back to search]")["observation_state"]["page_type"] == "search_home"
+    assert shop.release(episode)[0] == 200
+
+
+def test_a_failed_surrogate_search_stores_its_search_state_but_shows_the_same_page() -> None:
+    """As the real server, which fails after storing the search (keywords, results, counter)."""
+    catalog = load_catalog(CATALOG)
+    index = SearchIndex(catalog.products)
+    session = Session(task_id=0, goal=dict(catalog.goals[0]), max_actions=30)
+    with pytest.raises(ServerFault, match="in position 0: surrogates not allowed"):
+        step(session, "search[电水壶 \ud800]", catalog, index)
+    assert (session.action_count, session.search_count, session.page) == (1, 1, "search_home")
+    assert session.keywords == ["电水壶", "\ud800"] and set(session.result_asins) >= set(KETTLES)
+    assert session.last_action is None  # no feedback stored: the request failed before that
 
 
 # ------------------------------------------------------------------ request bodies

@@ -22,7 +22,7 @@ import orjson
 
 from shopsimrl.model import ModelRequestError, OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.research.judge.config import TOOL_NAME, JudgeConfig, Rubric, schema_errors
-from shopsimrl.schemas import ModelOutput, redact_uri
+from shopsimrl.schemas import ModelOutput, json_bytes, redact_uri
 
 __all__ = [
     "JUDGE_OUTPUT_VERSION",
@@ -171,7 +171,7 @@ async def judge_episode(
     started = _now()
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": rubric.instructions},
-        {"role": "user", "content": orjson.dumps(item).decode("utf-8")},
+        {"role": "user", "content": json_bytes(item).decode("utf-8")},
     ]
     attempts: list[dict[str, Any]] = []
     status, verdict, error = "unparseable", None, None

@@ -36,6 +36,7 @@ from shopsimrl.research.judge.summary import judge_summary
 from shopsimrl.research.labels import episode_labels
 from shopsimrl.research.outputs import check_output_location, replacing
 from shopsimrl.research.runs import Run
+from shopsimrl.schemas import json_bytes, parse_json_exact
 
 __all__ = [
     "JUDGE_MANIFEST_VERSION",
@@ -102,8 +103,8 @@ def read_outputs(path: Path, rubric_sha256: str) -> ExistingOutputs:
             continue
         last = number == len(lines) or (number == len(lines) - 1 and not lines[-1])
         try:
-            record = orjson.loads(raw)
-        except orjson.JSONDecodeError:
+            record = parse_json_exact(raw)
+        except ValueError:
             record = None
         whole = number < len(lines)  # a line followed by a newline was written whole
         if not isinstance(record, dict) or not whole:
@@ -240,7 +241,7 @@ def run_local_judge(
         )
         with replacing(outputs) as out:
             for record in existing.done.values():
-                out.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+                out.write(json_bytes(record) + b"\n")
     if existing.done:
         log.info("judge_resumed", already_judged=len(existing.done))
 
@@ -257,7 +258,7 @@ def run_local_judge(
 
     def sink(record: dict[str, Any]) -> None:
         # One write per record on an O_APPEND descriptor: a kill leaves at most a torn last line.
-        os.write(handle, orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+        os.write(handle, json_bytes(record) + b"\n")
 
     try:
         written = asyncio.run(judge_stream(config, rubric, todo(), sink))

@@ -46,7 +46,7 @@ from shopsimrl.manifest import FingerprintMismatchError
 from shopsimrl.research.judge.config import JudgeConfig, Rubric, rubric_from_bytes
 from shopsimrl.research.judge.local import DONE, OUTPUTS_NAME, SUMMARY_NAME, judge_header, judge_stream, summarize
 from shopsimrl.research.runs import Run, open_run
-from shopsimrl.schemas import fingerprint, sha256_hex
+from shopsimrl.schemas import fingerprint, json_bytes, parse_json_exact, sha256_hex
 from shopsimrl.sharded.layout import (
     ShardedRunStore,
     ShardMapError,
@@ -78,8 +78,8 @@ def _records(name: str, data: bytes) -> Iterator[dict[str, Any]]:
     for raw in lines.split(b"\n"):
         if raw.strip():
             try:
-                record = orjson.loads(raw)
-            except orjson.JSONDecodeError:
+                record = parse_json_exact(raw)
+            except ValueError:
                 continue  # a torn tail of a part cut short: its episodes are judged again
             if isinstance(record, dict):
                 yield record
@@ -145,7 +145,7 @@ def plan_judge(
         # One line per episode in a spool, its span kept: memory holds ids and offsets only.
         spans: dict[str, tuple[int, int]] = {}
         for item in selected:
-            line = orjson.dumps(item, option=orjson.OPT_APPEND_NEWLINE)
+            line = json_bytes(item) + b"\n"
             spans[str(item["episode_id"])] = (spool.tell(), len(line))
             spool.write(line)
         if shards < 1 or shards > max(1, len(spans)):
@@ -184,7 +184,7 @@ def _stream_inputs(data: bytes) -> Iterator[dict[str, Any]]:
     reader = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)))
     for raw in reader:
         if raw.strip():
-            yield orjson.loads(raw)
+            yield parse_json_exact(raw)
 
 
 def _scan(store: ShardedRunStore, index: int) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], int]:
@@ -263,7 +263,7 @@ def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
 
     def sink(record: dict[str, Any]) -> None:
         nonlocal errors
-        buffer.append(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+        buffer.append(json_bytes(record) + b"\n")
         if record["status"] in DONE:
             done[str(record["episode_id"])] = record
         else:
@@ -420,7 +420,7 @@ def reduce_judge(uri: str, *, wait_s: float | None = None) -> ReduceResult:
                 if held is None or (held["status"] not in DONE and record["status"] in DONE):
                     chosen[episode] = record
     records = [chosen[episode] for episode in sorted(chosen)]
-    store.overwrite(OUTPUTS_NAME, b"".join(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE) for record in records))
+    store.overwrite(OUTPUTS_NAME, b"".join(json_bytes(record) + b"\n" for record in records))
     run = open_run(plan.document["source"]["location"])
     header = {key: plan.document[key] for key in ("judge", "rubric", "judge_model", "source", "config")}
     summary = summarize(records, run, int(plan.document["selected"]), header)

@@ -166,9 +166,11 @@ def _purchase(session: Session, catalog: Catalog, feedback: dict[str, Any]) -> S
 def step(session: Session, response: str, catalog: Catalog, index: SearchIndex) -> StepResult:
     """Run one Agent response on a live (not yet terminal) session.
 
-    Raises :class:`ServerFault` where the real server answers 500. The action still counts; a
-    failing search or ``< prev`` changes nothing else, while an action that leaves a misrouted
-    product page in place has taken effect (option selected, feedback stored) before the 500.
+    Raises :class:`ServerFault` where the real server answers 500. The action still counts and
+    the page does not move; a failing search stores at most its search state (keywords, results,
+    the search count: a lone surrogate in a search that finds products fails only when the page is
+    rendered) and ``< prev`` nothing, while an action that leaves a misrouted product page in
+    place has taken effect (option selected, feedback stored) before the 500.
     """
     session.action_count += 1
     result = _dispatch(session, extract_action(response), catalog, index)

@@ -83,12 +83,17 @@ class Session:
         return self.result_asins[(page - 1) * PAGE_SIZE : page * PAGE_SIZE]
 
     def search(self, arg: str, index: SearchIndex) -> None:
-        """A new query every time; shows page 1. A failing search (ServerFault) changes nothing."""
+        """A new query every time; shows page 1. A search the real server fails in its engine (a
+        legacy prefix, ServerFault) changes nothing here; one it fails while rendering the results
+        (a lone surrogate, see :func:`_unrenderable`) has stored its state, but the page stays."""
         keywords = arg.split(" ")
         self.result_asins = index.results(keywords)
         self.keywords = keywords
         self.normalized_query = normalize_query(" ".join(keywords))
         self.search_count += 1
+        failure = _unrenderable(keywords) if self.result_asins else None
+        if failure is not None:
+            raise ServerFault(failure)
         self.show_results(1)
 
     @property
@@ -139,6 +144,23 @@ class Session:
 
     def purchase(self) -> None:
         self.page = TERMINAL
+
+
+def _unrenderable(keywords: list[str]) -> str | None:
+    """The real server's error for a results page it cannot render, or None.
+
+    Each product link (and a "next" link) of its results page carries the keywords in its URL,
+    percent-encoded as UTF-8 one keyword at a time; a keyword holding a lone surrogate (valid JSON,
+    ``"\\ud800"``, but not valid Unicode) makes that fail with Python's UnicodeEncodeError, whose
+    text is the answer: ``'utf-8' codec can't encode character '\\ud800' in position 0: …``. A
+    page without results has no such link and renders.
+    """
+    for keyword in keywords:
+        try:
+            keyword.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return str(exc)
+    return None
 
 
 def option_state(product: Product, options: Mapping[str, str]) -> dict[str, Any]:

@@ -121,15 +121,16 @@ def _parse_flag(variable: str, raw: str) -> bool:
 class LeasePool:
     """Slots with explicit leases; ``acquire`` waits until a slot is free (no timeout).
 
-    Slots are handed out round-robin, as the real server's ``set.pop()`` over small integers
-    does: the next free slot at or after the one after the last grant, wrapping around.
+    The free slots are a Python ``set`` of ints, built, popped and refilled as the real server's
+    pool does (``set(range(size))`` at start and on ``release_all``, ``pop()`` per grant, ``add()``
+    per release): CPython's ``set.pop`` order, which depends on where each int sits in the set's
+    table and on the removals before, is then the same, grant for grant.
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._free: set[int] = set(range(size))
         self._leases: dict[int, str] = {}
-        self._next = 0
         self._waiting = 0
         self._cond: asyncio.Condition | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -163,9 +164,7 @@ class LeasePool:
         return self._grant() if self._free and not self._waiting else None
 
     def _grant(self) -> tuple[int, str]:
-        slot = min((s for s in self._free if s >= self._next), default=min(self._free))
-        self._next = (slot + 1) % self.size
-        self._free.discard(slot)
+        slot = self._free.pop()
         lease = uuid.uuid4().hex
         self._leases[slot] = lease
         return slot, lease
@@ -191,9 +190,8 @@ class LeasePool:
     async def reset(self) -> None:
         cond = self._condition()
         async with cond:
-            self._free = set(range(self.size))
+            self._free = set(range(self.size))  # a new set, as the real pool's reset makes
             self._leases = {}
-            self._next = 0  # a fresh free set starts its round at slot 0 again
             cond.notify_all()
 
 
