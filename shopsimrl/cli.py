@@ -1535,6 +1535,12 @@ def view(
     host: str = typer.Option(
         "127.0.0.1", "--host", help="Bind address; anything but loopback exposes the traces unauthenticated."
     ),
+    allow_host: list[str] = typer.Option(
+        [],
+        "--allow-host",
+        metavar="NAME",
+        help="Also answer requests for this host name (repeatable); by default only localhost names and the bind address.",
+    ),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
@@ -1544,13 +1550,18 @@ def view(
     from shopsimrl.research.runs import open_run
 
     _setup_logging(quiet, verbose)
+    bad_names = [name for name in allow_host if not viewer.valid_host_name(name)]
+    if bad_names:
+        _fail(ExitCode.BAD_INPUT, f"--allow-host {bad_names[0]!r}: not a host name or IP address (no scheme, port or path)")
     run = _research_call(lambda: open_run(run_location))
     try:
         sock = viewer.bind(host, port)
     except viewer.ViewerError as exc:
         _fail(ExitCode.BAD_INPUT, f"--host/--port: {exc}")
     typer.echo(f"reading {run.location} …", err=True)
-    _research_call(lambda: viewer.serve(run, sock, announce=lambda line: typer.echo(line, err=True)))
+    _research_call(
+        lambda: viewer.serve(run, sock, announce=lambda line: typer.echo(line, err=True), host=host, allow_hosts=allow_host)
+    )
 
 
 class TableFormat(StrEnum):
