@@ -605,3 +605,24 @@ def test_unparseable_records_of_html_pages_are_judged_again(tmp_path: Path) -> N
     assert sorted(found.done) == ["e2", "e3"] and [record["episode_id"] for record in found.errors] == ["e1"]
     assert not judged(tainted) and judged(answered) and judged(ok) and not judged({**base, "status": "error"})
 
+
+def test_rubric_and_url_errors_name_the_right_problem_in_one_line(tmp_path: Path) -> None:
+    rubric = tmp_path / "rubric.yaml"
+    rubric.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(JudgeConfigError) as caught:
+        load_rubric(rubric)
+    assert str(caught.value) == f"rubric {rubric} is not UTF-8 text (byte 0x89 at offset 0); it must be a YAML file"
+    rubric.write_text("rubric_version: v1\ninstructions: [unclosed\n  verdict_schema: {}\n", encoding="utf-8")
+    with pytest.raises(JudgeConfigError) as caught:
+        load_rubric(rubric)
+    assert str(caught.value) == f"rubric {rubric} is not valid YAML at line 3, column 17: expected ',' or ']', but got ':'"
+
+    path = _config(tmp_path, "/nowhere", "http://user:secret-pw@127.0.0.1:1/v1")
+    refused = cli("judge", str(path), env=_env())
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "model.base_url" in refused.stderr and "model.api_key_env of the judge config" in refused.stderr
+    assert "ShopSimulator" not in refused.stderr and "secret-pw" not in refused.stderr
+    path = _config(tmp_path, "/nowhere", "http://127.0.0.1:1/v1")
+    overridden = cli("judge", str(path), env=_env({"SHOPSIMRL_JUDGE_BASE_URL": "http://user:secret-pw@127.0.0.1:1/v1"}))
+    assert overridden.returncode == 2 and overridden.stderr.startswith("error: SHOPSIMRL_JUDGE_BASE_URL"), overridden.stderr
+    assert "model.api_key_env" in overridden.stderr and "secret-pw" not in overridden.stderr
