@@ -833,6 +833,8 @@ def _replay(body: bytes) -> Callable[[], Any]:
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 
 
+BACKLOG = 128
+"""Connections the kernel queues for the viewer (a browser opens a few at once)."""
 LINGER_S = 2.0
 """How long a closed connection still reads (and drops) what its client sends."""
 LINGER_BYTES = 1024 * 1024
@@ -1005,6 +1007,7 @@ def serve(
         announce(f"warning: {bound} is reachable from other machines and the viewer has no authentication")
         announce(f"answering requests for the host names {', '.join(names)} only (more: --allow-host NAME)")
     shown = f"[{bound}]" if ":" in bound else bound
+    sock.listen(BACKLOG)  # connections from now on wait for the server instead of being refused
     announce(f"viewer at http://{shown}:{port}/ (read-only; Ctrl-C stops it)")
     config = uvicorn.Config(
         create_app(run, index, host=host, allow_hosts=allow_hosts),
@@ -1014,6 +1017,7 @@ def serve(
         access_log=False,
         lifespan="off",
         proxy_headers=False,
+        backlog=BACKLOG,
     )
     server = uvicorn.Server(config)
     # uvicorn handles SIGINT/SIGTERM while it serves and raises the signal again once it has shut
