@@ -13,6 +13,7 @@ import json
 import re
 import signal
 import sys
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
@@ -936,6 +937,26 @@ ALLOW_PARTIAL = typer.Option(
 )
 
 
+def _output_errors() -> tuple[type[Exception], ...]:
+    """An output the research tools refuse or cannot create (bad input, exit 2)."""
+    from shopsimrl.research.outputs import OutputLocationError, OutputWriteError
+
+    return (OutputLocationError, OutputWriteError)
+
+
+def _write_output(write: Callable[[], Any], option: str) -> Any:
+    """``write()``, an output written by the one rule of research/outputs.py: refused or
+    uncreatable is bad input (exit 2), a write that fails partway is retryable (exit 3)."""
+    from shopsimrl.research.outputs import OutputStorageError
+
+    try:
+        return write()
+    except _output_errors() as exc:
+        _fail(ExitCode.BAD_INPUT, f"{option} {exc}")
+    except OutputStorageError as exc:
+        _fail(ExitCode.RETRYABLE, f"{option} {exc}")
+
+
 @app.command()
 def compare(
     runs: list[str] = typer.Argument(
@@ -955,22 +976,22 @@ def compare(
     if len(runs) < 2:
         _fail(ExitCode.BAD_INPUT, "compare needs at least two runs (RUN_A RUN_B)")
     module = _import_extra("shopsimrl.research.compare", "research")
+    from shopsimrl.research.outputs import check_output_location, write_output
     from shopsimrl.research.runs import RunReadError
 
     try:
+        if json_out not in (None, "-"):
+            check_output_location(runs, Path(json_out))
         result = module.compare_runs(runs, allow_partial=allow_partial, resamples=resamples, seed=seed)
-    except (module.CompareError, RunReadError) as exc:
-        _fail(ExitCode.BAD_INPUT, str(exc))
+    except (module.CompareError, RunReadError, *_output_errors()) as exc:
+        _fail(ExitCode.BAD_INPUT, f"--json {exc}" if isinstance(exc, _output_errors()) else str(exc))
     text = json.dumps(result, indent=2, ensure_ascii=False)
     if json_out == "-":
         typer.echo(text)
         return
     typer.echo(module.format_comparison(result))
     if json_out is not None:
-        try:
-            Path(json_out).write_text(text + "\n", encoding="utf-8")
-        except OSError as exc:
-            _fail(ExitCode.BAD_INPUT, f"--json {json_out}: {exc.strerror or exc}")
+        _write_output(lambda: write_output(Path(json_out), (text + "\n").encode("utf-8")), "--json")
 
 
 @app.command()
@@ -992,11 +1013,11 @@ def report(
     from shopsimrl.research.runs import RunReadError
 
     try:
-        written = module.write_report(runs, output, allow_partial=allow_partial, resamples=resamples, seed=seed)
+        written = _write_output(
+            lambda: module.write_report(runs, output, allow_partial=allow_partial, resamples=resamples, seed=seed), "-o"
+        )
     except (CompareError, RunReadError) as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
-    except OSError as exc:
-        _fail(ExitCode.BAD_INPUT, f"-o {output}: {exc.strerror or exc}")
     typer.echo(f"{output}: {len(runs)} runs, {len(written.figures)} figures")
 
 
@@ -1345,6 +1366,10 @@ def _research_errors() -> tuple[type[Exception], ...]:
 def _interrupted_io(exc: OSError) -> NoReturn:
     # Outputs that cannot be created are bad input (above); an I/O error later is the run's
     # storage or the disk failing under way: safe to retry once it is back.
+    from shopsimrl.research.outputs import OutputStorageError
+
+    if isinstance(exc, OutputStorageError):
+        _fail(ExitCode.RETRYABLE, f"-o/--output: {exc}")
     _fail(ExitCode.RETRYABLE, f"reading the run or writing the output failed: {exc}")
 
 
@@ -1510,6 +1535,12 @@ def view(
     host: str = typer.Option(
         "127.0.0.1", "--host", help="Bind address; anything but loopback exposes the traces unauthenticated."
     ),
+    allow_host: list[str] = typer.Option(
+        [],
+        "--allow-host",
+        metavar="NAME",
+        help="Also answer requests for this host name (repeatable); by default only localhost names and the bind address.",
+    ),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
@@ -1519,13 +1550,18 @@ def view(
     from shopsimrl.research.runs import open_run
 
     _setup_logging(quiet, verbose)
+    bad_names = [name for name in allow_host if not viewer.valid_host_name(name)]
+    if bad_names:
+        _fail(ExitCode.BAD_INPUT, f"--allow-host {bad_names[0]!r}: not a host name or IP address (no scheme, port or path)")
     run = _research_call(lambda: open_run(run_location))
     try:
         sock = viewer.bind(host, port)
     except viewer.ViewerError as exc:
         _fail(ExitCode.BAD_INPUT, f"--host/--port: {exc}")
     typer.echo(f"reading {run.location} …", err=True)
-    _research_call(lambda: viewer.serve(run, sock, announce=lambda line: typer.echo(line, err=True)))
+    _research_call(
+        lambda: viewer.serve(run, sock, announce=lambda line: typer.echo(line, err=True), host=host, allow_hosts=allow_host)
+    )
 
 
 class TableFormat(StrEnum):
@@ -1552,10 +1588,11 @@ def export_table(
     from shopsimrl.research.runs import open_run
 
     _setup_logging(quiet, verbose)
-    try:
-        rows = _research_call(lambda: tables.export_table(open_run(run_location), output, to=to.value, level=level.value))
-    except tables.ExportError as exc:
-        _fail(ExitCode.BAD_INPUT, f"-o/--output: {exc}")
+    rows = _research_call(
+        lambda: _write_output(
+            lambda: tables.export_table(open_run(run_location), output, to=to.value, level=level.value), "-o/--output:"
+        )
+    )
     typer.echo(f"wrote {rows} {level.value[:-1]} rows to {output}")
 
 

@@ -43,6 +43,7 @@ from shopsimrl.research.compare import (
     metric_cells,
 )
 from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY
+from shopsimrl.research.outputs import check_output_location, write_output
 from shopsimrl.research.paired_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
 __all__ = ["Report", "build_report", "write_report"]
@@ -734,10 +735,11 @@ def write_report(
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = BOOTSTRAP_SEED,
 ) -> Report:
-    """Read the runs, build the page and write it to ``output`` (raises RunReadError, CompareError,
-    OSError)."""
+    """Read the runs, build the page and write it to ``output``, whole or not at all, never into
+    a run (raises RunReadError, CompareError and the errors of :mod:`shopsimrl.research.outputs`)."""
+    check_output_location(locations, output)
     report = build_report(
         [load_run(location) for location in locations], allow_partial=allow_partial, resamples=resamples, seed=seed
     )
-    output.write_text(report.html, encoding="utf-8")
+    write_output(output, report.html.encode("utf-8"))
     return report

@@ -116,6 +116,7 @@ class Run:
             resume = self._local.load_index()
             self.unreadable_lines = resume.bad_lines
             yield from self._local.iter_records(resume)
+            self._refuse_unreadable(len(resume.episodes))
         else:
             yield from self._sharded_records(winners_only=False)
 
@@ -195,6 +196,36 @@ class Run:
             for line_no, line in enumerate(line for line in (raw.strip() for raw in lines.split(b"\n")) if line):
                 yield EpisodeSource(name, line_no, shard=shard), line
 
+    # -- a run that holds no record -----------------------------------------------------------
+
+    def _refuse_unreadable(self, episodes: int) -> None:
+        """A run whose lines are all unreadable (garbage, torn, foreign) holds no run's traces:
+        every reader refuses it (exit 2), naming the first bad line, instead of showing an empty
+        run. Unreadable lines beside readable records (a torn last line after a crash) are
+        skipped and counted, as the run stores do."""
+        if episodes or not self.unreadable_lines:
+            return
+        raise RunReadError(
+            f"{self._first_unreadable()}: not a trace record; {self.location} holds no readable episode record "
+            f"({self.unreadable_lines} unreadable line{'s' if self.unreadable_lines != 1 else ''})"
+        )
+
+    def _first_unreadable(self) -> str:
+        """Where the first unreadable line is (read again: only a refused run gets here)."""
+        if self._local is not None:
+            path = self._local.traces_path
+            with path.open("rb") as handle:
+                for number, raw in enumerate(handle, start=1):
+                    if raw.strip() and parse_trace_line(raw.strip()) is None:
+                        return f"{path} line {number}"
+            return str(path)
+        for shard, parts, _ in self._shard_parts():
+            for name, data in parts:
+                for number, record in enumerate(_held_part_records(name, data), start=1):
+                    if record is None:
+                        return f"{self.location} shard {shard}, part {name}, line {number}"
+        return self.location
+
     # -- local run directories --------------------------------------------------------------
 
     def _local_records(self) -> Iterator[dict[str, Any]]:
@@ -208,6 +239,7 @@ class Run:
                 state = resume.episodes[record["episode_id"]]
                 index[record["episode_id"]] = EpisodeSource(name, state.offset, attempts=state.attempts)
                 yield record
+        self._refuse_unreadable(len(index))
         self._index = index
 
     def _scan_local(self, view: Callable[[dict[str, Any]], T]) -> list[tuple[str, T]]:
@@ -229,6 +261,7 @@ class Run:
             episode_id: EpisodeSource(name, offset, attempts=attempts[episode_id]) for episode_id, offset, _ in winners
         }
         self.unreadable_lines = unreadable
+        self._refuse_unreadable(len(winners))
         return [(episode_id, item) for episode_id, _, item in winners]
 
     # -- sharded runs -----------------------------------------------------------------------
@@ -281,6 +314,7 @@ class Run:
                     elif not winners_only and record is not None and record["episode_id"] in shard_ids:
                         yield False, record
         self.unreadable_lines = unreadable
+        self._refuse_unreadable(len(index))
         self._index = index
 
     def _scan_sharded(self, view: Callable[[dict[str, Any]], T]) -> list[tuple[str, T]]:
@@ -294,6 +328,7 @@ class Run:
                 index[episode_id] = EpisodeSource(parts[part_no][0], line_no, shard=shard, attempts=attempts[episode_id])
                 found.append((episode_id, item))
         self.unreadable_lines = unreadable
+        self._refuse_unreadable(len(found))
         self._index = index
         return found
 

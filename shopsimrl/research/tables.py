@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 # Neither ships type information (pandas-stubs is not a dependency): typed as Any here.
 import pandas as pd  # type: ignore[import-untyped]
@@ -28,6 +28,7 @@ import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from shopsimrl.metrics import step_facts
 from shopsimrl.research.episodes import episode_row
+from shopsimrl.research.outputs import OutputError, check_output_location, replacing
 from shopsimrl.research.runs import Run, open_run
 from shopsimrl.schemas import escape_lone_surrogates
 
@@ -122,8 +123,9 @@ STEP_SCHEMA = pa.schema(
 ``Run.record(episode_id)``, ``shopsimrl show`` and ``shopsimrl view`` have them."""
 
 
-class ExportError(ValueError):
-    """The output path cannot be written (exit 2)."""
+ExportError = OutputError
+"""The output path is refused or cannot be created (exit 2); a write that fails partway is an
+:class:`~shopsimrl.research.outputs.OutputStorageError` (an OSError)."""
 
 
 RunLike = Run | str | Path
@@ -355,36 +357,29 @@ def export_table(
 ) -> int:
     """Write the episodes or steps table of ``run`` to ``path``; returns the rows written.
 
-    The file appears whole or not at all: it is written beside ``path`` under a temporary name
-    and renamed at the end. Raises :class:`ExportError` when ``path`` cannot be written."""
+    The research tools' one output rule (:mod:`shopsimrl.research.outputs`): never into the run,
+    missing folders created, the file whole or not at all (a temporary file beside ``path``,
+    renamed at the end). Raises the errors of that module."""
     target = Path(path)
-    if target.is_dir():
-        raise ExportError(f"{target} is a directory; give the file to write")
-    if not target.parent.is_dir():
-        raise ExportError(f"{target.parent} does not exist (the directory of {target})")
-    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    try:
+    opened = _opened(run)
+    check_output_location(opened, target)
+    with replacing(target) as out:
         if level == "episodes":
-            table = episodes_table(run, batch_rows=batch_rows)
+            table = episodes_table(opened, batch_rows=batch_rows)
             rows = int(table.num_rows)
             if to == "parquet":
-                pq.write_table(table, partial, row_group_size=batch_rows)
+                pq.write_table(table, out, row_group_size=batch_rows)
             else:
-                pa_csv.write_csv(table, partial)
+                pa_csv.write_csv(table, out)
         else:
-            rows = _write_steps(run, partial, to, batch_rows)
-        os.replace(partial, target)
-    except OSError as exc:
-        raise ExportError(f"cannot write {target}: {exc.strerror or exc}") from None
-    finally:
-        partial.unlink(missing_ok=True)
+            rows = _write_steps(opened, out, to, batch_rows)
     return rows
 
 
-def _write_steps(run: RunLike, path: Path, to: Literal["parquet", "csv"], batch_rows: int) -> int:
+def _write_steps(run: RunLike, out: IO[bytes], to: Literal["parquet", "csv"], batch_rows: int) -> int:
     rows = 0
     writer: pq.ParquetWriter | pa_csv.CSVWriter
-    writer = pq.ParquetWriter(path, STEP_SCHEMA) if to == "parquet" else pa_csv.CSVWriter(path, STEP_SCHEMA)
+    writer = pq.ParquetWriter(out, STEP_SCHEMA) if to == "parquet" else pa_csv.CSVWriter(out, STEP_SCHEMA)
     with writer:
         for batch in step_batches(run, batch_rows=batch_rows):
             writer.write_batch(batch)

@@ -14,25 +14,28 @@ names the viewer was bound under (a DNS-rebinding page cannot read it).
 
 from __future__ import annotations
 
+import asyncio
 import html
 import ipaddress
 import math
+import re
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import quote, urlencode
 
+import h11
 import pandas as pd  # type: ignore[import-untyped]  # no type information (pandas-stubs is not a dependency)
 import uvicorn
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from shopsimrl.research.runs import Run, RunReadError
 from shopsimrl.research.tables import episodes_table, to_frame
@@ -47,11 +50,13 @@ __all__ = [
     "Query",
     "QueryError",
     "ViewerError",
+    "allowed_hosts",
     "bind",
     "create_app",
     "esc",
     "h",
     "serve",
+    "valid_host_name",
 ]
 
 PAGE_SIZE = 50
@@ -115,6 +120,26 @@ def join(parts: Any) -> Html:
 # --------------------------------------------------------------------------- the index
 
 
+MAX_DIGITS = 18
+"""The most digits of a page, row count or task id (any such number fits 64 bits)."""
+
+
+def _shown(text: str) -> str:
+    """A query value as an error message quotes it: its beginning, and its length when long."""
+    return repr(text) if len(text) <= 40 else f"{text[:40]!r}… ({len(text)} characters)"
+
+
+def _whole_number(name: str, text: str, what: str) -> int:
+    """``text`` as a non-negative integer: ASCII digits only (``str.isdigit`` also takes ``²``
+    and ``٣``, which ``int`` refuses or reads), at most :data:`MAX_DIGITS` of them (``int`` of
+    more than 4,300 raises)."""
+    if not (text.isascii() and text.isdigit()):
+        raise QueryError(f"{name}: {_shown(text)} is not {what}")
+    if len(text.lstrip("0")) > MAX_DIGITS:
+        raise QueryError(f"{name}: {_shown(text)} is too large ({len(text)} digits; at most {MAX_DIGITS})")
+    return int(text)
+
+
 @dataclass(frozen=True)
 class Query:
     """The table's filters, sort and page, from and to the URL's query string."""
@@ -141,7 +166,7 @@ class Query:
             values[name] = params.get(name, "").strip()
         success = params.get("success", "").strip()
         if success not in ("", "1", "0", "none"):
-            raise QueryError(f"success: {success!r} is not one of 1, 0, none")
+            raise QueryError(f"success: {_shown(success)} is not one of 1, 0, none")
         values["success"] = success
         for name in ("reward_min", "reward_max"):
             text = params.get(name, "").strip()
@@ -149,27 +174,26 @@ class Query:
                 try:
                     values[name] = float(text)
                 except ValueError:
-                    raise QueryError(f"{name}: {text!r} is not a number") from None
+                    raise QueryError(f"{name}: {_shown(text)} is not a number") from None
                 if not math.isfinite(values[name]):
-                    raise QueryError(f"{name}: {text!r} is not a finite number")
+                    raise QueryError(f"{name}: {_shown(text)} is not a finite number")
         task = params.get("task_id", "").strip()
         if task:
-            if not task.isdigit():
-                raise QueryError(f"task_id: {task!r} is not a task number")
-            values["task_id"] = int(task)
+            values["task_id"] = _whole_number("task_id", task, "a task number")
         sort = params.get("sort", "episode_id")
         if sort not in SORTABLE:
-            raise QueryError(f"sort: {sort!r} is not a column of the table")
+            raise QueryError(f"sort: {_shown(sort)} is not a column of the table")
         values["sort"] = sort
         values["desc"] = params.get("desc", "") == "1"
         page = params.get("page", "1").strip()
-        if not page.isdigit() or int(page) < 1:
-            raise QueryError(f"page: {page!r} is not a page number")
-        values["page"] = int(page)
+        values["page"] = _whole_number("page", page, "a page number")
+        if values["page"] < 1:
+            raise QueryError(f"page: {_shown(page)} is not a page number")
         per_page = params.get("per_page", str(PAGE_SIZE)).strip()
-        if not per_page.isdigit() or not 1 <= int(per_page) <= MAX_PAGE_SIZE:
-            raise QueryError(f"per_page: {per_page!r} is not a number of rows from 1 to {MAX_PAGE_SIZE}")
-        values["per_page"] = int(per_page)
+        rows = f"a number of rows from 1 to {MAX_PAGE_SIZE}"
+        values["per_page"] = _whole_number("per_page", per_page, rows)
+        if not 1 <= values["per_page"] <= MAX_PAGE_SIZE:
+            raise QueryError(f"per_page: {_shown(per_page)} is not {rows}")
         return cls(**values)
 
     def url(self, path: str = "/", **changes: Any) -> str:
@@ -671,15 +695,277 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def create_app(run: Run, index: EpisodeIndex, *, host: str = "127.0.0.1") -> Starlette:
-    """The viewer's ASGI app. Requests must name the host it was bound to (or, on loopback,
-    ``localhost``/``127.0.0.1``): a page elsewhere that rebinds its DNS name to 127.0.0.1 gets 400."""
-    viewer = Viewer(run, index)
-    allowed = (
-        ["*"]
-        if host in ("0.0.0.0", "::", "")
-        else sorted({host, *(("localhost", "127.0.0.1", "::1") if _loopback(host) else ())})
+LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
+"""Host names every viewer answers to: only this machine reaches them."""
+
+
+def _host_form(name: str) -> str:
+    """A bind address or host name as a ``Host`` header names it: lower case, without a final
+    dot, an IPv6 address in brackets."""
+    name = name.strip().lower().rstrip(".")
+    try:
+        return f"[{ipaddress.IPv6Address(name.strip('[]'))}]"
+    except ValueError:
+        return name
+
+
+def valid_host_name(name: str) -> bool:
+    """Whether ``--allow-host NAME`` is a host name or an IP address, nothing more."""
+    form = _host_form(name)
+    return bool(form) and (form.startswith("[") or re.fullmatch(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*", form) is not None)
+
+
+def allowed_hosts(host: str, extra: Sequence[str] = ()) -> list[str]:
+    """The ``Host`` names the viewer answers to: the local names, the address it is bound to and
+    the names given with ``--allow-host``. On every bind, 0.0.0.0 too: a page elsewhere that
+    rebinds its DNS name to this machine names its own host and is refused."""
+    return sorted({*LOCAL_NAMES, _host_form(host), *(_host_form(name) for name in extra)})
+
+
+def _request_host(value: str) -> str | None:
+    """The host part of a ``Host`` header (port dropped), in :func:`_host_form`; None when it is
+    malformed."""
+    value = value.strip()
+    if value.startswith("["):
+        inside, bracket, rest = value[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            return None
+        return _host_form(inside)
+    name, _, port = value.partition(":")
+    if not name or (port and not port.isascii()) or (port and not port.isdigit()):
+        return None
+    return _host_form(name)
+
+
+MAX_HEAD_BYTES = 64 * 1024
+"""The most bytes of a request line and headers (browsers send a few KB; cookies of other local
+services included). A larger head is answered 431 and the connection closed."""
+MAX_BODY_BYTES = 64 * 1024
+"""The most bytes of a request body (the viewer reads none: only GET is served). Larger: 413."""
+HEAD_TIMEOUT_S = 10.0
+"""Seconds from a connection's opening, or from the first byte of its next request, to the end
+of the request's head; then 408 (or, when nothing was sent, the connection is closed)."""
+BODY_TIMEOUT_S = 10.0
+"""Seconds a request body may pause between two of its pieces before the request gets 408."""
+
+
+def _refusal(status: int, message: str) -> Response:
+    return Response(
+        message + "\n",
+        status_code=status,
+        media_type="text/plain",
+        headers={**SECURITY_HEADERS, "Connection": "close"},
     )
+
+
+class _Guard:
+    """The checks before any page: the ``Host`` header is one of :func:`allowed_hosts` (400
+    otherwise), and a body is bounded in size (413) and time (408), its connection closed after
+    the answer. (The head's bounds are the protocol's: :class:`_BoundedH11Protocol`.)"""
+
+    def __init__(self, app: Any, allowed: list[str]) -> None:
+        self.app = app
+        self.allowed = frozenset(allowed)
+        self.names = ", ".join(allowed)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {name.lower(): value for name, value in scope["headers"]}
+        raw_host = headers.get(b"host", b"").decode("latin-1")
+        host = _request_host(raw_host)
+        if host is None or host not in self.allowed:
+            shown = _shown(raw_host)
+            message = (
+                f"Host {shown} is not a name this viewer answers to ({self.names}); "
+                "start it with --allow-host NAME to serve another name"
+            )
+            await _refusal(400, message)(scope, receive, send)
+            return
+        length = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if length and (not length.isdigit() or len(length) > MAX_DIGITS or int(length) > MAX_BODY_BYTES):
+            await _refusal(413, f"a request body of {_shown(length)} bytes; the viewer takes at most {MAX_BODY_BYTES}")(
+                scope, receive, send
+            )
+            return
+        if length not in ("", "0") or b"transfer-encoding" in headers:
+            body = await self._body(scope, receive, send)
+            if body is None:
+                return
+            receive = _replay(body)
+        await self.app(scope, receive, send)
+
+    async def _body(self, scope: Any, receive: Any, send: Any) -> bytes | None:
+        """The request's body, read within the bounds; None once it was refused."""
+        pieces: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+            except TimeoutError:
+                await _refusal(408, f"the request body paused for more than {BODY_TIMEOUT_S:.0f} s")(scope, receive, send)
+                return None
+            if message["type"] != "http.request":
+                return None  # the client went away
+            piece = message.get("body", b"")
+            size += len(piece)
+            if size > MAX_BODY_BYTES:
+                await _refusal(413, f"a request body of more than {MAX_BODY_BYTES} bytes; the viewer takes at most that")(
+                    scope, receive, send
+                )
+                return None
+            pieces.append(piece)
+            if not message.get("more_body", False):
+                return b"".join(pieces)
+
+
+def _replay(body: bytes) -> Callable[[], Any]:
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await asyncio.Event().wait()  # as a server does: nothing more until the client leaves
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+
+
+BACKLOG = 128
+"""Connections the kernel queues for the viewer (a browser opens a few at once)."""
+LINGER_S = 2.0
+"""How long a closed connection still reads (and drops) what its client sends."""
+LINGER_BYTES = 1024 * 1024
+"""How much it drops before it gives up on the client and resets the connection."""
+
+
+class _LingeringTransport:
+    """The connection as uvicorn's protocol sees it, closed the lingering way: what is queued is
+    sent, the sending side ended, and the client's further bytes read and dropped until it closes
+    (at most :data:`LINGER_S`, :data:`LINGER_BYTES`). A socket closed with unread bytes (the
+    rest of a refused head or body) would reset the connection and lose the answer in flight."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self.lingering = False
+        self._dropped = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.lingering or self._transport.is_closing():
+            return
+        self.lingering = True
+        try:
+            self._transport.write_eof()
+            self._transport.resume_reading()  # read on to drop, even where flow control paused it
+        except (OSError, RuntimeError, NotImplementedError):
+            self._transport.close()
+            return
+        self._timer = self._loop.call_later(LINGER_S, self._transport.close)
+
+    def drop(self, data: bytes) -> None:
+        self._dropped += len(data)
+        if self._dropped > LINGER_BYTES:
+            self._transport.close()
+
+    def lost(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._transport.close()
+
+
+class _BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the request head bounded: at most :data:`MAX_HEAD_BYTES`
+    (431) within :data:`HEAD_TIMEOUT_S` (408), each answered and the connection closed, so one
+    client sending a huge or endless head holds neither memory nor the event loop. A head h11
+    cannot take apart is answered 400 here too. Every close lingers (:class:`_LingeringTransport`),
+    so that a refused client reads its answer."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+    _refused = False
+    _lingering: _LingeringTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._lingering = _LingeringTransport(self.transport, self.loop)
+        self.transport = self._lingering  # type: ignore[assignment]
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        if self._lingering is not None:
+            self._lingering.lost()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering is not None and self._lingering.lingering:
+            self._lingering.drop(data)
+            return
+        if self._refused:
+            return
+        if self.conn.their_state is h11.IDLE:
+            pending = self.conn.trailing_data[0] + data
+            end = _HEAD_END.search(pending)
+            if (end.end() if end else len(pending)) > MAX_HEAD_BYTES:
+                self._refuse(431, f"the request's head is larger than {MAX_HEAD_BYTES} bytes")
+                return
+        try:
+            super().data_received(data)
+        except (ValueError, UnicodeError) as exc:  # a target that is not ASCII, …
+            self._refuse(400, f"a malformed request ({type(exc).__name__})")
+            return
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            self._arm_head_timer()  # a head has begun: its deadline runs from its first byte
+        elif self.conn.their_state is not h11.IDLE:
+            self._cancel_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._refused or self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self.conn.trailing_data[0]:
+            self._refuse(408, f"the request's head did not arrive within {HEAD_TIMEOUT_S:.0f} s")
+        else:
+            self.transport.close()  # a connection opened and left idle: nothing to answer
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` outside h11 (no request was parsed to answer) and close."""
+        self._refused = True
+        self._cancel_head_timer()
+        body = (message + "\n").encode("utf-8")
+        head = (
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode("ascii") + body)
+        self.transport.close()
+
+
+def create_app(run: Run, index: EpisodeIndex, *, host: str = "127.0.0.1", allow_hosts: Sequence[str] = ()) -> Any:
+    """The viewer's ASGI app. Requests must name one of :func:`allowed_hosts` in their ``Host``
+    header, whatever the bind: a page elsewhere that rebinds its DNS name to this machine gets 400."""
+    viewer = Viewer(run, index)
 
     def css(request: Request) -> Response:
         return Response(CSS, media_type="text/css", headers=SECURITY_HEADERS)
@@ -694,7 +980,7 @@ def create_app(run: Run, index: EpisodeIndex, *, host: str = "127.0.0.1") -> Sta
         Route("/favicon.svg", icon, methods=["GET"]),
         Route("/favicon.ico", icon, methods=["GET"]),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed)])
+    return _Guard(Starlette(routes=routes), allowed_hosts(host, allow_hosts))
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -710,18 +996,33 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(run: Run, sock: socket.socket, *, announce: Callable[[str], None]) -> None:
-    """Read the run, then serve it on ``sock`` until SIGINT/SIGTERM (then return)."""
+def serve(
+    run: Run, sock: socket.socket, *, announce: Callable[[str], None], host: str | None = None, allow_hosts: Sequence[str] = ()
+) -> None:
+    """Read the run, then serve it on ``sock`` until SIGINT/SIGTERM (then return). ``host``: the
+    address as given to bind (default: the socket's); ``allow_hosts``: more names to answer to."""
     index = EpisodeIndex.build(run)
-    host, port = sock.getsockname()[:2]
+    bound, port = sock.getsockname()[:2]
+    host = host or bound
     announce(f"read {len(index.frame)} episodes of {run.location} in {index.seconds:.1f} s")
-    shown = f"[{host}]" if ":" in host else host
+    names = allowed_hosts(host, allow_hosts)
+    if not _loopback(bound):
+        announce(f"warning: {bound} is reachable from other machines and the viewer has no authentication")
+        announce(f"answering requests for the host names {', '.join(names)} only (more: --allow-host NAME)")
+    shown = f"[{bound}]" if ":" in bound else bound
+    sock.listen(BACKLOG)  # connections from now on wait for the server instead of being refused
     announce(f"viewer at http://{shown}:{port}/ (read-only; Ctrl-C stops it)")
-    if not _loopback(host):
-        announce(f"warning: {host} is reachable from other machines and the viewer has no authentication")
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(run, index, host=host), log_level="warning", access_log=False, lifespan="off")
+    config = uvicorn.Config(
+        create_app(run, index, host=host, allow_hosts=allow_hosts),
+        http=_BoundedH11Protocol,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        proxy_headers=False,
+        backlog=BACKLOG,
     )
+    server = uvicorn.Server(config)
     # uvicorn handles SIGINT/SIGTERM while it serves and raises the signal again once it has shut
     # down; ignored then, so that a viewer stopped on purpose ends normally.
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}

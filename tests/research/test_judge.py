@@ -498,3 +498,131 @@ def _part_lines(path: Path) -> list[bytes]:
     lines, whole = part_lines(path.name, path.read_bytes())
     assert whole
     return [line for line in lines.splitlines() if line.strip()]
+
+
+class _Gateway:
+    """A real HTTP server in front of the judge model, as a misconfigured gateway: it answers the
+    next ``html_left`` chat completions with an HTML page and status 200, then forwards."""
+
+    PAGE = b"<!DOCTYPE html><html><head><title>502 Bad Gateway</title></head><body><h1>Bad Gateway</h1></body></html>"
+
+    def __init__(self, upstream: str, html_left: int) -> None:
+        import http.server
+        import threading
+
+        import httpx
+
+        self.html_left = html_left
+        self.html_sent = 0
+        self.forwarded = 0
+        lock = threading.Lock()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with lock:
+                    page = outer.html_left > 0
+                    if page:
+                        outer.html_left -= 1
+                        outer.html_sent += 1
+                    else:
+                        outer.forwarded += 1
+                if page:
+                    status, content, kind = 200, _Gateway.PAGE, "text/html"
+                else:
+                    reply = httpx.post(upstream.rstrip("/") + self.path.removeprefix("/v1"), content=body, timeout=30)
+                    status, content, kind = reply.status_code, reply.content, reply.headers.get("content-type", "")
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_html_page_with_status_200_is_never_a_verdict(
+    tmp_path: Path, research_runs: ResearchRuns, testbed: LocalTestbed
+) -> None:
+    """A gateway answering HTML with 200: every call is made again (the model's max_retries
+    attempts); when every attempt gets the page the episode is `error`, not `unparseable`, the
+    run exits 1, and the next run judges it. A page now and then costs nothing but a retry."""
+    episodes = research_runs.episodes
+    gateway = _Gateway(testbed.model_url, html_left=10**9)
+    try:
+        path = _config(tmp_path, str(research_runs.local), gateway.url)
+        broken = cli("judge", str(path), env=_env())
+        assert broken.returncode == 1, broken.stderr[-3000:]
+        out = tmp_path / "judge-out"
+        records = _lines(out / "judge_outputs.jsonl")
+        assert len(records) == episodes and {r["status"] for r in records} == {"error"}
+        for record in records:
+            assert record["verdict"] is None and record["attempts"] == []
+            assert "not the chat-completions API's JSON" in record["error"]["message"]
+            assert "502 Bad Gateway" in record["error"]["message"]
+        assert gateway.html_sent == episodes * 5 and gateway.forwarded == 0  # max_retries attempts per episode
+        summary = orjson.loads((out / "judge_summary.json").read_bytes())
+        assert summary["status"] == {"ok": 0, "unparseable": 0, "error": episodes}
+
+        gateway.html_left = 7  # the gateway mends, but still answers a page now and then
+        mended = cli("judge", str(path), env=_env())
+    finally:
+        gateway.close()
+    assert mended.returncode == 0, mended.stderr[-3000:]
+    records = _lines(out / "judge_outputs.jsonl")
+    assert len(records) == episodes and {r["status"] for r in records} == {"ok"}
+    assert all(len(r["attempts"]) == 1 + r["repairs"] for r in records)  # the pages were no repair turns
+    assert gateway.html_sent == episodes * 5 + 7 and gateway.forwarded >= episodes
+
+
+def test_unparseable_records_of_html_pages_are_judged_again(tmp_path: Path) -> None:
+    """Outputs written before such replies were retried hold `unparseable` records whose
+    attempts were gateway pages: a resumed stage drops them and judges the episodes again."""
+    from shopsimrl.research.judge.call import judged
+    from shopsimrl.research.judge.local import read_outputs
+
+    rubric = load_rubric(RUBRIC)
+    page = {"code": "invalid_json_response", "message": "the response body is not JSON"}
+    base = {"judge_output_version": "shopsimrl-judge-output-v1", "rubric_sha256": rubric.sha256, "verdict": None}
+    tainted = {**base, "episode_id": "e1", "status": "unparseable", "attempts": [{"raw": {"protocol_error": page}}] * 3}
+    answered = {**base, "episode_id": "e2", "status": "unparseable", "attempts": [{"raw": {"protocol_error": None}}] * 3}
+    ok = {**base, "episode_id": "e3", "status": "ok", "attempts": [{"raw": {"protocol_error": None}}]}
+    path = tmp_path / "judge_outputs.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(record) + b"\n" for record in (tainted, answered, ok)))
+    found = read_outputs(path, rubric.sha256)
+    assert sorted(found.done) == ["e2", "e3"] and [record["episode_id"] for record in found.errors] == ["e1"]
+    assert not judged(tainted) and judged(answered) and judged(ok) and not judged({**base, "status": "error"})
+
+
+def test_rubric_and_url_errors_name_the_right_problem_in_one_line(tmp_path: Path) -> None:
+    rubric = tmp_path / "rubric.yaml"
+    rubric.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(JudgeConfigError) as caught:
+        load_rubric(rubric)
+    assert str(caught.value) == f"rubric {rubric} is not UTF-8 text (byte 0x89 at offset 0); it must be a YAML file"
+    rubric.write_text("rubric_version: v1\ninstructions: [unclosed\n  verdict_schema: {}\n", encoding="utf-8")
+    with pytest.raises(JudgeConfigError) as caught:
+        load_rubric(rubric)
+    assert str(caught.value) == f"rubric {rubric} is not valid YAML at line 3, column 17: expected ',' or ']', but got ':'"
+
+    path = _config(tmp_path, "/nowhere", "http://user:secret-pw@127.0.0.1:1/v1")
+    refused = cli("judge", str(path), env=_env())
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "model.base_url" in refused.stderr and "model.api_key_env of the judge config" in refused.stderr
+    assert "ShopSimulator" not in refused.stderr and "secret-pw" not in refused.stderr
+    path = _config(tmp_path, "/nowhere", "http://127.0.0.1:1/v1")
+    overridden = cli("judge", str(path), env=_env({"SHOPSIMRL_JUDGE_BASE_URL": "http://user:secret-pw@127.0.0.1:1/v1"}))
+    assert overridden.returncode == 2 and overridden.stderr.startswith("error: SHOPSIMRL_JUDGE_BASE_URL"), overridden.stderr
+    assert "model.api_key_env" in overridden.stderr and "secret-pw" not in overridden.stderr

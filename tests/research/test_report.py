@@ -119,8 +119,10 @@ def test_report_bad_input_exits_2(research_runs: ResearchRuns, tmp_path: Path) -
     assert done.returncode == 2 and "does not exist" in done.stderr and "Traceback" not in done.stderr
     done = report(str(research_runs.local), str(research_runs.legacy), "-o", str(tmp_path / "r.html"))
     assert done.returncode == 2 and "cannot be paired" in done.stderr and not (tmp_path / "r.html").exists()
-    done = report(str(research_runs.legacy), "-o", str(tmp_path / "no-such-dir" / "r.html"))
-    assert done.returncode == 2 and "-o" in done.stderr and "Traceback" not in done.stderr
+    (tmp_path / "a-file").write_text("in the way", encoding="utf-8")
+    done = report(str(research_runs.legacy), "-o", str(tmp_path / "a-file" / "r.html"))
+    assert done.returncode == 2 and "-o" in done.stderr and "a file is in the way" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def _cells(page_html: str, heading: str) -> dict[str, list[str]]:

@@ -355,6 +355,7 @@ def exit_code_for(exc: BaseException) -> ExitCode | None:
     from shopsimrl.research.gate.drafts import DraftError
     from shopsimrl.research.gate.fit import GateFitError
     from shopsimrl.research.gate.spec import GateSpecError
+    from shopsimrl.research.outputs import OutputError, OutputStorageError
     from shopsimrl.research.runs import RunReadError
     from shopsimrl.sharded.layout import ShardMapError
     from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
@@ -365,9 +366,10 @@ def exit_code_for(exc: BaseException) -> ExitCode | None:
         return ExitCode.FINGERPRINT_MISMATCH
     if isinstance(exc, RunWriteError):
         return ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT
-    if isinstance(exc, StoreUnavailableError):
+    if isinstance(exc, (StoreUnavailableError, OutputStorageError)):
         return ExitCode.RETRYABLE
     bad_input = (
+        OutputError,
         GateSpecError,
         GatePlanError,
         DraftError,

@@ -17,7 +17,6 @@ import csv
 import io
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,6 +27,7 @@ from shopsimrl.research.gate.checks import Pairs
 from shopsimrl.research.gate.drafts import Chunk
 from shopsimrl.research.gate.fit import CONFIDENCE, STANDARD_ERROR, ZERO_TOLERANCE, Fit
 from shopsimrl.research.gate.freeze import ESTIMATOR, FORMULA, FrozenGate
+from shopsimrl.research.outputs import write_output
 from shopsimrl.schemas import fingerprint
 
 __all__ = ["OUTPUT_FILES", "contributions", "write_outputs"]
@@ -402,9 +402,7 @@ def _ledger(frozen: FrozenGate, document: Mapping[str, Any]) -> list[dict[str, A
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_output(path, text.encode("utf-8"))  # whole or not at all, as every research output
 
 
 def write_outputs(frozen: FrozenGate, document: dict[str, Any]) -> dict[str, Any]:

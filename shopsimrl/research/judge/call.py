@@ -9,19 +9,28 @@ a user message naming the error and asking again are appended, and the model is 
 After ``max_repairs`` such turns the record is ``unparseable``. A call that fails for the
 infrastructure (the adapter's retries of 429/5xx/timeouts exhausted) gives status ``error``:
 nothing was judged, and a resumed stage tries the episode again.
+
+A reply that is not the chat-completions API's JSON (a gateway's HTML page with status 200, a
+body without ``choices[0].message``) was not written by the judge model: it is never a verdict
+nor a repair turn. The call is made again with the project's retry loop (the model's
+``max_retries`` attempts and backoff); when every attempt gets such a reply the record is
+``error``, so the episode is judged again by the next run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+import structlog
 
 from shopsimrl.model import ModelRequestError, OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.research.judge.config import TOOL_NAME, JudgeConfig, Rubric, schema_errors
+from shopsimrl.retry import Attempt, Backoff, retry_async
 from shopsimrl.schemas import ModelOutput, json_bytes, redact_uri
 
 __all__ = [
@@ -30,6 +39,7 @@ __all__ = [
     "JudgeModelError",
     "judge_episode",
     "judge_model",
+    "judged",
     "model_identity",
     "wait_for_judge_model",
 ]
@@ -41,8 +51,40 @@ _FATAL_STATUS = frozenset({401, 403, 404})
 """A wrong key, model name or URL: every episode would fail alike, so the stage stops (exit 2)."""
 
 
+NOT_THE_API: frozenset[str] = frozenset(
+    {"invalid_json_response", "invalid_response_body", "missing_choices", "invalid_choice", "invalid_message"}
+)
+"""The adapter's protocol-error codes of a reply that is not the chat-completions API's JSON
+(not JSON; not an object; no ``choices[0].message`` object): the endpoint's failure, not the
+judge model's answer."""
+
+log = structlog.get_logger("shopsimrl.research.judge")
+
+
 class JudgeModelError(ValueError):
     """The judge model cannot be used at all (HTTP 401/403/404): bad input, exit 2."""
+
+
+class _NotTheApi(Exception):
+    """A reply that is not the chat-completions API's JSON (retried)."""
+
+
+def judged(record: dict[str, Any]) -> bool:
+    """Whether a judge output record is final (a resumed stage skips its episode): ``ok``, or
+    ``unparseable`` from the judge model's own answers. ``error`` is not, nor an ``unparseable``
+    record that counted replies that were not the API's JSON as answers (as versions before
+    these replies were retried wrote them)."""
+    if record.get("status") == "ok":
+        return True
+    if record.get("status") != "unparseable":
+        return False
+    attempts = record.get("attempts")
+    for attempt in attempts if isinstance(attempts, list) else []:
+        raw = attempt.get("raw") if isinstance(attempt, dict) else None
+        problem = raw.get("protocol_error") if isinstance(raw, dict) else None
+        if isinstance(problem, dict) and problem.get("code") in NOT_THE_API:
+            return False
+    return True
 
 
 def judge_settings(config: JudgeConfig) -> OpenAICompatibleSettings:
@@ -150,6 +192,47 @@ def _usage(output: ModelOutput) -> dict[str, int]:
     return {key: int(usage[key]) for key in _USAGE_KEYS if isinstance(usage.get(key), int)}
 
 
+def _excerpt(output: ModelOutput, settings: OpenAICompatibleSettings) -> str:
+    """The reply's beginning on one line, without the API key should a gateway echo it."""
+    raw = output.raw_response
+    text = raw["text"] if isinstance(raw, dict) and isinstance(raw.get("text"), str) else orjson.dumps(raw).decode()
+    key = os.environ.get(settings.api_key_env, "").strip() if settings.api_key_env else ""
+    if len(key) >= 4:
+        text = text.replace(key, "***")
+    return " ".join(text.split())[:160]
+
+
+async def _generate(model: OpenAICompatibleChatModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelOutput:
+    """``model.generate``, made again while the reply is not the API's JSON; raises
+    :class:`ModelRequestError` when every attempt got such a reply."""
+    s = model.settings
+
+    async def attempt(current: Attempt) -> ModelOutput:
+        output = await model.generate(messages, tools)
+        problem = output.protocol_error or {}
+        if problem.get("code") in NOT_THE_API:
+            raise _NotTheApi(f"{problem.get('code')}: {problem.get('message')}: {_excerpt(output, s)!r}")
+        return output
+
+    def on_retry(failed: Attempt) -> None:
+        log.info("judge_reply_not_the_api", attempt=failed.number, delay_s=round(failed.delay_s, 2), error=str(failed.error))
+
+    def exhausted(last: Attempt, elapsed_s: float) -> ModelRequestError:
+        return ModelRequestError(
+            f"the judge endpoint {redact_uri(s.base_url)} answered {last.number} times with something that is not "
+            f"the chat-completions API's JSON ({last.error})",
+            status_code=None,
+            attempts=[],
+        )
+
+    backoff = Backoff(
+        attempts=s.max_retries, base_delay_s=s.retry_backoff_seconds, max_delay_s=s.max_backoff_seconds, jitter="additive"
+    )
+    return await retry_async(
+        attempt, backoff, retryable=lambda exc: isinstance(exc, _NotTheApi), on_retry=on_retry, exhausted=exhausted
+    )
+
+
 def _repair_message(problem: str) -> str:
     return (
         f"Your answer could not be used: {problem}. Call the function {TOOL_NAME} exactly once, "
@@ -177,7 +260,7 @@ async def judge_episode(
     status, verdict, error = "unparseable", None, None
     for number in range(1, max_repairs + 2):
         try:
-            output = await model.generate(messages, [tool or rubric.tool()])
+            output = await _generate(model, messages, [tool or rubric.tool()])
         except ModelRequestError as exc:
             if exc.status_code in _FATAL_STATUS:
                 raise JudgeModelError(f"the judge model refused the request: {exc}") from None

@@ -24,11 +24,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shopsimrl.config import check_environment_url
+from shopsimrl.config import ConfigError, check_environment_url
 from shopsimrl.research.export import SELECTIONS
 from shopsimrl.research.redaction import INCLUDABLE
 from shopsimrl.schemas import canonical_json, fingerprint, sha256_hex
@@ -51,6 +52,24 @@ TOOL_NAME = "submit_verdict"
 
 class JudgeConfigError(ValueError):
     """A judge config or rubric that cannot be used; the message names the file and key (exit 2)."""
+
+
+_JUDGE_CREDENTIALS_HINT = "the judge's API key goes in the environment variable named by model.api_key_env of the judge config"
+
+
+def check_judge_url(url: str) -> None:
+    """ValueError when ``url`` cannot be the judge model's base URL: plain
+    ``http(s)://host[:port][/path]``, no ``user:password@`` (the message never repeats the URL)."""
+    try:
+        credentials = "@" in urlsplit(url).netloc
+    except ValueError:
+        credentials = False  # malformed: the check below says how
+    if credentials:
+        raise ValueError(f"must not contain user:password@ credentials; {_JUDGE_CREDENTIALS_HINT}")
+    try:
+        check_environment_url(url)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
 class _Strict(BaseModel):
@@ -83,7 +102,7 @@ class JudgeModelSection(_Strict):
     @field_validator("base_url")
     @classmethod
     def _url(cls, value: str) -> str:
-        check_environment_url(value)  # plain http(s)://host[:port][/path], no user:password@
+        check_judge_url(value)
         return value
 
     @field_validator("temperature", "timeout", "retry_backoff_seconds")
@@ -163,19 +182,30 @@ class JudgeConfig(_Strict):
         }
 
 
-def _read_yaml(path: Path, what: str) -> Any:
+def _parse_yaml(data: bytes, what: str, shown: str) -> Any:
+    """The YAML document in ``data``; one line naming the file and the problem otherwise: bytes
+    that are not UTF-8 text (where), or text that is not YAML (line, column, what)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise JudgeConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise JudgeConfigError(f"{what} {path} is not UTF-8: {exc}") from None
+        raise JudgeConfigError(
+            f"{what} {shown} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); it must be a YAML file"
+        ) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise JudgeConfigError(f"{what} {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise JudgeConfigError(f"{what} {shown} is not valid YAML{where}: {problem}") from None
+
+
+def _read_yaml(path: Path, what: str) -> Any:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise JudgeConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    return _parse_yaml(data, what, str(path))
 
 
 def _problems(path: Path, exc: ValidationError, what: str) -> str:
@@ -201,9 +231,16 @@ def load_judge_config(path: str | Path) -> JudgeConfig:
     if "source_path" in data:
         raise JudgeConfigError(f"invalid judge config {path}: source_path: unknown key")
     try:
-        return JudgeConfig.model_validate({**data, "source_path": path.resolve()}, strict=False)
+        config = JudgeConfig.model_validate({**data, "source_path": path.resolve()}, strict=False)
     except ValidationError as exc:
         raise JudgeConfigError(_problems(path, exc, "judge config")) from None
+    override = os.environ.get(JUDGE_BASE_URL_ENV)
+    if override:
+        try:
+            check_judge_url(override)
+        except ValueError as exc:
+            raise JudgeConfigError(f"{JUDGE_BASE_URL_ENV} (overrides model.base_url of {path}): {exc}") from None
+    return config
 
 
 # --------------------------------------------------------------------------- the rubric
@@ -347,10 +384,7 @@ class Rubric:
 
 def rubric_from_bytes(data: bytes, shown: str) -> Rubric:
     """A rubric from a file's bytes (``shown`` names it in errors)."""
-    try:
-        document = yaml.safe_load(data.decode("utf-8"))
-    except (UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise JudgeConfigError(f"rubric {shown} is not UTF-8 YAML: {exc}") from None
+    document = _parse_yaml(data, "rubric", shown)
     if not isinstance(document, dict):
         raise JudgeConfigError(f"rubric {shown} must be a YAML mapping")
     unknown = sorted(set(document) - {"rubric_version", "instructions", "verdict_schema"})

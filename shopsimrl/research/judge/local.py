@@ -8,9 +8,10 @@ Writes into the config's ``output`` directory (never inside the run)::
     judge_summary.json     written at the end of every invocation (summary.py)
 
 Resume: a restart reads ``judge_outputs.jsonl`` and skips the episodes already there with status
-``ok`` or ``unparseable``. A torn last line (a process killed mid-write) is cut off and logged;
-records with status ``error`` (the infrastructure failed) are dropped so that the episode is
-judged again; either way the file is first rewritten whole (a temporary file renamed into place)
+``ok`` or ``unparseable`` (:func:`~shopsimrl.research.judge.call.judged`). A torn last line (a
+process killed mid-write) is cut off and logged; records with status ``error`` (the
+infrastructure failed), and ``unparseable`` ones that counted replies that were not the API's
+JSON, are dropped so that the episode is judged again; either way the file is first rewritten whole (a temporary file renamed into place)
 with the kept records, so it never holds two records of one episode. A line that is not a
 record anywhere else, or records of another rubric, are refused (exit 2): the output belongs to
 another judge run.
@@ -30,7 +31,7 @@ import orjson
 import structlog
 
 from shopsimrl.research.episodes import episode_row
-from shopsimrl.research.judge.call import JUDGE_OUTPUT_VERSION, judge_episode, judge_model, model_identity
+from shopsimrl.research.judge.call import JUDGE_OUTPUT_VERSION, judge_episode, judge_model, judged, model_identity
 from shopsimrl.research.judge.config import JudgeConfig, JudgeConfigError, Rubric, judge_fingerprint
 from shopsimrl.research.judge.summary import judge_summary
 from shopsimrl.research.labels import episode_labels
@@ -58,7 +59,6 @@ JUDGE_MANIFEST_VERSION = "shopsimrl-judge-manifest-v1"
 OUTPUTS_NAME = "judge_outputs.jsonl"
 SUMMARY_NAME = "judge_summary.json"
 MANIFEST_NAME = "judge_manifest.json"
-DONE = frozenset({"ok", "unparseable"})
 
 
 class JudgeOutputError(ValueError):
@@ -119,7 +119,7 @@ def read_outputs(path: Path, rubric_sha256: str) -> ExistingOutputs:
                 f"{path}:{number}: a verdict of another rubric ({str(record.get('rubric_sha256'))[:12]}…); "
                 "give this judge run another output"
             )
-        if record.get("status") not in DONE:
+        if not judged(record):
             found.errors.append(record)
         elif record["episode_id"] in found.done:
             found.duplicates += 1

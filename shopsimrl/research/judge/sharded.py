@@ -43,8 +43,9 @@ import zstandard
 from shopsimrl import eventloop
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError
+from shopsimrl.research.judge.call import judged
 from shopsimrl.research.judge.config import JudgeConfig, Rubric, rubric_from_bytes
-from shopsimrl.research.judge.local import DONE, OUTPUTS_NAME, SUMMARY_NAME, judge_header, judge_stream, summarize
+from shopsimrl.research.judge.local import OUTPUTS_NAME, SUMMARY_NAME, judge_header, judge_stream, summarize
 from shopsimrl.research.runs import Run, open_run
 from shopsimrl.schemas import fingerprint, json_bytes, parse_json_exact, sha256_hex
 from shopsimrl.sharded.layout import (
@@ -201,7 +202,7 @@ def _scan(store: ShardedRunStore, index: int) -> tuple[dict[str, dict[str, Any]]
         if whole:
             entries.append(part_entry(name, data, len(records)))
         for record in records:
-            if record.get("status") in DONE:
+            if judged(record):
                 done.setdefault(str(record["episode_id"]), record)
     return done, entries, next_seq
 
@@ -264,7 +265,7 @@ def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
     def sink(record: dict[str, Any]) -> None:
         nonlocal errors
         buffer.append(json_bytes(record) + b"\n")
-        if record["status"] in DONE:
+        if judged(record):
             done[str(record["episode_id"])] = record
         else:
             errors += 1
@@ -417,7 +418,7 @@ def reduce_judge(uri: str, *, wait_s: float | None = None) -> ReduceResult:
             for record in _records(name, data):
                 episode = str(record["episode_id"])
                 held = chosen.get(episode)
-                if held is None or (held["status"] not in DONE and record["status"] in DONE):
+                if held is None or (not judged(held) and judged(record)):
                     chosen[episode] = record
     records = [chosen[episode] for episode in sorted(chosen)]
     store.overwrite(OUTPUTS_NAME, b"".join(json_bytes(record) + b"\n" for record in records))
