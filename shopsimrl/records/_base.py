@@ -22,6 +22,7 @@ __all__ = [
     "Object",
     "Objects",
     "OptObject",
+    "Payload",
     "Record",
     "RecordVersionError",
     "check_version",
@@ -85,6 +86,9 @@ def _required(schema: dict[str, Any], cls: Any) -> None:
     keys = getattr(cls, "ALWAYS_WRITTEN", ())
     if keys:
         schema["required"] = list(keys)
+    documented = getattr(cls, "DOCUMENTED", None)
+    if documented:
+        schema["properties"] = {**documented, **schema.get("properties", {})}
 
 
 class Record(BaseModel):
@@ -100,6 +104,38 @@ class Record(BaseModel):
     ALWAYS_WRITTEN: ClassVar[tuple[str, ...]] = ()
     """Keys every record of this kind that shopsimrl writes has (``required`` in its JSON Schema);
     a reader still accepts records without them (the earlier implementation's fallback traces)."""
+
+
+class Payload(Record):
+    """An object another party defines (the environment's answers, a server's usage): every key is
+    kept exactly as it came, in its order, and written back so; the properties of a subclass read
+    the keys shopsimrl uses, a value of the wrong type as None. ``DOCUMENTED`` describes those keys
+    in the JSON Schema."""
+
+    DOCUMENTED: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``key`` as it came."""
+        return (self.__pydantic_extra__ or {}).get(key, default)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A copy of the payload as it came."""
+        return dict(self.__pydantic_extra__ or {})
+
+    def _number(self, key: str) -> float | None:
+        return _number(self.get(key))
+
+    def _count(self, key: str) -> int | None:
+        return _count(self.get(key))
+
+    def _text(self, key: str) -> str | None:
+        return _text(self.get(key))
+
+    def _flag(self, key: str) -> bool | None:
+        return _bool_or_none(self.get(key))
+
+    def _object(self, key: str) -> dict[str, Any] | None:
+        return _object_or_none(self.get(key))
 
 
 def check_version(value: Any, accepted: tuple[str, ...], *, kind: str, prefix: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Final, Literal
 
 from pydantic import Field, field_validator
 
-from shopsimrl.records._base import Count, FlexBool, FlexStr, Number, Object, Objects, OptObject, Record
+from shopsimrl.records._base import Count, FlexBool, FlexStr, Number, Object, Objects, OptObject, Payload, Record
 
 __all__ = [
     "FAILURE_CLASSES",
@@ -87,17 +87,32 @@ class CodedMessage(Record):
     message: FlexStr = None
 
 
-class Usage(Record):
-    """The model server's token usage, as it reported it (other keys kept)."""
+class Usage(Payload):
+    """The model server's token usage, as it reported it."""
 
-    prompt_tokens: Count = None
-    completion_tokens: Count = None
-    total_tokens: Count = None
-    completion_tokens_details: OptObject = None
+    DOCUMENTED: ClassVar[dict[str, dict[str, Any]]] = {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "completion_tokens_details": {"type": "object", "description": "``reasoning_tokens`` among others"},
+    }
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return self._count("prompt_tokens")
+
+    @property
+    def completion_tokens(self) -> int | None:
+        return self._count("completion_tokens")
+
+    @property
+    def total_tokens(self) -> int | None:
+        return self._count("total_tokens")
 
     @property
     def reasoning_tokens(self) -> int | None:
-        value = (self.completion_tokens_details or {}).get("reasoning_tokens")
+        details = self._object("completion_tokens_details") or {}
+        value = details.get("reasoning_tokens")
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
@@ -153,31 +168,68 @@ class ModelTurn(Record):
         return max(self.attempt_count or 0, len(self.attempts), 1)
 
 
-class ActionFeedback(Record):
-    """The environment's verdict on an action."""
+class ActionFeedback(Payload):
+    """The environment's verdict on an action, as it sent it."""
 
-    valid: FlexBool = None
-    reason: FlexStr = None
-    message: FlexStr = None
-    action: FlexStr = None
+    DOCUMENTED: ClassVar[dict[str, dict[str, Any]]] = {
+        "valid": {"type": "boolean"},
+        "reason": {"type": "string", "description": "``executed``, ``invalid_format``, ``search_unavailable`` …"},
+        "message": {"type": "string"},
+        "action": {"type": "string"},
+    }
+
+    @property
+    def valid(self) -> bool | None:
+        return self._flag("valid")
+
+    @property
+    def reason(self) -> str | None:
+        return self._text("reason")
 
 
-class EnvironmentResult(Record):
-    """A step or terminal payload of the environment, minus the lease keys."""
+class EnvironmentResult(Payload):
+    """A step or terminal payload of the environment, minus the lease keys, as it sent it."""
 
-    done: FlexBool = None
-    reward: Number = None
-    reward_detail: Object = Field(default_factory=dict)
-    """The environment's reward components (``r_strict``, ``r_success`` …) and their evidence."""
-    observation: FlexStr = None
-    observation_state: OptObject = None
-    action_feedback: ActionFeedback | None = None
-    termination_reason: FlexStr = None
+    DOCUMENTED: ClassVar[dict[str, dict[str, Any]]] = {
+        "done": {"type": "boolean"},
+        "reward": {"type": "number", "description": "equal to ``reward_detail.r_strict`` when done"},
+        "reward_detail": {"type": "object", "description": "``r_type``, ``r_att``, ``r_option``, ``r_price``, ``r_loose``, ``r_strict``, ``r_success`` and their evidence"},
+        "observation": {"type": "string"},
+        "observation_state": {"type": "object"},
+        "action_feedback": {"type": "object"},
+        "termination_reason": {"type": "string", "description": "``purchase``, ``action_limit``, ``generation_length``, ``environment_done``"},
+        "goal": {"type": "object", "description": "the private goal, revealed when done"},
+        "purchase": {"description": "what was bought"},
+    }  # fmt: skip
 
-    @field_validator("action_feedback", mode="before")
-    @classmethod
-    def _object_or_none(cls, value: Any) -> Any:
-        return value if isinstance(value, dict | Record) else None
+    @property
+    def done(self) -> bool | None:
+        return self._flag("done")
+
+    @property
+    def reward(self) -> float | None:
+        return self._number("reward")
+
+    @property
+    def reward_detail(self) -> dict[str, Any]:
+        return self._object("reward_detail") or {}
+
+    @property
+    def observation(self) -> str | None:
+        return self._text("observation")
+
+    @property
+    def observation_state(self) -> dict[str, Any] | None:
+        return self._object("observation_state")
+
+    @property
+    def termination_reason(self) -> str | None:
+        return self._text("termination_reason")
+
+    @property
+    def action_feedback(self) -> ActionFeedback | None:
+        feedback = self._object("action_feedback")
+        return None if feedback is None else ActionFeedback.model_validate(feedback)
 
     def component(self, key: str) -> float | None:
         """A reward component (``r_success``, ``r_strict`` …) as a finite number, else None."""
