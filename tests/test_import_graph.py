@@ -98,10 +98,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.records.marker",
         "shopsimrl.records.summary",
         "shopsimrl.records.trace",
+        "shopsimrl.records.winner",
         "shopsimrl.schemas",
         "shopsimrl.stopping",
         "shopsimrl.tasks",
-        "shopsimrl.traces",
     ),
 }
 RANK = {layer: rank for rank, layer in enumerate(reversed(LAYERS))}

@@ -93,7 +93,7 @@ def test_lone_surrogates_from_the_model_are_repair_turns_and_the_run_completes(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     traces = records(run_dir)
-    assert len(traces) == 2 and all(is_completed(record) for record in traces)
+    assert len(traces) == 2 and all(read_trace(record).completed for record in traces)
     steps = [step for record in traces for step in record["steps"]]
     assert len(steps) == 4 and {step["protocol_error"]["code"] for step in steps} == {"invalid_unicode"}
     assert all(step["action"] is None for step in steps)  # nothing reached the shop
@@ -192,7 +192,7 @@ async def test_a_custom_chat_model_handing_over_lone_surrogates_gets_a_repair_tu
         trace = await runtime.run(EpisodeJob(task_id=19, sample_id=0, seed=3, split="val"))
     finally:
         await environment.aclose()
-    assert is_completed(trace), trace["error"]
+    assert read_trace(trace).completed, trace["error"]
     first, second = trace["steps"]
     assert first["protocol_error"]["code"] == "invalid_unicode" and first["action"] is None
     assert second["action"] == "search[台灯]"

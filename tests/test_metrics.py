@@ -366,12 +366,12 @@ def _reference_formulas(records: list[dict[str, Any]], requested: int) -> dict[s
     from collections import Counter
     from statistics import fmean, stdev
 
-    from shopsimrl.traces import is_completed
+    from shopsimrl.records import read_trace
 
     def numeric(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    done = [r for r in records if is_completed(r)]
+    done = [r for r in records if read_trace(r).completed]
     rewards = [float(r["final"]["reward"]) for r in done if numeric(r["final"].get("reward"))]
     details = [r["final"].get("reward_detail") or {} for r in done]
     successes = [float(d["r_success"]) for d in details if numeric(d.get("r_success"))]
@@ -414,7 +414,11 @@ def _reference_formulas(records: list[dict[str, Any]], requested: int) -> dict[s
         "duration_ms_mean": fmean(r["duration_ms"] for r in done),
         "tokens": dict(tokens),
         "errors": dict(
-            sorted(Counter(str((r.get("error") or {}).get("type") or "unknown") for r in records if not is_completed(r)).items())
+            sorted(
+                Counter(
+                    str((r.get("error") or {}).get("type") or "unknown") for r in records if not read_trace(r).completed
+                ).items()
+            )
         ),
     }
 

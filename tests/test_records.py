@@ -65,7 +65,7 @@ async def _written_traces() -> list[dict[str, Any]]:
         await runtime(cut, FakeEnvironment()).run(JOB),
         await runtime(FakeModel([tool_output("search", {"query": "x"})]), failing).run(JOB),
     ]
-    return [orjson.loads(orjson.dumps(trace)) for trace in traces]
+    return [orjson.loads(dump_line(trace)) for trace in traces]
 
 
 def _legacy() -> list[dict[str, Any]]:
@@ -106,7 +106,7 @@ async def test_written_records_match_their_checked_in_json_schema(tmp_path: Path
     )  # fmt: skip
     validators["shopsimrl-shard-commit-v1"].validate(marker)
     accumulator = SummaryAccumulator(requested_episode_ids=[JOB.episode_id])
-    accumulator.add(traces[0])
+    accumulator.add(read_trace(traces[0]))
     summary = json.loads(json.dumps(accumulator.result()))
     validators["shopsimrl-eval-summary-v3"].validate(summary)
     assert orjson.loads(dump_document(read_summary(summary))) == summary

@@ -9,23 +9,26 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.local_run import LocalRunStore
+from shopsimrl.records import EpisodeTrace, read_trace
 from shopsimrl.scheduler import Evaluator
 from shopsimrl.schemas import EpisodeJob
 
 JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in (1, 2, 3)]
 
 
-def trace(job: EpisodeJob, status: str, failure_class: str | None = None, reward: float = 1.0) -> dict:
-    return {
-        "schema_version": "shopsimrl-episode-v4",
-        "episode_id": job.episode_id,
-        "status": status,
-        "job": job.to_dict(),
-        "final": {"done": True, "reward": reward} if status == "completed" else None,
-        "steps": [],
-        "error": None if status == "completed" else {"type": "X"},
-        "failure_class": failure_class,
-    }
+def trace(job: EpisodeJob, status: str, failure_class: str | None = None, reward: float = 1.0) -> EpisodeTrace:
+    return read_trace(
+        {
+            "schema_version": "shopsimrl-episode-v4",
+            "episode_id": job.episode_id,
+            "status": status,
+            "job": job.to_dict(),
+            "final": {"done": True, "reward": reward} if status == "completed" else None,
+            "steps": [],
+            "error": None if status == "completed" else {"type": "X"},
+            "failure_class": failure_class,
+        }
+    )
 
 
 class ScriptedRuntime:
@@ -35,7 +38,7 @@ class ScriptedRuntime:
         self.script = script
         self.calls: list[int] = []
 
-    async def run(self, job: EpisodeJob) -> dict:
+    async def run(self, job: EpisodeJob) -> EpisodeTrace:
         self.calls.append(job.task_id)
         outcomes = self.script.get(job.task_id, ["ok"])
         outcome = outcomes[min(self.calls.count(job.task_id) - 1, len(outcomes) - 1)]
@@ -213,7 +216,7 @@ class GatedRuntime(ScriptedRuntime):
         self.gate = asyncio.Event()
         self.all_ended = asyncio.Event()
 
-    async def run(self, job: EpisodeJob) -> dict:
+    async def run(self, job: EpisodeJob) -> EpisodeTrace:
         if job.task_id != 1:
             await self.gate.wait()
         try:

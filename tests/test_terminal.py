@@ -33,7 +33,7 @@ from typer.testing import CliRunner
 from shopsimrl import logs
 from shopsimrl.cli import app
 from shopsimrl.progress import RunProgress, ShardedRunProgress
-from shopsimrl.traces import is_completed
+from shopsimrl.records import read_trace
 from tests.terminal_screen import run_on_terminal, screen_lines
 from tests.testbed_process import ROOT, LocalTestbed, start_testbed, write_config
 
@@ -345,7 +345,7 @@ def keep_first_records(traces: Path, count: int) -> int:
     """Cut the trace file to its first ``count`` lines (a run stopped early); returns the episodes completed in them."""
     lines = traces.read_text(encoding="utf-8").splitlines(keepends=True)[:count]
     traces.write_text("".join(lines), encoding="utf-8")
-    return len({record["episode_id"] for record in map(json.loads, lines) if is_completed(record)})
+    return len({record["episode_id"] for record in map(json.loads, lines) if read_trace(record).completed})
 
 
 @pytest.mark.slow

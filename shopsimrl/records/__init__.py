@@ -16,11 +16,14 @@ from shopsimrl.records.io import (
     decode_json,
     dump_document,
     dump_line,
+    iter_trace_lines,
+    parse_trace_line,
     plain,
     read_manifest,
     read_marker,
     read_summary,
     read_trace,
+    to_plain,
 )
 from shopsimrl.records.manifest import MANIFEST_SCHEMA_VERSION, MANIFEST_SCHEMA_VERSIONS, RunManifest, RunPlan
 from shopsimrl.records.marker import MARKER_SCHEMA_VERSION, MarkerPart, ShardMarker
@@ -75,9 +78,12 @@ __all__ = [
     "decode_json",
     "dump_document",
     "dump_line",
+    "iter_trace_lines",
+    "parse_trace_line",
     "plain",
     "read_manifest",
     "read_marker",
     "read_summary",
     "read_trace",
+    "to_plain",
 ]

@@ -11,6 +11,8 @@ reader checks the schema version first: a newer version of the same kind is refu
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
@@ -21,7 +23,7 @@ from shopsimrl.records.manifest import MANIFEST_SCHEMA_VERSIONS, RunManifest
 from shopsimrl.records.marker import MARKER_SCHEMA_VERSION, ShardMarker
 from shopsimrl.records.summary import SUMMARY_SCHEMA_VERSIONS, EvalSummary
 from shopsimrl.records.trace import TRACE_SCHEMA_VERSIONS, EpisodeTrace
-from shopsimrl.schemas import TraceFormatError, fingerprint, json_safe
+from shopsimrl.schemas import TraceFormatError, escape_lone_surrogates, fingerprint, json_bytes, json_safe
 
 __all__ = [
     "ManifestIntegrityError",
@@ -30,11 +32,14 @@ __all__ = [
     "decode_json",
     "dump_document",
     "dump_line",
+    "iter_trace_lines",
+    "parse_trace_line",
     "plain",
     "read_manifest",
     "read_marker",
     "read_summary",
     "read_trace",
+    "to_plain",
 ]
 
 R = TypeVar("R", bound=Record)
@@ -60,32 +65,45 @@ def plain(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
+def to_plain(value: Any) -> Any:
+    """``value`` with every record in it turned into the object it is written as."""
+    if isinstance(value, Record):
+        value = plain(value)
+    if isinstance(value, dict):
+        return {key: to_plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(item) for item in value]
+    return value
+
+
 def dump_line(record: Record | dict[str, Any]) -> bytes:
-    """One compact JSONL line. A value JSON cannot hold is made safe and the line flagged
-    ``serialization_repaired``, never fatal: one odd payload must not abort a run."""
+    """One compact JSONL line (orjson). Text that is not valid Unicode (a lone surrogate a model
+    server sent) is kept exactly, written as its ``\\uXXXX`` escape (:func:`schemas.json_bytes`).
+    A value JSON cannot hold (an odd object of a custom adapter) is made safe and the line flagged
+    ``serialization_repaired``, never fatal: one odd payload must not abort a run. A non-finite
+    float is written as null."""
     try:
         return orjson.dumps(record, default=plain, option=orjson.OPT_APPEND_NEWLINE)
     except TypeError:
-        safe = json_safe(orjson.loads(orjson.dumps(record, default=_lenient)) if isinstance(record, Record) else record)
+        value = to_plain(record)
+    try:
+        return json_bytes(value) + b"\n"
+    except (TypeError, ValueError):
+        safe = json_safe(value)
         if isinstance(safe, dict):
             safe.setdefault("serialization_repaired", True)
-        return orjson.dumps(safe, option=orjson.OPT_APPEND_NEWLINE)
-
-
-def _lenient(value: Any) -> Any:
-    try:
-        return plain(value)
-    except TypeError:
-        return repr(value)
+        return json_bytes(safe) + b"\n"
 
 
 def dump_document(record: Record | dict[str, Any]) -> bytes:
-    """A document as stored: indented UTF-8 JSON, NaN refused."""
+    """A document as stored: indented UTF-8 JSON. Integers beyond 64 bits and lone surrogates
+    (written as their escape) go through the standard library."""
     try:
         return orjson.dumps(record, default=plain, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
-    except TypeError:  # integers beyond 64 bits: the standard library writes them
-        value = orjson.loads(orjson.dumps(record, default=plain)) if isinstance(record, Record) else record
-        return (json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n").encode("utf-8")
+    except TypeError:
+        value = to_plain(record)
+    text = json.dumps(value, ensure_ascii=False, indent=2, allow_nan=False) + "\n"
+    return escape_lone_surrogates(text).encode("utf-8")
 
 
 def decode_json(data: bytes | str) -> Any:
@@ -94,6 +112,13 @@ def decode_json(data: bytes | str) -> Any:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
         return json.loads(data, parse_constant=lambda _: None)
+
+
+def _check_version(where: str, value: Any, accepted: tuple[str, ...], *, kind: str, prefix: str) -> None:
+    try:
+        check_version(value, accepted, kind=kind, prefix=prefix)
+    except RecordVersionError as exc:
+        raise RecordVersionError(f"{where}: {exc}") from None
 
 
 def _validate(model: type[R], value: Any, where: str) -> R:
@@ -110,8 +135,42 @@ def read_trace(value: Any, where: str = "trace") -> EpisodeTrace:
     """A trace record from its parsed JSON object."""
     if not isinstance(value, dict):
         raise RecordFormatError(f"{where}: a trace record must be a JSON object")
-    check_version(value.get("schema_version"), TRACE_SCHEMA_VERSIONS, kind="trace record", prefix="shopsimrl-episode-")
+    _check_version(where, value.get("schema_version"), TRACE_SCHEMA_VERSIONS, kind="trace record", prefix="shopsimrl-episode-")
     return _validate(EpisodeTrace, value, where)
+
+
+def parse_trace_line(raw: bytes, where: str = "trace") -> EpisodeTrace | None:
+    """One JSONL line as a trace record, or None when it is torn, garbled, foreign or does not fit
+    the record (an unreadable line, counted by the caller). Raises :class:`RecordVersionError` for
+    a trace of another version: what it says cannot be read here, and skipping it would run or
+    score its episode wrongly. NaN in records of the earlier implementation reads as absent; an
+    escaped lone surrogate reads back as the same string."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        try:
+            value = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
+    if not isinstance(value, dict) or not isinstance(value.get("episode_id"), str):
+        return None
+    try:
+        return read_trace(value, where)
+    except RecordFormatError:
+        return None
+
+
+def iter_trace_lines(path: Path) -> Iterator[tuple[int, EpisodeTrace | None]]:
+    """``(byte offset, record or None for an unreadable line)`` for every non-blank line of a file."""
+    if not path.exists():
+        return
+    with path.open("rb") as handle:
+        offset = 0
+        for number, raw in enumerate(handle, 1):
+            start, offset = offset, offset + len(raw)
+            line = raw.strip()
+            if line:
+                yield start, parse_trace_line(line, f"{path}:{number}")
 
 
 def read_manifest(value: Any, where: str = "manifest.json") -> RunManifest:
@@ -119,7 +178,9 @@ def read_manifest(value: Any, where: str = "manifest.json") -> RunManifest:
     stored, before anything is typed."""
     if not isinstance(value, dict):
         raise RecordFormatError(f"{where}: the manifest must be a JSON object")
-    check_version(value.get("schema_version"), MANIFEST_SCHEMA_VERSIONS, kind="run manifest", prefix="shopsimrl-run-manifest-")
+    _check_version(
+        where, value.get("schema_version"), MANIFEST_SCHEMA_VERSIONS, kind="run manifest", prefix="shopsimrl-run-manifest-"
+    )
     plan, stored = value.get("plan"), value.get("plan_fingerprint")
     if not isinstance(plan, dict) or not isinstance(stored, str):
         raise RecordFormatError(f"{where}: the manifest needs a 'plan' object and a 'plan_fingerprint' string")
@@ -133,12 +194,16 @@ def read_manifest(value: Any, where: str = "manifest.json") -> RunManifest:
 def read_marker(value: Any, where: str = "_SUCCESS.json") -> ShardMarker:
     if not isinstance(value, dict):
         raise RecordFormatError(f"{where}: a commit marker must be a JSON object")
-    check_version(value.get("schema_version"), (MARKER_SCHEMA_VERSION,), kind="commit marker", prefix="shopsimrl-shard-commit-")
+    _check_version(
+        where, value.get("schema_version"), (MARKER_SCHEMA_VERSION,), kind="commit marker", prefix="shopsimrl-shard-commit-"
+    )
     return _validate(ShardMarker, value, where)
 
 
 def read_summary(value: Any, where: str = "summary.json") -> EvalSummary:
     if not isinstance(value, dict):
         raise RecordFormatError(f"{where}: a summary must be a JSON object")
-    check_version(value.get("schema_version"), SUMMARY_SCHEMA_VERSIONS, kind="run summary", prefix="shopsimrl-eval-summary-")
+    _check_version(
+        where, value.get("schema_version"), SUMMARY_SCHEMA_VERSIONS, kind="run summary", prefix="shopsimrl-eval-summary-"
+    )
     return _validate(EvalSummary, value, where)

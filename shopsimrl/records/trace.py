@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 from shopsimrl.records._base import Count, FlexBool, FlexStr, Number, Object, Objects, OptObject, Payload, Record
 
 __all__ = [
+    "EXCUSED_FAILURE_CLASSES",
     "FAILURE_CLASSES",
     "TRACE_SCHEMA_VERSION",
     "TRACE_SCHEMA_VERSIONS",
@@ -49,6 +50,10 @@ FAILURE_CLASSES: tuple[FailureClass, ...] = (
     "runtime_error",
 )
 """``failure_class`` of a failed record (docs/runtime_eval.md §4 has the attribution table)."""
+EXCUSED_FAILURE_CLASSES: frozenset[str] = frozenset({"infrastructure", "configuration_error"})
+"""Failures that say nothing about the agent: outside the intent-to-treat score, and run again by
+the next invocation. Every other failure (and one without a class: traces of the earlier
+implementation) is an outcome of the episode: a 0 in the score, final once recorded."""
 
 
 def _finite(value: Any) -> float | None:
@@ -362,7 +367,38 @@ class EpisodeTrace(Record):
     def _list_or_empty(cls, value: Any) -> Any:
         return value if isinstance(value, list) else []
 
+    @classmethod
+    def start(cls, job: JobRecord) -> EpisodeTrace:
+        """The record of an attempt that has not started: every v4 key, with its empty value."""
+        return cls(
+            schema_version=TRACE_SCHEMA_VERSION,
+            episode_id=f"task-{job.task_id:06d}__sample-{job.sample_id:03d}",
+            status="failed",
+            job=job,
+            provenance={},
+            started_at=None,
+            ended_at=None,
+            duration_ms=None,
+            reset=None,
+            selected_skills=[],
+            conversation=[],
+            steps=[],
+            final=None,
+            error=None,
+            failure_class=None,
+        )
+
     @property
     def completed(self) -> bool:
         """The one completion predicate: status completed and a final with done true."""
         return self.status == "completed" and self.final is not None and self.final.done is True
+
+    @property
+    def failed_as_outcome(self) -> bool:
+        """A failed attempt that scores as the agent's 0 (and is not run again unless re-rolled)."""
+        return not self.completed and self.failure_class not in EXCUSED_FAILURE_CLASSES
+
+    @property
+    def attempt_rank(self) -> tuple[int, str]:
+        """How unfinished attempts of one episode order (higher wins): ``attempt``, then ``ended_at``."""
+        return (self.attempt or 0, self.ended_at or "")

@@ -15,7 +15,8 @@ import math
 from typing import Any
 
 from shopsimrl.metrics import step_facts
-from shopsimrl.traces import EXCUSED_FAILURE_CLASSES, is_completed
+from shopsimrl.records import read_trace
+from shopsimrl.records.trace import EXCUSED_FAILURE_CLASSES
 
 __all__ = ["CORE_COLUMNS", "episode_row", "task_key"]
 
@@ -80,7 +81,7 @@ def episode_row(record: dict[str, Any]) -> dict[str, Any]:
     job = _map(record.get("job"))
     final = _map(record.get("final"))
     detail = _map(final.get("reward_detail"))
-    completed = is_completed(record)
+    completed = read_trace(record).completed
     failure_class = record.get("failure_class")
     excused = not completed and failure_class in EXCUSED_FAILURE_CLASSES
 

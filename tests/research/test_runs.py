@@ -10,7 +10,7 @@ import pytest
 
 from shopsimrl.local_run import LocalRunStore
 from shopsimrl.research.runs import RunReadError, open_run
-from shopsimrl.traces import is_completed
+from shopsimrl.records import read_trace
 
 from .conftest import ResearchRuns
 from .synthetic import sharded_copy, trace_line
@@ -30,7 +30,7 @@ def test_local_and_sharded_runs_of_one_plan_read_the_same_episodes(research_runs
     assert set(by_id) == {job.episode_id for job in local.jobs or []}
     assert sharded.shard_states == {0: "committed", 1: "committed", 2: "committed", 3: "committed"}
     for episode_id, record in by_id.items():
-        assert is_completed(record)
+        assert read_trace(record).completed
         assert sharded_by_id[episode_id]["final"]["reward"] == record["final"]["reward"]
         # One episode without reading the run again: a byte offset locally, a part on S3.
         assert local.record(episode_id) == record

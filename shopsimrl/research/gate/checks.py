@@ -26,7 +26,7 @@ from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.gate.masks import Assignment
 from shopsimrl.research.runs import Run
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, fingerprint
-from shopsimrl.traces import is_completed
+from shopsimrl.records import read_trace
 
 __all__ = [
     "Baseline",
@@ -151,7 +151,7 @@ def read_strict(run: Run, what: str) -> StrictRead:
     for is_winner, record in run.all_records():
         episode_id = record["episode_id"]
         where = f"{what} {run.location}: {episode_id}"
-        if is_completed(record):
+        if read_trace(record).completed:
             if episode_id in completed:
                 raise GateCheckError(f"{where} has a duplicate completed record (a gate pairs exactly one rollout per episode)")
             completed.add(episode_id)
@@ -159,7 +159,7 @@ def read_strict(run: Run, what: str) -> StrictRead:
             raise GateCheckError(f"{where}: an attempt follows its completed record")
         if not is_winner:
             continue
-        if is_completed(record):
+        if read_trace(record).completed:
             read.observations[episode_id] = _observe(record, where)
         else:
             read.unfinished[episode_id] = str(record.get("failure_class") or record.get("status") or "unfinished")
