@@ -23,7 +23,7 @@ from shopsimrl.records import read_trace
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.skills import NoSkills
 from shopsimrl.testbed.serving import running_server
-from tests.fakes import FakeEnvironment, written
+from tests.fakes import FakeEnvironment
 from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 
 TOOLS = [

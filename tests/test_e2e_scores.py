@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shopsimrl import __version__
-from shopsimrl.schemas import MANIFEST_SCHEMA_VERSION, SUMMARY_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
 from shopsimrl.records import read_trace
+from shopsimrl.schemas import MANIFEST_SCHEMA_VERSION, SUMMARY_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
 from tests.testbed_process import ROOT, start_testbed, write_config
 
 pytestmark = pytest.mark.slow

@@ -32,10 +32,10 @@ def run(config: Path, env: dict[str, str], *args: str, timeout: float = 240) -> 
 
 def records(run_dir: Path) -> list[dict]:
     """Every whole record; a line torn by kill -9 (even inside a UTF-8 sequence) is skipped."""
-    from shopsimrl.traces import parse_trace_line
+    from shopsimrl.records import parse_trace_line, to_plain
 
     lines = (run_dir / "traces.jsonl").read_bytes().split(b"\n")
-    return [record for record in map(parse_trace_line, lines) if record is not None]
+    return [to_plain(record) for record in map(parse_trace_line, lines) if record is not None]
 
 
 def test_smoke_config_completes_and_releases_every_lease(tmp_path: Path) -> None:

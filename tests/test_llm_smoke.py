@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import yaml
 
+from shopsimrl.records import read_trace
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob
 from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, default_cache_dir, installed_server, tool_results_handler
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
-from shopsimrl.records import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 # The small fixture catalog keeps every page short: a search page of the full synthetic catalog

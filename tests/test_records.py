@@ -158,7 +158,7 @@ def test_values_of_the_wrong_type_in_payloads_are_read_as_absent_never_coerced()
     raw["failure_class"] = "a-class-of-the-future"
     trace = read_trace(raw)
     assert trace.final is not None and trace.final.reward is None and trace.final.component("r_success") is None
-    assert trace.steps[0].model.latency_ms is None and trace.failure_class is None
+    assert trace.steps[0].model.latency_ms is None and trace.failure_class == "a-class-of-the-future"
     usage = trace.steps[0].model.usage
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (None, None, 9)
 

@@ -78,7 +78,7 @@ async def test_e4_infrastructure_failures_are_retried_within_the_invocation(tmp_
     assert runtime.calls.count(2) == 3 and outcome.completed == 3 and outcome.failed == 0 and outcome.retried == 2
     index = store.load_index()
     assert index.is_complete(JOBS[1].episode_id) and index.attempts(JOBS[1].episode_id) == 3
-    attempts = [r["attempt"] for _, r in store.iter_records(index) if r["episode_id"] == JOBS[1].episode_id]
+    attempts = [r.attempt for _, r in store.iter_records(index) if r.episode_id == JOBS[1].episode_id]
     assert attempts == [1, 2, 3]
 
 
@@ -119,8 +119,8 @@ async def test_an_outcome_failure_is_final_across_invocations_unless_rerolled(tm
     assert runtime.calls.count(1) == 1
     outcome = await run(store, runtime, reroll_failed=True)  # the explicit choice: run it again, marked
     assert runtime.calls.count(1) == 2 and outcome.rerolled == 1 and outcome.completed == 1
-    records = [r for _, r in store.iter_records() if r["episode_id"] == JOBS[0].episode_id]
-    assert [r.get("rerolled_from") for r in records] == [None, failure_class or "unclassified"]
+    records = [r for _, r in store.iter_records() if r.episode_id == JOBS[0].episode_id]
+    assert [r.rerolled_from for r in records] == [None, failure_class or "unclassified"]
     from shopsimrl.local_run import summarize_local
 
     summary = summarize_local(store, None, [job.episode_id for job in JOBS])
@@ -149,10 +149,10 @@ async def test_one_bad_episode_never_aborts_the_run(tmp_path: Path) -> None:
     runtime = ScriptedRuntime({1: [RuntimeError("bug in a custom runtime")], 2: ["nan"]})
     outcome = await run(store, runtime)
     assert outcome.attempts == 3
-    records = {r["episode_id"]: r for _, r in store.iter_records()}
-    assert records[JOBS[0].episode_id]["error"]["stage"] == "evaluator_boundary"
-    assert records[JOBS[1].episode_id]["final"]["reward"] is None  # NaN made safe, not fatal
-    assert records[JOBS[2].episode_id]["status"] == "completed"
+    records = {r.episode_id: r for _, r in store.iter_records()}
+    assert records[JOBS[0].episode_id].error.stage == "evaluator_boundary"
+    assert records[JOBS[1].episode_id].final.get("reward", "absent") is None  # NaN made safe, not fatal
+    assert records[JOBS[2].episode_id].status == "completed"
 
 
 async def test_a_failing_store_stops_the_run(tmp_path: Path) -> None:
@@ -187,8 +187,8 @@ class BlockingSink:
     def save_traces(self, records: list[dict]) -> None:
         self.entered.set()
         assert self.release.wait(30), "the test never let the save finish"
-        self.saved.extend(record["episode_id"] for record in records)
-        self.batches.append([record["episode_id"] for record in records])
+        self.saved.extend(record.episode_id for record in records)
+        self.batches.append([record.episode_id for record in records])
 
 
 async def test_a_save_in_progress_when_the_run_is_stopped_is_finished_before_run_returns() -> None:

@@ -330,9 +330,10 @@ class EpisodeTrace(Record):
     final: EnvironmentResult | None = None
     """The terminal environment payload; None when no terminal state was reached."""
     error: ErrorInfo | None = None
-    failure_class: FailureClass | None = None
-    """None when completed; else who the failure is charged to (additive; absent in the earlier
-    implementation's records, whose failures count as the agent's)."""
+    failure_class: FlexStr = None
+    """None when completed; else who the failure is charged to, one of :data:`FAILURE_CLASSES`
+    (additive; absent in the earlier implementation's records, whose failures count as the
+    agent's, as does a class this version does not know)."""
     attempt: Count = None
     """1-based attempt number of the episode in its run (additive)."""
     rerolled_from: FlexStr = None
@@ -349,13 +350,6 @@ class EpisodeTrace(Record):
     @classmethod
     def _completed_or_failed(cls, value: Any) -> Any:
         return "completed" if value == "completed" else "failed"
-
-    @field_validator("failure_class", mode="before")
-    @classmethod
-    def _known_class(cls, value: Any) -> Any:
-        # A class this version does not know is read as unclassified (an outcome), as the earlier
-        # implementation's records without one are.
-        return value if value in FAILURE_CLASSES else None
 
     @field_validator("final", "error", mode="before")
     @classmethod

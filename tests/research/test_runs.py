@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from shopsimrl.local_run import LocalRunStore
-from shopsimrl.research.runs import RunReadError, open_run
 from shopsimrl.records import read_trace
+from shopsimrl.research.runs import RunReadError, open_run
 
 from .conftest import ResearchRuns
 from .synthetic import sharded_copy, trace_line
