@@ -21,6 +21,8 @@ from typing import Any, Literal, TypeVar
 
 from shopsimrl.local_run import LocalRunStore
 from shopsimrl.manifest import ManifestError, run_identity
+from shopsimrl.records import EpisodeTrace, iter_trace_lines, parse_trace_line
+from shopsimrl.records.winner import WinnerPicker
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, redact_uri
 from shopsimrl.sharded.layout import (
     RunNotPlannedError,
@@ -32,8 +34,6 @@ from shopsimrl.sharded.layout import (
 )
 from shopsimrl.sharded.objectstore import RunLocationError
 from shopsimrl.sharded.reduce import read_shard_parts
-from shopsimrl.records import EpisodeTrace, iter_trace_lines, parse_trace_line
-from shopsimrl.records.winner import WinnerPicker
 
 __all__ = ["EpisodeSource", "Run", "RunReadError", "open_run"]
 
@@ -107,7 +107,8 @@ class Run:
         if self._local is not None:
             yield from self._local_records()
         else:
-            yield from self._sharded_records(winners_only=True)
+            for _, record in self._sharded_records(winners_only=True):
+                yield record
 
     def all_records(self) -> Iterator[tuple[bool, EpisodeTrace]]:
         """Every readable record, superseded attempts and duplicates included, as ``(is_winner,
@@ -295,7 +296,8 @@ class Run:
                     attempts[record.episode_id] = attempts.get(record.episode_id, 0) + 1
         return _winners(picker, attempts), attempts, unreadable
 
-    def _sharded_records(self, winners_only: bool) -> Iterator[Any]:
+    def _sharded_records(self, winners_only: bool) -> Iterator[tuple[bool, EpisodeTrace]]:
+        """``(is_winner, record)`` in reading order; with ``winners_only``, the winners alone."""
         index: dict[str, EpisodeSource] = {}
         unreadable = 0
         for shard, parts, shard_ids in self._shard_parts():
@@ -311,7 +313,7 @@ class Run:
                     episode_id = at.get((part_no, line_no))
                     if episode_id is not None and record is not None:
                         index[episode_id] = EpisodeSource(name, line_no, shard=shard, attempts=attempts[episode_id])
-                        yield record if winners_only else (True, record)
+                        yield True, record
                     elif not winners_only and record is not None and record.episode_id in shard_ids:
                         yield False, record
         self.unreadable_lines = unreadable
