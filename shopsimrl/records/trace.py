@@ -66,10 +66,10 @@ def _finite(value: Any) -> float | None:
 class JobRecord(Record):
     """The frozen unit of work the attempt ran."""
 
-    task_id: int
-    sample_id: int
-    seed: int
-    split: str
+    task_id: int = Field(strict=True, ge=0)
+    sample_id: int = Field(strict=True, ge=0)
+    seed: int = Field(strict=True, ge=0)
+    split: str = Field(strict=True, min_length=1)
 
     ALWAYS_WRITTEN: ClassVar[tuple[str, ...]] = ("task_id", "sample_id", "seed", "split")
 
@@ -244,7 +244,7 @@ class EnvironmentResult(Payload):
 class Step(Record):
     """One model call and what followed it (docs/runtime_eval.md §2)."""
 
-    step_index: int
+    step_index: int = Field(strict=True)
     observation: FlexStr = None
     """The text the model was answering."""
     tools: Objects = Field(default_factory=list)
