@@ -22,7 +22,7 @@ HELM_BIN      := $(TOOLS_BIN)/helm
 HADOLINT_BIN  := $(TOOLS_BIN)/hadolint
 KUBE_PYTHON   ?= $(CURDIR)/.venv/bin/python
 # Lint against the oldest supported and a current Kubernetes.
-CHART_KUBE_VERSIONS ?= 1.29.0 1.33.0
+CHART_KUBE_VERSIONS ?= 1.29.0 1.30.0 1.37.0
 
 .PHONY: docker-ready image image-kube image-testbed images lint-docker helm-bin chart-lint smoke-k8s smoke-k8s-clean
 

@@ -486,10 +486,95 @@ priorityClassName: {{ . }}
 {{- end -}}
 
 {{/*
+Secrets reach pods only by secretKeyRef. A user:password@ in any URL value, or a literal value
+for a variable named like a credential, would be rendered in plain text into env vars, the
+run-URI annotation, the ConfigMap and Helm's release Secret, readable by anyone who may read
+those objects: refuse the render, naming the value and never repeating it. The CLI refuses such
+URLs too (exit 2), but only once the pod runs.
+Usage: include "shopsimrl.refuseCredentials" .
+*/}}
+{{- define "shopsimrl.refuseCredentials" -}}
+{{- $v := .Values -}}
+{{- $s3 := "S3 credentials go in a Secret named by storage.credentials.existingSecret" -}}
+{{- $urls := list
+      (list "model.baseUrl" $v.model.baseUrl "the API key goes in a Secret named by model.apiKey.existingSecret")
+      (list "environment.baseUrl" $v.environment.baseUrl "ShopSimulator takes no credentials")
+      (list "storage.endpointUrl" $v.storage.endpointUrl $s3)
+      (list "storage.baseUri" $v.storage.baseUri $s3)
+      (list "run.uri" $v.run.uri $s3) -}}
+{{- range $urls -}}
+{{- include "shopsimrl.refuseUrlCredentials" (dict "key" (index . 0) "value" (index . 1) "hint" (index . 2)) -}}
+{{- end -}}
+{{- $out := dict -}}
+{{- include "shopsimrl.parseConfig" (dict "ctx" . "out" $out) -}}
+{{- $found := dict "paths" (list) -}}
+{{- include "shopsimrl.credentialUrlPaths" (dict "node" $out.cfg "path" "config" "out" $found) -}}
+{{- range $key, $args := dict "vllm.extraArgs" $v.vllm.extraArgs "shopsimulator.args" $v.shopsimulator.args "shopsimulator.command" $v.shopsimulator.command "testbed.shop.extraArgs" $v.testbed.shop.extraArgs "testbed.policy.extraArgs" $v.testbed.policy.extraArgs -}}
+{{- include "shopsimrl.credentialUrlPaths" (dict "node" $args "path" $key "out" $found) -}}
+{{- end -}}
+{{- with $found.paths -}}
+{{- fail (printf "%s: a URL with user:password@ credentials would be rendered in plain text into the manifests; credentials go in Secrets, given by secretKeyRef (the CLI refuses such URLs too)" (first .)) -}}
+{{- end -}}
+{{- range $key, $env := dict "worker.extraEnv" $v.worker.extraEnv "shopsimulator.env" $v.shopsimulator.env -}}
+{{- range $i, $e := $env -}}
+{{- $named := printf "%s[%d] (%s)" $key $i (toString $e.name) -}}
+{{- if and (kindIs "string" $e.value) (regexMatch (include "shopsimrl.credentialUrlPattern" $) $e.value) -}}
+{{- fail (printf "%s: a URL with user:password@ credentials would be rendered in plain text into the manifests; put the whole value in a Secret and give it by valueFrom.secretKeyRef" $named) -}}
+{{- end -}}
+{{- if regexMatch "(?i)(^|[_.-])(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|PWD|CREDENTIALS?|AUTH|AUTHORIZATION)([_.-]|$)" (toString $e.name) -}}
+{{- if hasKey $e "value" -}}
+{{- fail (printf "%s: a literal value for a credential would be rendered in plain text into the manifests; give it by valueFrom.secretKeyRef" $named) -}}
+{{- else if and (kindIs "map" $e.valueFrom) (hasKey $e.valueFrom "configMapKeyRef") -}}
+{{- fail (printf "%s: a credential from a ConfigMap is stored in plain text; give it by valueFrom.secretKeyRef" $named) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Regular expression of a URL with a userinfo part (scheme://user[:password]@host) anywhere in a
+string; only the authority counts, so an '@' in a path (s3://bucket/ckpt@step100) is no match.
+*/}}
+{{- define "shopsimrl.credentialUrlPattern" -}}
+(?i)[a-z][a-z0-9+.-]*://[^/?#\s@]*@
+{{- end -}}
+
+{{/*
+Fails the render when one URL value carries credentials.
+Usage: include "shopsimrl.refuseUrlCredentials" (dict "key" "model.baseUrl" "value" $url "hint" "…")
+*/}}
+{{- define "shopsimrl.refuseUrlCredentials" -}}
+{{- if and (kindIs "string" .value) (regexMatch (include "shopsimrl.credentialUrlPattern" .) .value) -}}
+{{- fail (printf "%s: a URL with user:password@ credentials would be rendered in plain text into the manifests; %s" .key .hint) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Collects the paths (config.model.base_url, vllm.extraArgs[1]) of every string under a value that
+holds a URL with credentials, into the list "paths" of the dict passed as "out".
+Usage: include "shopsimrl.credentialUrlPaths" (dict "node" .Values.config "path" "config" "out" $found)
+*/}}
+{{- define "shopsimrl.credentialUrlPaths" -}}
+{{- if kindIs "map" .node -}}
+{{- range $key, $child := .node -}}
+{{- include "shopsimrl.credentialUrlPaths" (dict "node" $child "path" (printf "%s.%s" $.path $key) "out" $.out) -}}
+{{- end -}}
+{{- else if kindIs "slice" .node -}}
+{{- range $i, $child := .node -}}
+{{- include "shopsimrl.credentialUrlPaths" (dict "node" $child "path" (printf "%s[%d]" $.path $i) "out" $.out) -}}
+{{- end -}}
+{{- else if and (kindIs "string" .node) (regexMatch (include "shopsimrl.credentialUrlPattern" .) .node) -}}
+{{- $_ := set .out "paths" (append .out.paths .path) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Checks of value combinations that a JSON schema cannot express; fails the render with the keys named.
 Usage: include "shopsimrl.validate" .
 */}}
 {{- define "shopsimrl.validate" -}}
+{{- include "shopsimrl.refuseCredentials" . -}}
 {{- if and .Values.testbed.enabled (or .Values.vllm.enabled .Values.shopsimulator.enabled) -}}
 {{- fail "testbed.enabled replaces the model and environment: turn off vllm.enabled and shopsimulator.enabled" -}}
 {{- end -}}
