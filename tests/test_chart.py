@@ -1174,6 +1174,64 @@ def test_network_policy_allows_only_what_the_worker_needs(matrix: dict[str, list
     assert all(worker_labels[k] == v for k, v in policy["podSelector"]["matchLabels"].items())
 
 
+def _chart_copy(tmp_path: Path, name: str, **chart_fields: str) -> Path:
+    """A copy of the chart with Chart.yaml fields replaced (a version bump)."""
+    chart = tmp_path / name / "shopsimrl"
+    shutil.copytree(CHART, chart)
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    meta.update(chart_fields)
+    (chart / "Chart.yaml").write_text(yaml.safe_dump(meta))
+    return chart
+
+
+def _render_chart(helm: Helm, chart: Path, *values: Path, extra: tuple[str, ...] = ()) -> list[Doc]:
+    args = ["template", RELEASE, str(chart), "--namespace", "evals", *extra]
+    for path in values:
+        args += ["-f", str(path)]
+    return parse_docs(helm.run(*args).stdout)
+
+
+def test_a_chart_bump_rolls_no_pod_and_the_shop_never_runs_twice(helm: Helm, tmp_path: Path) -> None:
+    """ShopSimulator keeps its leases in one process: a rolling update would run a second shop,
+    with its own pool, behind the same Service while the first still serves (releases land on
+    the wrong pod, slots count twice). Its Deployment (and the testbed shop's) must be Recreate,
+    and no pod template may carry a label that changes with the chart version: a chart bump
+    must not roll the shop, nor try to patch the immutable pod template of an existing Job."""
+    sim_values = tmp_path / "sim.yaml"
+    sim_values.write_text(yaml.safe_dump({"shopsimulator": {"enabled": True, "image": {"repository": "s", "tag": "v8"}}}))
+    renders = {
+        "testbed": [CHART / "ci" / "testbed-smoke-values.yaml"],
+        "vllm+shopsimulator": [CHART / "ci" / "vllm-values.yaml"],
+        "shopsimulator": [CHART / "ci" / "default-values.yaml", sim_values],
+    }
+    bumped = _chart_copy(tmp_path, "bumped", version="9.9.9", appVersion="9.9.9")
+    for name, values in renders.items():
+        # Images are pinned in these values (or default to the chart's appVersion only where the
+        # tag is empty): pin the worker tag so that an appVersion bump changes no image.
+        pinned = tmp_path / f"{name}-pin.yaml"
+        pinned.write_text(yaml.safe_dump({"worker": {"image": {"tag": "0.5.0"}}}))
+        before = _render_chart(helm, CHART, *values, pinned)
+        after = _render_chart(helm, bumped, *values, pinned, extra=("--is-upgrade",))
+        templates = {
+            (d.kind, d.body["metadata"]["name"]): d.body["spec"]["template"]
+            for d in before
+            if d.kind in ("Deployment", "Job")
+        }
+        assert templates, name
+        for doc in after:
+            key = (doc.kind, doc.body["metadata"]["name"])
+            if key in templates:
+                assert doc.body["spec"]["template"] == templates.pop(key), f"{name}: a chart bump changes {key}'s pod template"
+        assert not templates, f"{name}: objects renamed by a chart bump: {sorted(templates)}"
+        assert any(d.body["metadata"]["labels"]["helm.sh/chart"] == "shopsimrl-9.9.9" for d in after)  # the bump is real
+        for doc in before:
+            if doc.source in ("deployment-shopsimulator.yaml", "deployment-testbed-shop.yaml", "deployment-vllm.yaml"):
+                assert doc.body["spec"]["strategy"] == {"type": "Recreate"}, (name, doc.source)
+                assert doc.body["spec"]["replicas"] == 1
+    base = yaml.safe_load((ROOT / "k8s" / "base" / "shopsimulator-deployment.yaml").read_text())
+    assert base["spec"]["replicas"] == 1 and base["spec"]["strategy"] == {"type": "Recreate"}
+
+
 def test_labels_come_from_the_helpers(matrix: dict[str, list[Doc]]) -> None:
     for docs in matrix.values():
         for doc in docs:

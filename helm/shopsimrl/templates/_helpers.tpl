@@ -63,6 +63,20 @@ shopsimrl.io/run: {{ include "shopsimrl.runName" .ctx | quote }}
 {{- end -}}
 
 {{/*
+Labels of a pod template: the selector labels plus part-of and managed-by, nothing that changes
+with the chart or app version. A Deployment rolls its pods when its template changes, and a
+rolled ShopSimulator is a second lease pool behind the same Service; a Job's template is
+immutable, so a changed label would make `helm upgrade` fail on it. Jobs add their run label
+(part of the Job's identity, so stable for the Job).
+Usage: include "shopsimrl.podLabels" (dict "ctx" . "component" "worker")
+*/}}
+{{- define "shopsimrl.podLabels" -}}
+{{ include "shopsimrl.selectorLabels" . }}
+app.kubernetes.io/part-of: shopsimrl
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end -}}
+
+{{/*
 Run name: run.name, or the release name.
 Usage: include "shopsimrl.runName" .
 */}}
