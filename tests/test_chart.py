@@ -311,6 +311,115 @@ def test_readiness_init_container_is_bounded(matrix: dict[str, list[Doc]]) -> No
     assert env_of(init)["SHOPSIMRL_MODEL_BASE_URL"] == env_of(container(pod, "worker"))["SHOPSIMRL_MODEL_BASE_URL"]
 
 
+def _kubelet_probe(probe: dict[str, Any], base_url: str) -> bool:
+    """One probe as the kubelet runs it, against a server on ``base_url``: httpGet succeeds on a
+    status from 200 to 399 (the body is never read); exec succeeds on exit 0 (run here with this
+    interpreter as the image's python3, the port swapped for the server's)."""
+    import httpx
+
+    if "httpGet" in probe:
+        try:
+            status = httpx.get(f"{base_url}{probe['httpGet']['path']}", timeout=probe.get("timeoutSeconds", 1)).status_code
+        except httpx.HTTPError:
+            return False
+        return 200 <= status < 400
+    command = list(probe["exec"]["command"])
+    assert command[0] == "python3", command
+    command[0] = sys.executable
+    command[-1] = base_url.rsplit(":", 1)[1]
+    return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+
+
+def _shop_pod(docs: list[Doc], source: str) -> dict[str, Any]:
+    return dict(only(docs, "Deployment", source)["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_shop_readiness_fails_while_the_shop_is_not_ready(helm: Helm) -> None:
+    """The kubelet reads only the status of an HTTP probe. The testbed shop answers /healthz 503
+    while not ready; the real ShopSimulator answers 200 with "ready": false while it builds its
+    slot environments (shopsimulator_contract.md §1.8), so the chart's ShopSimulator probes read
+    the body. Both probes are run against both behaviours: ready passes, not ready fails."""
+    from shopsimrl.testbed.serving import running_server
+    from shopsimrl.testbed.shop import create_app as create_shop_app
+    from tests.shop_stub import Reply, ShopStub
+
+    testbed = _shop_pod(helm.render(CHART / "ci" / "testbed-smoke-values.yaml"), "deployment-testbed-shop.yaml")
+    sim_sets = {"shopsimulator.enabled": "true", "shopsimulator.image.repository": "s", "shopsimulator.image.tag": "v8"}
+    sim = _shop_pod(helm.render(CHART / "ci" / "default-values.yaml", sets=sim_sets), "deployment-shopsimulator.yaml")
+    base = yaml.safe_load((ROOT / "k8s" / "base" / "shopsimulator-deployment.yaml").read_text())
+    shared = base["spec"]["template"]["spec"]["containers"][0]
+    gates = {
+        "testbed readiness": testbed["readinessProbe"],
+        "shopsimulator startup": sim["startupProbe"],
+        "shopsimulator readiness": sim["readinessProbe"],
+        "k8s/base startup": shared["startupProbe"],
+        "k8s/base readiness": shared["readinessProbe"],
+    }
+    app = create_shop_app()
+    with running_server(app) as shop_url:
+        assert all(_kubelet_probe(p, shop_url) for p in gates.values()), "a ready testbed shop fails a probe"
+        app.state.shop.ready = False
+        assert not [name for name, p in gates.items() if _kubelet_probe(p, shop_url)], "a not-ready testbed passes"
+        # Liveness must not restart a shop that is merely not ready yet.
+        assert _kubelet_probe(testbed["livenessProbe"], shop_url)
+        # readyCheck status: an HTTP probe, for images without python3 that answer non-2xx.
+        sim_sets["shopsimulator.readyCheck"] = "status"
+        by_status = _shop_pod(helm.render(CHART / "ci" / "default-values.yaml", sets=sim_sets), "deployment-shopsimulator.yaml")
+        assert by_status["readinessProbe"]["httpGet"]["path"] == "/healthz"
+        assert not _kubelet_probe(by_status["readinessProbe"], shop_url)
+        app.state.shop.ready = True
+        assert _kubelet_probe(by_status["readinessProbe"], shop_url)
+    # The real ShopSimulator's answer while it builds (the stub scripts it: one reply per probe).
+    body_gates = {name: p for name, p in gates.items() if name != "testbed readiness"}
+    stub = ShopStub()
+    with running_server(stub.app) as stub_url:
+        stub.script("healthz", *[Reply(patch={"ready": False}) for _ in body_gates])
+        passed = [name for name, p in body_gates.items() if _kubelet_probe(p, stub_url)]
+        assert passed == [], f"probes that take a 200 with ready: false for ready: {passed}"
+        assert all(_kubelet_probe(p, stub_url) for p in body_gates.values())
+    # The body check covers the ShopSimulator's whole start: the startup budget is unchanged.
+    assert sim["startupProbe"]["periodSeconds"] * sim["startupProbe"]["failureThreshold"] >= 600
+
+
+def test_wait_ready_sees_a_shop_that_is_not_ready_either_way(helm: Helm, tmp_path: Path) -> None:
+    """The client side of the same readiness: the smoke release's wait-ready init container, run
+    as the pod runs it, reports environment_not_ready (exit 3) for a testbed answering 503 and
+    for a ShopSimulator answering 200 with "ready": false, and passes once ready."""
+    from shopsimrl.testbed.policy import create_app as create_policy_app
+    from shopsimrl.testbed.serving import running_server
+    from shopsimrl.testbed.shop import create_app as create_shop_app
+    from tests.shop_stub import Reply, ShopStub
+
+    docs = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"readiness.timeoutSeconds": "1"})
+    pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    config_path = _materialize_config(docs, tmp_path)
+    shop_app, stub = create_shop_app(), ShopStub()
+    with (
+        running_server(create_policy_app()) as policy_url,
+        running_server(shop_app) as shop_url,
+        running_server(stub.app) as stub_url,
+    ):
+
+        def wait_ready(env_url: str) -> subprocess.CompletedProcess[str]:
+            overrides = {
+                "SHOPSIMRL_CONFIG": str(config_path),
+                "SHOPSIMRL_MODEL_BASE_URL": f"{policy_url}/v1",
+                "SHOPSIMRL_ENV_BASE_URL": env_url,
+                "SHOPSIMRL_LOG_FORMAT": "console",
+            }
+            argv, env = _pod_command(container(pod, "wait-ready"), overrides)
+            return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+        assert wait_ready(shop_url).returncode == ExitCode.OK
+        shop_app.state.shop.ready = False
+        stub.script("healthz", Reply(patch={"ready": False}))
+        for what, url in (("testbed (503)", shop_url), ("ShopSimulator (200)", stub_url)):
+            result = wait_ready(url)
+            assert result.returncode == ExitCode.RETRYABLE, (what, result.stderr)
+            assert "environment_not_ready: /healthz says" in result.stderr and "'ready': False" in result.stderr, (what, result.stderr)
+        assert wait_ready(stub_url).returncode == ExitCode.OK
+
+
 def test_readiness_init_container_gets_no_object_storage_settings(matrix: dict[str, list[Doc]]) -> None:
     """wait-ready only probes the model and the shop: S3 credentials there would be a secret
     handed to a container that never uses it. The worker and the reducer keep them."""

@@ -414,6 +414,37 @@ Usage: include "shopsimrl.serviceEnv" .
 {{- end -}}
 
 {{/*
+The check of a ShopSimulator's readiness probes. body: an exec probe, `python3` from the image,
+that needs "ready": true in the JSON of GET /healthz (any other answer, an HTTP error or no
+answer fails it); status: an HTTP probe on /healthz (2xx/3xx passes), for images without
+python3 whose /healthz answers non-2xx until ready. The port is the last argument.
+Usage: include "shopsimrl.shopReadyCheck" (dict "check" "body" "port" 5700)
+*/}}
+{{- define "shopsimrl.shopReadyCheck" -}}
+{{- if eq .check "body" -}}
+exec:
+  command:
+    - python3
+    - -c
+    - |
+      import json, sys, urllib.request
+      try:
+          with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthz", timeout=4) as answer:
+              ready = json.load(answer).get("ready") is True
+      except Exception:
+          ready = False
+      sys.exit(0 if ready else 1)
+    - {{ .port | quote }}
+timeoutSeconds: 5
+{{- else -}}
+httpGet:
+  path: /healthz
+  port: http
+timeoutSeconds: 5
+{{- end -}}
+{{- end -}}
+
+{{/*
 Pod-level security context of shopsimrl pods: non-root, fixed IDs, RuntimeDefault seccomp.
 Usage: include "shopsimrl.podSecurityContext" .
 */}}
