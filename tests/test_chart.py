@@ -501,11 +501,6 @@ def test_reducer_may_watch_its_worker_job_with_the_least_rights(helm: Helm, matr
     ]
     binding = only(docs, "RoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "default", "namespace": "evals"}]
-    # Bound to the ServiceAccount the reducer runs as (e.g. one with an IRSA role for S3).
-    irsa = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"worker.serviceAccountName": "evals-s3"})
-    assert only(irsa, "RoleBinding")["subjects"][0]["name"] == "evals-s3"
-    assert only(irsa, "Job", "job-reducer.yaml")["spec"]["template"]["spec"]["serviceAccountName"] == "evals-s3"
     # Without the reducer there is nothing to grant.
     off = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"reducer.enabled": "false"})
     assert not [d for d in off if d.kind in ("Role", "RoleBinding")]
@@ -516,6 +511,55 @@ def test_reducer_may_watch_its_worker_job_with_the_least_rights(helm: Helm, matr
     assert (
         container(only(unwatched, "Job", "job-reducer.yaml")["spec"]["template"]["spec"], "reducer")["image"] == "shopsimrl:dev"
     )
+
+
+def _service_account_of(pod: dict[str, Any]) -> str:
+    return str(pod.get("serviceAccountName") or "default")
+
+
+def test_only_the_reducer_runs_as_the_identity_that_may_read_the_job(helm: Helm) -> None:
+    """The Role that may read the worker Job and list pods is bound to a ServiceAccount of the
+    reducer alone: never the namespace's `default` (every pod without its own would hold the
+    rights), never the workers' (an IRSA identity many pods share). That account mounts no
+    token unless a pod asks, and only the reducer's pod asks."""
+    irsa = {"worker.serviceAccountName": "evals-s3"}
+    annotated = {"reducer.serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn": "arn:aws:iam::1:role/reader"}
+    for sets in ({}, irsa, {**irsa, **annotated}):
+        docs = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets=sets)
+        validate_all((d.body for d in docs), f"reducer identity {sets}")
+        (subject,) = only(docs, "RoleBinding")["subjects"]
+        assert subject["kind"] == "ServiceAccount" and subject["name"] not in ("default", "evals-s3"), sets
+        account = only(docs, "ServiceAccount")
+        assert account["metadata"]["name"] == subject["name"] and account["automountServiceAccountToken"] is False
+        pods = {
+            d.source: d.body["spec"]["template"]["spec"] for d in docs if d.kind in ("Job", "Deployment")
+        }
+        assert _service_account_of(pods.pop("job-reducer.yaml")) == subject["name"]
+        assert pods and all(_service_account_of(pod) != subject["name"] for pod in pods.values()), sets
+        assert all(pod["automountServiceAccountToken"] is False for pod in pods.values())
+        if annotated.keys() <= sets.keys():
+            assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/reader"}
+    # An existing account instead of a created one: its own, not default, not the workers'.
+    own = helm.render(
+        CHART / "ci" / "testbed-smoke-values.yaml",
+        sets={"reducer.serviceAccount.create": "false", "reducer.serviceAccount.name": "evals-reducer"},
+    )
+    assert not [d for d in own if d.kind == "ServiceAccount"]
+    assert only(own, "RoleBinding")["subjects"][0]["name"] == "evals-reducer"
+    for sets, message in (
+        ({"reducer.serviceAccount.create": "false"}, "reducer.serviceAccount.name: empty"),
+        ({"reducer.serviceAccount.create": "false", "reducer.serviceAccount.name": "default"}, "must not be default"),
+        (
+            {**irsa, "reducer.serviceAccount.create": "false", "reducer.serviceAccount.name": "evals-s3"},
+            "must not be worker.serviceAccountName",
+        ),
+    ):
+        proc = helm.template(CHART / "ci" / "testbed-smoke-values.yaml", sets=sets, check=False)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    # Without the watch the reducer needs no API identity: it runs as the workers do, no account.
+    unwatched = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={**irsa, "reducer.watchWorkerJob": "false"})
+    assert not [d for d in unwatched if d.kind in ("ServiceAccount", "Role", "RoleBinding")]
+    assert only(unwatched, "Job", "job-reducer.yaml")["spec"]["template"]["spec"]["serviceAccountName"] == "evals-s3"
 
 
 def test_pod_hardening(matrix: dict[str, list[Doc]]) -> None:

@@ -205,6 +205,22 @@ Usage: include "shopsimrl.reducerJobName" .
 {{- end -}}
 
 {{/*
+ServiceAccount of the reducer pod: with watchWorkerJob its own (reducer.serviceAccount, the only
+identity the Role is bound to), else the workers' (worker.serviceAccountName, "" = default).
+Usage: include "shopsimrl.reducerServiceAccount" .
+*/}}
+{{- define "shopsimrl.reducerServiceAccount" -}}
+{{- $sa := .Values.reducer.serviceAccount -}}
+{{- if not .Values.reducer.watchWorkerJob -}}
+{{- .Values.worker.serviceAccountName -}}
+{{- else if $sa.create -}}
+{{- default (include "shopsimrl.componentName" (dict "ctx" . "component" "reducer")) $sa.name -}}
+{{- else -}}
+{{- $sa.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Name of the ConfigMap holding the config of this Job.
 Usage: include "shopsimrl.configMapName" .
 */}}
@@ -628,6 +644,16 @@ Usage: include "shopsimrl.validate" .
 {{- end -}}
 {{- if and (not (kindIs "invalid" .Values.job.maxFailedIndexes)) (gt (int .Values.job.maxFailedIndexes) (int .Values.job.shards)) -}}
 {{- fail (printf "job.maxFailedIndexes (%d) exceeds job.shards (%d)" (int .Values.job.maxFailedIndexes) (int .Values.job.shards)) -}}
+{{- end -}}
+{{- if and .Values.reducer.enabled .Values.reducer.watchWorkerJob (not .Values.reducer.serviceAccount.create) -}}
+{{- $name := .Values.reducer.serviceAccount.name -}}
+{{- if not $name -}}
+{{- fail "reducer.serviceAccount.name: empty; with reducer.serviceAccount.create false, name the existing ServiceAccount the reducer alone runs as (the Role that may read the worker Job is bound to it)" -}}
+{{- else if eq $name "default" -}}
+{{- fail "reducer.serviceAccount.name must not be default: every pod of the namespace without its own ServiceAccount runs as default and would hold the reducer's rights; name one of the reducer's own, or set reducer.serviceAccount.create" -}}
+{{- else if eq $name .Values.worker.serviceAccountName -}}
+{{- fail "reducer.serviceAccount.name must not be worker.serviceAccountName: every worker pod would hold the rights to read the Job and list pods; name one of the reducer's own, or set reducer.serviceAccount.create" -}}
+{{- end -}}
 {{- end -}}
 {{- if and .Values.reducer.enabled .Values.reducer.watchWorkerJob (not .Values.reducer.image.repository) -}}
 {{- fail "reducer.watchWorkerJob needs the Kubernetes client, which the worker image leaves out: set reducer.image.repository to an image with the kube extra (make image-kube builds shopsimrl-kube)" -}}
