@@ -262,7 +262,7 @@ def test_worker_job_is_an_indexed_job_with_the_agreed_policy(matrix: dict[str, l
     assert spec["backoffLimitPerIndex"] == 2
     assert "maxFailedIndexes" not in spec  # default: every index runs to the end
     assert spec["podReplacementPolicy"] == "Failed"
-    assert spec["ttlSecondsAfterFinished"] == 86400 and spec["activeDeadlineSeconds"] == 172800
+    assert "ttlSecondsAfterFinished" not in spec and spec["activeDeadlineSeconds"] == 172800
     rules = spec["podFailurePolicy"]["rules"]
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
@@ -274,6 +274,38 @@ def test_worker_job_is_an_indexed_job_with_the_agreed_policy(matrix: dict[str, l
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     assert spec["template"]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+
+
+def _run_objects(docs: list[Doc]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d.kind, d.body["metadata"]["name"]): d.body for d in docs if d.kind in ("Job", "JobSet")}
+
+
+def _ttls(body: dict[str, Any]) -> list[Any]:
+    """Every ttlSecondsAfterFinished of a Job or a JobSet (its own and its Job templates')."""
+    found = [body["spec"].get("ttlSecondsAfterFinished")]
+    for replicated in body["spec"].get("replicatedJobs", []):
+        found.append(replicated["template"]["spec"].get("ttlSecondsAfterFinished"))
+    return [ttl for ttl in found if ttl is not None]
+
+
+def test_helm_owns_the_run_objects_and_an_upgrade_never_restarts_a_finished_run(helm: Helm, tmp_path: Path) -> None:
+    """Helm recreates any object of the release manifest that is missing from the cluster, and
+    cannot tell a Job the TTL controller deleted from one never created: a TTL on a Helm-owned
+    Job means the next `helm upgrade` starts every shard pod (and the reducer) again. The chart's
+    model (docs/kubernetes.md, "Who owns the Jobs"): Helm owns the run's Jobs (or its JobSet) for
+    the life of the release, none has a TTL, `helm uninstall` removes them. Rendered as an install
+    and as an upgrade: the same objects under the same names (Helm patches, never recreates),
+    none able to delete itself; a new run.attempt is a new name, the one explicit rerun."""
+    for values in ("testbed-smoke-values.yaml", "vllm-values.yaml", "default-values.yaml", "judge-values.yaml"):
+        install = _run_objects(helm.render(CHART / "ci" / values))
+        upgrade = _run_objects(parse_docs(helm.run("template", RELEASE, str(CHART), "--namespace", "evals", "--is-upgrade", "-f", str(CHART / "ci" / values)).stdout))
+        assert install and install == upgrade, values
+        assert not {name: _ttls(body) for name, body in install.items() if _ttls(body)}, f"{values}: a Helm-owned run object with a TTL"
+        rerun = _run_objects(helm.render(CHART / "ci" / values, sets={"run.attempt": "2"}))
+        assert not set(rerun) & set(install), f"{values}: run.attempt=2 must be new objects, not a patch of the old"
+    proc = helm.template(CHART / "ci" / "default-values.yaml", sets={"job.ttlSecondsAfterFinished": "3600"}, check=False)
+    assert proc.returncode != 0
+    assert "job.ttlSecondsAfterFinished: Helm owns the run's Jobs" in proc.stderr and "helm uninstall" in proc.stderr, proc.stderr
 
 
 def test_shard_index_reaches_the_worker_from_the_indexed_job(matrix: dict[str, list[Doc]]) -> None:

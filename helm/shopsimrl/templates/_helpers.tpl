@@ -636,6 +636,9 @@ Usage: include "shopsimrl.validate" .
 */}}
 {{- define "shopsimrl.validate" -}}
 {{- include "shopsimrl.refuseCredentials" . -}}
+{{- if not (kindIs "invalid" .Values.job.ttlSecondsAfterFinished) -}}
+{{- fail "job.ttlSecondsAfterFinished: Helm owns the run's Jobs, and the next helm upgrade after a TTL deleted one would create it again (every shard pod and the reducer start over); set it to null: the Jobs go with helm uninstall (docs/kubernetes.md, \"Who owns the Jobs\")" -}}
+{{- end -}}
 {{- if and .Values.testbed.enabled (or .Values.vllm.enabled .Values.shopsimulator.enabled) -}}
 {{- fail "testbed.enabled replaces the model and environment: turn off vllm.enabled and shopsimulator.enabled" -}}
 {{- end -}}
