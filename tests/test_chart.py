@@ -38,8 +38,8 @@ RELEASE = "eval-ckpt100"
 # Looks like a credential; must never show up in anything the chart renders.
 SENTINEL = "sk-SENTINEL-0f9e8d7c6b5a4f3e2d1c"
 OPTIONAL_TEMPLATES = {
-    "vllm.enabled": {"deployment-vllm.yaml", "service-vllm.yaml"},
-    "shopsimulator.enabled": {"deployment-shopsimulator.yaml", "service-shopsimulator.yaml"},
+    "vllm.enabled": {"deployment-vllm.yaml", "service-vllm.yaml", "pdb-vllm.yaml"},
+    "shopsimulator.enabled": {"deployment-shopsimulator.yaml", "service-shopsimulator.yaml", "pdb-shopsimulator.yaml"},
     "testbed.enabled": {
         "deployment-testbed-shop.yaml",
         "service-testbed-shop.yaml",
@@ -1333,6 +1333,38 @@ def test_vllm_component(matrix: dict[str, list[Doc]]) -> None:
     assert worker_env["SHOPSIMRL_MODEL_BASE_URL"]["value"] == f"http://{svc['metadata']['name']}:8000/v1"
     sim = only(docs, "Service", "service-shopsimulator.yaml")
     assert worker_env["SHOPSIMRL_ENV_BASE_URL"]["value"] == f"http://{sim['metadata']['name']}:5700"
+
+
+def test_a_node_drain_does_not_evict_the_model_or_the_shop_mid_run(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    """A PodDisruptionBudget for the release's vLLM and ShopSimulator, selecting exactly their
+    pods: no voluntary eviction of a single replica (a drain waits), one at a time when vLLM has
+    replicas to spare; off on request. The shared services of k8s/base get the same."""
+    docs = matrix["vllm-values.yaml"]
+    budgets = {d.source: d.body for d in docs if d.kind == "PodDisruptionBudget"}
+    assert set(budgets) == {"pdb-vllm.yaml", "pdb-shopsimulator.yaml"}
+    for source, budget in budgets.items():
+        deploy = only(docs, "Deployment", source.replace("pdb-", "deployment-"))
+        assert budget["spec"]["selector"] == {"matchLabels": deploy["spec"]["selector"]["matchLabels"]}
+        assert all(deploy["spec"]["template"]["metadata"]["labels"][k] == v for k, v in budget["spec"]["selector"]["matchLabels"].items())
+        assert budget["spec"]["maxUnavailable"] == 0 and deploy["spec"]["replicas"] == 1, source
+    spare = helm.render(CHART / "ci" / "vllm-values.yaml", sets={"vllm.replicas": "3"})
+    assert only(spare, "Deployment", "deployment-vllm.yaml")["spec"]["replicas"] == 3
+    assert only(spare, "PodDisruptionBudget", "pdb-vllm.yaml")["spec"]["maxUnavailable"] == 1
+    assert only(spare, "PodDisruptionBudget", "pdb-shopsimulator.yaml")["spec"]["maxUnavailable"] == 0
+    validate_all((d.body for d in spare), "vllm replicas 3")
+    off = helm.render(
+        CHART / "ci" / "vllm-values.yaml",
+        sets={"vllm.podDisruptionBudget.enabled": "false", "shopsimulator.podDisruptionBudget.enabled": "false"},
+    )
+    assert not [d for d in off if d.kind == "PodDisruptionBudget"]
+    proc = subprocess.run(
+        [str(helm.kubectl), "kustomize", str(ROOT / "k8s" / "base")], capture_output=True, text=True, timeout=120, env=helm.env
+    )
+    shared = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    for name in ("vllm", "shopsimulator"):
+        deploy = next(d for d in shared if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
+        (budget,) = [d for d in shared if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] == name]
+        assert budget["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": deploy["spec"]["selector"]["matchLabels"]}}
 
 
 def test_network_policy_allows_only_what_the_worker_needs(matrix: dict[str, list[Doc]]) -> None:
