@@ -630,6 +630,22 @@ def test_scheduling_and_queue_values_reach_the_pod(matrix: dict[str, list[Doc]])
     assert env_of(container(pod, "worker"))["SHOPSIMRL_CONCURRENCY"]["value"] == "16"
 
 
+def test_kueue_admits_the_reducer_through_the_same_queue(helm: Helm) -> None:
+    """Under Kueue a Job without the queue label is held (manageJobsWithoutQueueName) or runs
+    outside every quota: the reducer Job carries the worker Job's queue and is created suspended
+    with it, for Kueue to admit."""
+    for sets in ({"reducer.enabled": "true"}, {"reducer.enabled": "true", "job.suspend": "true"}):
+        docs = helm.render(CHART / "ci" / "external-services-values.yaml", sets=sets)
+        worker = only(docs, "Job", "job-worker.yaml")
+        reducer = only(docs, "Job", "job-reducer.yaml")
+        queue = "kueue.x-k8s.io/queue-name"
+        assert reducer["metadata"]["labels"][queue] == worker["metadata"]["labels"][queue] == "eval-queue"
+        assert reducer["spec"]["suspend"] == worker["spec"]["suspend"] == (sets.get("job.suspend") == "true")
+        validate_all((d.body for d in docs), f"kueue {sets}")
+    plain = only(helm.render(CHART / "ci" / "testbed-smoke-values.yaml"), "Job", "job-reducer.yaml")
+    assert "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"] and plain["spec"]["suspend"] is False
+
+
 # --------------------------------------------------------------------------- names
 
 
