@@ -1465,6 +1465,60 @@ def test_a_chart_bump_rolls_no_pod_and_the_shop_never_runs_twice(helm: Helm, tmp
     assert base["spec"]["replicas"] == 1 and base["spec"]["strategy"] == {"type": "Recreate"}
 
 
+def _cluster_urls(text: str) -> list[str]:
+    """In-cluster Service URLs in a text: http(s)://<name>.<namespace>.svc…"""
+    return re.findall(r"https?://[a-z0-9<>-]+\.[a-z0-9<>-]+\.svc[^\s`'\")]*", text)
+
+
+def test_in_cluster_names_resolve_in_one_lookup(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    """Kubernetes' resolv.conf has ndots:5: a name with fewer dots walks the search list first
+    (<name>.<ns>.svc.cluster.local, svc.cluster.local, cluster.local, the node's domains), an
+    NXDOMAIN pair per entry on every new connection. The docs, values and k8s/ name shared
+    Services fully qualified, and the chart's pods resolve with an ndots those names reach, so
+    they are asked for as they are; in-release Services stay short (the first search entry)."""
+    texts = {
+        path.relative_to(ROOT).as_posix(): path.read_text()
+        for path in [ROOT / "docs" / "kubernetes.md", CHART / "values.yaml", *CHART.glob("ci/*.yaml"), *(ROOT / "k8s").rglob("*.yaml")]
+    }
+    urls = {name: _cluster_urls(text) for name, text in texts.items()}
+    assert urls["docs/kubernetes.md"], "the docs name no in-cluster URL"
+    short = {name: [u for u in found if ".svc.cluster.local" not in u] for name, found in urls.items()}
+    assert not {k: v for k, v in short.items() if v}, "in-cluster URLs that walk the search list"
+    example = yaml.safe_load(
+        texts["docs/kubernetes.md"].split("A minimal `my-values.yaml` for the shared services:")[1].split("```yaml")[1].split("```")[0]
+    )
+    example["config"]["tasks"]["split_file"] = "splits/persona_splits.v1.json"
+    path = CHART / "ci" / "default-values.yaml"
+    docs = helm.render(path, sets={"model.baseUrl": example["model"]["baseUrl"], "environment.baseUrl": example["environment"]["baseUrl"]})
+    for source in ("job-worker.yaml", "job-reducer.yaml"):
+        rendered = helm.render(path, sets={"reducer.enabled": "true"}) if source == "job-reducer.yaml" else docs
+        pod = only(rendered, "Job", source)["spec"]["template"]["spec"]
+        (ndots,) = [int(o["value"]) for o in pod["dnsConfig"]["options"] if o["name"] == "ndots"]
+        for url in (example["model"]["baseUrl"], example["environment"]["baseUrl"], "https://s3.eu-central-1.amazonaws.com"):
+            host = re.sub(r"^https?://([^:/]+).*$", r"\1", url)
+            assert host.count(".") >= ndots, f"{host} would walk the search list under ndots:{ndots}"
+        # ... and a short in-release Service name still gets the search list (it needs it).
+        assert ndots >= 1
+    env = env_of(container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker"))
+    assert env["SHOPSIMRL_MODEL_BASE_URL"]["value"] == "http://vllm.shopsimrl.svc.cluster.local:8000/v1"
+    validate_all((d.body for d in docs), "dnsConfig")
+    cluster_default = helm.render(path, sets={"worker.dnsConfig": "null"})
+    assert "dnsConfig" not in only(cluster_default, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+
+
+def test_network_policy_names_extra_dns_peers(helm: Helm) -> None:
+    """NodeLocal DNSCache answers on a link-local address on each node, not from kube-dns pods:
+    the policy must let the workers reach it, or every lookup times out."""
+    local = {"ipBlock": {"cidr": "169.254.20.10/32"}}
+    path = CHART / "ci" / "networkpolicy-values.yaml"
+    args = ("--set-json", f"networkPolicy.dns.extraPeers={json.dumps([local])}")
+    docs = parse_docs(helm.run("template", RELEASE, str(CHART), "--namespace", "evals", "-f", str(path), *args).stdout)
+    dns = only(docs, "NetworkPolicy")["spec"]["egress"][0]
+    assert local in dns["to"] and any("podSelector" in peer for peer in dns["to"])
+    assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
+    validate_all((d.body for d in docs), "dns extra peers")
+
+
 def test_labels_come_from_the_helpers(matrix: dict[str, list[Doc]]) -> None:
     for docs in matrix.values():
         for doc in docs:

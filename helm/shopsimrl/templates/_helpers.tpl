@@ -461,6 +461,22 @@ timeoutSeconds: 5
 {{- end -}}
 
 {{/*
+worker.dnsConfig without its empty fields, as YAML; empty when nothing is left (null or {}).
+Usage: include "shopsimrl.dnsConfig" .
+*/}}
+{{- define "shopsimrl.dnsConfig" -}}
+{{- $dns := dict -}}
+{{- range $key, $value := .Values.worker.dnsConfig -}}
+{{- if $value -}}
+{{- $_ := set $dns $key $value -}}
+{{- end -}}
+{{- end -}}
+{{- with $dns -}}
+{{- toYaml . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Pod-level security context of shopsimrl pods: non-root, fixed IDs, RuntimeDefault seccomp.
 Usage: include "shopsimrl.podSecurityContext" .
 */}}
