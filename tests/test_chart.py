@@ -1568,6 +1568,25 @@ def test_notes_tell_how_to_follow_and_reduce(helm: Helm, tmp_path: Path) -> None
     assert f"get job {job['metadata']['name']}" in notes
 
 
+def test_a_rerun_removes_the_old_job_before_its_replacement_writes(helm: Helm, tmp_path: Path) -> None:
+    """podReplacementPolicy: Failed keeps one writer per shard within one Job. A run.attempt bump
+    makes a new Job while Helm deletes the old one in the background: the old pods may write for
+    up to their grace period beside the new ones (safe for the store, whose part names carry the
+    writer and whose writes are create-only, but the lease journal assumes one live worker per
+    shard). The notes remove the old Job with foreground cascade (it is gone only once its pods
+    are) before the upgrade, and the docs say exactly that."""
+    notes = render_notes(helm, tmp_path)
+    job = only(helm.render(CHART / "ci" / "default-values.yaml"), "Job", "job-worker.yaml")["metadata"]["name"]
+    delete = notes.index(f"kubectl -n evals delete job {job} --cascade=foreground --wait")
+    upgrade = notes.index("--set run.attempt=2")
+    assert delete < upgrade
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "never has two writers" not in docs
+    assert "--cascade=foreground" in docs and "terminationGracePeriodSeconds" in docs
+    comment = (CHART / "templates" / "job-worker.yaml").read_text()
+    assert "one writer per shard at a time." not in comment
+
+
 @pytest.mark.parametrize(("shards", "retries", "streams"), [(2, 0, 2), (8, 2, 24), (16, 2, 48), (400, 1, 800)])
 def test_notes_follow_every_worker_pod_the_job_can_create(
     helm: Helm, tmp_path: Path, shards: int, retries: int, streams: int
