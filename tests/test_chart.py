@@ -9,6 +9,8 @@ install and validated the same way.
 
 from __future__ import annotations
 
+import functools
+import gzip
 import json
 import os
 import re
@@ -144,9 +146,39 @@ def matrix(helm: Helm) -> dict[str, list[Doc]]:
 
 
 def only(docs: list[Doc], kind: str, source: str | None = None) -> dict[str, Any]:
+    """The one document of ``kind`` (from ``source``). A release with jobSet.enabled has no worker
+    or reducer Job of its own: asked for one, this answers the JobSet's replicated Job instead
+    (as the JobSet controller will create it)."""
     found = [d.body for d in docs if d.kind == kind and (source is None or d.source == source)]
+    if not found and kind == "Job":
+        found = [d.body for d in expand_jobsets(docs) if d.kind == kind and (source is None or d.source == source)]
     assert len(found) == 1, f"expected one {kind} ({source}), found {len(found)}"
     return found[0]
+
+
+# The JobSet replicated Jobs of the chart and the plain templates they stand for.
+JOBSET_SOURCES = {"worker": "job-worker.yaml", "reducer": "job-reducer.yaml"}
+
+
+def expand_jobsets(docs: list[Doc]) -> list[Doc]:
+    """``docs`` with each JobSet replaced by the Jobs its controller creates from it (replica 0
+    of each replicated Job, named <jobset>-<replicated job>-0)."""
+    out = []
+    for doc in docs:
+        if doc.kind != "JobSet":
+            out.append(doc)
+            continue
+        for replicated in doc.body["spec"]["replicatedJobs"]:
+            template = replicated["template"]
+            name = f"{doc.body['metadata']['name']}-{replicated['name']}-0"
+            body = {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {**template.get("metadata", {}), "name": name},
+                "spec": template["spec"],
+            }
+            out.append(Doc(JOBSET_SOURCES[replicated["name"]], body))
+    return out
 
 
 def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
@@ -160,9 +192,90 @@ def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in c.get("env", [])}
 
 
+JOBSET_CRD = ROOT / "tests" / "fixtures" / "jobset" / "jobset.x-k8s.io_jobsets.v0.9.1.yaml.gz"
+
+
+def _closed(node: Any) -> Any:
+    """The CRD schema with every object that lists its properties closed to others (what the API
+    server's strict field validation does with unknown fields); open maps stay open."""
+    if isinstance(node, dict):
+        node = {key: _closed(value) for key, value in node.items()}
+        if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        return node
+    if isinstance(node, list):
+        return [_closed(item) for item in node]
+    return node
+
+
+@functools.cache
+def _jobset_schema() -> tuple[dict[str, Any], list[str]]:
+    """The v1alpha2 openAPIV3Schema of the vendored CRD, closed, and its CEL rules."""
+    crd = yaml.safe_load(gzip.decompress(JOBSET_CRD.read_bytes()))
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    schema = version["schema"]["openAPIV3Schema"]
+    rules: list[str] = []
+
+    def collect(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            # The pod template's own CEL rules are Kubernetes' (checked by kubernetes-validate).
+            if ".template.spec.template" not in path:
+                rules.extend(rule["rule"] for rule in node.get("x-kubernetes-validations", []))
+            for key, value in node.items():
+                collect(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for item in node:
+                collect(item, path)
+
+    collect(schema, "")
+    return _closed(schema), rules
+
+
+def _dns1035(name: str) -> bool:
+    return len(name) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) is not None
+
+
+def validate_jobset(body: dict[str, Any], origin: str) -> None:
+    """A JobSet as the API server and JobSet's webhook would take it: the CRD's schema (unknown
+    fields refused), its CEL rules that apply to a create, the webhook's name and dependsOn
+    rules, the metadata as an ObjectMeta, and each replicated Job as a batch/v1 Job."""
+    import jsonschema
+
+    schema, rules = _jobset_schema()
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(body), key=lambda e: list(e.absolute_path))
+    assert not errors, f"{origin}: JobSet invalid for the CRD: " + "; ".join(
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:5]
+    )
+    # The CRD's CEL rules: immutability (self == oldSelf, updates only) and one that applies here.
+    assert set(rules) == {
+        "self == oldSelf",
+        "!(has(self.startupPolicy) && self.startupPolicy.startupPolicyOrder == 'InOrder' && self.replicatedJobs.exists(x, has(x.dependsOn)))",
+    }, rules
+    spec = body["spec"]
+    assert not ("startupPolicy" in spec and any("dependsOn" in r for r in spec["replicatedJobs"]))
+    name = body["metadata"]["name"]
+    seen: list[str] = []
+    for replicated in spec["replicatedJobs"]:
+        job = replicated["template"]["spec"]
+        replicas = replicated.get("replicas", 1)
+        assert _dns1035(f"{name}-{replicated['name']}-{replicas - 1}"), f"{origin}: Job names of {replicated['name']} too long"
+        if job.get("completionMode") == "Indexed":
+            pod = f"{name}-{replicated['name']}-{replicas - 1}-{job['completions'] - 1}-abcde"
+            assert _dns1035(pod), f"{origin}: pod name {pod} is no DNS-1035 label of at most 63 characters"
+        for dependency in replicated.get("dependsOn", []):
+            assert seen and dependency["name"] in seen, f"{origin}: {replicated['name']} depends on a later replicated Job"
+        seen.append(replicated["name"])
+    validate_all(iter([{"apiVersion": "v1", "kind": "ConfigMap", "metadata": body["metadata"]}]), f"{origin} (JobSet metadata)")
+    validate_all((d.body for d in expand_jobsets([Doc("jobset.yaml", body)])), f"{origin} (JobSet's Jobs)")
+
+
 def validate_all(docs: Iterator[dict[str, Any]], origin: str) -> int:
     count = 0
     for body in docs:
+        if body["kind"] == "JobSet":
+            validate_jobset(body, origin)
+            count += 1
+            continue
         for version in K8S_VERSIONS:
             try:
                 kubernetes_validate.validate(body, version, strict=True)
@@ -296,11 +409,25 @@ def test_helm_owns_the_run_objects_and_an_upgrade_never_restarts_a_finished_run(
     the life of the release, none has a TTL, `helm uninstall` removes them. Rendered as an install
     and as an upgrade: the same objects under the same names (Helm patches, never recreates),
     none able to delete itself; a new run.attempt is a new name, the one explicit rerun."""
-    for values in ("testbed-smoke-values.yaml", "vllm-values.yaml", "default-values.yaml", "judge-values.yaml"):
+    for values in (
+        "testbed-smoke-values.yaml",
+        "vllm-values.yaml",
+        "default-values.yaml",
+        "judge-values.yaml",
+        "jobset-values.yaml",
+    ):
         install = _run_objects(helm.render(CHART / "ci" / values))
-        upgrade = _run_objects(parse_docs(helm.run("template", RELEASE, str(CHART), "--namespace", "evals", "--is-upgrade", "-f", str(CHART / "ci" / values)).stdout))
+        upgrade = _run_objects(
+            parse_docs(
+                helm.run(
+                    "template", RELEASE, str(CHART), "--namespace", "evals", "--is-upgrade", "-f", str(CHART / "ci" / values)
+                ).stdout
+            )
+        )
         assert install and install == upgrade, values
-        assert not {name: _ttls(body) for name, body in install.items() if _ttls(body)}, f"{values}: a Helm-owned run object with a TTL"
+        assert not {name: _ttls(body) for name, body in install.items() if _ttls(body)}, (
+            f"{values}: a Helm-owned run object with a TTL"
+        )
         rerun = _run_objects(helm.render(CHART / "ci" / values, sets={"run.attempt": "2"}))
         assert not set(rerun) & set(install), f"{values}: run.attempt=2 must be new objects, not a patch of the old"
     proc = helm.template(CHART / "ci" / "default-values.yaml", sets={"job.ttlSecondsAfterFinished": "3600"}, check=False)
@@ -448,7 +575,10 @@ def test_wait_ready_sees_a_shop_that_is_not_ready_either_way(helm: Helm, tmp_pat
         for what, url in (("testbed (503)", shop_url), ("ShopSimulator (200)", stub_url)):
             result = wait_ready(url)
             assert result.returncode == ExitCode.RETRYABLE, (what, result.stderr)
-            assert "environment_not_ready: /healthz says" in result.stderr and "'ready': False" in result.stderr, (what, result.stderr)
+            assert "environment_not_ready: /healthz says" in result.stderr and "'ready': False" in result.stderr, (
+                what,
+                result.stderr,
+            )
         assert wait_ready(stub_url).returncode == ExitCode.OK
 
 
@@ -563,9 +693,7 @@ def test_only_the_reducer_runs_as_the_identity_that_may_read_the_job(helm: Helm)
         assert subject["kind"] == "ServiceAccount" and subject["name"] not in ("default", "evals-s3"), sets
         account = only(docs, "ServiceAccount")
         assert account["metadata"]["name"] == subject["name"] and account["automountServiceAccountToken"] is False
-        pods = {
-            d.source: d.body["spec"]["template"]["spec"] for d in docs if d.kind in ("Job", "Deployment")
-        }
+        pods = {d.source: d.body["spec"]["template"]["spec"] for d in docs if d.kind in ("Job", "Deployment")}
         assert _service_account_of(pods.pop("job-reducer.yaml")) == subject["name"]
         assert pods and all(_service_account_of(pod) != subject["name"] for pod in pods.values()), sets
         assert all(pod["automountServiceAccountToken"] is False for pod in pods.values())
@@ -842,6 +970,67 @@ def test_rendered_smoke_pods_run_a_sharded_evaluation_end_to_end(matrix: dict[st
         moto.stop()
 
 
+@pytest.mark.slow
+def test_jobset_pods_reach_the_reducer_despite_failed_episodes(helm: Helm, tmp_path: Path) -> None:
+    """The JobSet's containers as local processes (testbed apps, a moto S3), with a policy that
+    in some conversations searches for what the shop answers HTTP 500 to, so some episodes fail
+    as the agent's. Each worker commits its shard and exits 0 (the rendered
+    --succeed-once-committed): the index succeeds, so the JobSet creates the reducer. Without
+    the flag the same committed shard exits 1, the index would fail after its retries and the
+    reducer would never exist. The reducer, run once, writes summary.json with the failures."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from shopsimrl.testbed.policy import PolicySettings
+    from shopsimrl.testbed.policy import create_app as create_policy_app
+    from shopsimrl.testbed.serving import running_server
+    from shopsimrl.testbed.shop import create_app as create_shop_app
+
+    sets = {"jobSet.enabled": "true", "reducer.watchWorkerJob": "false", "reducer.image.repository": ""}
+    docs = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets=sets)
+    validate_all((d.body for d in docs), "jobset smoke")
+    worker_pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    reducer = container(only(docs, "Job", "job-reducer.yaml")["spec"]["template"]["spec"], "reducer")
+    assert container(worker_pod, "worker")["args"][-1] == "--succeed-once-committed"
+    config_path = _materialize_config(docs, tmp_path)
+    policy = create_policy_app(PolicySettings(rate_server_crash=0.5, fault_seed=7))
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    moto.start()
+    try:
+        host, port = moto.get_host_and_port()
+        s3_url = f"http://{host}:{port}"
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_url}, use_listings_cache=False)
+        fs.mkdir("shopsimrl")
+        with running_server(create_shop_app()) as shop_url, running_server(policy) as policy_url:
+            overrides = {
+                "SHOPSIMRL_CONFIG": str(config_path),
+                "SHOPSIMRL_MODEL_BASE_URL": f"{policy_url}/v1",
+                "SHOPSIMRL_ENV_BASE_URL": shop_url,
+                "AWS_ENDPOINT_URL": s3_url,
+                "SHOPSIMRL_LOG_FORMAT": "console",
+            }
+            worker = container(worker_pod, "worker")
+            for index in range(2):
+                argv, env = _pod_command(worker, overrides, {"JOB_COMPLETION_INDEX": str(index)})
+                done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+                assert done.returncode == ExitCode.OK, f"shard {index}:\n{done.stderr[-3000:]}"
+            without_flag = {**worker, "args": [a for a in worker["args"] if a != "--succeed-once-committed"]}
+            argv, env = _pod_command(without_flag, overrides, {"JOB_COMPLETION_INDEX": "0"})
+            plain = [subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300).returncode]
+            argv, env = _pod_command(without_flag, overrides, {"JOB_COMPLETION_INDEX": "1"})
+            plain.append(subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300).returncode)
+            assert ExitCode.EPISODES_FAILED in plain, "no shard had failed episodes: the policy's fault rate did nothing"
+            argv, env = _pod_command(reducer, overrides)
+            reduced = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        summary = json.loads(fs.cat("s3://shopsimrl/runs/smoke/summary.json"))
+        assert reduced.returncode == ExitCode.EPISODES_FAILED, reduced.stderr[-2000:]
+        counts = summary["counts"]
+        assert counts["requested"] == 8 and counts["failed"] > 0 and counts["completed"] + counts["failed"] == 8, counts
+        assert summary["shards"]["committed"] == 2
+    finally:
+        moto.stop()
+
+
 def test_repository_config_via_set_file(helm: Helm, tmp_path: Path) -> None:
     """The documented path: `--set-file config=configs/qwen35_4b_val.yaml`, verbatim, loadable."""
     from shopsimrl.config import load_experiment_config
@@ -1105,7 +1294,9 @@ def test_plain_urls_and_references_still_render(helm: Helm, matrix: dict[str, li
     assert env["HTTPS_PROXY"]["value"] == "http://proxy.example.internal:3128"
     assert env["EXTRA_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "extra", "key": "token"}
     docs = helm.render(CHART / "ci" / "default-values.yaml", set_strings={"run.uri": "s3://bucket/runs/ckpt@step100"})
-    assert only(docs, "Job", "job-worker.yaml")["metadata"]["annotations"]["shopsimrl.io/run-uri"] == "s3://bucket/runs/ckpt@step100"
+    assert (
+        only(docs, "Job", "job-worker.yaml")["metadata"]["annotations"]["shopsimrl.io/run-uri"] == "s3://bucket/runs/ckpt@step100"
+    )
 
 
 # --------------------------------------------------------------------------- values schema
@@ -1361,7 +1552,9 @@ def test_a_node_drain_does_not_evict_the_model_or_the_shop_mid_run(helm: Helm, m
     for source, budget in budgets.items():
         deploy = only(docs, "Deployment", source.replace("pdb-", "deployment-"))
         assert budget["spec"]["selector"] == {"matchLabels": deploy["spec"]["selector"]["matchLabels"]}
-        assert all(deploy["spec"]["template"]["metadata"]["labels"][k] == v for k, v in budget["spec"]["selector"]["matchLabels"].items())
+        assert all(
+            deploy["spec"]["template"]["metadata"]["labels"][k] == v for k, v in budget["spec"]["selector"]["matchLabels"].items()
+        )
         assert budget["spec"]["maxUnavailable"] == 0 and deploy["spec"]["replicas"] == 1, source
     spare = helm.render(CHART / "ci" / "vllm-values.yaml", sets={"vllm.replicas": "3"})
     assert only(spare, "Deployment", "deployment-vllm.yaml")["spec"]["replicas"] == 3
@@ -1446,9 +1639,7 @@ def test_a_chart_bump_rolls_no_pod_and_the_shop_never_runs_twice(helm: Helm, tmp
         before = _render_chart(helm, CHART, *values, pinned)
         after = _render_chart(helm, bumped, *values, pinned, extra=("--is-upgrade",))
         templates = {
-            (d.kind, d.body["metadata"]["name"]): d.body["spec"]["template"]
-            for d in before
-            if d.kind in ("Deployment", "Job")
+            (d.kind, d.body["metadata"]["name"]): d.body["spec"]["template"] for d in before if d.kind in ("Deployment", "Job")
         }
         assert templates, name
         for doc in after:
@@ -1478,18 +1669,28 @@ def test_in_cluster_names_resolve_in_one_lookup(helm: Helm, matrix: dict[str, li
     they are asked for as they are; in-release Services stay short (the first search entry)."""
     texts = {
         path.relative_to(ROOT).as_posix(): path.read_text()
-        for path in [ROOT / "docs" / "kubernetes.md", CHART / "values.yaml", *CHART.glob("ci/*.yaml"), *(ROOT / "k8s").rglob("*.yaml")]
+        for path in [
+            ROOT / "docs" / "kubernetes.md",
+            CHART / "values.yaml",
+            *CHART.glob("ci/*.yaml"),
+            *(ROOT / "k8s").rglob("*.yaml"),
+        ]
     }
     urls = {name: _cluster_urls(text) for name, text in texts.items()}
     assert urls["docs/kubernetes.md"], "the docs name no in-cluster URL"
     short = {name: [u for u in found if ".svc.cluster.local" not in u] for name, found in urls.items()}
     assert not {k: v for k, v in short.items() if v}, "in-cluster URLs that walk the search list"
     example = yaml.safe_load(
-        texts["docs/kubernetes.md"].split("A minimal `my-values.yaml` for the shared services:")[1].split("```yaml")[1].split("```")[0]
+        texts["docs/kubernetes.md"]
+        .split("A minimal `my-values.yaml` for the shared services:")[1]
+        .split("```yaml")[1]
+        .split("```")[0]
     )
     example["config"]["tasks"]["split_file"] = "splits/persona_splits.v1.json"
     path = CHART / "ci" / "default-values.yaml"
-    docs = helm.render(path, sets={"model.baseUrl": example["model"]["baseUrl"], "environment.baseUrl": example["environment"]["baseUrl"]})
+    docs = helm.render(
+        path, sets={"model.baseUrl": example["model"]["baseUrl"], "environment.baseUrl": example["environment"]["baseUrl"]}
+    )
     for source in ("job-worker.yaml", "job-reducer.yaml"):
         rendered = helm.render(path, sets={"reducer.enabled": "true"}) if source == "job-reducer.yaml" else docs
         pod = only(rendered, "Job", source)["spec"]["template"]["spec"]
@@ -1628,6 +1829,96 @@ def test_kustomizations_render_valid_manifests(helm: Helm, overlay: str) -> None
     if overlay == "overlays/prod":
         assert ("PersistentVolumeClaim", "hf-cache") in kinds
         assert not any(k == "minio" for _, k in kinds)
+
+
+# --------------------------------------------------------------------------- JobSet
+
+
+def test_jobset_runs_the_workers_then_the_reducer_as_one_object(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    """jobSet.enabled: one JobSet (valid against JobSet v0.9.1's CRD) holding the plain path's
+    worker Job and, created only once that Job is Complete, the reducer Job, which then reduces
+    at once instead of polling. One object for Kueue (the queue label is on the JobSet, not on
+    the Jobs it creates), no second Job, no Role, no TTL."""
+    docs = matrix["jobset-values.yaml"]
+    assert {d.kind for d in docs} == {"ConfigMap", "JobSet"}
+    jobset = only(docs, "JobSet")
+    assert validate_all(iter([jobset]), "jobset") == 1
+    spec = jobset["spec"]
+    assert [r["name"] for r in spec["replicatedJobs"]] == ["worker", "reducer"]
+    assert all(r.get("replicas", 1) == 1 for r in spec["replicatedJobs"])
+    assert spec["replicatedJobs"][1]["dependsOn"] == [{"name": "worker", "status": "Complete"}]
+    assert spec["failurePolicy"] == {"maxRestarts": 0} and spec["network"] == {"enableDNSHostnames": False}
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "eval-queue" and spec["suspend"] is False
+    assert not _ttls(jobset)
+    # The same worker Job as the plain path, with one flag: a shard committed with failed
+    # episodes exits 0, or the JobSet would never create the reducer.
+    plain = helm.render(CHART / "ci" / "jobset-values.yaml", sets={"jobSet.enabled": "false"})
+    plain_worker, plain_reducer = only(plain, "Job", "job-worker.yaml"), only(plain, "Job", "job-reducer.yaml")
+    worker, reducer = only(docs, "Job", "job-worker.yaml"), only(docs, "Job", "job-reducer.yaml")
+    expected = {k: v for k, v in plain_worker["spec"].items() if k != "suspend"}
+    container(expected["template"]["spec"], "worker")["args"].append("--succeed-once-committed")
+    assert worker["spec"] == expected
+    assert container(reducer["spec"]["template"]["spec"], "reducer")["args"] == ["reduce", "$(SHOPSIMRL_RUN)"]
+    assert {k: v for k, v in reducer["spec"].items() if k not in ("suspend", "template")} == {
+        k: v for k, v in plain_reducer["spec"].items() if k not in ("suspend", "template")
+    }
+    for job in (worker, reducer):
+        labels = job["metadata"]["labels"]
+        assert "kueue.x-k8s.io/queue-name" not in labels, "a child Job with a queue would be a second workload"
+        assert job["metadata"]["annotations"]["shopsimrl.io/run-uri"] == "s3://shopsimrl-evals/runs/ckpt-300-val"
+    # `shopsimrl status --release` lists the worker Jobs by these labels.
+    from shopsimrl.sharded.kube import release_selector
+
+    wanted = dict(pair.split("=") for pair in release_selector(RELEASE).split(","))
+    assert wanted.items() <= worker["metadata"]["labels"].items()
+    assert not (wanted.items() <= reducer["metadata"]["labels"].items())
+
+
+def test_jobset_names_fit_and_a_chart_bump_leaves_its_jobs_alone(helm: Helm, tmp_path: Path) -> None:
+    """JobSet names pods <jobset>-worker-0-<index>-<5 random> and its webhook refuses a name that
+    would make any of them longer than 63 characters or not a DNS-1035 label; its replicated
+    Jobs are immutable, so a chart bump must not change them."""
+    release = "eval-" + "x" * 48
+    for shards in ("1", "10", "400", "100000"):
+        docs = helm.render(
+            CHART / "ci" / "jobset-values.yaml",
+            release=release,
+            sets={"job.shards": shards, "run.name": "Run_Name.With-" + "y" * 40, "environment.slots": "null"},
+        )
+        jobset = only(docs, "JobSet")
+        validate_jobset(jobset, f"{shards} shards")
+        assert jobset["metadata"]["name"].endswith("-" + only(docs, "ConfigMap")["metadata"]["name"].split("-")[-2])
+    proc = helm.template(CHART / "ci" / "jobset-values.yaml", release="7-eval", sets={"run.name": "7run"}, check=False)
+    assert proc.returncode != 0 and "must start with a letter" in proc.stderr, proc.stderr
+    bumped = _chart_copy(tmp_path, "bumped", version="9.9.9", appVersion="9.9.9")
+    pin = tmp_path / "pin.yaml"
+    pin.write_text(yaml.safe_dump({"worker": {"image": {"tag": "0.5.0"}}}))
+    before = only(_render_chart(helm, CHART, CHART / "ci" / "jobset-values.yaml", pin), "JobSet")
+    after = only(_render_chart(helm, bumped, CHART / "ci" / "jobset-values.yaml", pin, extra=("--is-upgrade",)), "JobSet")
+    assert after["metadata"]["labels"]["helm.sh/chart"] == "shopsimrl-9.9.9"
+    assert after["metadata"]["name"] == before["metadata"]["name"] and after["spec"] == before["spec"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        ({"reducer.watchWorkerJob": "true", "reducer.image.repository": "shopsimrl-kube"}, "reducer.watchWorkerJob has no use"),
+        ({"mode": "judge"}, "jobSet.enabled runs rollouts only"),
+    ],
+)
+def test_jobset_refuses_what_it_cannot_run(helm: Helm, sets: dict[str, str], message: str) -> None:
+    values = CHART / "ci" / ("judge-values.yaml" if sets.get("mode") == "judge" else "jobset-values.yaml")
+    proc = helm.template(values, sets={**sets, "jobSet.enabled": "true"}, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_notes_of_a_jobset_release_name_the_jobset(helm: Helm, tmp_path: Path) -> None:
+    notes = render_notes(helm, tmp_path, "jobSet.enabled=true", "reducer.enabled=true")
+    jobset = only(helm.render(CHART / "ci" / "default-values.yaml", sets={"jobSet.enabled": "true"}), "JobSet")["metadata"][
+        "name"
+    ]
+    assert f"get jobset {jobset}" in notes and f"get job {jobset}-worker-0 -o wide" in notes
+    assert notes.index(f"delete jobset {jobset} --cascade=foreground --wait") < notes.index("--set run.attempt=2")
 
 
 # --------------------------------------------------------------------------- judge mode

@@ -193,7 +193,14 @@ Name of the worker Job: "<stem>-<hash>".
 Usage: include "shopsimrl.jobName" .
 */}}
 {{- define "shopsimrl.jobName" -}}
-{{- printf "%s-%s" (include "shopsimrl.runStem" .) (include "shopsimrl.runHash" .) -}}
+{{- $stem := include "shopsimrl.runStem" . -}}
+{{- if .Values.jobSet.enabled -}}
+{{- /* The JobSet names its worker pods "<name>-worker-0-<index>-<5 random>", a DNS label of at
+       most 63 characters: keep the stem to 38 minus the digits of the last index. */ -}}
+{{- $digits := len (toString (sub (int .Values.job.shards) 1)) -}}
+{{- $stem = $stem | trunc (int (sub 38 $digits)) | trimSuffix "-" -}}
+{{- end -}}
+{{- printf "%s-%s" $stem (include "shopsimrl.runHash" .) -}}
 {{- end -}}
 
 {{/*
@@ -652,6 +659,17 @@ Usage: include "shopsimrl.validate" .
 */}}
 {{- define "shopsimrl.validate" -}}
 {{- include "shopsimrl.refuseCredentials" . -}}
+{{- if .Values.jobSet.enabled -}}
+{{- if eq .Values.mode "judge" -}}
+{{- fail "jobSet.enabled runs rollouts only: a judge release (mode: judge) uses the plain Jobs; set jobSet.enabled false" -}}
+{{- end -}}
+{{- if and .Values.reducer.enabled .Values.reducer.watchWorkerJob -}}
+{{- fail "reducer.watchWorkerJob has no use with jobSet.enabled: the JobSet creates the reducer only once every worker index has succeeded; set it false" -}}
+{{- end -}}
+{{- if not (regexMatch "^[a-z]" (include "shopsimrl.jobName" .)) -}}
+{{- fail (printf "jobSet.enabled: the JobSet's name %s must start with a letter (JobSet names its Jobs and pods after it, as DNS-1035 labels); it comes from the release name and run.name" (include "shopsimrl.jobName" .)) -}}
+{{- end -}}
+{{- end -}}
 {{- if not (kindIs "invalid" .Values.job.ttlSecondsAfterFinished) -}}
 {{- fail "job.ttlSecondsAfterFinished: Helm owns the run's Jobs, and the next helm upgrade after a TTL deleted one would create it again (every shard pod and the reducer start over); set it to null: the Jobs go with helm uninstall (docs/kubernetes.md, \"Who owns the Jobs\")" -}}
 {{- end -}}
