@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -986,7 +987,15 @@ def test_jobset_pods_reach_the_reducer_despite_failed_episodes(helm: Helm, tmp_p
     from shopsimrl.testbed.serving import running_server
     from shopsimrl.testbed.shop import create_app as create_shop_app
 
-    sets = {"jobSet.enabled": "true", "reducer.watchWorkerJob": "false", "reducer.image.repository": ""}
+    # moto keeps every server's buckets in this process: a bucket of this test's own, so that no
+    # other test's run of the same plan is resumed here.
+    bucket = f"jobset-{uuid.uuid4().hex[:12]}"
+    sets = {
+        "jobSet.enabled": "true",
+        "reducer.watchWorkerJob": "false",
+        "reducer.image.repository": "",
+        "run.uri": f"s3://{bucket}/runs/smoke",
+    }
     docs = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets=sets)
     validate_all((d.body for d in docs), "jobset smoke")
     worker_pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
@@ -1000,7 +1009,7 @@ def test_jobset_pods_reach_the_reducer_despite_failed_episodes(helm: Helm, tmp_p
         host, port = moto.get_host_and_port()
         s3_url = f"http://{host}:{port}"
         fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_url}, use_listings_cache=False)
-        fs.mkdir("shopsimrl")
+        fs.mkdir(bucket)
         with running_server(create_shop_app()) as shop_url, running_server(policy) as policy_url:
             overrides = {
                 "SHOPSIMRL_CONFIG": str(config_path),
@@ -1022,7 +1031,7 @@ def test_jobset_pods_reach_the_reducer_despite_failed_episodes(helm: Helm, tmp_p
             assert ExitCode.EPISODES_FAILED in plain, "no shard had failed episodes: the policy's fault rate did nothing"
             argv, env = _pod_command(reducer, overrides)
             reduced = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-        summary = json.loads(fs.cat("s3://shopsimrl/runs/smoke/summary.json"))
+        summary = json.loads(fs.cat(f"s3://{bucket}/runs/smoke/summary.json"))
         assert reduced.returncode == ExitCode.EPISODES_FAILED, reduced.stderr[-2000:]
         counts = summary["counts"]
         assert counts["requested"] == 8 and counts["failed"] > 0 and counts["completed"] + counts["failed"] == 8, counts
