@@ -284,6 +284,7 @@ def test_the_worker_builder_stage_replayed_without_docker(tmp_path: Path) -> Non
         "PIP_CACHE_DIR": str(tmp_path / "pip-cache"),
         "PATH": f"{Path(base_python).parent}:{os.environ['PATH']}",
     }
+    env.pop("PYTHONPATH", None)  # the build sees only its own venvs, as in the image
     for run in _runs(WORKER_DOCKERFILE):
         command = re.sub(r"^RUN (--mount=\S+ )*", "", run)
         for old, new in moved.items():
