@@ -721,6 +721,11 @@ def _decode(action: str, response: httpx.Response, *, enveloped: bool) -> dict[s
         server_message = str(result["error"])
     elif not isinstance(result, dict):
         server_message = response.text[:300] or None
+    if not enveloped and status == 503 and isinstance(result, dict) and "ready" in result and result["ready"] is not True:
+        # /healthz of a shop that is not ready yet: the real ShopSimulator says so with a 200 and
+        # "ready": false, the testbed (so that an HTTP probe sees it) with a 503 and the same body.
+        # Either is an answer, not an outage: the caller reads "ready", nothing is retried.
+        return result
     detail = f"HTTP {status}" + (f": {server_message}" if server_message else "")
     if status >= 500 and isinstance(result, dict) and result.get("state_unchanged") is True:
         raise EnvironmentUnavailableError(
