@@ -493,8 +493,16 @@ class ShopSimulatorEnvironment:
     def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coroutine)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._settled)
         return task
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        # Retrieved here, whoever else looks: a close() cancelled while it waited for its release
+        # no longer does, and an abandoned reset's release has nobody waiting. A failed release
+        # keeps its lease among the unreleased ones (and in the journal); aclose() says so.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            _log.debug("lease release failed", error=f"{type(exc).__name__}: {exc}")
 
     def _observe(self, event: str, *args: Any) -> None:
         if self.lease_observer is not None:
