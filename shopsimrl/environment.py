@@ -165,6 +165,10 @@ class LeaseObserver(Protocol):
     def reset_sent(self) -> None:
         """A reset is about to leave the process: from now on the server may grant it a slot."""
 
+    async def recorded(self) -> None:
+        """Return once the events seen so far are stored where a successor finds them (the
+        reset leaves only then; a journal that cannot be written returns anyway)."""
+
     def reset_answered(self, lease: tuple[int, str] | None) -> None:
         """The reset came back: with ``(env_idx, lease_id)``, or without a lease (a failure)."""
 
@@ -511,6 +515,13 @@ class ShopSimulatorEnvironment:
             except Exception as exc:  # a journal problem must not break the episode
                 _log.warning("lease observer failed", lease_event=event, error=f"{type(exc).__name__}: {exc}")
 
+    async def _recorded(self) -> None:
+        if self.lease_observer is not None:
+            try:
+                await self.lease_observer.recorded()
+            except Exception as exc:  # a journal problem must not break the episode
+                _log.warning("lease observer failed", lease_event="recorded", error=f"{type(exc).__name__}: {exc}")
+
     async def _request_lease(self, payload: dict[str, Any], state: _ResetState) -> dict[str, Any]:
         """Take a permit, send the reset, record the lease; the permit stays taken until the
         lease is released (or the reset fails without one)."""
@@ -522,11 +533,14 @@ class ShopSimulatorEnvironment:
                 if self._permits is None:
                     self._permits = asyncio.Semaphore(self._lease_limit)
                 await self._permits.acquire()
-            state.sent = True  # from here on the server may grant a slot for this request
             self._resets_in_flight += 1
             self._observe("reset_sent")
             lease: tuple[int, str] | None = None
             try:
+                # The journal records the reset as in flight before it leaves: after kill -9 the
+                # successor knows how many resets may have been granted to nobody.
+                await self._recorded()
+                state.sent = True  # from here on the server may grant a slot for this request
                 result = await self._call("reset", payload, timeout=self._reset_timeout(), policy=_RESET)
                 env_idx, lease_id = result.get("env_idx"), result.get("lease_id")
                 if isinstance(env_idx, bool) or not isinstance(env_idx, int):
