@@ -41,8 +41,9 @@ raises ``RuntimeError``/``ValueError`` instead, so ``except ShopEnvironmentError
 hides a bug.
 
 Retries. ``interact`` and ``terminate`` change server state and are not idempotent, so they
-are retried only when the request provably never left this process (connection refused,
-connect or pool timeout) or when the server says it changed nothing (a 5xx whose envelope
+are retried only when the request provably never reached the server (connection refused,
+connect or pool timeout, a reset before the server's TCP stack took any byte of it: a listen
+backlog that never accepted the connection) or when the server says it changed nothing (a 5xx whose envelope
 carries ``"state_unchanged": true``, as the testbed's injected faults do). ``reset`` is retried
 in those cases and on HTTP 502/503, where a proxy did not reach the server; it has no read
 timeout (the server answers once a slot is free). ``release_one`` and ``GET /healthz`` are retried on any transport error and on any 5xx;

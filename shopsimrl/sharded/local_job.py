@@ -342,8 +342,10 @@ def run_indexed(
                 )
                 assert process.stderr is not None
                 outputs[index] = _WorkerOutput(index, process.stderr, on_event, warned)
-                if interrupted:  # the signal came while Popen ran: on_signal did not see this one
-                    process.send_signal(signal.SIGTERM)
+                # The signal came while Popen ran: on_signal did not see this one. (mypy keeps
+                # `interrupted` narrowed to False by the loop's test; on_signal sets it meanwhile.)
+                if interrupted:
+                    process.send_signal(signal.SIGTERM)  # type: ignore[unreachable]
                 log.info("index_started", index=index, pid=process.pid, restarts=outcomes[index].restarts)
             if interrupted and not running:
                 break

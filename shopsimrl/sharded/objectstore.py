@@ -368,7 +368,9 @@ class ObjectStore:
             return self.retry.call(f"{what} {self.display_uri}", fn) if retry else fn()
         except PermissionError as exc:
             if self.local:
-                raise RunLocationError(f"{self.display_uri}: access denied ({what}); check the directory's permissions: {exc}") from exc
+                raise RunLocationError(
+                    f"{self.display_uri}: access denied ({what}); check the directory's permissions: {exc}"
+                ) from exc
             raise RunLocationError(f"{self.display_uri}: access denied to {_doing(what)}: {self._denied_reason(exc)}") from exc
         except (FileNotFoundError, NotADirectoryError) as exc:
             if not self.local:

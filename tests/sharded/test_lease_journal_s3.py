@@ -30,8 +30,8 @@ from shopsimrl.lease_journal import (
 )
 from shopsimrl.sharded.layout import ShardedRunStore
 from shopsimrl.testbed.serving import running_server
-from tests.sharded.faultproxy import FaultProxy
 from tests.sharded.conftest import S3_TEST_ENV, Backend, S3Server, WorkerProcess, start_worker, worker_env, write_config
+from tests.sharded.faultproxy import FaultProxy
 from tests.test_leases import TASK, environment, health, shop, until
 from tests.testbed_process import start_testbed
 
@@ -137,10 +137,14 @@ def test_kill_9_while_a_reset_is_in_flight_leaks_no_more_than_the_journal_says(s
         with start_testbed(**knobs) as bed, reset_holding_proxy(bed.shop_url) as held:
             config = write_config(tmp_path, bed, episodes=60, concurrency=1)
             uri = backend.uri("killed")
-            worker = start_worker(backend, uri, config, 0, 1, tmp_path / "logs", env=worker_env(backend, SHOPSIMRL_ENV_BASE_URL=held.url))
+            worker = start_worker(
+                backend, uri, config, 0, 1, tmp_path / "logs", env=worker_env(backend, SHOPSIMRL_ENV_BASE_URL=held.url)
+            )
             journals = shard_journal_storage(ShardedRunStore(uri), 0)  # read directly, not through the proxy
             deadline = time.monotonic() + 120
-            while len(worker.finished_episodes()) < 2 or [(j.leases, j.resets_in_flight) for j in read_journals(journals)] != [(1, 0)]:
+            while len(worker.finished_episodes()) < 2 or [(j.leases, j.resets_in_flight) for j in read_journals(journals)] != [
+                (1, 0)
+            ]:
                 assert time.monotonic() < deadline and worker.process.poll() is None, worker.log_path.read_text()[-3000:]
                 time.sleep(0.02)
             # Mid-episode: from here no journal write reaches the store unless the test lets it.
@@ -168,7 +172,9 @@ def test_kill_9_while_a_reset_is_in_flight_leaks_no_more_than_the_journal_says(s
                 backend, uri, config, 0, 1, tmp_path / "logs", env=worker_env(backend, SHOPSIMRL_ENV_BASE_URL=bed.shop_url)
             )
             while not _records(successor, "lease budget"):
-                assert time.monotonic() < deadline + 60 and successor.process.poll() is None, successor.log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline + 60 and successor.process.poll() is None, successor.log_path.read_text()[
+                    -3000:
+                ]
                 time.sleep(0.05)
             successor.process.send_signal(signal.SIGTERM)  # stops gracefully: its own leases are released
             assert successor.wait(120) == 3

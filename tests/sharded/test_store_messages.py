@@ -124,7 +124,7 @@ def assert_bad_input_naming(result: subprocess.CompletedProcess[str], uri: str, 
 )
 def test_wrong_credentials_name_the_location_and_what_is_wrong(store: Store, tmp_path: Path, case: str, said: list[str]) -> None:
     uri = f"s3://{store.bucket}/runs/x"
-    key, secret = (("AKIANOSUCHKEY0000000", store.secret) if case == "wrong key" else (store.key, "not-the-secret-0123456789"))
+    key, secret = ("AKIANOSUCHKEY0000000", store.secret) if case == "wrong key" else (store.key, "not-the-secret-0123456789")
     for command in commands(uri, tmp_path):
         assert_bad_input_naming(shopsimrl(store, *command, key=key, secret=secret), uri, "access denied", *said, secret=secret)
 
