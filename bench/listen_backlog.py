@@ -285,11 +285,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="interacts per episode")
     parser.add_argument("--accept-delay-ms", type=float, default=2.0, help="the server's pause before each accept")
     parser.add_argument(
-        "--overflow", choices=["abort", "drop"], default="abort", help="tcp_abort_on_overflow 1 (abort) or 0 (drop: Linux's default)"
+        "--overflow",
+        choices=["abort", "drop"],
+        default="abort",
+        help="tcp_abort_on_overflow 1 (abort) or 0 (drop: Linux's default)",
     )
-    parser.add_argument("--synack-retries", type=int, default=5, help="tcp_synack_retries (Linux's default 5: ~63 s to the reset)")
     parser.add_argument(
-        "--syncookies", type=int, choices=[0, 1, 2], default=1, help="tcp_syncookies (Linux's default 1; 0: a full SYN queue drops SYNs)"
+        "--synack-retries", type=int, default=5, help="tcp_synack_retries (Linux's default 5: ~63 s to the reset)"
+    )
+    parser.add_argument(
+        "--syncookies",
+        type=int,
+        choices=[0, 1, 2],
+        default=1,
+        help="tcp_syncookies (Linux's default 1; 0: a full SYN queue drops SYNs)",
     )
     parser.add_argument("--timeout", type=float, default=30.0, help="environment.timeout (connect, read)")
     parser.add_argument("--max-retries", type=int, default=3, help="environment.max_retries")

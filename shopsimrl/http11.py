@@ -176,11 +176,11 @@ class _Connection(asyncio.Protocol):
         elif exc is not None and not self.received and self.request_unacknowledged():
             # Reset, and the server's stack never took a byte of the request: it cannot have
             # reached the server (any request may be sent again). A full listen backlog does this.
-            error = httpx.ConnectError(
+            not_taken = httpx.ConnectError(
                 f"the server reset the connection before it took any byte of the request "
                 f"(never accepted: is its listen backlog full?): {type(exc).__name__}: {exc}"
             )
-            self._fail(_Stale(error) if self.reused else error)
+            self._fail(_Stale(not_taken) if self.reused else not_taken)
         elif not self.received and self.reused:
             error = _closed_error(exc, "the server closed a kept-alive connection before answering")
             self._fail(_Stale(error))
