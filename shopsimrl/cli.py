@@ -1614,6 +1614,8 @@ def _stop_early(signum: int, frame: object) -> None:
 def main() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stop_early)
+    # A shard worker starts with both blocked (sharded.local_job); from here they are handled.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     app()
 
 
