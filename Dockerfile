@@ -5,24 +5,39 @@
 # EXTRAS=kube, the reducer's image when it watches its worker Job (docs/kubernetes.md).
 #   docker build -t shopsimrl:dev .                                    (or: make image)
 #   docker build --build-arg EXTRAS=kube -t shopsimrl-kube:dev .       (or: make image-kube)
-# Both stages use the same base so the venv's interpreter symlinks stay valid.
-ARG PYTHON_IMAGE=python:3.11-slim
+# The base is pinned by digest (the tag says which Python, the digest which exact image);
+# scripts/pin-base-image.sh moves both Dockerfiles to the digest the tag points at now. Both
+# stages use the same base so the venv's interpreter symlinks stay valid.
+ARG PYTHON_IMAGE=python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
 
 FROM ${PYTHON_IMAGE} AS builder
-# Extras of the project to install (pyproject.toml), e.g. "kube"; empty: the bare worker.
+# Extras of the project to install: "" (the bare worker) or "kube", each with its hashed
+# requirements file, docker/requirements/worker[-EXTRAS].txt.
 ARG EXTRAS=""
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-RUN python -m venv /opt/venv
-COPY pyproject.toml README.md constraints.txt ./
+RUN python -m venv /opt/venv \
+ && python -m venv /opt/build
+# The dependencies first, in their own layer: a change of the source reinstalls none of them.
+# Every file pip downloads must match a hash in docker/requirements/ (generated from
+# constraints.txt by scripts/image-requirements.py), and only wheels are taken. pip's cache is a
+# BuildKit cache mount: it serves the next build on this builder and never lands in a layer.
+COPY docker/requirements/ ./requirements/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    /opt/build/bin/pip install --require-hashes --only-binary=:all: --no-compile -r requirements/build.txt \
+ && /opt/venv/bin/pip install --require-hashes --only-binary=:all: --no-compile -r "requirements/worker${EXTRAS:+-$EXTRAS}.txt"
+COPY pyproject.toml README.md ./
 COPY shopsimrl ./shopsimrl
 # Without shopsimrl/testbed (its servers and a 2.6 MB catalog) setuptools packages none of it;
-# `shopsimrl testbed ...` then says which image has it. Every version pinned by constraints.txt.
+# `shopsimrl testbed ...` then says which image has it. The project's own wheel is built by the
+# hashed build backend without build isolation (nothing unhashed is downloaded) and installed
+# without dependencies; pip check proves the hashed layer holds all it requires.
 RUN rm -rf shopsimrl/testbed \
- && /opt/venv/bin/pip install --no-cache-dir --constraint constraints.txt ".${EXTRAS:+[$EXTRAS]}" \
- && /opt/venv/bin/pip uninstall --yes pip \
+ && /opt/build/bin/pip wheel --no-deps --no-build-isolation --no-index --wheel-dir /tmp/dist . \
+ && /opt/venv/bin/pip install --no-deps --no-index --no-compile /tmp/dist/shopsimrl-*.whl \
+ && /opt/venv/bin/pip check \
+ && /opt/venv/bin/pip uninstall --yes pip setuptools \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE}

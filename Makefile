@@ -81,9 +81,10 @@ constraints:  ## re-resolve the dependencies in a scratch venv and rewrite const
 	.cache/resolve-venv/bin/pip install --quiet --upgrade pip
 	.cache/resolve-venv/bin/pip install --quiet -e '.[test]'
 	{ echo "# Every dependency of \`pip install -e .[test]\`, pinned as one resolve found them on Python 3.11."; \
-	  echo "# Used by make install, .ci/run and the Dockerfiles. Refresh: make constraints (edit nothing by hand)."; \
+	  echo "# Used by make install and .ci/run; hashed for the Dockerfiles in docker/requirements/. Refresh: make constraints (edit nothing by hand)."; \
 	  .cache/resolve-venv/bin/pip freeze --exclude-editable; } > $(CONSTRAINTS)
 	rm -rf .cache/resolve-venv
+	$(MAKE) --no-print-directory image-requirements
 
 demo: $(DEMO_DEP)  ## the heuristic policy on 200 val episodes against the local testbed (light .venv-demo, or .venv)
 	BIN=$(DEMO_BIN) scripts/testbed-run.sh configs/testbed_demo.yaml

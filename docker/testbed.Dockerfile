@@ -5,18 +5,26 @@
 #   docker build -f docker/testbed.Dockerfile -t shopsimrl-testbed:dev .     (or: make image-testbed)
 #   docker run -p 5700:5700 shopsimrl-testbed:dev                                            # shop
 #   docker run -p 8000:8000 shopsimrl-testbed:dev testbed policy --host 0.0.0.0 --port 8000  # policy
-ARG PYTHON_IMAGE=python:3.11-slim
+# The same pinned base, and the same build, as ./Dockerfile (see there).
+ARG PYTHON_IMAGE=python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
 
 FROM ${PYTHON_IMAGE} AS builder
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-RUN python -m venv /opt/venv
-COPY pyproject.toml README.md constraints.txt ./
+RUN python -m venv /opt/venv \
+ && python -m venv /opt/build
+# Hashed dependencies first (docker/requirements/testbed.txt), then the source.
+COPY docker/requirements/ ./requirements/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    /opt/build/bin/pip install --require-hashes --only-binary=:all: --no-compile -r requirements/build.txt \
+ && /opt/venv/bin/pip install --require-hashes --only-binary=:all: --no-compile -r requirements/testbed.txt
+COPY pyproject.toml README.md ./
 COPY shopsimrl ./shopsimrl
-RUN /opt/venv/bin/pip install --no-cache-dir --constraint constraints.txt ".[testbed]" \
- && /opt/venv/bin/pip uninstall --yes pip \
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --no-index --wheel-dir /tmp/dist . \
+ && /opt/venv/bin/pip install --no-deps --no-index --no-compile /tmp/dist/shopsimrl-*.whl \
+ && /opt/venv/bin/pip check \
+ && /opt/venv/bin/pip uninstall --yes pip setuptools \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE}

@@ -6,9 +6,12 @@
 #   make image-testbed         the testbed image IMAGE-testbed:IMAGE_TAG (shop and heuristic policy)
 #   make images                all three
 #   make lint-docker           hadolint over both Dockerfiles (no Docker needed)
+#   make image-requirements    docker/requirements/*.txt: the images' pins, hashed, from constraints.txt
+#   make pin-base-image        move both Dockerfiles' base to the digest its tag points at now (registry access)
 #   make helm-bin              install Helm 3 (+ kubectl) into .tools/bin
 #   make chart-lint            helm lint --strict over the ci/ values, then the chart tests
-#   make smoke-k8s             kind cluster + MinIO + chart in testbed mode; coverage must be 1.0
+#   make smoke-k8s             kind cluster (pinned kind and node image) + MinIO + chart in testbed
+#                              mode; the reducer's summary must count every planned episode
 #   make smoke-k8s-clean       delete the kind cluster
 
 IMAGE         ?= shopsimrl
@@ -22,9 +25,9 @@ HELM_BIN      := $(TOOLS_BIN)/helm
 HADOLINT_BIN  := $(TOOLS_BIN)/hadolint
 KUBE_PYTHON   ?= $(CURDIR)/.venv/bin/python
 # Lint against the oldest supported and a current Kubernetes.
-CHART_KUBE_VERSIONS ?= 1.29.0 1.33.0
+CHART_KUBE_VERSIONS ?= 1.29.0 1.30.0 1.37.0
 
-.PHONY: docker-ready image image-kube image-testbed images lint-docker helm-bin chart-lint smoke-k8s smoke-k8s-clean
+.PHONY: docker-ready image image-kube image-testbed images image-requirements pin-base-image lint-docker helm-bin chart-lint smoke-k8s smoke-k8s-clean
 
 # Before any `docker build`: say what is missing instead of failing inside the build.
 docker-ready:
@@ -41,6 +44,12 @@ image-testbed: docker-ready  ## build the testbed image (shop by default, `testb
 	$(DOCKER) build -f docker/testbed.Dockerfile -t $(IMAGE)-testbed:$(IMAGE_TAG) .
 
 images: image image-kube image-testbed  ## build the worker, kube and testbed images
+
+image-requirements:  ## docker/requirements/*.txt from constraints.txt: each image's pins with their sha256 hashes
+	$(if $(wildcard $(KUBE_PYTHON)),$(KUBE_PYTHON),python3) scripts/image-requirements.py
+
+pin-base-image:  ## move both Dockerfiles' base image to the digest its tag points at now (needs registry access)
+	scripts/pin-base-image.sh
 
 lint-docker: $(HADOLINT_BIN)  ## hadolint over both Dockerfiles
 	$(HADOLINT_BIN) Dockerfile docker/testbed.Dockerfile
@@ -66,9 +75,11 @@ chart-lint: $(HELM_BIN)  ## helm lint --strict over every ci/ values file, then 
 
 # The preflight comes first and alone, so a machine without Docker or kind hears so before any
 # build starts (prerequisites could run in any order under make -j).
+# SMOKE_BUILD=0 skips the image builds (CI builds them first, with a layer cache).
+SMOKE_BUILD ?= 1
 smoke-k8s:  ## kind smoke run: MinIO + testbed + 2 shards + the reducer Job; coverage 1.0
 	@DOCKER=$(DOCKER) KIND=$(KIND) PYTHON=$(KUBE_PYTHON) scripts/smoke-k8s.sh --preflight
-	$(MAKE) --no-print-directory images helm-bin
+	$(MAKE) --no-print-directory $(if $(filter 0,$(SMOKE_BUILD)),,images) helm-bin
 	DOCKER=$(DOCKER) KIND=$(KIND) KIND_CLUSTER=$(KIND_CLUSTER) IMAGE=$(IMAGE) IMAGE_TAG=$(IMAGE_TAG) \
 		PYTHON=$(KUBE_PYTHON) scripts/smoke-k8s.sh
 

@@ -12,7 +12,10 @@
 # Env: KIND_CLUSTER (shopsimrl-smoke)  IMAGE (shopsimrl)  IMAGE_TAG (dev)  NAMESPACE
 #      (shopsimrl-smoke)  RELEASE (smoke)  TIMEOUT_S (900)  HELM / KUBECTL (.tools/bin/*)
 #      DOCKER (docker)  KIND (kind)  PYTHON (.venv/bin/python)  MAKE (make)
-#      ARTIFACTS_DIR (.cache/smoke-k8s)
+#      ARTIFACTS_DIR (.cache/smoke-k8s)  KIND_VERSION / KIND_NODE_IMAGE (the pins below)
+# kind and its node image are pinned: the node image is the one kind v0.27.0 was released with,
+# Kubernetes v1.32, the minor of the kubectl scripts/install-helm.sh installs (v1.32.3); the run
+# refuses another kind, and a cluster whose nodes run another minor than kubectl.
 # The images are IMAGE (workers), IMAGE-kube (the reducer: it reads its worker Job through the
 # Kubernetes API) and IMAGE-testbed (shop and policy), all tagged IMAGE_TAG.
 set -euo pipefail
@@ -22,6 +25,8 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DOCKER="${DOCKER:-docker}"
 KIND="${KIND:-kind}"
 KIND_CLUSTER="${KIND_CLUSTER:-shopsimrl-smoke}"
+KIND_VERSION="${KIND_VERSION:-v0.27.0}"
+KIND_NODE_IMAGE="${KIND_NODE_IMAGE:-kindest/node:v1.32.2@sha256:f226345927d7e348497136874b6d207e0b32cc52154ad8323129352923a3142f}"
 IMAGE="${IMAGE:-shopsimrl}"
 IMAGE_TAG="${IMAGE_TAG:-dev}"
 NAMESPACE="${NAMESPACE:-shopsimrl-smoke}"
@@ -49,6 +54,10 @@ preflight() {
     || { log "needs a running Docker daemon ($DOCKER info fails: is dockerd up, may this user reach it?)"; return 2; }
   command -v "$KIND" >/dev/null 2>&1 \
     || { log "needs kind ($KIND is not on PATH): https://kind.sigs.k8s.io, or set KIND"; return 2; }
+  local kind_version
+  kind_version="$("$KIND" version 2>/dev/null || true)"
+  [[ "$kind_version" == "kind $KIND_VERSION "* ]] \
+    || { log "needs kind $KIND_VERSION (its node image $KIND_NODE_IMAGE is built for it), found: ${kind_version:-none}"; return 2; }
   [ -x "$PYTHON" ] || { log "needs the project's venv ($PYTHON): make install"; return 2; }
 }
 
@@ -78,6 +87,18 @@ wait_for_job() {
     sleep 5
   done
   return 2
+}
+
+# The nodes run the Kubernetes minor of the pinned node image, and kubectl is that minor too
+# (a cluster made elsewhere, e.g. by the workflow's kind action, is checked the same way).
+check_versions() {
+  local node client want
+  want="$(sed -E 's/^.*:v([0-9]+\.[0-9]+)\..*$/\1/' <<<"$KIND_NODE_IMAGE")"
+  node="$("$KUBECTL" --context "$CONTEXT" get nodes -o jsonpath='{.items[0].status.nodeInfo.kubeletVersion}')"
+  client="$("$KUBECTL" version --client 2>/dev/null | sed -n 's/^Client Version: //p')"
+  log "kind $KIND_VERSION, node $node, kubectl $client"
+  [[ "$node" == "v$want."* ]] || die "the cluster's nodes run $node, not v$want from $KIND_NODE_IMAGE"
+  [[ "$client" == "v$want."* ]] || die "kubectl is $client, not the nodes' minor v$want (scripts/install-helm.sh)"
 }
 
 secret_value() { kc get secret minio-credentials -o "jsonpath={.data.$1}" | base64 -d; }
@@ -113,10 +134,13 @@ main() {
   mkdir -p "$ARTIFACTS_DIR"
   trap 'collect_artifacts; [ -z "$FORWARD_PID" ] || kill "$FORWARD_PID" 2>/dev/null || true' EXIT
 
-  if ! "$KIND" get clusters 2>/dev/null | grep -qx "$KIND_CLUSTER"; then
-    log "creating kind cluster $KIND_CLUSTER"
-    "$KIND" create cluster --name "$KIND_CLUSTER" --wait 180s
+  local clusters
+  clusters="$("$KIND" get clusters 2>/dev/null || true)"
+  if ! grep -qx "$KIND_CLUSTER" <<<"$clusters"; then
+    log "creating kind cluster $KIND_CLUSTER from $KIND_NODE_IMAGE"
+    "$KIND" create cluster --name "$KIND_CLUSTER" --image "$KIND_NODE_IMAGE" --wait 180s
   fi
+  check_versions
   local image
   for image in "$IMAGE" "$IMAGE-kube" "$IMAGE-testbed"; do
     log "loading $image:$IMAGE_TAG into the cluster"
@@ -179,8 +203,9 @@ main() {
   log "passed"
 }
 
-# check_summary RUN_URI COPY [EXPECTED]: the run's summary.json is complete with coverage 1.0 (a
-# copy kept as an artifact); with EXPECTED, its counts equal that earlier summary's.
+# check_summary RUN_URI COPY [EXPECTED]: the run's summary.json (a copy kept as an artifact) is
+# complete with coverage 1.0, counts every episode the smoke values plan (sample_size x repeats)
+# as completed and none failed, over every shard; with EXPECTED, its counts equal that summary's.
 check_summary() {
   "$PYTHON" - "$@" <<'PY'
 import json
@@ -188,7 +213,11 @@ import sys
 from pathlib import Path
 
 import fsspec
+import yaml
 
+values = yaml.safe_load(Path("helm/shopsimrl/ci/testbed-smoke-values.yaml").read_text())
+planned = values["config"]["tasks"]["sample_size"] * values["config"]["tasks"]["repeats"]
+shards = values["job"]["shards"]
 uri = sys.argv[1].rstrip("/") + "/summary.json"
 with fsspec.open(uri, "rb") as fh:
     raw = fh.read()
@@ -196,10 +225,13 @@ Path(sys.argv[2]).write_bytes(raw)
 summary = json.loads(raw)
 counts = summary.get("counts", {})
 coverage = counts.get("coverage")
-print(f"[smoke-k8s] {uri}: completed {counts.get('completed')}/{counts.get('requested')}, coverage {coverage}, "
-      f"complete {summary.get('complete')}", file=sys.stderr)
+print(f"[smoke-k8s] {uri}: completed {counts.get('completed')}/{counts.get('requested')}, failed {counts.get('failed')}, "
+      f"coverage {coverage}, complete {summary.get('complete')}, shards {summary.get('shards', {}).get('committed')}", file=sys.stderr)
 if coverage != 1.0 or summary.get("complete") is not True:
     sys.exit(f"[smoke-k8s] FAILED: coverage {coverage}, complete {summary.get('complete')}: {summary.get('incomplete')}")
+expected = {"requested": planned, "completed": planned, "failed": 0}
+if any(counts.get(key) != value for key, value in expected.items()) or summary.get("shards", {}).get("committed") != shards:
+    sys.exit(f"[smoke-k8s] FAILED: counts {counts}, shards {summary.get('shards')}; expected {expected} over {shards} shards")
 if len(sys.argv) > 3:
     expected = json.loads(Path(sys.argv[3]).read_text())["counts"]
     keys = ("requested", "completed", "failed", "missing")

@@ -553,6 +553,12 @@ def worker(
         max=256,
         help="Event-loop processes over the shard's jobs (default SHOPSIMRL_PROCESSES, else 1): use the pod's cores.",
     ),
+    succeed_once_committed: bool = typer.Option(
+        False,
+        "--succeed-once-committed",
+        help="Exit 0, not 1, when the shard is committed with failed episodes (counted in its marker and the summary): "
+        "for a JobSet, whose reducer starts only once every worker index succeeded.",
+    ),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
@@ -582,6 +588,9 @@ def worker(
             settings=settings,
         )
     )
+    if succeed_once_committed and code == ExitCode.EPISODES_FAILED:
+        # run_worker answers EPISODES_FAILED only once the shard's commit marker is written.
+        code = ExitCode.OK
     raise typer.Exit(int(code))
 
 
@@ -1605,6 +1614,8 @@ def _stop_early(signum: int, frame: object) -> None:
 def main() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stop_early)
+    # A shard worker starts with both blocked (sharded.local_job); from here they are handled.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     app()
 
 

@@ -41,8 +41,9 @@ raises ``RuntimeError``/``ValueError`` instead, so ``except ShopEnvironmentError
 hides a bug.
 
 Retries. ``interact`` and ``terminate`` change server state and are not idempotent, so they
-are retried only when the request provably never left this process (connection refused,
-connect or pool timeout) or when the server says it changed nothing (a 5xx whose envelope
+are retried only when the request provably never reached the server (connection refused,
+connect or pool timeout, a reset before the server's TCP stack took any byte of it: a listen
+backlog that never accepted the connection) or when the server says it changed nothing (a 5xx whose envelope
 carries ``"state_unchanged": true``, as the testbed's injected faults do). ``reset`` is retried
 in those cases and on HTTP 502/503, where a proxy did not reach the server; it has no read
 timeout (the server answers once a slot is free). ``release_one`` and ``GET /healthz`` are retried on any transport error and on any 5xx;
@@ -164,6 +165,10 @@ class LeaseObserver(Protocol):
 
     def reset_sent(self) -> None:
         """A reset is about to leave the process: from now on the server may grant it a slot."""
+
+    async def recorded(self) -> None:
+        """Return once the events seen so far are stored where a successor finds them (the
+        reset leaves only then; a journal that cannot be written returns anyway)."""
 
     def reset_answered(self, lease: tuple[int, str] | None) -> None:
         """The reset came back: with ``(env_idx, lease_id)``, or without a lease (a failure)."""
@@ -493,8 +498,16 @@ class ShopSimulatorEnvironment:
     def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coroutine)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._settled)
         return task
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        # Retrieved here, whoever else looks: a close() cancelled while it waited for its release
+        # no longer does, and an abandoned reset's release has nobody waiting. A failed release
+        # keeps its lease among the unreleased ones (and in the journal); aclose() says so.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            _log.debug("lease release failed", error=f"{type(exc).__name__}: {exc}")
 
     def _observe(self, event: str, *args: Any) -> None:
         if self.lease_observer is not None:
@@ -502,6 +515,13 @@ class ShopSimulatorEnvironment:
                 getattr(self.lease_observer, event)(*args)
             except Exception as exc:  # a journal problem must not break the episode
                 _log.warning("lease observer failed", lease_event=event, error=f"{type(exc).__name__}: {exc}")
+
+    async def _recorded(self) -> None:
+        if self.lease_observer is not None:
+            try:
+                await self.lease_observer.recorded()
+            except Exception as exc:  # a journal problem must not break the episode
+                _log.warning("lease observer failed", lease_event="recorded", error=f"{type(exc).__name__}: {exc}")
 
     async def _request_lease(self, payload: dict[str, Any], state: _ResetState) -> dict[str, Any]:
         """Take a permit, send the reset, record the lease; the permit stays taken until the
@@ -514,11 +534,14 @@ class ShopSimulatorEnvironment:
                 if self._permits is None:
                     self._permits = asyncio.Semaphore(self._lease_limit)
                 await self._permits.acquire()
-            state.sent = True  # from here on the server may grant a slot for this request
             self._resets_in_flight += 1
             self._observe("reset_sent")
             lease: tuple[int, str] | None = None
             try:
+                # The journal records the reset as in flight before it leaves: after kill -9 the
+                # successor knows how many resets may have been granted to nobody.
+                await self._recorded()
+                state.sent = True  # from here on the server may grant a slot for this request
                 result = await self._call("reset", payload, timeout=self._reset_timeout(), policy=_RESET)
                 env_idx, lease_id = result.get("env_idx"), result.get("lease_id")
                 if isinstance(env_idx, bool) or not isinstance(env_idx, int):
@@ -721,6 +744,11 @@ def _decode(action: str, response: httpx.Response, *, enveloped: bool) -> dict[s
         server_message = str(result["error"])
     elif not isinstance(result, dict):
         server_message = response.text[:300] or None
+    if not enveloped and status == 503 and isinstance(result, dict) and "ready" in result and result["ready"] is not True:
+        # /healthz of a shop that is not ready yet: the real ShopSimulator says so with a 200 and
+        # "ready": false, the testbed (so that an HTTP probe sees it) with a 503 and the same body.
+        # Either is an answer, not an outage: the caller reads "ready", nothing is retried.
+        return result
     detail = f"HTTP {status}" + (f": {server_message}" if server_message else "")
     if status >= 500 and isinstance(result, dict) and result.get("state_unchanged") is True:
         raise EnvironmentUnavailableError(

@@ -17,6 +17,8 @@ records the time of the last byte and re-arms itself only when it fires early.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,6 +38,14 @@ _FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "host
 # A streamed answer stops reading from the socket while this much is unread by the caller.
 _STREAM_HIGH_WATER = 256 * 1024
 _STREAM_LOW_WATER = 64 * 1024
+# Linux's struct tcp_info: tcpi_bytes_acked (u64) at this offset (kernel 4.1 and later).
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_BYTES_ACKED_AT = 120
+# How long the read timeout waits on while the server has not acknowledged a byte of the request
+# (it is not the server's slowness that keeps the answer: the request never reached it). A
+# server whose listen backlog overflowed resets such a connection once its SYN-ACK retries are
+# spent (Linux: tcp_synack_retries 5, about 63 s), or accepts it late; past this, it is given up.
+_UNACKNOWLEDGED_WAIT_S = 120.0
 
 
 class _Stale(Exception):
@@ -116,11 +126,34 @@ class _Connection(asyncio.Protocol):
         self.reading_paused = False
         self.writing_paused = False
         self.drained: asyncio.Future[None] | None = None
+        self.sock: Any = None
+        self.written = 0  # bytes written on this connection
+        self.sent_before = 0  # of them, before the current request
+        self.written_at = 0.0
 
     # ---------------------------------------------------------------- transport events
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.sock = transport.get_extra_info("socket")
+
+    def request_unacknowledged(self) -> bool:
+        """True when the server's TCP stack provably took no byte of the current request.
+
+        Its kernel acknowledges what reaches the socket at once (a new connection is in quick-ack
+        mode; the answer to an earlier request carried the acknowledgement of that one), so none
+        acknowledged means the request never reached any process there: a connection its listen
+        backlog never took, or one it had closed. Linux only (TCP_INFO); elsewhere False."""
+        if _TCP_INFO is None or self.sock is None:
+            return False
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 256)
+        except OSError:
+            return False
+        if len(info) < _BYTES_ACKED_AT + 8:
+            return False
+        # The SYN counts one acknowledged byte; the earlier requests on this connection the rest.
+        return bool(struct.unpack_from("=Q", info, _BYTES_ACKED_AT)[0] <= self.sent_before + 1)
 
     def data_received(self, data: bytes) -> None:
         if self.current is None:  # bytes nobody asked for: the connection can no longer be trusted
@@ -140,6 +173,14 @@ class _Connection(asyncio.Protocol):
             return
         if exc is None and current.status and _until_close(current.headers):
             self._complete(keep=False)  # a body delimited by the end of the connection is whole
+        elif exc is not None and not self.received and self.request_unacknowledged():
+            # Reset, and the server's stack never took a byte of the request: it cannot have
+            # reached the server (any request may be sent again). A full listen backlog does this.
+            not_taken = httpx.ConnectError(
+                f"the server reset the connection before it took any byte of the request "
+                f"(never accepted: is its listen backlog full?): {type(exc).__name__}: {exc}"
+            )
+            self._fail(_Stale(not_taken) if self.reused else not_taken)
         elif not self.received and self.reused:
             error = _closed_error(exc, "the server closed a kept-alive connection before answering")
             self._fail(_Stale(error))
@@ -213,8 +254,10 @@ class _Connection(asyncio.Protocol):
         self.current = current
         self.received = False
         self.read_timeout = read_timeout
+        self.sent_before = self.written
+        self.written += len(data)
         self.transport.write(data)
-        self.last_read = self.loop.time()
+        self.last_read = self.written_at = self.loop.time()
         if read_timeout is not None:
             self.timer = self.loop.call_at(self.last_read + read_timeout, self._read_timer)
 
@@ -245,7 +288,13 @@ class _Connection(asyncio.Protocol):
             due = self.loop.time() + timeout  # the caller, not the server, is the slow side
         else:
             due = self.last_read + timeout
-        if due > self.loop.time():
+        now = self.loop.time()
+        if due <= now and not self.received and now - self.written_at < _UNACKNOWLEDGED_WAIT_S and self.request_unacknowledged():
+            # The server has not taken the request yet (a full listen backlog): its stack will
+            # take it or reset the connection, which makes it safe to send again. Giving up now
+            # could not tell whether it gets there after all.
+            due = min(now + timeout, self.written_at + _UNACKNOWLEDGED_WAIT_S)
+        if due > now:
             self.timer = self.loop.call_at(due, self._read_timer)
         else:
             self._fail(httpx.ReadTimeout(f"no data from the server for {timeout} s"))

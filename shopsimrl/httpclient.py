@@ -18,11 +18,16 @@ server, which decides if a non-idempotent call may be sent again. ``http://`` (s
 failure                                                          httpx                request sent?
 ===============================================================  ===================  ==============
 connection refused, unknown host, other connect errors           ConnectError         no
+reset before the server's TCP stack took any byte of the request
+  (Linux TCP_INFO: none acknowledged; a listen backlog that never
+  accepted the connection, or a server that had closed it)       ConnectError         no
 no connection within ``timeout.connect``                         ConnectTimeout       no
 no free pooled connection within ``timeout.pool``                PoolTimeout          no
 a header the client sets itself, or a line break in a header     LocalProtocolError   no (not retried)
 the socket does not take the request within ``timeout.write``    WriteTimeout         maybe
-no byte of the answer for ``timeout.read``                       ReadTimeout          maybe
+no byte of the answer for ``timeout.read`` (while no byte of the
+  request is acknowledged, up to 120 s from the write: the
+  server's kernel still takes it or resets it)                   ReadTimeout          maybe
 a kept-alive connection closed before any byte of the answer:
   GET, HEAD, PUT, DELETE, OPTIONS, TRACE are sent again (at most
   3 times, asking for a new connection); others (POST) fail      RemoteProtocolError  maybe
@@ -30,6 +35,13 @@ the server hangs up before the answer or its body is complete    RemoteProtocolE
 an answer that is not HTTP/1.x                                   RemoteProtocolError  maybe
 the connection reset or failed during the exchange               ReadError            maybe
 ===============================================================  ===================  ==============
+
+"Reset before any byte was acknowledged" is the one "no" that the server's side decides: its
+kernel acknowledges what reaches a socket at once, so an unacknowledged request reached no
+process there (left open: a server that reads a request and aborts the connection before its
+kernel's delayed acknowledgement goes out, which no HTTP server does). Whatever transport
+replaces this one must keep the table; tests/test_listen_backlog.py checks that row from
+outside, against a server whose listen backlog overflows.
 
 ``https://`` and the other aiohttp cases:
 

@@ -14,7 +14,9 @@ Where and how the journals are kept:
   flight before it is sent. It is compacted when it grows, and deleted when nothing is held;
 - on an object store (``s3://…/leases/<shard>/``), ``<writer>.json`` is a snapshot of the state,
   replaced by a writer task at most every ``min_interval`` seconds (0.2 s; every PUT is billed),
-  so bursts of changes coalesce.
+  so bursts of changes coalesce. A reset waits (:meth:`LeaseJournal.recorded`) until a snapshot
+  that counts it as in flight is stored: the resets that wait meanwhile go out together after
+  the next write (a group commit; at most ``min_interval`` plus one PUT of start latency).
 
 Which journals are released: those of processes that are provably gone — on this host (same
 hostname and PID namespace) when the PID is dead or belongs to a newer process; on another host
@@ -23,9 +25,11 @@ terminated (``podFailurePolicy`` implies ``podReplacementPolicy: Failed``). Two 
 one shard at once on different hosts is outside that contract.
 
 What can still leak after kill -9 (docs/sharded_runs.md, "Leases"): resets that were in flight
-when the process died — the server grants them, now or once a slot frees, to nobody. On a local
-disk the journal records exactly how many; on an object store it lags by up to ``min_interval``
-plus one PUT, and leases granted in that window can leak too.
+when the process died — the server grants them, now or once a slot frees, to nobody — and, on an
+object store, leases granted since the last snapshot, whose resets that snapshot counts as in
+flight. Either way at most the ``resets_in_flight`` the stored journal names (the successor
+logs the sum as ``resets_in_flight_at_stop``). Only while the journal cannot be written at all
+(the store down past its retries; logged) do resets go out unrecorded.
 """
 
 from __future__ import annotations
@@ -370,6 +374,12 @@ class LeaseJournal:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._failures = 0
+        self._version = 0
+        """Events seen so far (the state's version)."""
+        self._stored = 0
+        """The version the stored snapshot holds."""
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        """(version, future): resets waiting for a snapshot that holds their event."""
 
     # -- LeaseObserver
 
@@ -382,8 +392,34 @@ class LeaseJournal:
     def lease_released(self, env_idx: int, lease_id: str) -> None:
         self._event({"released": [env_idx, lease_id]})
 
+    async def recorded(self) -> None:
+        """Return once every event seen so far is stored (a reset calls it before it is sent).
+
+        At once for a local journal (each event was appended before the adapter went on), and
+        before the writer task started; else after the next snapshot write, or once that write
+        failed past the store's retries (the run goes on, unjournaled; the failure is logged)."""
+        if self.storage.appends or self._task is None or self._task.done() or self._stored >= self._version:
+            return
+        assert self._dirty is not None
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((self._version, waiter))
+        self._dirty.set()
+        await waiter
+
+    def _wake(self, version: int | None) -> None:
+        """Resolve the waiters whose events ``version`` holds (None: every waiter)."""
+        still = []
+        for wanted, waiter in self._waiters:
+            if version is None or wanted <= version:
+                if not waiter.done():
+                    waiter.set_result(None)
+            else:
+                still.append((wanted, waiter))
+        self._waiters = still
+
     def _event(self, event: dict[str, Any]) -> None:
         self.state.apply(event)
+        self._version += 1
         if not self.storage.appends:
             if self._dirty is not None:
                 self._dirty.set()
@@ -427,6 +463,8 @@ class LeaseJournal:
             self._dirty.set()
             done, _ = await asyncio.wait({self._task}, timeout=timeout)
             if not done:
+                # Its error, if it fails later, is retrieved there: no "never retrieved" at exit.
+                self._task.add_done_callback(lambda task: task.cancelled() or task.exception())
                 raise TimeoutError(f"the last snapshot took longer than {timeout:g} s")
             self._task.result()
         except Exception as exc:  # a late or failed journal never fails the run
@@ -448,10 +486,10 @@ class LeaseJournal:
                 "lease journal write failed", journal=f"{self.storage.display}/{self.name}", error=f"{type(exc).__name__}: {exc}"
             )
 
-    def _sync_snapshot(self) -> None:
-        """Make the stored snapshot match the state: present while anything is held or in flight."""
-        if self.state.held or self.state.resets_in_flight:
-            self.storage.write(self.name, _line(self.state.snapshot()))
+    def _sync_snapshot(self, snapshot: bytes | None) -> None:
+        """Make the stored snapshot ``snapshot`` (None: no journal, nothing held or in flight)."""
+        if snapshot is not None:
+            self.storage.write(self.name, snapshot)
             self._exists = True
         elif self._exists:
             self.storage.delete(self.name)
@@ -460,23 +498,32 @@ class LeaseJournal:
 
     async def _write_snapshots(self) -> None:
         assert self._dirty is not None
-        while True:
-            await self._dirty.wait()
-            self._dirty.clear()
-            final = self._closing
-            try:
-                await asyncio.to_thread(self._sync_snapshot)
-            except Exception as exc:  # keep running: the next change, or this retry, writes again
-                self._write_failed(exc)
-                if final:
-                    raise
-                self._dirty.set()
-                await asyncio.sleep(min(5.0, 0.2 * 2**self._failures))
-                continue
-            if final and not self._dirty.is_set():
-                return
-            if self.min_interval and not self._closing:
-                await asyncio.sleep(self.min_interval)
+        try:
+            while True:
+                await self._dirty.wait()
+                self._dirty.clear()
+                final = self._closing
+                # Taken on the loop, where the state changes: the thread writes these bytes.
+                version = self._version
+                snapshot = _line(self.state.snapshot()) if self.state.held or self.state.resets_in_flight else None
+                try:
+                    await asyncio.to_thread(self._sync_snapshot, snapshot)
+                except Exception as exc:  # keep running: the next change, or this retry, writes again
+                    self._write_failed(exc)
+                    self._wake(None)  # a journal that cannot be written must not stop the episodes
+                    if final:
+                        raise
+                    self._dirty.set()
+                    await asyncio.sleep(min(5.0, 0.2 * 2**self._failures))
+                    continue
+                self._stored = version
+                self._wake(version)
+                if final and not self._dirty.is_set():
+                    return
+                if self.min_interval and not self._closing:
+                    await asyncio.sleep(self.min_interval)
+        finally:
+            self._wake(None)
 
     # -- recovery
 

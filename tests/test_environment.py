@@ -482,6 +482,21 @@ async def test_healthz(stub: ShopStub, make_env: Factory, sleeps: list[float]) -
         await env.healthz()
 
 
+async def test_healthz_of_a_shop_that_is_not_ready(stub: ShopStub, make_env: Factory, sleeps: list[float]) -> None:
+    """Not ready is an answer either way: the real ShopSimulator's 200 with "ready": false and
+    the testbed's 503 with the same body both come back as the body, at once, never retried; a
+    503 without that body is still an outage, retried."""
+    env = make_env()
+    stub.script("healthz", Reply(patch={"ready": False}), Reply(status=503, patch={"ready": False}))
+    for _ in range(2):
+        health = await env.healthz()
+        assert health["ready"] is False and health["environment_slots"] == 4
+    assert stub.actions() == ["healthz", "healthz"] and sleeps == []
+    stub.script("healthz", Reply(status=503, raw="upstream connect error"))
+    assert (await env.healthz())["ready"] is True
+    assert stub.actions()[2:] == ["healthz", "healthz"] and sleeps == [0.5]
+
+
 def test_error_hierarchy() -> None:
     assert issubclass(LeaseError, EnvironmentResponseError)
     for cls in (EnvironmentUnavailableError, EnvironmentResponseError, EnvironmentVersionError):

@@ -241,3 +241,98 @@ async def test_traces_that_end_during_a_write_go_out_together_in_the_next_one() 
     outcome = await asyncio.wait_for(running, timeout=30)
     assert outcome.completed == 3
     assert sink.batches == [[JOBS[0].episode_id], [JOBS[1].episode_id, JOBS[2].episode_id]]
+
+
+class FullDiskStore:
+    """The real LocalRunStore writing its traces to /dev/full, the kernel's always-full device
+    (every write fails with ENOSPC), each save held at a barrier until the test lets it go."""
+
+    def __init__(self, directory: Path) -> None:
+        import threading
+
+        self.store = LocalRunStore(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.store.traces_path.symlink_to("/dev/full")
+        self.entered = [threading.Event(), threading.Event()]
+        self.release = [threading.Event(), threading.Event()]
+        self.failed: list[tuple[list[str], OSError]] = []
+
+    def save_traces(self, records: list[dict]) -> None:
+        call = len(self.failed)
+        self.entered[call].set()
+        assert self.release[call].wait(30), "the test never let the save go"
+        try:
+            self.store.save_traces(records)
+        except OSError as exc:
+            self.failed.append(([record["episode_id"] for record in records], exc))
+            raise
+
+
+class CleanupAfterCancel(ScriptedRuntime):
+    """Task 1's episode ends at once, task 2's when the gate opens; task 3's runs until it is
+    cancelled, and then its clean-up (an episode releasing its lease) lets the second write go
+    and lasts until that write has failed."""
+
+    def __init__(self, sink: FullDiskStore) -> None:
+        super().__init__({})
+        self.sink = sink
+        self.gate = asyncio.Event()
+        self.cancelled_before_second_write_failed = False
+
+    async def run(self, job: EpisodeJob) -> dict:
+        if job.task_id == 2:
+            await self.gate.wait()
+        elif job.task_id == 3:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled_before_second_write_failed = len(self.sink.failed) == 1
+                self.sink.release[1].set()
+                while len(self.sink.failed) < 2:  # noqa: ASYNC110 - the write runs in a thread
+                    await asyncio.sleep(0.01)
+                for _ in range(10):  # the failed write reaches its save task
+                    await asyncio.sleep(0)
+                raise
+        return await super().run(job)
+
+
+async def test_a_full_disk_leaves_no_save_failure_unretrieved(tmp_path: Path) -> None:
+    """Issue 22: a full disk mid-run exited 3 but printed "Task exception was never retrieved".
+    The first failed write stops the run; a write queued behind it failed while the runners were
+    being cancelled, after its runner had stopped waiting for it and before the clean-up looked
+    at the saves still running, so nobody retrieved its error."""
+    import gc
+
+    sink = FullDiskStore(tmp_path / "run")
+    runtime = CleanupAfterCancel(sink)
+    loop = asyncio.get_running_loop()
+    unretrieved: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context["message"]))
+    try:
+        running = asyncio.ensure_future(Evaluator(runtime, sink, concurrency=3).run(JOBS))
+        await asyncio.to_thread(sink.entered[0].wait, 30)  # episode 1's trace is being written
+        runtime.gate.set()  # episode 2 ends; its trace waits for the next write
+        while 2 not in runtime.calls:  # noqa: ASYNC110 - set by the episode's task
+            await asyncio.sleep(0.01)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        sink.release[0].set()  # the disk is full: the first write fails and stops the run
+        with pytest.raises(OSError) as raised:
+            await asyncio.wait_for(running, timeout=30)
+        assert raised.value.errno == 28
+        # The fault happened as described: both writes hit ENOSPC, the second one after the
+        # runners were cancelled (episode 3's clean-up let it go).
+        assert [ids for ids, _ in sink.failed] == [[JOBS[0].episode_id], [JOBS[1].episode_id]]
+        assert all(exc.errno == 28 for _, exc in sink.failed)
+        assert runtime.cancelled_before_second_write_failed
+        # The errors' tracebacks keep the save tasks alive; once they go, a task whose error
+        # nobody retrieved reports it from its finaliser.
+        del running, raised
+        sink.failed.clear()
+        gc.collect()
+        for _ in range(3):
+            await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert unretrieved == []

@@ -4,6 +4,7 @@ script checks and in which order, and its helpers run for real where they can.""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -49,6 +50,8 @@ def _used_files() -> set[str]:
     rules = [r.strip() for r in (ROOT / ".dockerignore").read_text().splitlines() if r.strip() and not r.startswith("#")]
     context = [r[1:].rstrip("/") for r in rules if r.startswith("!")]
     used = {"Makefile", ".dockerignore", "Dockerfile", WORKFLOW.relative_to(ROOT).as_posix()}
+    # `make install` (a step) installs from these; the images install from docker/requirements/.
+    used |= {"pyproject.toml", "constraints.txt"}
     used |= {f for f in tracked if any(f == c or f.startswith(c + "/") for c in context)}
     texts = [str(step.get("run", "")) for step in _workflow()["jobs"]["kind"]["steps"]]
     read = {"mk/kubernetes.mk"}  # the included make file with every target the job runs
@@ -181,3 +184,130 @@ def test_the_llm_smoke_script_reads_its_run_directory_from_the_plan() -> None:
     done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(ROOT / "runs" / "smoke-llm")
+
+
+# --------------------------------------------------------------------------- pins, cache, summary
+
+
+def _pin(text: str, name: str) -> str:
+    found = re.search(rf'^{name}="\$\{{{name}:-([^}}]+)\}}"', text, re.M) or re.search(rf'^{name}="([^"]+)"', text, re.M)
+    assert found, name
+    return found.group(1)
+
+
+def test_kind_and_its_node_image_are_pinned_to_the_kubectl_minor() -> None:
+    """The workflow and the script pin the same kind and node image (by digest), and the node's
+    Kubernetes minor is the one of the kubectl that scripts/install-helm.sh installs."""
+    job = _workflow()["jobs"]["kind"]
+    script = SCRIPT.read_text()
+    install = (ROOT / "scripts" / "install-helm.sh").read_text()
+    kind_version, node_image = _pin(script, "KIND_VERSION"), _pin(script, "KIND_NODE_IMAGE")
+    kubectl = _pin(install, "KUBECTL_VERSION")
+    assert job["env"]["KIND_VERSION"] == kind_version == "v0.27.0"
+    assert job["env"]["KIND_NODE_IMAGE"] == node_image
+    assert job["env"]["KUBECTL_VERSION"] == kubectl
+    image = re.fullmatch(r"kindest/node:v(\d+\.\d+)\.\d+@sha256:[0-9a-f]{64}", node_image)
+    assert image and kubectl.startswith(f"v{image.group(1)}."), (node_image, kubectl)
+    (kind_step,) = [s for s in job["steps"] if str(s.get("uses", "")).startswith("helm/kind-action@")]
+    assert kind_step["with"]["version"] == "${{ env.KIND_VERSION }}"
+    assert kind_step["with"]["node_image"] == "${{ env.KIND_NODE_IMAGE }}"
+    assert kind_step["with"]["kubectl_version"] == "${{ env.KUBECTL_VERSION }}"
+    assert 'create cluster --name "$KIND_CLUSTER" --image "$KIND_NODE_IMAGE"' in script
+    # Third-party actions run pinned to a commit.
+    for step in job["steps"]:
+        uses = str(step.get("uses", ""))
+        if uses and not uses.startswith("actions/"):
+            assert re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", uses), uses
+    assert job["env"]["HELM_SOURCE"] == "release"
+
+
+def test_the_image_builds_are_cached_and_not_built_twice() -> None:
+    job = _workflow()["jobs"]["kind"]
+    builds = [s for s in job["steps"] if str(s.get("uses", "")).startswith("docker/build-push-action@")]
+    assert {b["with"]["file"] for b in builds} == {"Dockerfile", "docker/testbed.Dockerfile"} and len(builds) == 3
+    scopes = set()
+    for build in builds:
+        scope = re.fullmatch(r"type=gha,scope=([\w-]+)", build["with"]["cache-from"])
+        assert scope and build["with"]["cache-to"] == f"type=gha,scope={scope.group(1)},mode=max"
+        assert build["with"]["load"] is True
+        scopes.add(scope.group(1))
+    assert len(scopes) == 3, "each image its own cache scope"
+    tags = {b["with"]["tags"] for b in builds}
+    assert tags == {f"${{{{ env.IMAGE }}}}{suffix}:${{{{ env.IMAGE_TAG }}}}" for suffix in ("", "-kube", "-testbed")}
+    smoke = [s for s in job["steps"] if "make smoke-k8s" in str(s.get("run", ""))]
+    assert len(smoke) == 1 and "SMOKE_BUILD=0" in smoke[0]["run"]
+    dry = _make("-n", "smoke-k8s", "SMOKE_BUILD=0")
+    assert " build " not in dry.stdout, "SMOKE_BUILD=0 must not build the images again"
+    assert " build " in _make("-n", "smoke-k8s").stdout
+
+
+def _fake_tools(tmp_path: Path, kind_version: str, node: str, client: str) -> dict[str, str]:
+    kind = tmp_path / "kind"
+    kind.write_text(f'#!/bin/sh\n[ "$1" = version ] && echo "kind {kind_version} go1.23.6 linux/amd64"\n')
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        f'  *"get nodes"*) printf %s "{node}" ;;\n'
+        f'  *"version --client"*) printf "Client Version: {client}\\nKustomize Version: v5.5.0\\n" ;;\n'
+        "esac\n"
+    )
+    for tool in (kind, kubectl):
+        tool.chmod(0o755)
+    docker = tmp_path / "docker"
+    docker.write_text("#!/bin/sh\nexit 0\n")
+    docker.chmod(0o755)
+    return {"KIND": str(kind), "KUBECTL": str(kubectl), "DOCKER": str(docker), "PYTHON": sys.executable}
+
+
+@pytest.mark.parametrize(
+    ("kind_version", "node", "client", "fails_with"),
+    [
+        ("v0.27.0", "v1.32.2", "v1.32.3", None),
+        ("v0.26.0", "v1.32.2", "v1.32.3", "needs kind v0.27.0"),
+        ("v0.27.0", "v1.33.1", "v1.32.3", "the cluster's nodes run v1.33.1, not v1.32"),
+        ("v0.27.0", "v1.32.2", "v1.35.0", "kubectl is v1.35.0, not the nodes' minor v1.32"),
+    ],
+)
+def test_the_script_refuses_another_kind_or_kubernetes_minor(
+    tmp_path: Path, kind_version: str, node: str, client: str, fails_with: str | None
+) -> None:
+    env = _fake_tools(tmp_path, kind_version, node, client)
+    exports = " ".join(f"{k}={v}" for k, v in env.items())
+    done = _bash(f"{exports}; preflight && check_versions && echo ok")
+    if fails_with is None:
+        assert done.stdout.strip() == "ok", done.stderr
+    else:
+        assert done.returncode != 0 and fails_with in done.stderr, done.stderr
+
+
+def _summary(counts: dict[str, Any], committed: int = 2) -> dict[str, Any]:
+    return {"complete": True, "counts": {"coverage": 1.0, **counts}, "shards": {"committed": committed}}
+
+
+@pytest.mark.parametrize(
+    ("summary", "fails_with"),
+    [
+        (_summary({"requested": 8, "completed": 8, "failed": 0, "missing": 0}), None),
+        (_summary({"requested": 8, "completed": 7, "failed": 1, "missing": 0}), "expected {'requested': 8, 'completed': 8"),
+        (_summary({"requested": 4, "completed": 4, "failed": 0, "missing": 0}), "FAILED: counts"),
+        (_summary({"requested": 8, "completed": 8, "failed": 0, "missing": 0}, committed=1), "over 2 shards"),
+        ({**_summary({"requested": 8}), "complete": False, "incomplete": {"missing_shards": [1]}}, "complete False"),
+    ],
+    ids=["every-episode", "a-failed-episode", "fewer-planned", "a-shard-short", "incomplete"],
+)
+def test_the_script_asserts_the_reducers_summary(tmp_path: Path, summary: dict[str, Any], fails_with: str | None) -> None:
+    """check_summary, run for real on a summary.json: every episode the smoke values plan
+    (sample_size x repeats) completed, none failed, every shard committed, complete."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(summary))
+    done = subprocess.run(
+        ["bash", "-c", f'source "{SCRIPT}"; PYTHON={sys.executable}; check_summary "{run}" "{tmp_path / "copy.json"}"'],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    if fails_with is None:
+        assert done.returncode == 0, done.stderr
+        assert json.loads((tmp_path / "copy.json").read_text()) == summary, "the artifact copy"
+    else:
+        assert done.returncode != 0 and fails_with in done.stderr, done.stderr

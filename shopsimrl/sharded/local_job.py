@@ -12,7 +12,9 @@ run is reduced.
 Stopping: SIGTERM/SIGINT are passed on to every worker as SIGTERM, and the coordinator waits for
 them to save their traces and release their leases (each bounds that by its own grace period).
 On Linux each worker also gets SIGTERM if the coordinator itself dies (even by kill -9), so no
-worker outlives it holding leases.
+worker outlives it holding leases. Workers start with SIGTERM and SIGINT blocked until
+``shopsimrl``'s entry point has its handler (a worker command must be ``python -m shopsimrl …``
+or the ``shopsimrl`` script, which unblock them).
 
 Workers' output: each worker logs JSON lines (``SHOPSIMRL_LOG_FORMAT=json``) to a pipe that the
 coordinator's loop drains. Every record is handed to ``on_event`` (the progress bar
@@ -113,12 +115,22 @@ def _worker_command(
     return command
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` for subprocesses of this process (see ``stopping.die_with_parent``)."""
-    if not sys.platform.startswith("linux"):
-        return None
+def _worker_preexec() -> Callable[[], None]:
+    """A ``preexec_fn`` for the workers: SIGTERM and SIGINT blocked, and (Linux) SIGTERM when
+    this process dies (see ``stopping.die_with_parent``).
+
+    Blocked, not ignored: a Ctrl-C reaches every process of the terminal's group, a worker
+    still starting its interpreter included, where Python would raise KeyboardInterrupt from
+    the middle of an import and print its traceback. Blocked, the signal waits until
+    ``shopsimrl``'s entry point has its handler and unblocks them; the worker then exits 3."""
     parent = os.getpid()
-    return lambda: die_with_parent(parent)
+
+    def preexec() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        if sys.platform.startswith("linux"):
+            die_with_parent(parent)
+
+    return preexec
 
 
 def _parse_record(line: str) -> dict[str, Any] | None:
@@ -306,7 +318,7 @@ def run_indexed(
                 process.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    preexec = _die_with_parent()
+    preexec = _worker_preexec()
     try:
         while waiting or running:
             now = time.monotonic()
@@ -330,6 +342,10 @@ def run_indexed(
                 )
                 assert process.stderr is not None
                 outputs[index] = _WorkerOutput(index, process.stderr, on_event, warned)
+                # The signal came while Popen ran: on_signal did not see this one. (mypy keeps
+                # `interrupted` narrowed to False by the loop's test; on_signal sets it meanwhile.)
+                if interrupted:
+                    process.send_signal(signal.SIGTERM)  # type: ignore[unreachable]
                 log.info("index_started", index=index, pid=process.pid, restarts=outcomes[index].restarts)
             if interrupted and not running:
                 break

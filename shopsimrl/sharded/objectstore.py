@@ -120,6 +120,37 @@ def is_create_conflict(exc: BaseException) -> bool:
     return False
 
 
+def _error_code(exc: BaseException) -> str | None:
+    """The S3 error code (``NoSuchBucket``, ``SignatureDoesNotMatch``…) behind an s3fs error."""
+    cause: BaseException | None = exc
+    for _ in range(4):  # the botocore ClientError is the direct cause; a short chain is enough
+        if cause is None:
+            return None
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            return code if isinstance(code, str) else None
+        cause = cause.__cause__
+    return None
+
+
+_DENIED_REASONS = {
+    "InvalidAccessKeyId": "the store knows no access key AWS_ACCESS_KEY_ID names (InvalidAccessKeyId); check AWS_ACCESS_KEY_ID",
+    "SignatureDoesNotMatch": (
+        "AWS_SECRET_ACCESS_KEY is not the secret of the access key AWS_ACCESS_KEY_ID names (SignatureDoesNotMatch); "
+        "check AWS_SECRET_ACCESS_KEY"
+    ),
+    "InvalidToken": "AWS_SESSION_TOKEN is not valid (InvalidToken); check the AWS_* credentials",
+    "ExpiredToken": "the session token has expired (ExpiredToken); renew the AWS_* credentials",
+    "AccessDenied": "these credentials may not do that (AccessDenied); check the bucket's policy for them",
+}
+
+
+def _doing(what: str) -> str:
+    """``"read manifest.json in"`` (worded for "… in s3://…") as ``"read manifest.json"``."""
+    return what.removesuffix(" in")
+
+
 def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, ConcurrentCreateError):
         return True
@@ -331,17 +362,49 @@ class ObjectStore:
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def _call(self, what: str, fn: Callable[[], T], *, retry: bool = True) -> T:
+        """``fn()`` with the store's retries (``retry=False``: one try), its errors worded with the location."""
         try:
-            return self.retry.call(f"{what} {self.display_uri}", fn)
+            return self.retry.call(f"{what} {self.display_uri}", fn) if retry else fn()
         except PermissionError as exc:
-            hint = "check the directory's permissions" if self.local else "check the AWS_* credentials"
-            raise RunLocationError(f"{self.display_uri}: access denied ({what}); {hint}: {exc}") from exc
+            if self.local:
+                raise RunLocationError(
+                    f"{self.display_uri}: access denied ({what}); check the directory's permissions: {exc}"
+                ) from exc
+            raise RunLocationError(f"{self.display_uri}: access denied to {_doing(what)}: {self._denied_reason(exc)}") from exc
         except (FileNotFoundError, NotADirectoryError) as exc:
             if not self.local:
                 raise
             # A directory that cannot be created where it was asked for (e.g. under /proc).
             raise RunLocationError(f"{self.display_uri}: cannot {what} it: {exc}") from exc
+        except Exception as exc:
+            if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):  # botocore's, raised as they are
+                raise RunLocationError(
+                    f"{self.display_uri}: no usable S3 credentials to {_doing(what)} ({exc}); "
+                    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+                ) from exc
+            raise
+
+    def _denied_reason(self, exc: BaseException) -> str:
+        """What a 403 means, in words. A HEAD request's 403 has no body, so no code: then one
+        listing of the location asks again, for an answer that carries it."""
+        code = _error_code(exc)
+        if code not in _DENIED_REASONS:
+            try:
+                self.fs.ls(self.root)
+            except Exception as probe:
+                code = _error_code(probe) or code
+        return _DENIED_REASONS.get(code or "", f"HTTP 403 ({code or exc}); check the AWS_* credentials")
+
+    def _missing_bucket(self, exc: FileNotFoundError) -> RunLocationError | None:
+        """The error to raise when ``exc`` says the bucket itself is missing (not just an object)."""
+        if _error_code(exc) != "NoSuchBucket":
+            return None
+        bucket = self.root.split("/", 1)[0]
+        return RunLocationError(
+            f"{self.display_uri}: the bucket '{bucket}' does not exist (NoSuchBucket); "
+            "create it, or check the bucket name and AWS_ENDPOINT_URL"
+        )
 
     # -- raw objects ------------------------------------------------------------------------
 
@@ -352,7 +415,9 @@ class ObjectStore:
         def read() -> bytes | None:
             try:
                 return bytes(self.fs.cat_file(path))
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if (missing := self._missing_bucket(exc)) is not None:
+                    raise missing from exc  # not "no manifest": nothing can be there
                 return None
 
         return self._call(f"read {rel} in", read)
@@ -407,7 +472,9 @@ class ObjectStore:
         def ls() -> list[str]:
             try:
                 entries = self.fs.ls(path, detail=True)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if (missing := self._missing_bucket(exc)) is not None:
+                    raise missing from exc
                 return []
             return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") != "directory")
 
@@ -458,7 +525,7 @@ class ObjectStore:
         try:
             self.fs.pipe_file(path, data, mode="create")
         except FileNotFoundError as exc:
-            raise RunLocationError(f"{self.display_uri}: the bucket does not exist ({exc})") from exc
+            raise self._missing_bucket(exc) or RunLocationError(f"{self.display_uri}: the bucket does not exist ({exc})") from exc
         # Stores that ignore If-None-Match overwrite silently: read back, and if the bytes are
         # not ours a concurrent writer won the race.
         if read_back and bytes(self.fs.cat_file(path)) != data:
@@ -482,12 +549,11 @@ class ObjectStore:
                 try:
                     self.fs.pipe_file(path, data)
                 except FileNotFoundError as exc:
-                    raise RunLocationError(f"{self.display_uri}: the bucket does not exist ({exc})") from exc
+                    raise self._missing_bucket(exc) or RunLocationError(
+                        f"{self.display_uri}: the bucket does not exist ({exc})"
+                    ) from exc
 
-        if retry:
-            self._call(f"write {rel} in", put)
-        else:
-            put()
+        self._call(f"write {rel} in", put, retry=retry)
 
     def delete(self, rel: str) -> None:
         """Remove one object; a missing object is not an error."""

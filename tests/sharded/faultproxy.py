@@ -15,6 +15,7 @@ import asyncio
 import random
 import re
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -48,6 +49,22 @@ class Scripted:
 
 
 @dataclass
+class HeldRequest:
+    """A request the proxy holds (``FaultProxy.hold``) until the test decides: ``forward`` or
+    ``drop`` (the connection is cut, as if its client died before the request reached the store)."""
+
+    method: str
+    path: str
+    since: float
+    decided: threading.Event = field(default_factory=threading.Event)
+    action: str = "forward"
+
+    def decide(self, action: str) -> None:
+        self.action = action
+        self.decided.set()
+
+
+@dataclass
 class FaultPlan:
     seed: int = 0
     burst_probability: float = 0.0
@@ -68,6 +85,10 @@ class FaultProxy:
     transferred: Counter[tuple[str, str]] = field(default_factory=Counter)
     """Body bytes per (method, object key) of the requests forwarded and answered: what a PUT
     sent, what a GET read (a listing's key is its bucket with ``?list``)."""
+
+    hold: str | None = None
+    """While set: hold every request whose path matches this pattern (see ``held``)."""
+    held: list[HeldRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.plan.seed)
@@ -161,6 +182,13 @@ class FaultProxy:
                     body = await self._read_chunked(reader)
                 if self.plan.delay_s:
                     await asyncio.sleep(self.plan.delay_s)
+                if self.hold is not None and re.search(self.hold, target.split("?", 1)[0]):
+                    held = HeldRequest(method, target.split("?", 1)[0], time.monotonic())
+                    self.held.append(held)
+                    await asyncio.to_thread(held.decided.wait, 300)
+                    if held.action == "drop":
+                        writer.transport.abort()
+                        return
                 action = self._decide(method, target)
                 if action != "forward":
                     self.injected[action] += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -220,3 +221,91 @@ def test_a_second_signal_after_the_workers_ended_does_not_kill_the_coordinator(t
     output = result.stdout + result.stderr  # structlog is not configured here: its lines go to stdout
     assert "interrupted RETRYABLE" in output.splitlines()
     assert "already_stopping" in output
+
+
+STARTUP_HOLD = '''
+"""Test hook (sitecustomize): a shard worker stops in its start-up and waits for the test."""
+import os, sys, time
+from pathlib import Path
+
+_dir, _where = os.environ.get("SHOPSIMRL_TEST_HOLD_DIR"), os.environ.get("SHOPSIMRL_TEST_HOLD_AT")
+
+
+def _hold():
+    Path(_dir, f"holding-{os.getpid()}").touch()
+    while not Path(_dir, "go").exists():
+        time.sleep(0.01)
+
+
+if _dir and "JOB_COMPLETION_INDEX" in os.environ:  # the workers, not the coordinator
+    if _where == "interpreter":  # before any of shopsimrl's code runs
+        _hold()
+    else:  # as the entry point imports the CLI (a second or so of imports)
+        class _HoldAtCli:
+            @staticmethod
+            def find_spec(name, path=None, target=None):
+                if name == "shopsimrl.cli":
+                    sys.meta_path.remove(_HoldAtCli)
+                    _hold()
+                return None
+
+        sys.meta_path.insert(0, _HoldAtCli)
+'''
+
+
+def _signal_pending(pid: int, signum: int) -> bool:
+    """``signum`` is blocked in ``pid`` and waits there (from /proc/PID/status)."""
+    try:
+        fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    except OSError:
+        return False
+    bit = 1 << (signum - 1)
+    pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return bool(int(fields["SigBlk"], 16) & bit) and bool(pending & bit)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads signal masks from /proc")
+@pytest.mark.parametrize("where", ["interpreter", "cli"])
+def test_ctrl_c_while_the_workers_start_prints_no_traceback(testbed: Testbed, tmp_path: Path, where: str) -> None:
+    """Issue 22: Ctrl-C while `run --shards` started its workers printed a traceback (1 of 25): a
+    worker still starting its interpreter, or importing the CLI, got the terminal's SIGINT before
+    any handler of shopsimrl was installed. A hook holds each worker at that point; the Ctrl-C
+    reaches the workers first, then the coordinator (the terminal signals the whole group)."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(STARTUP_HOLD)
+    config = write_config(tmp_path, testbed, episodes=20)
+    env = {
+        **worker_env(Backend("local", "")),
+        "SHOPSIMRL_ENV_BASE_URL": testbed.shop_url,
+        "PYTHONPATH": str(hold),
+        "SHOPSIMRL_TEST_HOLD_DIR": str(hold),
+        "SHOPSIMRL_TEST_HOLD_AT": where,
+    }
+    command = [sys.executable, "-m", "shopsimrl", "run", str(config), "--shards", "2", "--run", str(tmp_path / "run")]
+    coordinator = subprocess.Popen(
+        [*command, "--no-progress"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(workers := [int(p.name.split("-")[1]) for p in hold.glob("holding-*")]) < 2:
+            assert time.monotonic() < deadline and coordinator.poll() is None, "the workers never reached the hook"
+            time.sleep(0.02)
+        assert not (hold / "go").exists()  # both are held in the window when the signal comes
+        for pid in workers:
+            os.kill(pid, signal.SIGINT)
+        # Each worker took it: held for later (blocked), or acted on it (exited, or a traceback).
+        while alive := [p for p in workers if _state(p) == "alive" and not _signal_pending(p, signal.SIGINT)]:
+            assert time.monotonic() < deadline, f"workers {alive} neither hold nor acted on the SIGINT"
+            time.sleep(0.01)
+        coordinator.send_signal(signal.SIGINT)
+        (hold / "go").touch()
+        _, stderr = coordinator.communicate(timeout=120)
+    finally:
+        (hold / "go").touch()
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.wait()
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert coordinator.returncode == 3, stderr[-3000:]
+    assert "shard_committed" not in stderr  # the workers stopped; they ran no shard to its end

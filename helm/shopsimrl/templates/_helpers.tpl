@@ -63,6 +63,20 @@ shopsimrl.io/run: {{ include "shopsimrl.runName" .ctx | quote }}
 {{- end -}}
 
 {{/*
+Labels of a pod template: the selector labels plus part-of and managed-by, nothing that changes
+with the chart or app version. A Deployment rolls its pods when its template changes, and a
+rolled ShopSimulator is a second lease pool behind the same Service; a Job's template is
+immutable, so a changed label would make `helm upgrade` fail on it. Jobs add their run label
+(part of the Job's identity, so stable for the Job).
+Usage: include "shopsimrl.podLabels" (dict "ctx" . "component" "worker")
+*/}}
+{{- define "shopsimrl.podLabels" -}}
+{{ include "shopsimrl.selectorLabels" . }}
+app.kubernetes.io/part-of: shopsimrl
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end -}}
+
+{{/*
 Run name: run.name, or the release name.
 Usage: include "shopsimrl.runName" .
 */}}
@@ -179,7 +193,14 @@ Name of the worker Job: "<stem>-<hash>".
 Usage: include "shopsimrl.jobName" .
 */}}
 {{- define "shopsimrl.jobName" -}}
-{{- printf "%s-%s" (include "shopsimrl.runStem" .) (include "shopsimrl.runHash" .) -}}
+{{- $stem := include "shopsimrl.runStem" . -}}
+{{- if .Values.jobSet.enabled -}}
+{{- /* The JobSet names its worker pods "<name>-worker-0-<index>-<5 random>", a DNS label of at
+       most 63 characters: keep the stem to 38 minus the digits of the last index. */ -}}
+{{- $digits := len (toString (sub (int .Values.job.shards) 1)) -}}
+{{- $stem = $stem | trunc (int (sub 38 $digits)) | trimSuffix "-" -}}
+{{- end -}}
+{{- printf "%s-%s" $stem (include "shopsimrl.runHash" .) -}}
 {{- end -}}
 
 {{/*
@@ -188,6 +209,22 @@ Usage: include "shopsimrl.reducerJobName" .
 */}}
 {{- define "shopsimrl.reducerJobName" -}}
 {{- printf "%s-reduce" (include "shopsimrl.jobName" .) -}}
+{{- end -}}
+
+{{/*
+ServiceAccount of the reducer pod: with watchWorkerJob its own (reducer.serviceAccount, the only
+identity the Role is bound to), else the workers' (worker.serviceAccountName, "" = default).
+Usage: include "shopsimrl.reducerServiceAccount" .
+*/}}
+{{- define "shopsimrl.reducerServiceAccount" -}}
+{{- $sa := .Values.reducer.serviceAccount -}}
+{{- if not .Values.reducer.watchWorkerJob -}}
+{{- .Values.worker.serviceAccountName -}}
+{{- else if $sa.create -}}
+{{- default (include "shopsimrl.componentName" (dict "ctx" . "component" "reducer")) $sa.name -}}
+{{- else -}}
+{{- $sa.name -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -400,6 +437,53 @@ Usage: include "shopsimrl.serviceEnv" .
 {{- end -}}
 
 {{/*
+The check of a ShopSimulator's readiness probes. body: an exec probe, `python3` from the image,
+that needs "ready": true in the JSON of GET /healthz (any other answer, an HTTP error or no
+answer fails it); status: an HTTP probe on /healthz (2xx/3xx passes), for images without
+python3 whose /healthz answers non-2xx until ready. The port is the last argument.
+Usage: include "shopsimrl.shopReadyCheck" (dict "check" "body" "port" 5700)
+*/}}
+{{- define "shopsimrl.shopReadyCheck" -}}
+{{- if eq .check "body" -}}
+exec:
+  command:
+    - python3
+    - -c
+    - |
+      import json, sys, urllib.request
+      try:
+          with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthz", timeout=4) as answer:
+              ready = json.load(answer).get("ready") is True
+      except Exception:
+          ready = False
+      sys.exit(0 if ready else 1)
+    - {{ .port | quote }}
+timeoutSeconds: 5
+{{- else -}}
+httpGet:
+  path: /healthz
+  port: http
+timeoutSeconds: 5
+{{- end -}}
+{{- end -}}
+
+{{/*
+worker.dnsConfig without its empty fields, as YAML; empty when nothing is left (null or {}).
+Usage: include "shopsimrl.dnsConfig" .
+*/}}
+{{- define "shopsimrl.dnsConfig" -}}
+{{- $dns := dict -}}
+{{- range $key, $value := .Values.worker.dnsConfig -}}
+{{- if $value -}}
+{{- $_ := set $dns $key $value -}}
+{{- end -}}
+{{- end -}}
+{{- with $dns -}}
+{{- toYaml . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Pod-level security context of shopsimrl pods: non-root, fixed IDs, RuntimeDefault seccomp.
 Usage: include "shopsimrl.podSecurityContext" .
 */}}
@@ -486,10 +570,109 @@ priorityClassName: {{ . }}
 {{- end -}}
 
 {{/*
+Secrets reach pods only by secretKeyRef. A user:password@ in any URL value, or a literal value
+for a variable named like a credential, would be rendered in plain text into env vars, the
+run-URI annotation, the ConfigMap and Helm's release Secret, readable by anyone who may read
+those objects: refuse the render, naming the value and never repeating it. The CLI refuses such
+URLs too (exit 2), but only once the pod runs.
+Usage: include "shopsimrl.refuseCredentials" .
+*/}}
+{{- define "shopsimrl.refuseCredentials" -}}
+{{- $v := .Values -}}
+{{- $s3 := "S3 credentials go in a Secret named by storage.credentials.existingSecret" -}}
+{{- $urls := list
+      (list "model.baseUrl" $v.model.baseUrl "the API key goes in a Secret named by model.apiKey.existingSecret")
+      (list "environment.baseUrl" $v.environment.baseUrl "ShopSimulator takes no credentials")
+      (list "storage.endpointUrl" $v.storage.endpointUrl $s3)
+      (list "storage.baseUri" $v.storage.baseUri $s3)
+      (list "run.uri" $v.run.uri $s3) -}}
+{{- range $urls -}}
+{{- include "shopsimrl.refuseUrlCredentials" (dict "key" (index . 0) "value" (index . 1) "hint" (index . 2)) -}}
+{{- end -}}
+{{- $out := dict -}}
+{{- include "shopsimrl.parseConfig" (dict "ctx" . "out" $out) -}}
+{{- $found := dict "paths" (list) -}}
+{{- include "shopsimrl.credentialUrlPaths" (dict "node" $out.cfg "path" "config" "out" $found) -}}
+{{- range $key, $args := dict "vllm.extraArgs" $v.vllm.extraArgs "shopsimulator.args" $v.shopsimulator.args "shopsimulator.command" $v.shopsimulator.command "testbed.shop.extraArgs" $v.testbed.shop.extraArgs "testbed.policy.extraArgs" $v.testbed.policy.extraArgs -}}
+{{- include "shopsimrl.credentialUrlPaths" (dict "node" $args "path" $key "out" $found) -}}
+{{- end -}}
+{{- with $found.paths -}}
+{{- fail (printf "%s: a URL with user:password@ credentials would be rendered in plain text into the manifests; credentials go in Secrets, given by secretKeyRef (the CLI refuses such URLs too)" (first .)) -}}
+{{- end -}}
+{{- range $key, $env := dict "worker.extraEnv" $v.worker.extraEnv "shopsimulator.env" $v.shopsimulator.env -}}
+{{- range $i, $e := $env -}}
+{{- $named := printf "%s[%d] (%s)" $key $i (toString $e.name) -}}
+{{- if and (kindIs "string" $e.value) (regexMatch (include "shopsimrl.credentialUrlPattern" $) $e.value) -}}
+{{- fail (printf "%s: a URL with user:password@ credentials would be rendered in plain text into the manifests; put the whole value in a Secret and give it by valueFrom.secretKeyRef" $named) -}}
+{{- end -}}
+{{- if regexMatch "(?i)(^|[_.-])(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|PWD|CREDENTIALS?|AUTH|AUTHORIZATION)([_.-]|$)" (toString $e.name) -}}
+{{- if hasKey $e "value" -}}
+{{- fail (printf "%s: a literal value for a credential would be rendered in plain text into the manifests; give it by valueFrom.secretKeyRef" $named) -}}
+{{- else if and (kindIs "map" $e.valueFrom) (hasKey $e.valueFrom "configMapKeyRef") -}}
+{{- fail (printf "%s: a credential from a ConfigMap is stored in plain text; give it by valueFrom.secretKeyRef" $named) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Regular expression of a URL with a userinfo part (scheme://user[:password]@host) anywhere in a
+string; only the authority counts, so an '@' in a path (s3://bucket/ckpt@step100) is no match.
+*/}}
+{{- define "shopsimrl.credentialUrlPattern" -}}
+(?i)[a-z][a-z0-9+.-]*://[^/?#\s@]*@
+{{- end -}}
+
+{{/*
+Fails the render when one URL value carries credentials.
+Usage: include "shopsimrl.refuseUrlCredentials" (dict "key" "model.baseUrl" "value" $url "hint" "…")
+*/}}
+{{- define "shopsimrl.refuseUrlCredentials" -}}
+{{- if and (kindIs "string" .value) (regexMatch (include "shopsimrl.credentialUrlPattern" .) .value) -}}
+{{- fail (printf "%s: a URL with user:password@ credentials would be rendered in plain text into the manifests; %s" .key .hint) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Collects the paths (config.model.base_url, vllm.extraArgs[1]) of every string under a value that
+holds a URL with credentials, into the list "paths" of the dict passed as "out".
+Usage: include "shopsimrl.credentialUrlPaths" (dict "node" .Values.config "path" "config" "out" $found)
+*/}}
+{{- define "shopsimrl.credentialUrlPaths" -}}
+{{- if kindIs "map" .node -}}
+{{- range $key, $child := .node -}}
+{{- include "shopsimrl.credentialUrlPaths" (dict "node" $child "path" (printf "%s.%s" $.path $key) "out" $.out) -}}
+{{- end -}}
+{{- else if kindIs "slice" .node -}}
+{{- range $i, $child := .node -}}
+{{- include "shopsimrl.credentialUrlPaths" (dict "node" $child "path" (printf "%s[%d]" $.path $i) "out" $.out) -}}
+{{- end -}}
+{{- else if and (kindIs "string" .node) (regexMatch (include "shopsimrl.credentialUrlPattern" .) .node) -}}
+{{- $_ := set .out "paths" (append .out.paths .path) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Checks of value combinations that a JSON schema cannot express; fails the render with the keys named.
 Usage: include "shopsimrl.validate" .
 */}}
 {{- define "shopsimrl.validate" -}}
+{{- include "shopsimrl.refuseCredentials" . -}}
+{{- if .Values.jobSet.enabled -}}
+{{- if eq .Values.mode "judge" -}}
+{{- fail "jobSet.enabled runs rollouts only: a judge release (mode: judge) uses the plain Jobs; set jobSet.enabled false" -}}
+{{- end -}}
+{{- if and .Values.reducer.enabled .Values.reducer.watchWorkerJob -}}
+{{- fail "reducer.watchWorkerJob has no use with jobSet.enabled: the JobSet creates the reducer only once every worker index has succeeded; set it false" -}}
+{{- end -}}
+{{- if not (regexMatch "^[a-z]" (include "shopsimrl.jobName" .)) -}}
+{{- fail (printf "jobSet.enabled: the JobSet's name %s must start with a letter (JobSet names its Jobs and pods after it, as DNS-1035 labels); it comes from the release name and run.name" (include "shopsimrl.jobName" .)) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (kindIs "invalid" .Values.job.ttlSecondsAfterFinished) -}}
+{{- fail "job.ttlSecondsAfterFinished: Helm owns the run's Jobs, and the next helm upgrade after a TTL deleted one would create it again (every shard pod and the reducer start over); set it to null: the Jobs go with helm uninstall (docs/kubernetes.md, \"Who owns the Jobs\")" -}}
+{{- end -}}
 {{- if and .Values.testbed.enabled (or .Values.vllm.enabled .Values.shopsimulator.enabled) -}}
 {{- fail "testbed.enabled replaces the model and environment: turn off vllm.enabled and shopsimulator.enabled" -}}
 {{- end -}}
@@ -498,6 +681,16 @@ Usage: include "shopsimrl.validate" .
 {{- end -}}
 {{- if and (not (kindIs "invalid" .Values.job.maxFailedIndexes)) (gt (int .Values.job.maxFailedIndexes) (int .Values.job.shards)) -}}
 {{- fail (printf "job.maxFailedIndexes (%d) exceeds job.shards (%d)" (int .Values.job.maxFailedIndexes) (int .Values.job.shards)) -}}
+{{- end -}}
+{{- if and .Values.reducer.enabled .Values.reducer.watchWorkerJob (not .Values.reducer.serviceAccount.create) -}}
+{{- $name := .Values.reducer.serviceAccount.name -}}
+{{- if not $name -}}
+{{- fail "reducer.serviceAccount.name: empty; with reducer.serviceAccount.create false, name the existing ServiceAccount the reducer alone runs as (the Role that may read the worker Job is bound to it)" -}}
+{{- else if eq $name "default" -}}
+{{- fail "reducer.serviceAccount.name must not be default: every pod of the namespace without its own ServiceAccount runs as default and would hold the reducer's rights; name one of the reducer's own, or set reducer.serviceAccount.create" -}}
+{{- else if eq $name .Values.worker.serviceAccountName -}}
+{{- fail "reducer.serviceAccount.name must not be worker.serviceAccountName: every worker pod would hold the rights to read the Job and list pods; name one of the reducer's own, or set reducer.serviceAccount.create" -}}
+{{- end -}}
 {{- end -}}
 {{- if and .Values.reducer.enabled .Values.reducer.watchWorkerJob (not .Values.reducer.image.repository) -}}
 {{- fail "reducer.watchWorkerJob needs the Kubernetes client, which the worker image leaves out: set reducer.image.repository to an image with the kube extra (make image-kube builds shopsimrl-kube)" -}}

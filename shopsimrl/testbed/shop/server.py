@@ -423,9 +423,12 @@ class ShopService:
             "termination_reason": reason,
         }
 
+    ready = True
+    """What ``/healthz`` reports; the catalog and pool are built before the app serves."""
+
     def health(self) -> dict[str, Any]:
         return {
-            "ready": True,
+            "ready": self.ready,
             "environment_slots": self.pool.size,
             "free_slots": self.pool.free_count,
             "tasks": len(self.catalog.goals),
@@ -495,7 +498,9 @@ def create_app(settings: ShopSettings | None = None, *, catalog_path: str | Path
         return _json({"result": result}, status)
 
     async def healthz(request: Request) -> Response:
-        return _json(service.health())
+        health = service.health()
+        # An HTTP probe (the kubelet's) reads only the status: not ready must not answer 200.
+        return _json(health, 200 if health["ready"] is True else 503)
 
     async def debug_ui(request: Request) -> Response:
         return HTMLResponse(_UI_PAGE.format(what="Agent-view inspector"))
