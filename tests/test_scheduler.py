@@ -264,7 +264,7 @@ class FullDiskStore:
         try:
             self.store.save_traces(records)
         except OSError as exc:
-            self.failed.append(([record["episode_id"] for record in records], exc))
+            self.failed.append(([record.episode_id for record in records], exc))
             raise
 
 
@@ -279,7 +279,7 @@ class CleanupAfterCancel(ScriptedRuntime):
         self.gate = asyncio.Event()
         self.cancelled_before_second_write_failed = False
 
-    async def run(self, job: EpisodeJob) -> dict:
+    async def run(self, job: EpisodeJob) -> EpisodeTrace:
         if job.task_id == 2:
             await self.gate.wait()
         elif job.task_id == 3:
