@@ -1,6 +1,6 @@
 """A trace of another schema version in a run: every research command that reads it refuses it
-with exit 2 and the reader's one-line message (naming the file, the line and the version), never a
-traceback. Records are read as a command goes, so the refusal comes after the run opened."""
+with exit 2 and the reader's one-line message (naming the version), never a traceback; the viewer
+answers 409. Records are read as a command goes, so the refusal comes after the run opened."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tests.sharded.conftest import cli
 from .conftest import ResearchRuns
 from .test_gate_cli import CHUNKS, research_config, write_draft, write_gate
 from .test_judge import _config, _env
+from .test_viewer import serving
 
 FOREIGN = "shopsimrl-episode-v5"
 
@@ -69,3 +70,23 @@ def test_every_research_command_refuses_a_trace_of_another_version_with_exit_2(
         assert len(errors) == 1, (name, done.stderr[-2000:])
         assert f"trace record schema_version '{FOREIGN}' is not one this shopsimrl reads" in errors[0], (name, errors)
     assert sorted(os.listdir(out)) == []  # nothing written from a run that could not be read
+
+
+def test_the_viewer_answers_409_for_a_record_rewritten_to_another_version(tmp_path: Path, research_runs: ResearchRuns) -> None:
+    """The viewer indexes the run once; an episode's line rewritten to v5 afterwards (same length,
+    so the index still points at it) is refused on its page as a changed record is: 409, its
+    message; the other pages still answer."""
+    run = tmp_path / "run"
+    shutil.copytree(research_runs.local, run)
+    traces = run / "traces.jsonl"
+    lines = traces.read_bytes().splitlines(keepends=True)
+    episode_id = lines[1].split(b'"episode_id":"', 1)[1].split(b'"', 1)[0].decode()
+    other_id = lines[0].split(b'"episode_id":"', 1)[1].split(b'"', 1)[0].decode()
+    with serving(str(run)) as viewer:
+        assert viewer.get(f"/episodes/{episode_id}").status_code == 200
+        lines[1] = lines[1].replace(b"shopsimrl-episode-v4", FOREIGN.encode(), 1)
+        traces.write_bytes(b"".join(lines))
+        answer = viewer.get(f"/episodes/{episode_id}")
+        assert answer.status_code == 409, (answer.status_code, answer.text[-1000:])
+        assert f"schema_version &#x27;{FOREIGN}&#x27; is not one this shopsimrl reads" in answer.text
+        assert viewer.get(f"/episodes/{other_id}").status_code == 200
