@@ -718,9 +718,10 @@ def status(
 def _local_status(run_dir: str, env_url: str | None, as_json: bool) -> None:
     from shopsimrl.sharded.status import local_status
 
+    bad_input: tuple[type[Exception], ...] = (ManifestError, *_record_errors())
     try:
         report = local_status(run_dir)
-    except ManifestError as exc:
+    except bad_input as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
     except OSError as exc:
         _interrupted_io(exc)
