@@ -29,6 +29,7 @@ import numpy as np
 
 from shopsimrl.manifest import plan_diff
 from shopsimrl.metrics import SummaryAccumulator, student_t_quantile, wilson_interval
+from shopsimrl.records import EpisodeTrace
 from shopsimrl.research.episodes import CORE_COLUMNS, episode_row, task_key
 from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY, LabelCounts, episode_labels, label_counts
 from shopsimrl.research.paired_stats import (
@@ -91,15 +92,15 @@ class LoadedRun:
     """Episodes per rule label over the run (each row also carries its episode's ``labels``)."""
 
 
-def _slim(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _slim(record: EpisodeTrace) -> tuple[dict[str, Any], dict[str, Any]]:
     """The episode's slim row and its label record without the evidence (names and codes: what
     the counts need)."""
-    row = episode_row(record)
+    row = episode_row(record)  # type: ignore[arg-type]  # typed in typed-a
     slim = {key: row[key] for key in _KEPT}
     slim.update({key: value for key, value in row.items() if key.startswith("r_")})
-    slim["task"] = task_key(record)
+    slim["task"] = task_key(record)  # type: ignore[arg-type]  # typed in typed-a
     slim["job_key"] = (row["task_id"], row["sample_id"], row["seed"], row["split"])
-    labelled = episode_labels(record)
+    labelled = episode_labels(record)  # type: ignore[arg-type]  # typed in typed-a
     slim["labels"] = tuple(labelled["labels"])
     codes = {name: {"codes": detail["codes"]} for name, detail in labelled["details"].items() if "codes" in detail}
     return slim, {"labels": labelled["labels"], "details": codes}

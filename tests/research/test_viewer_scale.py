@@ -25,6 +25,7 @@ import pytest
 from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.sharded.layout import ShardedRunStore
+from tests.fakes import written
 from tests.sharded.conftest import REPO, SPLIT_FILE, _make_bucket, cli
 
 from .conftest import ARTIFACTS, ResearchRuns, run_location
@@ -71,7 +72,7 @@ def big_runs(
     uri = f"s3://{bucket}/runs/big"
     planned = cli("plan", str(_config(base)), "--shards", "4", "--run", uri, env=env)
     assert planned.returncode == 0, planned.stderr[-2000:]
-    templates = list(open_run(research_runs.local).records())
+    templates = [written(record) for record in open_run(research_runs.local).records()]
     with pytest.MonkeyPatch.context() as patch:
         for name, value in research_runs.env.items():
             patch.setenv(name, value)
