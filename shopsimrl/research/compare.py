@@ -95,12 +95,12 @@ class LoadedRun:
 def _slim(record: EpisodeTrace) -> tuple[dict[str, Any], dict[str, Any]]:
     """The episode's slim row and its label record without the evidence (names and codes: what
     the counts need)."""
-    row = episode_row(record)  # type: ignore[arg-type]  # typed in typed-a
+    row = episode_row(record)
     slim = {key: row[key] for key in _KEPT}
     slim.update({key: value for key, value in row.items() if key.startswith("r_")})
-    slim["task"] = task_key(record)  # type: ignore[arg-type]  # typed in typed-a
+    slim["task"] = task_key(record)
     slim["job_key"] = (row["task_id"], row["sample_id"], row["seed"], row["split"])
-    labelled = episode_labels(record)  # type: ignore[arg-type]  # typed in typed-a
+    labelled = episode_labels(record)
     slim["labels"] = tuple(labelled["labels"])
     codes = {name: {"codes": detail["codes"]} for name, detail in labelled["details"].items() if "codes" in detail}
     return slim, {"labels": labelled["labels"], "details": codes}

@@ -114,7 +114,7 @@ def _outcomes(record: EpisodeTrace, final: dict[str, Any], where: str) -> dict[s
     if abs(values["reward"] - values["r_strict"]) > 1e-12:
         raise GateCheckError(f"{where}: reward {values['reward']!r} differs from r_strict {values['r_strict']!r}")
     # Checked strictly above; the values themselves are read as every research tool reads them.
-    row = episode_row(record)  # type: ignore[arg-type]  # typed in typed-a
+    row = episode_row(record)
     return {name: float(row[name]) for name in sorted(values)}
 
 

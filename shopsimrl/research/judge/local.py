@@ -203,7 +203,7 @@ async def judge_stream(
 
 def _facts(record: EpisodeTrace) -> tuple[dict[str, Any], list[str]]:
     """An episode's row and its rule labels."""
-    return episode_row(record), episode_labels(record)["labels"]  # type: ignore[arg-type]  # typed in typed-a
+    return episode_row(record), episode_labels(record)["labels"]
 
 
 def episode_facts(run: Run) -> dict[str, tuple[dict[str, Any], list[str]]]:
