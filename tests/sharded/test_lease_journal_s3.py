@@ -10,6 +10,8 @@ from shopsimrl.environment import LeaseError
 from shopsimrl.lease_journal import LeaseJournal, ProcessIdentity, StoreJournalStorage, start_lease_tracking
 from tests.test_leases import TASK, environment, health, shop, until
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.s3
 async def test_the_journal_on_a_real_s3_server(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
