@@ -287,6 +287,7 @@ def _check_trace(trace: dict[str, Any]) -> None:
     render_terminal(read_transcript(again), console, thinking=True)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=200,
     deadline=None,
