@@ -1,4 +1,4 @@
-# shopsimrl — common tasks. `make demo` (light) or `make test` (the whole development stack).
+# shopsimrl — common tasks. `make demo` (light), `make test-fast` (the fast tier) or `make test` (the whole development stack).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -22,7 +22,7 @@ CONSTRAINTS := constraints.txt
 # per machine (every clone reuses the compiled wheel).
 LLM_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/shopsimrl/llm
 
-.PHONY: install demo-install test test-plan lint llm-server browser check-venv constraints demo demo-s3 gate-demo judge-demo smoke smoke-llm bench reduce status clean
+.PHONY: install demo-install test test-fast doc-figures test-plan lint llm-server browser check-venv constraints demo demo-s3 gate-demo judge-demo smoke smoke-llm bench reduce status clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo "install: $(VENV) with the project and its test extras, pinned by $(CONSTRAINTS) (about 2 minutes)"
@@ -46,13 +46,22 @@ test-plan:
 	@echo "test:   $(VENV): the project with its test extra, about 140 distributions, 1.5 GB (about 2 min; once)"
 	@echo "test:   llama.cpp for the real-LLM test in $(LLM_CACHE) (first time on a machine: compiled, 8-25 min; then seconds)"
 	@echo "test:   chromium and chromium-driver for the browser tests (apt-get when root and missing)"
-	@echo "test:   pytest over tests/ (about 15 minutes on 2 cores)"
+	@echo "test:   pytest over tests/ (about 20 minutes on 2 cores; make test-fast: the fast tier alone, under a minute)"
 
 test: test-plan $(STAMP) llm-server browser  ## build .venv, llama.cpp (cached per machine), chromium, then run the whole test suite
-	@echo "test: pytest over tests/ (about 15 minutes on 2 cores; one dot per test)"
+	@echo "test: pytest over tests/ (about 20 minutes on 2 cores; one dot per test)"
 	SHOPSIMRL_LLM_CACHE=$(abspath $(LLM_CACHE)) SHOPSIMRL_LLM_REQUIRED=1 \
 	  SHOPSIMRL_BROWSER_REQUIRED=$$(command -v chromium >/dev/null && command -v chromedriver >/dev/null && echo 1) \
 	  $(BIN)/pytest -q
+
+# The fast tier: what `-m "not slow"` leaves, no process started (tests/tiers.py enforces it), each
+# test bounded at 60 s instead of pyproject.toml's 600; the slowest five are listed to show drift.
+test-fast: $(STAMP)  ## build .venv, then run the tests not marked slow (under a minute on 2 cores; no llama.cpp, no browser)
+	@echo "test-fast: pytest -m 'not slow' over tests/ (under a minute on 2 cores; make test runs every test)"
+	$(BIN)/pytest -q -m "not slow" --timeout=60 --durations=5
+
+doc-figures: $(STAMP)  ## rewrite the counted figures of README.md and docs/ (test and distribution counts; tests/test_doc_figures.py checks them)
+	$(PY) scripts/doc-figures.py --write
 
 browser:  ## Debian's chromium and chromium-driver for the browser tests (apt-get when root and missing)
 	scripts/install-browser.sh

@@ -50,6 +50,7 @@ def test_the_window_runs_from_the_earliest_start_to_the_latest_end(tmp_path: Pat
     assert throughput.trace_window(empty) is None
 
 
+@pytest.mark.slow
 def test_cpu_seconds_reads_this_process_and_nothing_for_a_reaped_one() -> None:
     own = throughput.cpu_seconds(os.getpid())
     usage = os.times()
@@ -59,6 +60,7 @@ def test_cpu_seconds_reads_this_process_and_nothing_for_a_reaped_one() -> None:
     assert throughput.cpu_seconds(child.pid) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

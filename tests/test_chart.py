@@ -30,7 +30,7 @@ from kubernetes_validate.utils import latest_version
 
 from shopsimrl.exitcodes import ExitCode
 
-pytestmark = pytest.mark.chart
+pytestmark = [pytest.mark.chart, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "shopsimrl"

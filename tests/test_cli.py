@@ -14,6 +14,8 @@ import pytest
 
 from shopsimrl.planning import episode_seed
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -119,6 +119,7 @@ def test_malformed_dotenv_names_file_and_line_and_sets_nothing(
     assert "SHOPSIMRL_T7" not in os.environ  # a malformed file sets nothing
 
 
+@pytest.mark.slow
 def test_malformed_dotenv_exits_2_in_one_line(tmp_path: Path) -> None:
     import subprocess
     import sys

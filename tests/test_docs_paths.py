@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")), "shopsimrl/testbed/data/README.md"]
 CREATED = ("runs/", ".cache/", "shards/", "leases/", "~/", "/", "$")

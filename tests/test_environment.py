@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -21,6 +20,7 @@ from shopsimrl.environment import (
     ShopSimulatorSettings,
 )
 from shopsimrl.testbed.serving import free_port, running_server
+from tests.polling import open_connections_to, until
 from tests.shop_stub import DROP, ENVIRONMENT_VERSION, OBSERVATION_VERSION, Reply, ShopStub
 
 Factory = Callable[..., ShopSimulatorEnvironment]
@@ -56,6 +56,9 @@ async def make_env(stub: ShopStub, sleeps: list[float]) -> AsyncIterator[Factory
         return env
 
     yield factory
+    # Scripted delays end now: a reset a test abandoned is answered (and its lease released) at
+    # once instead of keeping aclose waiting out its grace period for the scripted delay.
+    stub.open_gate()
     for env in made:
         await env.aclose()
 
@@ -139,6 +142,7 @@ def test_settings_reject_bad_values(field: str, value: Any) -> None:
 # --------------------------------------------------------------------------- timeouts (V1) and retries
 
 
+@pytest.mark.slow
 async def test_reset_waits_for_a_slot_longer_than_the_call_timeout(stub: ShopStub, make_env: Factory) -> None:
     stub.script("reset", Reply(delay=0.6))  # a queued reset: the answer comes once a slot frees
     episode = make_env(timeout=0.2, reset_timeout=30.0).open_episode()
@@ -242,7 +246,8 @@ async def test_step_is_retried_when_the_connection_is_refused() -> None:
             episode = env.open_episode()
             await episode.reset(1)
             servers.close()  # the server goes away between two calls ...
-            await asyncio.sleep(0.2)  # ... and the client's loop sees its pooled connection close
+            # ... and the client's loop sees its pooled connection close (closes its own end).
+            await until(lambda: not open_connections_to(port), "the client closes the connection the server closed")
             step = await episode.step("search[耳机]")
             assert step["done"] is False
             assert stub.actions() == ["reset", "interact"]  # delivered exactly once

@@ -258,6 +258,7 @@ async def test_a_stall_in_the_middle_of_the_body_is_a_read_timeout() -> None:
     assert not request_not_sent(failure.value)
 
 
+@pytest.mark.slow
 async def test_the_read_timeout_is_inactivity_not_a_deadline_for_the_whole_answer() -> None:
     # 20 pieces 0.1 s apart take ~2 s in all, twice the read timeout; no gap comes close to it.
     async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -656,6 +657,7 @@ def testbed() -> Iterator[LocalTestbed]:
         yield bed
 
 
+@pytest.mark.slow
 async def test_the_testbed_shop_answers_many_concurrent_requests_over_a_few_connections(testbed: LocalTestbed) -> None:
     service = HttpService(max_connections=8)
     release = orjson.dumps({"action": "release_one", "env_idx": 0, "lease_id": "0" * 32})
@@ -682,6 +684,7 @@ async def test_the_testbed_shop_answers_many_concurrent_requests_over_a_few_conn
     assert len({a.content for a in answers}) == 1 and answers[0].json()
 
 
+@pytest.mark.slow
 async def test_the_testbed_policy_streams_a_chat_completion(testbed: LocalTestbed) -> None:
     service = HttpService(max_connections=2)
     payload = orjson.dumps({"messages": [{"role": "user", "content": "hello"}], "stream": True, "seed": 1})
@@ -758,6 +761,7 @@ _ANSWER_ATTRIBUTES = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trust_env", [False, True], ids=["lean", "aiohttp"])
 async def test_a_whole_answer_reads_as_httpx_would_build_it(trust_env: bool) -> None:
     """HttpService builds read answers without httpx's constructor: every attribute the

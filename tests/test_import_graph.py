@@ -11,6 +11,8 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "shopsimrl"
 
 # Highest first. An import may point into its own layer or any layer below it, never above.
@@ -258,12 +260,14 @@ def test_every_module_has_a_declared_layer_and_every_declared_module_exists() ->
     assert len(declared) == len(set(declared)), "a module is declared in two layers"
 
 
+@pytest.mark.slow
 def test_no_import_cycles_at_module_level_including_type_checking() -> None:
     _, edges = import_graph(PACKAGE)
     found = cycles(edges)
     assert found == [], "import cycles:\n" + "\n".join(" → ".join(str(edge) for edge in cycle) for cycle in found)
 
 
+@pytest.mark.slow
 def test_imports_point_down_the_layers_and_the_testbed_stays_apart() -> None:
     _, edges = import_graph(PACKAGE)
     assert edges, "the parser found no imports at all"

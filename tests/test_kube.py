@@ -356,6 +356,7 @@ def _api_stub(jobs: list[k8s.V1Job], pods: list[k8s.V1Pod], seen: list[tuple[str
     )
 
 
+@pytest.mark.slow
 def test_load_release_status_through_the_api(tmp_path) -> None:
     old = make_job(
         "eval-ckpt-00000000",

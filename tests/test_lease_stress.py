@@ -68,8 +68,15 @@ def assert_all_free(bed: LocalTestbed, context: str, stderr: str) -> None:
     assert free_slots(bed) == SLOTS, f"{context}: slots leaked\n{stderr[-3000:]}"
 
 
+def assert_enough_hit(hits: int, trials: int, what: str) -> None:
+    """A trial whose run ended before the signal passes without testing anything: at least half
+    of them must have hit the race, or the stress test tested too little to pass."""
+    assert hits >= (trials + 1) // 2, f"{what}: {hits} of {trials} trials, fewer than half"
+
+
 def test_local_runs_release_every_lease_on_sigterm_and_sigint(bed: LocalTestbed, tmp_path: Path) -> None:
     rng = random.Random(SEED)
+    interrupted = twice = 0  # trials where the signal (and the second one) reached a running run
     for trial in range(LOCAL_TRIALS):
         signum = (signal.SIGTERM, signal.SIGINT)[trial % 2]
         delay = rng.uniform(0.0, 1.5)
@@ -91,15 +98,23 @@ def test_local_runs_release_every_lease_on_sigterm_and_sigint(bed: LocalTestbed,
             time.sleep(second)
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM if signum == signal.SIGINT else signal.SIGINT)
+                twice += 1
         code, stderr = finish(process)
+        # Exit 0: the run finished before the signal, which then tested nothing (counted below).
         assert code in (0, 3), f"{context}: exit {code}\n{stderr[-3000:]}"
         assert "Traceback" not in stderr, f"{context}\n{stderr[-3000:]}"
         assert_all_free(bed, context, stderr)
-    print(f"local runs: {LOCAL_TRIALS} SIGTERM/SIGINT trials, 0 slots leaked")
+        interrupted += code == 3
+    print(
+        f"local runs: {LOCAL_TRIALS} SIGTERM/SIGINT trials, {interrupted} interrupted mid-run ({twice} signalled twice), 0 slots leaked"
+    )
+    assert_enough_hit(interrupted, LOCAL_TRIALS, "local runs interrupted mid-run")
+    assert twice >= 1, "no trial sent the second signal while the run was still stopping"
 
 
 def test_sharded_runs_release_every_lease_on_ctrl_c_and_sigterm(bed: LocalTestbed, tmp_path: Path) -> None:
     rng = random.Random(SEED + 1)
+    interrupted = 0  # trials where the signal reached a running run
     for trial in range(SHARDED_TRIALS):
         # Ctrl-C in a terminal signals the whole process group (coordinator and workers at once);
         # an orchestrator sends SIGTERM to the coordinator, which passes it on.
@@ -131,7 +146,9 @@ def test_sharded_runs_release_every_lease_on_ctrl_c_and_sigterm(bed: LocalTestbe
         assert code in (0, 1, 3), f"{context}: exit {code}\n{stderr[-3000:]}"
         assert "Traceback" not in stderr, f"{context}\n{stderr[-3000:]}"
         assert_all_free(bed, context, stderr)
-    print(f"sharded runs: {SHARDED_TRIALS} Ctrl-C/SIGTERM trials, 0 slots leaked")
+        interrupted += code == 3
+    print(f"sharded runs: {SHARDED_TRIALS} Ctrl-C/SIGTERM trials, {interrupted} interrupted mid-run, 0 slots leaked")
+    assert_enough_hit(interrupted, SHARDED_TRIALS, "sharded runs interrupted mid-run")
 
 
 def recovery_lines(stderr: str) -> list[dict]:
@@ -150,7 +167,7 @@ def test_kill_9_then_restart_releases_the_journaled_leases(bed: LocalTestbed, tm
     """After kill -9 the slots the process held stay leased; the restart releases them first. What
     can stay leaked is bounded by the resets the journal saw in flight at the kill."""
     rng = random.Random(SEED + 2)
-    leaked_total = in_flight_total = 0
+    leaked_total = in_flight_total = killed = held = 0
     for trial in range(KILL_TRIALS):
         delay = rng.uniform(0.0, 1.0)
         context = f"trial {trial}: kill -9 {delay:.2f} s after the first lease"
@@ -161,8 +178,10 @@ def test_kill_9_then_restart_releases_the_journaled_leases(bed: LocalTestbed, tm
         wait_until_leased(bed, process)
         time.sleep(delay)
         process.kill()
-        finish(process)
+        code, _ = finish(process)
+        killed += code == -signal.SIGKILL  # else the run had finished: nothing was killed
         held_after_kill = SLOTS - free_slots(bed)
+        held += held_after_kill > 0
         journals = list((tmp_path / "runs" / f"kill-{trial}" / "leases").glob("*.jsonl"))
         assert journals, f"{context}: no lease journal left behind"
         restart = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -178,5 +197,8 @@ def test_kill_9_then_restart_releases_the_journaled_leases(bed: LocalTestbed, tm
         if leaked:  # a reset in flight at the kill was granted to nobody: start the next trial clean
             httpx.post(f"{bed.shop_url}/api/shop_agent", json={"action": "release_all"}, timeout=10)
     print(
-        f"kill -9 trials: {KILL_TRIALS}, slots leaked after restart: {leaked_total}, resets in flight at the kills: {in_flight_total}"
+        f"kill -9 trials: {KILL_TRIALS}, {killed} killed mid-run, {held} holding slots at the kill, "
+        f"slots leaked after restart: {leaked_total}, resets in flight at the kills: {in_flight_total}"
     )
+    assert_enough_hit(killed, KILL_TRIALS, "runs killed mid-run")
+    assert_enough_hit(held, KILL_TRIALS, "runs killed while holding slots")

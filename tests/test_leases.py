@@ -102,6 +102,7 @@ async def test_a_cancelled_reset_queued_at_the_shop_is_released_once_granted() -
         assert env.unreleased_leases == {}
 
 
+@pytest.mark.slow
 async def test_reset_timeout_gives_up_waiting_but_the_request_stays_and_its_lease_is_released() -> None:
     with shop(1, keep_orphan_resets=True) as (url, pool):
         holder = raw_reset(url)
@@ -198,6 +199,7 @@ async def test_the_lease_budget_bounds_leases_held_or_requested() -> None:
         assert health(url)["free_slots"] == 8
 
 
+@pytest.mark.slow
 async def test_waiting_for_a_slot_is_logged_with_the_pool_state() -> None:
     with shop(1, keep_orphan_resets=True) as (url, _pool):
         holder = raw_reset(url)
@@ -213,6 +215,7 @@ async def test_waiting_for_a_slot_is_logged_with_the_pool_state() -> None:
         assert line["queued_at_shop"] == 1 and line["log_level"] == "warning"
 
 
+@pytest.mark.slow
 async def test_aclose_gives_up_after_the_grace_period_and_says_what_may_leak() -> None:
     with shop(1, keep_orphan_resets=True) as (url, pool):
         holder = raw_reset(url)  # never released while the environment waits: the reset can't finish
@@ -327,6 +330,7 @@ def write_journal(
     )
 
 
+@pytest.mark.slow
 async def test_recovery_releases_a_dead_processs_leases_before_new_ones_are_taken(tmp_path: Path) -> None:
     with shop(3) as (url, _):
         leaked = [raw_reset(url), raw_reset(url)]  # what a killed process left behind

@@ -79,6 +79,7 @@ def _tokens(usage: Any) -> tuple[int, int]:
 
 
 @pytest.mark.llm
+@pytest.mark.slow
 def test_two_episodes_against_llama_cpp(tmp_path: Path, llama: LlamaServer, shop_url: str) -> None:
     config = _config(tmp_path)
     env = {**os.environ, "SHOPSIMRL_MODEL_BASE_URL": llama.base_url, "SHOPSIMRL_ENV_BASE_URL": shop_url}

@@ -230,6 +230,7 @@ def _no_space_said(result: FullDiskResult, mode: str, path: str) -> None:
     assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["tmpfs", "fsize"])
 def test_a_full_disk_while_writing_the_manifest_exits_3_and_leaves_nothing(tmp_path: Path, mode: str) -> None:
     disk = tmp_path / "disk"
@@ -256,6 +257,7 @@ model:
     assert set(result.files) == {"full/.lock"}  # no manifest, no temporary file
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["tmpfs", "fsize"])
 def test_a_full_disk_while_rewriting_the_summary_exits_3_and_keeps_the_old_one(tmp_path: Path, mode: str) -> None:
     seed = tmp_path / "seed"
@@ -271,6 +273,7 @@ def test_a_full_disk_while_rewriting_the_summary_exits_3_and_keeps_the_old_one(t
     assert result.files["run/summary.json"] == hashlib.sha256(b'{"previous": true}\n').hexdigest()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["tmpfs", "fsize"])
 def test_a_full_disk_while_reducing_a_sharded_run_exits_3_and_leaves_no_temporary_files(tmp_path: Path, mode: str) -> None:
     from shopsimrl.schemas import EpisodeJob, fingerprint
@@ -303,6 +306,7 @@ def test_atomic_json_files_get_the_mode_the_umask_gives(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["contributions.json"]  # no temporary file left
 
 
+@pytest.mark.slow
 def test_a_local_run_honours_the_umask_and_a_resume_with_nothing_to_run_keeps_the_summary(tmp_path: Path) -> None:
     config = write_config(tmp_path, name="modes", sample_size=3)
     run_dir = tmp_path / "runs" / "modes"

@@ -17,6 +17,8 @@ import pytest
 
 from tests.testbed_process import ROOT, LocalTestbed, start_testbed, write_config
 
+pytestmark = pytest.mark.slow
+
 SHOPSIMRL = [sys.executable, "-m", "shopsimrl"]
 
 

@@ -691,6 +691,7 @@ def _container_sizes(obj: Any, skip: set[str], path: str = "acc") -> dict[str, i
     return sizes
 
 
+@pytest.mark.slow
 def test_memory_is_flat_in_the_number_of_records() -> None:
     """500 tasks × 100 repeats: after every task was seen once, nothing grows any more."""
     rng = random.Random(7)

@@ -288,6 +288,7 @@ def _check_trace(typed: EpisodeTrace) -> None:
     render_terminal(read_transcript(again), console, thinking=True)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=200,
     deadline=None,

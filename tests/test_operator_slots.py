@@ -15,6 +15,8 @@ import pytest
 
 from tests.testbed_process import ROOT, LocalTestbed, start_testbed, write_config
 
+pytestmark = pytest.mark.slow
+
 SLOTS = 2
 
 

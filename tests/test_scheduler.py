@@ -191,6 +191,7 @@ class BlockingSink:
         self.batches.append([record.episode_id for record in records])
 
 
+@pytest.mark.slow
 async def test_a_save_in_progress_when_the_run_is_stopped_is_finished_before_run_returns() -> None:
     """The final flush of a stopping worker runs after Evaluator.run returns: a record whose save
     was in flight at the stop must be in the sink by then (it used to land after, and be lost)."""

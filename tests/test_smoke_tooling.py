@@ -67,6 +67,7 @@ def _used_files() -> set[str]:
     return used | read
 
 
+@pytest.mark.slow
 def test_path_filters_cover_every_file_the_smoke_workflow_uses() -> None:
     filters = [_github_glob(p) for p in _workflow()["on"]["pull_request"]["paths"]]
     used = _used_files()
@@ -135,6 +136,7 @@ def _bash(snippet: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     )
 
 
+@pytest.mark.slow
 def test_wait_for_port_fails_unless_the_port_opens() -> None:
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
@@ -158,6 +160,7 @@ def _make(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["smoke-k8s", "image", "images", "image-testbed"])
 def test_without_docker_make_says_so_before_any_build(tmp_path: Path, target: str) -> None:
     result = _make(target, f"DOCKER={tmp_path / 'docker'}")
@@ -166,6 +169,7 @@ def test_without_docker_make_says_so_before_any_build(tmp_path: Path, target: st
     assert " build " not in result.stdout + result.stderr  # no docker build was started
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("docker") is None, reason="needs the docker client (the daemon must be unreachable)")
 @pytest.mark.parametrize("target", ["smoke-k8s", "image"])
 def test_without_a_docker_daemon_make_says_so_before_any_build(tmp_path: Path, target: str) -> None:
@@ -175,6 +179,7 @@ def test_without_a_docker_daemon_make_says_so_before_any_build(tmp_path: Path, t
     assert "docker build" not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_the_llm_smoke_script_reads_its_run_directory_from_the_plan() -> None:
     """`make smoke-llm` starts each run fresh by removing the run directory `shopsimrl plan`
     names: run the script's own line (it broke once when `plan` began printing a table)."""
@@ -221,6 +226,7 @@ def test_kind_and_its_node_image_are_pinned_to_the_kubectl_minor() -> None:
     assert job["env"]["HELM_SOURCE"] == "release"
 
 
+@pytest.mark.slow
 def test_the_image_builds_are_cached_and_not_built_twice() -> None:
     job = _workflow()["jobs"]["kind"]
     builds = [s for s in job["steps"] if str(s.get("uses", "")).startswith("docker/build-push-action@")]
@@ -260,6 +266,7 @@ def _fake_tools(tmp_path: Path, kind_version: str, node: str, client: str) -> di
     return {"KIND": str(kind), "KUBECTL": str(kubectl), "DOCKER": str(docker), "PYTHON": sys.executable}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind_version", "node", "client", "fails_with"),
     [
@@ -285,6 +292,7 @@ def _summary(counts: dict[str, Any], committed: int = 2) -> dict[str, Any]:
     return {"complete": True, "counts": {"coverage": 1.0, **counts}, "shards": {"committed": committed}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("summary", "fails_with"),
     [

@@ -219,6 +219,7 @@ def test_intent_to_treat_counts_every_non_infrastructure_failure_as_zero() -> No
     assert 0.0 <= low < 6 / 9 < high <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tasks", "repeats"), [(40, 8), (20, 4)])
 def test_pass_k_intervals_keep_nominal_coverage(tasks: int, repeats: int) -> None:
     """Task success probabilities ~ Beta(0.4, 0.6); the truth is the mean over tasks of

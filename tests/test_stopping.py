@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 def run_script(body: str) -> subprocess.CompletedProcess[str]:
     script = textwrap.dedent(body)

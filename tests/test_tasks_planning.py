@@ -120,6 +120,7 @@ def test_shard_map_is_balanced_and_complete() -> None:
         shard_jobs(jobs[:3], 4)
 
 
+@pytest.mark.slow
 def test_planning_is_identical_across_processes() -> None:
     code = (
         "import json,sys;from shopsimrl.planning import *;from shopsimrl.tasks import load_task_split;"

@@ -94,6 +94,7 @@ def test_help_at_80_columns_shows_every_option_whole(path: list[str], command: A
     assert max(map(len, text.splitlines())) <= 80, text
 
 
+@pytest.mark.slow
 def test_version_prints_the_package_version() -> None:
     result = cli("--version")
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
@@ -104,6 +105,7 @@ def test_version_prints_the_package_version() -> None:
 # --------------------------------------------------------------------------- plan and summarize
 
 
+@pytest.mark.slow
 def test_plan_prints_a_table_and_json_with_the_flag() -> None:
     table = cli("plan", "configs/qwen35_4b_val.yaml")
     machine = cli("plan", "configs/qwen35_4b_val.yaml", "--json")
@@ -122,6 +124,7 @@ def test_plan_prints_a_table_and_json_with_the_flag() -> None:
         )
 
 
+@pytest.mark.slow
 def test_summarize_on_a_sharded_run_points_to_reduce(tmp_path: Path) -> None:
     config = write_config(tmp_path, name="sharded", sample_size=4)
     run_dir = tmp_path / "sharded-run"
@@ -136,6 +139,7 @@ def test_summarize_on_a_sharded_run_points_to_reduce(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- log settings
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("variable", "value"), [("SHOPSIMRL_LOG_LEVEL", "loud"), ("SHOPSIMRL_LOG_FORMAT", "xml")])
 def test_a_bad_log_setting_is_bad_input_naming_the_variable(variable: str, value: str) -> None:
     result = cli("plan", "configs/qwen35_4b_val.yaml", env=clean_env(**{variable: value}))
@@ -145,6 +149,7 @@ def test_a_bad_log_setting_is_bad_input_naming_the_variable(variable: str, value
     ), result.stderr
 
 
+@pytest.mark.slow
 def test_quiet_and_verbose_exclude_each_other() -> None:
     result = cli("plan", "configs/qwen35_4b_val.yaml", "-q", "-v")
     assert result.returncode == 2 and result.stderr.strip() == "error: -q/--quiet and -v/--verbose exclude each other"

@@ -46,6 +46,7 @@ def metric(comparison: dict[str, Any], name: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the Done-means check
 
 
+@pytest.mark.slow
 def test_the_naive_policy_is_found_worse_with_an_interval_excluding_zero(research_runs: ResearchRuns, naive_run: Path) -> None:
     """Two testbed runs of one plan, the second served by SHOPSIM_POLICY_STRATEGY=naive."""
     result = compare_runs([str(research_runs.local), str(naive_run)])
@@ -89,6 +90,7 @@ def test_the_naive_policy_is_found_worse_with_an_interval_excluding_zero(researc
     assert "rule labels over the 24 paired episodes" in text
 
 
+@pytest.mark.slow
 def test_two_runs_of_the_same_policy_include_zero_local_against_sharded(
     research_runs: ResearchRuns, s3_env: dict[str, str]
 ) -> None:
@@ -113,6 +115,7 @@ def test_two_runs_of_the_same_policy_include_zero_local_against_sharded(
     assert result["runs"][0]["labels"] == result["runs"][1]["labels"]
 
 
+@pytest.mark.slow
 def test_the_cli_compares_each_run_with_the_first_in_order(research_runs: ResearchRuns, naive_run: Path, tmp_path: Path) -> None:
     """Local baseline, then the sharded run on S3, then the naive run: two comparisons in that
     order; --json writes the same comparison the table shows."""
@@ -148,6 +151,7 @@ def _edit_records(source: Path, target: Path, edit: Any) -> Path:
     return target
 
 
+@pytest.mark.slow
 def test_v4_traces_of_the_earlier_implementation(research_runs: ResearchRuns, tmp_path: Path) -> None:
     """The legacy run (4 completed, 2 failed without a failure class) against a copy where the
     first episode lost its success: reward pairs are the completed ones, the intent-to-treat
@@ -193,6 +197,7 @@ def _copy_with_plan(source: Path, target: Path, edit_plan: Any, keep: Any = None
     return target
 
 
+@pytest.mark.slow
 def test_job_keys_that_differ_are_refused_unless_partial(research_runs: ResearchRuns, tmp_path: Path) -> None:
     jobs = json.loads((research_runs.local / "manifest.json").read_text())["plan"]["jobs"]
     changed_id = f"task-{jobs[0]['task_id']:06d}__sample-000"
@@ -216,6 +221,7 @@ def test_job_keys_that_differ_are_refused_unless_partial(research_runs: Research
     assert "dropped 1 (1 another job key (seed, split))" in format_comparison(result)
 
 
+@pytest.mark.slow
 def test_planned_episodes_without_a_record_are_refused_unless_partial(research_runs: ResearchRuns, tmp_path: Path) -> None:
     first = json.loads((research_runs.local / "manifest.json").read_text())["plan"]["jobs"][0]
     lost = f"task-{first['task_id']:06d}__sample-000"
@@ -228,6 +234,7 @@ def test_planned_episodes_without_a_record_are_refused_unless_partial(research_r
     assert comparison["episodes"] == research_runs.episodes - 1 and comparison["dropped"] == {"no record in the baseline": 1}
 
 
+@pytest.mark.slow
 def test_differing_plan_keys_are_listed(research_runs: ResearchRuns, tmp_path: Path) -> None:
     def warmer(plan: dict[str, Any]) -> None:
         plan["model"]["sampling"]["temperature"] = 0.7
@@ -241,6 +248,7 @@ def test_differing_plan_keys_are_listed(research_runs: ResearchRuns, tmp_path: P
     ]
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_message(tmp_path: Path) -> None:
     done = shopsimrl("compare", str(tmp_path / "missing"), str(tmp_path))
     assert done.returncode == 2 and "missing does not exist" in done.stderr and "Traceback" not in done.stderr

@@ -19,6 +19,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["local", "legacy"])
 def test_rows_add_up_to_the_summary(research_runs: ResearchRuns, which: str) -> None:
     records = list(open_run(getattr(research_runs, which)).records())

@@ -98,6 +98,7 @@ def _private_texts(run_location: Path | str) -> dict[str, set[str]]:
 # --------------------------------------------------------------------------- SFT
 
 
+@pytest.mark.slow
 def test_sft_export_of_a_run_with_reasoning_leaves_out_reasoning_goal_and_who_the_user_is(
     reasoning_run: Path, tmp_path: Path
 ) -> None:
@@ -148,6 +149,7 @@ def _target_words(item: dict[str, Any]) -> set[str]:
     return words
 
 
+@pytest.mark.slow
 def test_sft_targets_keep_the_profile_their_words_come_from(reasoning_run: Path, tmp_path: Path) -> None:
     """The policy searches with words of the user's profile. Every word of a target that the
     profile holds is in that record's messages, so input and target still pair up; the report
@@ -172,6 +174,7 @@ def test_sft_targets_keep_the_profile_their_words_come_from(reasoning_run: Path,
     assert report["redaction"]["persona"]["records_using_persona_words"] == dependent
 
 
+@pytest.mark.slow
 def test_sft_selects_successes_by_default(reasoning_run: Path, tmp_path: Path) -> None:
     run = open_run(reasoning_run)
     successes = {
@@ -268,6 +271,7 @@ def test_exact_and_near_duplicates_are_dropped_and_reported(tmp_path: Path) -> N
     ]
 
 
+@pytest.mark.slow
 def test_sft_refuses_what_it_cannot_export(research_runs: ResearchRuns, tmp_path: Path) -> None:
     run = open_run(research_runs.local)
     with pytest.raises(ExportError, match="never saw the goal"):
@@ -277,6 +281,7 @@ def test_sft_refuses_what_it_cannot_export(research_runs: ResearchRuns, tmp_path
     assert not list(tmp_path.iterdir()), "nothing is written when the export is refused"
 
 
+@pytest.mark.slow
 def test_the_held_out_test_split_is_never_exported(research_runs: ResearchRuns, tmp_path: Path) -> None:
     # A run whose frozen plan is the held-out split (its manifest names it, fingerprint intact) ...
     held_out = tmp_path / "held-out"
@@ -297,6 +302,7 @@ def test_the_held_out_test_split_is_never_exported(research_runs: ResearchRuns, 
 # --------------------------------------------------------------------------- judge input
 
 
+@pytest.mark.slow
 def test_judge_input_shows_the_episode_but_no_reward_goal_persona_or_reasoning(reasoning_run: Path, tmp_path: Path) -> None:
     private = _private_texts(reasoning_run)
     report = export_judge_input(open_run(reasoning_run), tmp_path / "judge.jsonl")
@@ -365,6 +371,7 @@ def _env(research_runs: ResearchRuns) -> dict[str, str]:
     return base | research_runs.env
 
 
+@pytest.mark.slow
 def test_local_and_sharded_exports_are_identical(research_runs: ResearchRuns, tmp_path: Path) -> None:
     """Two runs of one plan by a deterministic policy: the same file, but for the servers' random
     tool-call ids (numbered in order of appearance before comparing)."""
@@ -378,6 +385,7 @@ def test_local_and_sharded_exports_are_identical(research_runs: ResearchRuns, tm
         assert outputs[0] == outputs[1] and outputs[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "sharded", "legacy"])
 def test_export_commands(research_runs: ResearchRuns, tmp_path: Path, kind: str) -> None:
     location = {"local": str(research_runs.local), "sharded": research_runs.sharded, "legacy": str(research_runs.legacy)}[kind]
@@ -395,6 +403,7 @@ def test_export_commands(research_runs: ResearchRuns, tmp_path: Path, kind: str)
     assert len(_lines(tmp_path / "judge.jsonl")) == episodes and f"{episodes} records" in judge.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

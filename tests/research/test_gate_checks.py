@@ -24,6 +24,8 @@ from tests.fakes import written
 
 from .conftest import ResearchRuns
 
+pytestmark = pytest.mark.slow
+
 CHUNKS = ("c-one", "c-two")
 EFFECTS = (0.125, -0.0625)  # exact in binary: the deltas are exact, so the fit is too
 

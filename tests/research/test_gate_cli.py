@@ -18,6 +18,8 @@ from tests.testbed_process import LocalTestbed, start_testbed
 
 from .conftest import ResearchRuns
 
+pytestmark = pytest.mark.slow
+
 
 def research_config(runs: ResearchRuns) -> Path:
     """The experiment config the fixture's bare run was made with (tests/sharded/conftest.write_config)."""

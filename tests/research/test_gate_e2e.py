@@ -19,6 +19,8 @@ import pytest
 from tests.sharded.conftest import REPO, S3_TEST_ENV, SPLIT_FILE, _make_bucket, cli
 from tests.testbed_process import LocalTestbed, start_testbed
 
+pytestmark = pytest.mark.slow
+
 CHUNKS = ["concise-replies", "choose-options", "buy-first-result"]
 
 

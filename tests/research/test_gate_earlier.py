@@ -21,6 +21,8 @@ from tests.sharded.conftest import cli
 from .conftest import FIXTURES
 from .test_gate_cli import CHUNKS, write_draft
 
+pytestmark = pytest.mark.slow
+
 MASK_SEED = 20260901
 EFFECTS = {"options": 0.25, "quiet": -0.125}
 TASKS = range(3, 15)

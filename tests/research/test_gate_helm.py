@@ -35,7 +35,7 @@ from .test_gate_cli import CHUNKS, gate, research_config, write_draft, write_gat
 
 __all__ = ["helm"]  # the chart tests' session fixture
 
-pytestmark = [pytest.mark.chart, pytest.mark.s3]
+pytestmark = [pytest.mark.chart, pytest.mark.s3, pytest.mark.slow]
 
 # The cluster's own values, as an operator keeps them: storage and the shared services.
 CLUSTER_VALUES = {

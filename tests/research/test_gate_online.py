@@ -16,6 +16,8 @@ from shopsimrl.schemas import EpisodeJob, fingerprint
 from tests.sharded.conftest import REPO, SPLIT_FILE, cli
 from tests.testbed_process import start_testbed
 
+pytestmark = pytest.mark.slow
+
 OPTIONS = "在商品页选中用户想要的规格。[[testbed:choose-options]]"
 
 

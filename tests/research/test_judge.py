@@ -25,6 +25,8 @@ from tests.testbed_process import LocalTestbed, start_testbed
 
 from .conftest import ResearchRuns
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 RUBRIC = REPO / "configs" / "judge_rubric.v1.yaml"
 

@@ -274,6 +274,7 @@ def _consistent(record: EpisodeTrace, labels: dict) -> None:  # type: ignore[typ
     assert (not row["completed"]) == bool(names & {"infrastructure_failure", "episode_error"})
 
 
+@pytest.mark.slow
 def test_labels_of_local_and_sharded_runs_agree_and_follow_the_traces(
     research_runs: ResearchRuns, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -290,12 +291,14 @@ def test_labels_of_local_and_sharded_runs_agree_and_follow_the_traces(
     assert label_counts(local) == counts == label_counts(labels)
 
 
+@pytest.mark.slow
 def test_labels_are_never_written_into_the_run(research_runs: ResearchRuns, tmp_path: Path) -> None:
     with pytest.raises(OutputLocationError, match="inside the run"):
         write_labels(open_run(research_runs.local), research_runs.local / "labels.jsonl")
     assert not (research_runs.local / "labels.jsonl").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "sharded", "legacy"])
 def test_labels_command(research_runs: ResearchRuns, tmp_path: Path, kind: str) -> None:
     location = {"local": str(research_runs.local), "sharded": research_runs.sharded, "legacy": str(research_runs.legacy)}[kind]
@@ -319,6 +322,7 @@ def test_labels_command(research_runs: ResearchRuns, tmp_path: Path, kind: str) 
         }
 
 
+@pytest.mark.slow
 def test_labels_command_bad_input(research_runs: ResearchRuns, tmp_path: Path) -> None:
     missing = cli("labels", str(tmp_path / "nowhere"), "-o", str(tmp_path / "l.jsonl"), env=_env())
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
@@ -332,6 +336,7 @@ def _env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "SHOPSIMRL_"))}
 
 
+@pytest.mark.slow
 def test_labels_are_written_beside_the_run_by_default(tmp_path: Path) -> None:
     run = tmp_path / "runs" / "legacy-run"
     run.mkdir(parents=True)

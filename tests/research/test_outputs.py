@@ -26,6 +26,8 @@ from .conftest import FIXTURES, ResearchRuns
 from .synthetic import sharded_copy
 from .test_viewer import serving
 
+pytestmark = pytest.mark.slow
+
 Command = Callable[[Path, Path, Path], list[str]]
 """(run, second run, output) → the command line after ``shopsimrl``."""
 

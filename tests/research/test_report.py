@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from shopsimrl.research.compare import load_run
 from shopsimrl.research.labels import label_counts
 from shopsimrl.research.report import build_report, write_report
@@ -53,6 +55,7 @@ def _assert_offline(page_html: str) -> None:
     assert not re.search(r"<(?:script|link|img|iframe)\b", page_html, flags=re.I)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_sweep_report_renders_every_plot(
     research_runs: ResearchRuns, naive_run: Path, s3_env: dict[str, str], browser: Any, tmp_path: Path
 ) -> None:
@@ -84,6 +87,7 @@ def test_a_checkpoint_sweep_report_renders_every_plot(
     assert re.search(r"^reward \(ITT\) 24 0\.\d{3} 0\.\d{3} -0\.\d{3} \[-0\.\d{3}, -0\.\d{3}\]", table.splitlines()[1]), table
 
 
+@pytest.mark.slow
 def test_a_single_v4_run_has_the_per_run_plots_only(research_runs: ResearchRuns, browser: Any, tmp_path: Path) -> None:
     output = tmp_path / "legacy.html"
     done = subprocess.run(
@@ -104,6 +108,7 @@ def test_a_single_v4_run_has_the_per_run_plots_only(research_runs: ResearchRuns,
     screenshot(browser, "report-legacy")
 
 
+@pytest.mark.slow
 def test_report_bad_input_exits_2(research_runs: ResearchRuns, tmp_path: Path) -> None:
     def report(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -137,6 +142,7 @@ def _cells(page_html: str, heading: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_label_counts_per_run_and_their_paired_transitions(research_runs: ResearchRuns, naive_run: Path) -> None:
     """The heuristic run then the naive-policy run: each run's counts are those of ``shopsimrl
     labels`` (labelled from the traces), and the comparison shows the labels gained and lost."""
@@ -158,6 +164,7 @@ def test_label_counts_per_run_and_their_paired_transitions(research_runs: Resear
     assert gained > 0 and a + gained - lost == b
 
 
+@pytest.mark.slow
 def test_the_headline_table_leads_with_itt_and_the_coverage(tmp_path: Path) -> None:
     """B fails every hard task: its completed-only reward is higher than A's, its ITT reward (the
     first column, beside the coverage) lower."""
@@ -191,6 +198,7 @@ def _svg_texts(svg: str) -> list[str]:
     return [re.sub(r"<[^>]+>", "", text).strip() for text in re.findall(r"<text\b[^>]*>(.*?)</text>", svg, flags=re.S)]
 
 
+@pytest.mark.slow
 def test_each_plot_shows_what_a_faulty_run_did(
     research_runs: ResearchRuns, faulty_run: Path, browser: Any, tmp_path: Path
 ) -> None:
@@ -225,6 +233,7 @@ def test_each_plot_shows_what_a_faulty_run_did(
         assert path.stat().st_size > 5_000, path
 
 
+@pytest.mark.slow
 def test_completion_tokens_are_drawn_on_their_own_scale(research_runs: ResearchRuns, faulty_run: Path) -> None:
     """Prompt tokens are about 180 times the completion here; each has its own axis, on which the
     larger run's bar fills most of the height."""

@@ -17,6 +17,7 @@ from .conftest import ResearchRuns
 from .synthetic import sharded_copy, trace_line
 
 
+@pytest.mark.slow
 def test_local_and_sharded_runs_of_one_plan_read_the_same_episodes(research_runs: ResearchRuns, s3_env: dict[str, str]) -> None:
     local = open_run(research_runs.local)
     sharded = open_run(research_runs.sharded)
@@ -60,6 +61,7 @@ def test_the_winning_attempt_is_read_and_torn_lines_are_counted(tmp_path: Path) 
         run.record("e2")
 
 
+@pytest.mark.slow
 def test_v4_traces_without_a_manifest(research_runs: ResearchRuns) -> None:
     run = open_run(research_runs.legacy)
     records = list(run.records())
@@ -87,6 +89,7 @@ def test_a_bad_manifest_is_named(tmp_path: Path) -> None:
         open_run(tmp_path)
 
 
+@pytest.mark.slow
 def test_all_records_flags_the_winner_among_every_attempt(
     tmp_path: Path, research_runs: ResearchRuns, s3_env: dict[str, str]
 ) -> None:
@@ -116,6 +119,7 @@ def _local_plan_and_records(research_runs: ResearchRuns) -> tuple[dict[str, Any]
     return manifest["plan"], {record.episode_id: record for record in open_run(research_runs.local).records()}
 
 
+@pytest.mark.slow
 def test_plain_parts_of_earlier_versions_are_read(research_runs: ResearchRuns, tmp_path: Path) -> None:
     plan, records = _local_plan_and_records(research_runs)
     sharded_copy(
@@ -129,6 +133,7 @@ def test_plain_parts_of_earlier_versions_are_read(research_runs: ResearchRuns, t
     assert open_run(tmp_path / "plain").record(some) == records[some]
 
 
+@pytest.mark.slow
 def test_winner_views_are_the_records_views_in_one_pass(
     research_runs: ResearchRuns, s3_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -15,6 +15,8 @@ from tests.sharded.conftest import cli
 from .conftest import RUN_KINDS, ResearchRuns, run_location
 from .synthetic import HOSTILE, HOSTILE_ID, LONG_THINKING_END, hostile_record, trace_line
 
+pytestmark = pytest.mark.slow
+
 WIDE = {"COLUMNS": "2000"}
 """A terminal width no line of these transcripts reaches: the assertions read whole lines (a pipe is 80 wide)."""
 

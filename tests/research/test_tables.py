@@ -31,6 +31,7 @@ def test_every_row_column_has_a_type() -> None:
     assert tuple(tables.EPISODE_TYPES) == CORE_COLUMNS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", RUN_KINDS)
 def test_the_episode_table_is_episode_row_typed(research_runs: ResearchRuns, s3_env: dict[str, str], kind: str) -> None:
     records = _records(research_runs, kind, s3_env)
@@ -50,6 +51,7 @@ def test_the_episode_table_is_episode_row_typed(research_runs: ResearchRuns, s3_
         }
 
 
+@pytest.mark.slow
 def test_steps_read_the_trace_of_each_call(research_runs: ResearchRuns) -> None:
     """The v4 traces hold a repair turn, a cut-off reply and an invalid action."""
     steps = {(row["episode_id"], row["step_index"]): row for row in analysis.steps_table(research_runs.legacy).to_pylist()}
@@ -77,6 +79,7 @@ def test_steps_read_the_trace_of_each_call(research_runs: ResearchRuns) -> None:
     assert bought["done"] is True and bought["step_reward"] == 1.0 and bought["feedback_message"] == "购买已执行"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "sharded"])
 def test_steps_of_testbed_runs(research_runs: ResearchRuns, s3_env: dict[str, str], kind: str) -> None:
     records = _records(research_runs, kind, s3_env)
@@ -96,6 +99,7 @@ def test_steps_of_testbed_runs(research_runs: ResearchRuns, s3_env: dict[str, st
             assert row["observation_chars"] == len(step["observation"])
 
 
+@pytest.mark.slow
 def test_dataframes_keep_missing_values_missing(research_runs: ResearchRuns) -> None:
     episodes = analysis.episodes(research_runs.legacy)
     assert str(episodes["task_id"].dtype) == "Int64" and str(episodes["completed"].dtype) == "boolean"
@@ -109,6 +113,7 @@ def test_dataframes_keep_missing_values_missing(research_runs: ResearchRuns) -> 
 # --------------------------------------------------------------------------- export table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", RUN_KINDS)
 @pytest.mark.parametrize("level", ["episodes", "steps"])
 def test_export_reads_back_equal(
@@ -135,6 +140,7 @@ def test_csv_keeps_empty_strings_apart_from_missing(tmp_path: Path) -> None:
     assert tables.read_csv_table(path, schema).equals(table)
 
 
+@pytest.mark.slow
 def test_steps_are_written_while_the_run_is_still_being_read(
     research_runs: ResearchRuns, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -168,6 +174,7 @@ def test_steps_are_written_while_the_run_is_still_being_read(
     assert all(metadata.row_group(group).num_rows <= 10 for group in range(metadata.num_row_groups))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -183,6 +190,7 @@ def test_bad_export_arguments_exit_2(research_runs: ResearchRuns, tmp_path: Path
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_missing_run_exits_2_and_an_unreachable_store_3(tmp_path: Path) -> None:
     done = cli("export", "table", str(tmp_path / "nope"), "--to", "csv", "-o", str(tmp_path / "t.csv"))
     assert done.returncode == 2 and done.stderr.strip() == f"error: {tmp_path / 'nope'} does not exist"

@@ -295,6 +295,7 @@ def test_a_bad_rollout_request_is_named(change: Any, error: str) -> None:
         job_from_rollout_request(request)
 
 
+@pytest.mark.slow
 def test_the_converters_import_no_training_framework() -> None:
     tree = ast.parse(TRAINING.read_text(encoding="utf-8"))
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
@@ -316,6 +317,7 @@ def test_the_converters_import_no_training_framework() -> None:
 # --------------------------------------------------------------------------- real runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "sharded", "legacy", "reasoning"])
 def test_every_episode_of_a_real_run_converts_and_round_trips(
     research_runs: ResearchRuns, s3_env: dict[str, str], reasoning_run: Path, kind: str

@@ -27,6 +27,8 @@ from tests.sharded.conftest import REPO
 from .conftest import RUN_KINDS, ResearchRuns, console_errors, navigate, run_location, screenshot
 from .synthetic import HOSTILE, HOSTILE_ID, hostile_record, perturbed, trace_line
 
+pytestmark = pytest.mark.slow
+
 READY = re.compile(r"viewer at (http://\S+/)")
 
 

@@ -22,6 +22,8 @@ from tests.sharded.conftest import REPO
 from .conftest import FIXTURES
 from .test_viewer import Viewer, serving
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:

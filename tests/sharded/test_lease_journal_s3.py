@@ -35,6 +35,8 @@ from tests.sharded.faultproxy import FaultProxy
 from tests.test_leases import TASK, environment, health, shop, until
 from tests.testbed_process import start_testbed
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.s3
 async def test_the_journal_on_a_real_s3_server(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:

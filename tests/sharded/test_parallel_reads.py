@@ -24,6 +24,8 @@ from shopsimrl.sharded.reduce import read_shard_parts, reduce_run
 from .conftest import S3Server
 from .faultproxy import FaultPlan, FaultProxy, Scripted
 
+pytestmark = pytest.mark.slow
+
 PARTS = 400
 JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t * 3, split="val") for t in range(1, PARTS + 1)]
 PLAN = {"experiment": "parallel-reads", "jobs": [job.to_dict() for job in JOBS]}

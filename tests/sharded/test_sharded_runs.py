@@ -23,6 +23,8 @@ from shopsimrl.sharded.status import shard_status
 from .conftest import S3_TEST_ENV, Backend, S3Server, Testbed, cli, start_worker, worker_env, write_config
 from .faultproxy import FaultPlan, FaultProxy, Scripted
 
+pytestmark = pytest.mark.slow
+
 
 def test_sharded_run_end_to_end(backend: Backend, testbed: Testbed, tmp_path: Path) -> None:
     config = write_config(tmp_path, testbed, episodes=6)

@@ -31,6 +31,8 @@ from shopsimrl.sharded.worker import commit_shard
 from .conftest import Backend, S3Server
 from .faultproxy import FaultPlan, FaultProxy, Scripted
 
+pytestmark = pytest.mark.slow
+
 JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t * 7, split="val") for t in range(1, 11)]
 PLAN = {"experiment": "x", "model": {"sampling": {"temperature": 0.0}}, "jobs": [j.to_dict() for j in JOBS]}
 FAST_RETRY = RetryPolicy(base_delay_s=0.01, max_delay_s=0.05, budget_s=30, attempts=30)

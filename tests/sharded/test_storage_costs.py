@@ -22,6 +22,8 @@ from shopsimrl.sharded.worker import PartSink, commit_shard
 from .conftest import S3_TEST_ENV, Backend, Testbed, cli, worker_env, write_config
 from .faultproxy import FaultPlan, FaultProxy
 
+pytestmark = pytest.mark.slow
+
 JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t * 7, split="val") for t in range(1, 9)]
 PLAN = {"experiment": "costs", "jobs": [j.to_dict() for j in JOBS]}
 PAGE = "搜索结果：第1页\n" + "".join(f"[{i}] 商品{i}：简约玻璃水杯 大容量 耐热 带盖 ￥{10 + i}.90\n" for i in range(40))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from shopsimrl import __version__
 from shopsimrl.manifest import manifest_head, run_identity
 from shopsimrl.metrics import summarize_traces
@@ -14,6 +16,7 @@ from shopsimrl.sharded.reduce import reduce_run
 from .conftest import Backend, Testbed, cli, worker_env, write_config
 
 
+@pytest.mark.slow
 def test_reduced_summary_names_its_run_and_clusters_repeats_across_shards(
     backend: Backend, testbed: Testbed, tmp_path: Path
 ) -> None:

@@ -56,6 +56,7 @@ def release_holding_proxy(upstream: str) -> Iterator[tuple[str, threading.Event,
             let_go.set()
 
 
+@pytest.mark.slow
 def test_stop_saves_finished_traces_before_the_lease_cleanup(testbed: Testbed, tmp_path: Path) -> None:
     backend = Backend("local", str(tmp_path / "runs"))
     config = write_config(tmp_path, testbed, episodes=40)
@@ -129,6 +130,7 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
 def test_workers_stop_when_the_coordinator_is_killed(testbed: Testbed, tmp_path: Path) -> None:
     config = write_config(tmp_path, testbed, episodes=200)

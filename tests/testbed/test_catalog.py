@@ -113,6 +113,7 @@ def _budget_in_text(text: str) -> float | None:
 # -- determinism and the command line --
 
 
+@pytest.mark.slow
 def test_regeneration_reproduces_committed_bytes(committed_bytes: bytes) -> None:
     rebuilt = catalog_bytes(build_catalog(load_persona_ids(SPLITS)))
     assert rebuilt == committed_bytes, "run: python -m shopsimrl.testbed.catalog_gen"
@@ -121,6 +122,7 @@ def test_regeneration_reproduces_committed_bytes(committed_bytes: bytes) -> None
     assert committed_bytes[10:26] == b"catalog.v1.json\0"
 
 
+@pytest.mark.slow
 def test_cli_writes_then_check_detects_tampering(
     tmp_path: Path, committed_bytes: bytes, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -386,6 +388,7 @@ def test_option_price_kinds_and_single_price_axis(records: list[dict[str, Any]])
 # -- content: domains, near-duplicates, solvability --
 
 
+@pytest.mark.slow
 def test_domains_and_near_duplicate_density(records: list[dict[str, Any]]) -> None:
     by_leaf: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for r in records:

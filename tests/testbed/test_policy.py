@@ -636,12 +636,14 @@ def test_a_small_max_tokens_really_truncates(served: httpx.Client) -> None:
     assert data["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("served", [settings(rate_timeout=1.0, timeout_sleep_s=1.0)], indirect=True)
 def test_fault_timeout_outlasts_a_short_client_timeout(served: httpx.Client) -> None:
     with pytest.raises(httpx.ReadTimeout):
         served.post("/v1/chat/completions", json=body_for(Conversation(), tools_for(True, [])), timeout=0.1)
 
 
+@pytest.mark.slow
 def test_fault_draws_are_seeded_per_request_body_and_retries_draw_again() -> None:
     knobs = settings(rate_500=0.5, fault_seed=5)
     bodies = [

@@ -17,6 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 FIXTURE = Path(__file__).parent / "fixtures" / "policy_conversations.json.gz"
 HASH_SEEDS = range(13)
 

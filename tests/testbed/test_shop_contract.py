@@ -116,6 +116,7 @@ def _next_after_last(free: set[int], last: int | None, size: int) -> int:
     return min((slot for slot in free if slot >= start), default=min(free))
 
 
+@pytest.mark.slow
 def test_slot_numbers_follow_the_real_pools_set_pop_under_out_of_order_releases(make_shop) -> None:
     """The real pool keeps its free slots in a Python set: ``set(range(n))``, ``pop()`` per reset,
     ``add()`` per release (contract §2). The same operations on a set here must predict every slot
@@ -146,6 +147,7 @@ def test_slot_numbers_follow_the_real_pools_set_pop_under_out_of_order_releases(
     assert differs > resets // 5, differs  # the scenario tells the two rules apart (~40 % of grants)
 
 
+@pytest.mark.slow
 def test_cp05_reset_blocks_while_the_pool_is_exhausted(make_shop) -> None:
     with make_shop(slots=1) as shop:
         holder = shop.reset(0)
@@ -215,6 +217,7 @@ def test_a_queued_reset_whose_client_hung_up(keep_orphans: bool) -> None:
         shop.close()
 
 
+@pytest.mark.slow
 def test_cp05b_release_all_wakes_queued_resets(make_shop) -> None:
     with make_shop(slots=1) as shop:
         shop.reset(0)
@@ -695,6 +698,7 @@ def test_injected_faults_never_take_a_slot(make_shop) -> None:
         assert all("injected fault" in result["error"] and result["state_unchanged"] is True for result in failed)
 
 
+@pytest.mark.slow
 async def test_many_concurrent_leases_are_distinct(make_shop) -> None:
     with make_shop(slots=200) as shop:
         async with httpx.AsyncClient(base_url=shop.base_url, timeout=httpx.Timeout(30.0, read=None), trust_env=False) as http:
@@ -725,6 +729,7 @@ async def test_many_concurrent_leases_are_distinct(make_shop) -> None:
             )
 
 
+@pytest.mark.slow
 def test_packaged_catalog_serves_its_tasks() -> None:
     from shopsimrl.testbed.serving import running_server
     from shopsimrl.testbed.shop import ShopSettings, create_app

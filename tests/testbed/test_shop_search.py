@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
+
 from shopsimrl.testbed.shop.catalog import Catalog, product_from_record
 from shopsimrl.testbed.shop.pages import Session, build_observation_state, render_observation_state
 from shopsimrl.testbed.shop.search import SearchIndex, normalize_query, product_fields, search_tokens
@@ -77,6 +79,7 @@ def test_results_pages_report_global_ranks() -> None:
     assert "结果：第 3/3 页，共 45 项，当前显示排名 41-45" in render_observation_state(state)
 
 
+@pytest.mark.slow
 def test_the_ranking_from_cached_token_terms_equals_fts5s_own_or_query_bit_for_bit() -> None:
     """The shop ranks from per-token bm25 terms (search.py, ``_rank``); FTS5 ranking the whole OR
     query must give the same ASINs in the same order on the real testbed catalog: instructions,
