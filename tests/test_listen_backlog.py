@@ -22,7 +22,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "listen_backlog.py"
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces and TCP_INFO are Linux's")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces and TCP_INFO are Linux's"),
+]
 
 
 def skip_without_a_namespace() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.sharded.conftest import REPO, S3_TEST_ENV, _free_port, _make_bucket
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 MOTO_WITH_AUTH = """
 import os, sys, time
