@@ -33,7 +33,7 @@ from typer.testing import CliRunner
 from shopsimrl import logs
 from shopsimrl.cli import app
 from shopsimrl.progress import RunProgress, ShardedRunProgress
-from shopsimrl.records import read_trace
+from shopsimrl.records import EpisodeTrace, read_trace
 from tests.terminal_screen import run_on_terminal, screen_lines
 from tests.testbed_process import ROOT, LocalTestbed, start_testbed, write_config
 
@@ -222,8 +222,16 @@ def terminal_console(buffer: io.StringIO) -> Console:
     return Console(file=buffer, force_terminal=True, width=160, color_system="standard")
 
 
-def completed_trace(number: int, reward: float = 1.0) -> dict[str, Any]:
-    return {"episode_id": f"task-{number:06d}__sample-000", "status": "completed", "final": {"reward": reward, "done": True}}
+def completed_trace(number: int, reward: float = 1.0) -> EpisodeTrace:
+    return read_trace(
+        {
+            "schema_version": "shopsimrl-episode-v4",
+            "episode_id": f"task-{number:06d}__sample-000",
+            "status": "completed",
+            "job": {"task_id": number, "sample_id": 0, "seed": number, "split": "val"},
+            "final": {"reward": reward, "done": True},
+        }
+    )
 
 
 def assert_logs_above_the_bar(lines: list[str], expected_logs: int) -> None:

@@ -17,6 +17,8 @@ from .test_gate_cli import CHUNKS, research_config, write_draft, write_gate
 from .test_judge import _config, _env
 from .test_viewer import serving
 
+pytestmark = pytest.mark.slow
+
 FOREIGN = "shopsimrl-episode-v5"
 
 
