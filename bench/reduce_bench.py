@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shopsimrl.records import dump_line
 from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.sharded.layout import ShardedRunStore, marker_document, part_entry
-from shopsimrl.traces import encode_trace_line
 
 OBSERVATION = "搜索结果：第1页，共20页。\n" + "".join(
     f"[{i}] 商品{i}：简约玻璃水杯 大容量 耐热 带盖 ￥{10 + i}.90\n" for i in range(12)
@@ -147,7 +147,7 @@ def build_run(
                 records.append(make(by_id[eid], rng))
         entries = []
         for seq, start in enumerate(range(0, len(records), 10)):
-            data = b"".join(encode_trace_line(r) for r in records[start : start + 10])
+            data = b"".join(dump_line(r) for r in records[start : start + 10])
             name, stored = store.write_part(index, seq, "0123abcd", data, compressed=compressed)
             entries.append(part_entry(name, stored, len(records[start : start + 10])))
             total_bytes += len(data)

@@ -40,6 +40,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import s3fs  # noqa: E402
 from moto.server import ThreadedMotoServer  # noqa: E402
 
+from shopsimrl.records import to_plain  # noqa: E402
 from shopsimrl.research.runs import open_run  # noqa: E402
 from shopsimrl.schemas import EpisodeJob  # noqa: E402
 from shopsimrl.sharded.layout import ShardedRunStore  # noqa: E402
@@ -182,7 +183,7 @@ def main() -> int:
         uri = f"s3://{bucket}/runs/big"
 
         templates_dir = args.templates or template_run(base / "templates")
-        templates = list(open_run(templates_dir).records())
+        templates = [to_plain(record) for record in open_run(templates_dir).records()]
         cli("plan", str(plan_config(base, args.tasks, args.samples)), "--shards", str(args.shards), "--run", uri, env=env)
         store = ShardedRunStore(uri)
         manifest_bytes = store.read_bytes("manifest.json")

@@ -92,6 +92,22 @@ def _import_extra(module: str, extra: str) -> Any:
         )
 
 
+def _record_errors() -> tuple[type[Exception], ...]:
+    """A trace record this shopsimrl cannot read: of another schema version, or not fitting its
+    model. Bad input (exit 2); the message names the file and line. Records are read as a command
+    goes, so these come after the run opened, from anywhere that reads it."""
+    from shopsimrl.records import RecordFormatError, RecordVersionError
+
+    return (RecordVersionError, RecordFormatError)
+
+
+def _run_read_errors() -> tuple[type[Exception], ...]:
+    """A run, or a record in it, that cannot be read: bad input (exit 2) for every research command."""
+    from shopsimrl.research.runs import RunReadError
+
+    return (RunReadError, *_record_errors())
+
+
 def _load(config_path: Path) -> ExperimentConfig:
     try:
         return load_experiment_config(config_path).with_overrides(worker_settings())
@@ -375,6 +391,8 @@ def summarize(
         requested_ids = [EpisodeJob.from_dict(job).episode_id for job in manifest["plan"]["jobs"]]
     try:
         summary = summarize_local(store, manifest, requested_ids, requested)
+    except _record_errors() as exc:
+        _fail(ExitCode.BAD_INPUT, str(exc))
     except RunWriteError as exc:  # the traces are safe; only the derived summary is missing
         _fail(
             ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT,
@@ -709,9 +727,10 @@ def status(
 def _local_status(run_dir: str, env_url: str | None, as_json: bool) -> None:
     from shopsimrl.sharded.status import local_status
 
+    bad_input: tuple[type[Exception], ...] = (ManifestError, *_record_errors())
     try:
         report = local_status(run_dir)
-    except ManifestError as exc:
+    except bad_input as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
     except OSError as exc:
         _interrupted_io(exc)
@@ -986,13 +1005,12 @@ def compare(
         _fail(ExitCode.BAD_INPUT, "compare needs at least two runs (RUN_A RUN_B)")
     module = _import_extra("shopsimrl.research.compare", "research")
     from shopsimrl.research.outputs import check_output_location, write_output
-    from shopsimrl.research.runs import RunReadError
 
     try:
         if json_out not in (None, "-"):
             check_output_location(runs, Path(json_out))
         result = module.compare_runs(runs, allow_partial=allow_partial, resamples=resamples, seed=seed)
-    except (module.CompareError, RunReadError, *_output_errors()) as exc:
+    except (module.CompareError, *_run_read_errors(), *_output_errors()) as exc:
         _fail(ExitCode.BAD_INPUT, f"--json {exc}" if isinstance(exc, _output_errors()) else str(exc))
     text = json.dumps(result, indent=2, ensure_ascii=False)
     if json_out == "-":
@@ -1019,13 +1037,13 @@ def report(
     _setup_logging(quiet, verbose)
     module = _import_extra("shopsimrl.research.report", "research")
     from shopsimrl.research.compare import CompareError
-    from shopsimrl.research.runs import RunReadError
 
+    bad_input: tuple[type[Exception], ...] = (CompareError, *_run_read_errors())
     try:
         written = _write_output(
             lambda: module.write_report(runs, output, allow_partial=allow_partial, resamples=resamples, seed=seed), "-o"
         )
-    except (CompareError, RunReadError) as exc:
+    except bad_input as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
     typer.echo(f"{output}: {len(runs)} runs, {len(written.figures)} figures")
 
@@ -1043,7 +1061,7 @@ def _gate_call(call: Any) -> Any:
     try:
         return call(gate)
     except Exception as exc:
-        code = gate.exit_code_for(exc)
+        code = ExitCode.BAD_INPUT if isinstance(exc, _run_read_errors()) else gate.exit_code_for(exc)
         if code is None:
             raise
         _fail(code, str(exc))
@@ -1194,7 +1212,7 @@ def _judge_call(call: Any) -> Any:
     try:
         return call(judge)
     except Exception as exc:
-        code = judge.exit_code_for(exc)
+        code = ExitCode.BAD_INPUT if isinstance(exc, _run_read_errors()) else judge.exit_code_for(exc)
         if code is None:
             raise
         _fail(code, str(exc))
@@ -1357,7 +1375,7 @@ def _open_research_run(location: str) -> Any:
     runs = _import_extra("shopsimrl.research.runs", "research")
     try:
         return runs.open_run(location)
-    except runs.RunReadError as exc:
+    except _run_read_errors() as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
 
 
@@ -1367,9 +1385,8 @@ def _research_errors() -> tuple[type[Exception], ...]:
     from shopsimrl.research.labels import LabelsFileError
     from shopsimrl.research.outputs import OutputLocationError, OutputWriteError
     from shopsimrl.research.redaction import ExportRefusedError
-    from shopsimrl.research.runs import RunReadError
 
-    return (ExportError, LabelsFileError, OutputLocationError, OutputWriteError, ExportRefusedError, RunReadError)
+    return (ExportError, LabelsFileError, OutputLocationError, OutputWriteError, ExportRefusedError, *_run_read_errors())
 
 
 def _interrupted_io(exc: OSError) -> NoReturn:
@@ -1501,12 +1518,11 @@ def export_judge_input_command(
 def _research_call(call: Any) -> Any:
     """Run ``call`` (it reads a run): an unreadable run or episode is bad input, an object
     store that does not answer is retryable."""
-    from shopsimrl.research.runs import RunReadError
     from shopsimrl.sharded.objectstore import StoreUnavailableError
 
     try:
         return call()
-    except RunReadError as exc:
+    except _run_read_errors() as exc:
         _fail(ExitCode.BAD_INPUT, str(exc))
     except StoreUnavailableError as exc:
         _fail(ExitCode.RETRYABLE, str(exc))

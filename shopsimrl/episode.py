@@ -49,9 +49,10 @@ from shopsimrl.prompts import (
     canonical_action,
     protocol_feedback,
 )
+from shopsimrl.records import CodedMessage, EnvironmentResult, EpisodeTrace, ErrorInfo, JobRecord, ModelTurn, SelectedSkill, Step
+from shopsimrl.records.trace import FailureClass
 from shopsimrl.schemas import EpisodeJob, ModelOutput, find_lone_surrogate, replace_lone_surrogates
 from shopsimrl.skills import SkillProvider
-from shopsimrl.traces import trace_skeleton
 
 __all__ = ["ACTION_PROTOCOL", "AgentRuntime", "classify_failure", "failed_trace"]
 
@@ -88,7 +89,7 @@ _CONFIGURATION_STATUSES = frozenset({401, 403, 404})
 """Model answers no conversation can cause: authentication, permission, an unknown model."""
 
 
-def classify_failure(exc: BaseException, *, agent_acted: bool = True, agent_spoke: bool = True) -> str:
+def classify_failure(exc: BaseException, *, agent_acted: bool = True, agent_spoke: bool = True) -> FailureClass:
     """Whose failure it is (docs/runtime_eval.md §4, "Who a failure is charged to").
 
     ``agent_acted``: an action of the agent (or a termination its reply caused) reached the
@@ -125,17 +126,22 @@ def classify_failure(exc: BaseException, *, agent_acted: bool = True, agent_spok
     return "runtime_error"
 
 
-def _error(stage: str, exc: BaseException) -> dict[str, Any]:
+def _error(stage: str, exc: BaseException) -> ErrorInfo:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return {"stage": stage, "type": type(exc).__name__, "message": str(exc), "traceback": text[-MAX_TRACEBACK_CHARS:]}
+    return ErrorInfo(stage=stage, type=type(exc).__name__, message=str(exc), traceback=text[-MAX_TRACEBACK_CHARS:])
 
 
-def failed_trace(job: EpisodeJob, exc: BaseException, *, stage: str = "evaluator_boundary") -> dict[str, Any]:
+def new_trace(job: EpisodeJob) -> EpisodeTrace:
+    """The record of an attempt of ``job`` that has not started."""
+    return EpisodeTrace.start(JobRecord(task_id=job.task_id, sample_id=job.sample_id, seed=job.seed, split=job.split))
+
+
+def failed_trace(job: EpisodeJob, exc: BaseException, *, stage: str = "evaluator_boundary") -> EpisodeTrace:
     """The trace written when the runtime object itself raised (reference fallback shape)."""
-    trace = trace_skeleton(job)
-    trace["ended_at"] = _now()
-    trace["error"] = {"stage": stage, "type": type(exc).__name__, "message": str(exc)}
-    trace["failure_class"] = classify_failure(exc)
+    trace = new_trace(job)
+    trace.ended_at = _now()
+    trace.error = ErrorInfo(stage=stage, type=type(exc).__name__, message=str(exc))
+    trace.failure_class = classify_failure(exc)
     return trace
 
 
@@ -214,44 +220,42 @@ class AgentRuntime:
     def runtime_identity(self) -> dict[str, Any]:
         return {"max_steps": self.max_steps, "action_protocol": ACTION_PROTOCOL}
 
-    async def run(self, job: EpisodeJob) -> dict[str, Any]:
+    async def run(self, job: EpisodeJob) -> EpisodeTrace:
         started_at, started = _now(), time.perf_counter()
         episode = self.environment.open_episode()
         elog = log.bind(episode_id=job.episode_id)
-        trace = trace_skeleton(job)
-        trace["started_at"] = started_at
+        trace = new_trace(job)
+        trace.started_at = started_at
         progress: dict[str, Any] = {"stage": "reset", "agent_acted": False, "agent_spoke": False}
         try:
             await self._play(job, episode, trace, progress)
-            if not isinstance(trace["final"], dict) or trace["final"].get("done") is not True:
+            if trace.final is None or trace.final.done is not True:
                 raise RuntimeError("the episode ended without a terminal environment state (done is not true)")
-            trace["status"] = "completed"
+            trace.status = "completed"
         except Exception as exc:  # every episode-level failure becomes a failed trace
-            trace["status"] = "failed"
-            trace["error"] = _error(progress["stage"], exc)
-            trace["failure_class"] = classify_failure(
-                exc, agent_acted=progress["agent_acted"], agent_spoke=progress["agent_spoke"]
-            )
+            trace.status = "failed"
+            trace.error = _error(progress["stage"], exc)
+            trace.failure_class = classify_failure(exc, agent_acted=progress["agent_acted"], agent_spoke=progress["agent_spoke"])
             # Info, one short line: the live bar counts failures and the trace has the whole error.
-            elog.info("episode_failed", stage=trace["error"]["stage"], error=type(exc).__name__, message=brief(str(exc)))
+            elog.info("episode_failed", stage=trace.error.stage, error=type(exc).__name__, message=brief(str(exc)))
         finally:
             cleanup_error: BaseException | None = None
             try:
                 await episode.close()
             except Exception as exc:  # a leaked lease must be visible, never silently "completed"
                 cleanup_error = exc
-            trace["provenance"] = self._provenance(episode)
+            trace.provenance = self._provenance(episode)
             if cleanup_error is not None:
                 message = f"{type(cleanup_error).__name__}: {cleanup_error}"
-                if trace["error"] is None:
-                    trace["error"] = {"stage": "cleanup", "type": "CleanupError", "message": message}
+                if trace.error is None:
+                    trace.error = ErrorInfo(stage="cleanup", type="CleanupError", message=message)
                 else:
-                    trace["error"]["cleanup_errors"] = [message]
-                trace["status"] = "failed"
-                trace["failure_class"] = trace["failure_class"] or "infrastructure"
+                    trace.error.cleanup_errors = [message]
+                trace.status = "failed"
+                trace.failure_class = trace.failure_class or "infrastructure"
                 elog.warning("lease_release_failed", message=message[:300])
-            trace["ended_at"] = _now()
-            trace["duration_ms"] = (time.perf_counter() - started) * 1000.0
+            trace.ended_at = _now()
+            trace.duration_ms = (time.perf_counter() - started) * 1000.0
         return trace
 
     def _provenance(self, episode: Any) -> dict[str, Any]:
@@ -266,12 +270,12 @@ class AgentRuntime:
             "runtime": self.runtime_identity(),
         }
 
-    async def _play(self, job: EpisodeJob, episode: Any, trace: dict[str, Any], progress: dict[str, Any]) -> None:
+    async def _play(self, job: EpisodeJob, episode: Any, trace: EpisodeTrace, progress: dict[str, Any]) -> None:
         """Play the episode into ``trace``; ``progress`` says where a failure happened (``stage``)
         and whether the agent had spoken or acted by then (who the failure is charged to)."""
         reset = await episode.reset(job.task_id)
         public = public_reset(reset)
-        trace["reset"] = public
+        trace.reset = public
 
         progress["stage"] = "skill_selection"
         context = {
@@ -284,9 +288,9 @@ class AgentRuntime:
             "task_mode": public.get("task_mode"),
         }
         skills = self.skills.select(context)
-        trace["selected_skills"] = [skill.to_dict() for skill in skills]
+        trace.selected_skills = [SelectedSkill.model_validate(skill.to_dict()) for skill in skills]
 
-        conversation: list[dict[str, Any]] = trace["conversation"]
+        conversation = trace.conversation
         conversation.append(self.prompts.system_message(public, skills))
         first_user = self.prompts.initial_user_message(public)
         conversation.append(first_user)
@@ -301,35 +305,35 @@ class AgentRuntime:
             progress["stage"] = f"model_step_{step_index}"
             output = await self.model.generate(list(conversation), tools, seed=job.seed + step_index - 1)
             progress["agent_spoke"] = True
-            step: dict[str, Any] = {
-                "step_index": step_index,
-                "observation": observation_text,
-                "tools": tools,
-                "model": output.to_dict(),
-                "action": None,
-                "environment": None,
-            }
-            trace["steps"].append(step)
+            step = Step(
+                step_index=step_index,
+                observation=observation_text,
+                tools=tools,
+                model=ModelTurn.model_validate(output.to_dict()),
+                action=None,
+                environment=None,
+            )
+            trace.steps.append(step)
 
             if output.policy_failure:
                 progress["stage"] = f"policy_termination_step_{step_index}"
-                step["policy_failure"] = dict(output.policy_failure)
+                step.policy_failure = CodedMessage.model_validate(output.policy_failure)
                 code = output.policy_failure.get("code")
                 if code not in POLICY_FAILURE_CODES:
                     raise RuntimeError(f"unsupported policy failure {code!r}")
                 progress["agent_acted"] = True
                 final = await episode.terminate(POLICY_TERMINATION_REASON)
-                trace["final"] = _without(final, LEASE_KEYS)
+                trace.final = _environment_result(final)
                 return
 
             try:
                 call_id, _name, action = _check_single_call(output)
             except _ProtocolViolation as violation:
-                error = {"code": violation.code, "message": violation.message}
+                error = CodedMessage(code=violation.code, message=violation.message)
                 feedback = protocol_feedback(violation.code, violation.message, tool_names)
-                step["protocol_error"] = error
-                step["protocol_feedback"] = feedback
-                step["model"]["protocol_error"] = error
+                step.protocol_error = error
+                step.protocol_feedback = feedback
+                step.model.protocol_error = error
                 if output.tool_calls:
                     conversation.append(_assistant_tool_message(output))
                     for call in output.tool_calls:
@@ -341,18 +345,23 @@ class AgentRuntime:
                 continue
 
             progress["stage"] = f"environment_step_{step_index}"
-            step["action"] = action
+            step.action = action
             progress["agent_acted"] = True
             result = await episode.step(action)
-            step["environment"] = _without(result, LEASE_KEYS)
+            step.environment = _environment_result(result)
             conversation.append(_assistant_tool_message(output))
             observation_text = result.get("observation", "")
             conversation.append({"role": "tool", "tool_call_id": call_id, "content": observation_text})
             state = result.get("observation_state") or {}
             if result.get("done") is True:
-                trace["final"] = _without(result, LEASE_KEYS)
+                trace.final = _environment_result(result)
                 return
 
         progress["stage"] = "action_limit_termination"
         final = await episode.terminate("action_limit")
-        trace["final"] = _without(final, LEASE_KEYS)
+        trace.final = _environment_result(final)
+
+
+def _environment_result(payload: dict[str, Any]) -> EnvironmentResult:
+    """An environment answer as stored: everything it said but the lease."""
+    return EnvironmentResult.model_validate(_without(payload, LEASE_KEYS))

@@ -17,7 +17,7 @@ Durability rules of :class:`LocalRunStore`:
   skipped line;
 - the file is read as bytes and decoded line by line: a bad line (torn, not UTF-8, not JSON, not
   a trace) is skipped and counted, never fatal;
-- each episode's winning record is picked by the one rule of :mod:`shopsimrl.traces` (the first
+- each episode's winning record is picked by the one rule of :mod:`shopsimrl.records.winner` (the first
   completed record; without one, the latest attempt); every other record is a superseded attempt;
 - ``manifest.json`` and ``summary.json`` are written to a temp file (its mode from the umask, as
   for the traces), fsynced, renamed, and the directory fsynced; a write that fails (full disk,
@@ -45,8 +45,9 @@ from shopsimrl import eventloop
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, run_identity, validate_manifest
 from shopsimrl.metrics import SummaryAccumulator
+from shopsimrl.records import EpisodeTrace, RecordVersionError, dump_line, iter_trace_lines
+from shopsimrl.records.winner import WinnerPicker
 from shopsimrl.schemas import canonical_json, escape_lone_surrogates, fingerprint
-from shopsimrl.traces import WinnerPicker, encode_trace_line, failure_is_outcome, iter_jsonl_records
 
 if TYPE_CHECKING:
     from shopsimrl.experiment import PreparedExperiment
@@ -224,12 +225,9 @@ class LocalRunStore:
 
     # -- traces -----------------------------------------------------------------------------
 
-    def save_trace(self, record: dict[str, Any]) -> None:
-        self.save_traces([record])
-
-    def save_traces(self, records: list[dict[str, Any]]) -> None:
+    def save_traces(self, records: list[EpisodeTrace]) -> None:
         """Append ``records`` as lines with one write and one fsync (the scheduler's group commit)."""
-        line = b"".join(encode_trace_line(record) for record in records)
+        line = b"".join(dump_line(record) for record in records)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with self.traces_path.open("a+b") as handle:
             handle.seek(0, os.SEEK_END)
@@ -245,18 +243,17 @@ class LocalRunStore:
 
     def load_index(self) -> ResumeIndex:
         """One pass over traces.jsonl: per episode its attempts and its winning record
-        (:class:`~shopsimrl.traces.WinnerPicker`, the rule the sharded reducer applies too)."""
+        (:class:`~shopsimrl.records.winner.WinnerPicker`, the rule the sharded reducer applies too)."""
         index = ResumeIndex()
         picker: WinnerPicker[tuple[int, bool, str | None]] = WinnerPicker()
         attempts: dict[str, int] = {}
-        for offset, record in iter_jsonl_records(self.traces_path):
+        for offset, record in iter_trace_lines(self.traces_path):
             index.lines += 1
             if record is None:
                 index.bad_lines += 1
                 continue
-            attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
-            failure_class = record.get("failure_class")
-            picker.offer(record, (offset, failure_is_outcome(record), failure_class if isinstance(failure_class, str) else None))
+            attempts[record.episode_id] = attempts.get(record.episode_id, 0) + 1
+            picker.offer(record, (offset, record.failed_as_outcome, record.failure_class))
         for episode_id, count in attempts.items():
             winner = picker.winner(episode_id)
             assert winner is not None  # every counted episode was offered
@@ -270,13 +267,13 @@ class LocalRunStore:
             )
         return index
 
-    def iter_records(self, index: ResumeIndex | None = None) -> Iterator[tuple[bool, dict[str, Any]]]:
+    def iter_records(self, index: ResumeIndex | None = None) -> Iterator[tuple[bool, EpisodeTrace]]:
         """Stream ``(is_winner, record)`` over every valid line; the winning record per episode is flagged."""
         index = index or self.load_index()
-        for offset, record in iter_jsonl_records(self.traces_path):
+        for offset, record in iter_trace_lines(self.traces_path):
             if record is None:
                 continue
-            state = index.episodes.get(record["episode_id"])
+            state = index.episodes.get(record.episode_id)
             yield (state is not None and state.offset == offset), record
 
     # -- summary ----------------------------------------------------------------------------
@@ -334,7 +331,10 @@ def run_local(
             raise RunStopped(ExitCode.BAD_INPUT, str(exc)) from None
         except RunWriteError as exc:
             raise RunStopped(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, str(exc)) from None
-        index = store.load_index()
+        try:
+            index = store.load_index()
+        except RecordVersionError as exc:
+            raise RunStopped(ExitCode.BAD_INPUT, str(exc)) from None
         completed = {eid for eid, state in index.episodes.items() if state.completed}
         prior = {eid: state.attempts for eid, state in index.episodes.items()}
         final = {eid: cls for eid, cls in index.final_failures().items() if eid not in completed}

@@ -10,7 +10,7 @@ Reference-compatible keys (same names, same formulas as ``shopsimrl-eval-summary
 ``counts.{requested, trace_files, completed, failed, scored, coverage}``,
 ``primary.{reward_mean, reward_sem, success_rate}``, ``reward_components.r_*``,
 ``behavior.*``, ``cost.{duration_ms_mean, tokens}`` and ``errors``. A record is completed
-when :func:`shopsimrl.traces.is_completed` says so; every other record is failed. Reward,
+when :attr:`EpisodeTrace.completed <shopsimrl.records.EpisodeTrace.completed>` says so; every other record is failed. Reward,
 behaviour, cost, latency and per-step retry metrics use completed records only.
 Two deliberate departures: a NaN or infinite value (reward, component, duration) is ignored
 like a non-numeric one, where the reference would have produced a NaN mean; and
@@ -83,10 +83,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
 from statistics import NormalDist
-from typing import Any, TypeGuard
+from typing import Any
 
+from shopsimrl.records import EpisodeTrace, ErrorInfo, JobRecord, Step, read_trace
+from shopsimrl.records.trace import EXCUSED_FAILURE_CLASSES
 from shopsimrl.schemas import SUMMARY_SCHEMA_VERSION
-from shopsimrl.traces import EXCUSED_FAILURE_CLASSES, failure_is_outcome, is_completed
 
 __all__ = [
     "CI_METHOD",
@@ -447,12 +448,9 @@ class _TaskTable:
         return pairs
 
 
-def _task_key(record: Mapping[str, Any]) -> Hashable:
-    """The cluster of an episode: its task id; a record without one is a cluster of its own."""
-    task_id = _mapping(record.get("job")).get("task_id")
-    if isinstance(task_id, int) and not isinstance(task_id, bool):
-        return task_id
-    return f"episode:{record.get('episode_id')}"
+def _task_key(record: EpisodeTrace) -> Hashable:
+    """The cluster of an episode: its task id."""
+    return record.job.task_id
 
 
 class _BoundedCounter:
@@ -483,33 +481,24 @@ def _parse_time(value: Any) -> datetime | None:
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
-def _is_map(value: Any) -> TypeGuard[Mapping[str, Any]]:
-    """``isinstance(value, Mapping)``, decided at once for the dicts that JSON gives (the ABC
-    check costs about a microsecond, and the reducer makes a dozen per step)."""
-    return type(value) is dict or isinstance(value, Mapping)
-
-
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if _is_map(value) else {}
-
-
-def _count_value(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
 # --------------------------------------------------------------------------- compact records
 
 
-def unfinished_view(record: Mapping[str, Any]) -> dict[str, Any]:
+def unfinished_view(record: EpisodeTrace) -> EpisodeTrace:
     """What :meth:`SummaryAccumulator.add` and :meth:`~SummaryAccumulator.note_superseded_attempt`
     read of a record that is not completed: a few scalars instead of a partial episode's steps
     and observations. A reducer holds these while it waits to see whether a later attempt of
     the episode completed. Keep it in step with the failed branch of ``add`` (tests/test_metrics.py
     compares the two)."""
-    view = {key: record[key] for key in ("episode_id", "started_at", "ended_at", "failure_class") if key in record}
-    view["job"] = {"task_id": _mapping(record.get("job")).get("task_id")}
-    view["error"] = {"type": _mapping(record.get("error")).get("type")}
-    return view
+    return EpisodeTrace(
+        episode_id=record.episode_id,
+        status="failed",
+        job=JobRecord(task_id=record.job.task_id, sample_id=record.job.sample_id, seed=record.job.seed, split=record.job.split),
+        started_at=record.started_at,
+        ended_at=record.ended_at,
+        failure_class=record.failure_class,
+        error=ErrorInfo(type=record.error.type if record.error is not None else None),
+    )
 
 
 # --------------------------------------------------------------------------- accumulator
@@ -531,37 +520,32 @@ class StepFacts:
     """Model-call attempts beyond the first."""
 
 
-def step_facts(step: Mapping[str, Any]) -> StepFacts:
-    model = _mapping(step.get("model"))
+def step_facts(step: Step) -> StepFacts:
+    model = step.model
     # The step-level objects are authoritative; the model's copies cover writers that omit them.
-    protocol_error = _is_map(step.get("protocol_error")) or (
-        "protocol_error" not in step and _is_map(model.get("protocol_error"))
-    )
-    policy_failure = step.get("policy_failure") if "policy_failure" in step else model.get("policy_failure")
-    environment = step.get("environment")
-    acted = _is_map(environment)
-    feedback = _mapping(environment).get("action_feedback")
-    usage = _mapping(model.get("usage"))
+    policy_failure = step.effective_policy_failure
+    environment = step.environment
+    feedback = environment.action_feedback if environment is not None else None
     tokens = {}
-    for key in _TOKEN_KEYS:
-        count = _count_value(usage.get(key))
-        if count is not None:
-            tokens[key] = count
-    reasoning = _count_value(_mapping(usage.get("completion_tokens_details")).get("reasoning_tokens"))
-    if reasoning is not None:
-        tokens["reasoning_tokens"] = reasoning
-    latency = _number(model.get("latency_ms"))
-    attempt_count = _count_value(model.get("attempt_count", step.get("attempt_count"))) or 1
-    attempts = model.get("attempts", step.get("attempts"))
-    tries = max(attempt_count, len(attempts) if isinstance(attempts, list) else 0, 1)
+    usage = model.usage
+    if usage is not None:
+        for key, count in (
+            ("prompt_tokens", usage.prompt_tokens),
+            ("completion_tokens", usage.completion_tokens),
+            ("total_tokens", usage.total_tokens),
+            ("reasoning_tokens", usage.reasoning_tokens),
+        ):
+            if count is not None:
+                tokens[key] = count
+    latency = model.latency_ms
     return StepFacts(
-        protocol_error=bool(protocol_error),
-        policy_failure=str(policy_failure.get("code") or "unknown") if _is_map(policy_failure) else None,
-        acted=acted,
-        invalid_action=_is_map(feedback) and bool(feedback) and feedback.get("valid") is False,
+        protocol_error=step.effective_protocol_error is not None,
+        policy_failure=(policy_failure.code or "unknown") if policy_failure is not None else None,
+        acted=environment is not None,
+        invalid_action=feedback is not None and bool(feedback.as_dict()) and feedback.valid is False,
         tokens=tokens,
         latency_ms=latency if latency is not None and latency >= 0 else None,
-        retries=tries - 1,
+        retries=model.tries - 1,
     )
 
 
@@ -625,43 +609,40 @@ class SummaryAccumulator:
 
     # ------------------------------------------------------------------ input
 
-    def _in_plan(self, record: Mapping[str, Any]) -> bool:
-        if not _is_map(record):
-            raise TypeError(f"a trace record must be a JSON object, got {type(record).__name__}")
-        if self._plan_ids is None:
-            return True
-        episode_id = record.get("episode_id")
-        return isinstance(episode_id, str) and episode_id in self._plan_ids
+    def _in_plan(self, record: EpisodeTrace) -> bool:
+        if not isinstance(record, EpisodeTrace):
+            raise TypeError(f"a trace record must be an EpisodeTrace, got {type(record).__name__}")
+        return self._plan_ids is None or record.episode_id in self._plan_ids
 
-    def _note_span(self, record: Mapping[str, Any]) -> None:
-        started, ended = _parse_time(record.get("started_at")), _parse_time(record.get("ended_at"))
+    def _note_span(self, record: EpisodeTrace) -> None:
+        started, ended = _parse_time(record.started_at), _parse_time(record.ended_at)
         if started is not None and (self._first_start is None or started < self._first_start):
             self._first_start = started
         if ended is not None and (self._last_end is None or ended > self._last_end):
             self._last_end = ended
 
-    def add(self, record: Mapping[str, Any]) -> None:
+    def add(self, record: EpisodeTrace) -> None:
         """Count one episode's winning record."""
         if not self._in_plan(record):
             self._not_in_plan += 1
             if len(self._not_in_plan_sample) < _NOT_IN_PLAN_SAMPLE:
-                self._not_in_plan_sample.append(str(record.get("episode_id")))
+                self._not_in_plan_sample.append(record.episode_id)
             return
         self._records += 1
         self._note_span(record)
         tasks = self._tasks
-        if not is_completed(dict(record) if not isinstance(record, dict) else record):
-            error = _mapping(record.get("error"))
-            self._errors.add(str(error.get("type") or "unknown"))
-            failure_class = record.get("failure_class")
-            self._failure_classes.add(str(failure_class) if failure_class else "unknown")
+        final = record.final
+        if not record.completed or final is None:
+            self._errors.add((record.error.type if record.error is not None else None) or "unknown")
+            failure_class = record.failure_class
+            self._failure_classes.add(failure_class or "unknown")
             # Intent to treat: only a failure known to say nothing about the agent is excused.
             if failure_class in EXCUSED_FAILURE_CLASSES:
                 if failure_class == "infrastructure":
                     self._failed_infrastructure += 1
                 else:
                     self._failed_configuration += 1
-                self._excused_winners.add(str(record.get("episode_id")))
+                self._excused_winners.add(record.episode_id)
             else:
                 self._failed_counted_zero += 1
                 self._failed_unclassified += not failure_class
@@ -669,14 +650,13 @@ class SummaryAccumulator:
             return
         self._completed += 1
         row = tasks.row(_task_key(record))
-        final = _mapping(record.get("final"))
-        reward = _number(final.get("reward"))
+        reward = final.reward
         if reward is not None:
             self._reward.add(reward)
             self._rewards_bounded = self._rewards_bounded and 0.0 <= reward <= 1.0
             tasks.add(row, tasks.REWARD_N, 1.0)
             tasks.add(row, tasks.REWARD_SUM, reward)
-        detail = _mapping(final.get("reward_detail"))
+        detail = final.reward_detail
         success = _number(detail.get("r_success"))
         if success is not None:
             self._success.add(success)
@@ -698,22 +678,17 @@ class SummaryAccumulator:
                     continue
                 moments = self._components[key] = _Moments()
             moments.add(component)
-        reason = final.get("termination_reason", "unknown")
-        self._terminations.add(str(reason))
-        duration = _number(record.get("duration_ms"))
+        self._terminations.add(str(final.get("termination_reason", "unknown")))
+        duration = record.duration_ms
         if duration is not None and duration >= 0:
             self._episode_ms.add(duration)
-        attempt = record.get("attempt")
-        if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > 1:
+        if record.attempt is not None and record.attempt > 1:
             self._episodes_retried += 1
-        steps = record.get("steps")
-        if isinstance(steps, list):
-            self._steps += len(steps)
-            for step in steps:
-                if _is_map(step):
-                    self._add_step(step)
+        self._steps += len(record.steps)
+        for step in record.steps:
+            self._add_step(step)
 
-    def _add_step(self, step: Mapping[str, Any]) -> None:
+    def _add_step(self, step: Step) -> None:
         facts = step_facts(step)
         self._protocol_errors += facts.protocol_error
         if facts.policy_failure is not None:
@@ -729,7 +704,7 @@ class SummaryAccumulator:
             self._calls_retried += 1
             self._retry_attempts += facts.retries
 
-    def note_superseded_attempt(self, record: Mapping[str, Any]) -> None:
+    def note_superseded_attempt(self, record: EpisodeTrace) -> None:
         """Count an earlier attempt of an episode (e.g. a failed try later retried).
 
         It appears under ``retries.superseded_attempts`` and widens the throughput time span;
@@ -738,8 +713,8 @@ class SummaryAccumulator:
         if self._in_plan(record):
             self._superseded += 1
             self._note_span(record)
-            if failure_is_outcome(dict(record) if not isinstance(record, dict) else record):
-                self._outcomes_superseded.add(str(record.get("episode_id")))
+            if record.failed_as_outcome:
+                self._outcomes_superseded.add(record.episode_id)
 
     # ------------------------------------------------------------------ output
 
@@ -930,16 +905,17 @@ def _pair(interval: tuple[float, float] | None) -> list[float] | None:
 
 
 def summarize_traces(
-    records: Iterable[Mapping[str, Any]],
+    records: Iterable[EpisodeTrace | Mapping[str, Any]],
     *,
     requested_episode_ids: Collection[str] | None = None,
     requested: int | None = None,
     created_at: str | None = None,
 ) -> dict[str, Any]:
-    """Summarise the winning record of each episode (see :class:`SummaryAccumulator`)."""
+    """Summarise the winning record of each episode (see :class:`SummaryAccumulator`); records
+    given as parsed JSON objects are read as :class:`~shopsimrl.records.EpisodeTrace` first."""
     accumulator = SummaryAccumulator(requested_episode_ids=requested_episode_ids, requested=requested)
     for record in records:
-        accumulator.add(record)
+        accumulator.add(record if isinstance(record, EpisodeTrace) else read_trace(record))
     return accumulator.result(created_at=created_at)
 
 

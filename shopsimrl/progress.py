@@ -38,6 +38,7 @@ from rich.text import Text
 
 from shopsimrl.lease_journal import ProcessIdentity
 from shopsimrl.logs import live_console, tap
+from shopsimrl.records import EpisodeTrace
 
 __all__ = ["LOCAL_PROGRESS_SCHEMA", "ProgressFile", "RunProgress", "ShardedRunProgress", "read_progress_file"]
 
@@ -200,20 +201,22 @@ class RunProgress:
         """Redraw (the clock columns move even when no episode finishes)."""
         self._progress.refresh()
 
-    def on_trace(self, record: dict[str, Any], will_retry: bool = False) -> None:
+    def on_trace(self, record: EpisodeTrace, will_retry: bool = False) -> None:
         """Count a persisted attempt; at debug level also log it (the line a shard worker logs)."""
-        final = record["final"] if isinstance(record.get("final"), dict) else {}
+        reward = record.final.reward if record.final is not None else None
         log.debug(
             "episode_finished",
-            episode_id=record.get("episode_id"),
-            status=record.get("status"),
-            reward=final.get("reward"),
-            failure_class=record.get("failure_class"),
+            episode_id=record.episode_id,
+            status=record.status,
+            reward=reward,
+            failure_class=record.failure_class,
             will_retry=will_retry,
         )
-        if record.get("status") == "completed":
+        if record.status == "completed":
             self.completed += 1
-            self._add_reward(record)
+            if reward is not None:
+                self._reward_sum += reward
+                self._scored += 1
             advance = 1
         elif will_retry:
             self.retries += 1
@@ -222,12 +225,6 @@ class RunProgress:
             self.failed += 1
             advance = 1
         self._progress.update(self._task, advance=advance, reward=self._mean(), failed=self.failed, retries=self.retries)
-
-    def _add_reward(self, record: dict[str, Any]) -> None:
-        reward = (record.get("final") or {}).get("reward")
-        if isinstance(reward, (int, float)) and not isinstance(reward, bool):
-            self._reward_sum += float(reward)
-            self._scored += 1
 
     def reward_mean(self) -> float | None:
         """The mean reward of this invocation's scored episodes so far."""

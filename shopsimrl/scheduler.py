@@ -29,6 +29,7 @@ import structlog
 
 from shopsimrl.episode import AgentRuntime, failed_trace
 from shopsimrl.model import ChatModel
+from shopsimrl.records import EpisodeTrace
 from shopsimrl.schemas import EpisodeJob, ModelOutput
 
 __all__ = ["ConcurrencyLimitedModel", "EvaluationOutcome", "Evaluator", "TraceSink"]
@@ -40,7 +41,7 @@ MAX_REQUEUE_DELAY_S = 30.0
 
 
 class TraceSink(Protocol):
-    def save_traces(self, records: list[dict[str, Any]]) -> None:
+    def save_traces(self, records: list[EpisodeTrace]) -> None:
         """Persist ``records`` in order; durable (as the sink defines it) when it returns."""
         ...
 
@@ -88,7 +89,7 @@ class Evaluator:
         retry_failed: bool = True,
         reroll_failed: bool = False,
         retry_backoff_seconds: float = 1.0,
-        on_trace: Callable[[dict[str, Any], bool], None] | None = None,
+        on_trace: Callable[[EpisodeTrace, bool], None] | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -152,18 +153,16 @@ class Evaluator:
         loop = asyncio.get_running_loop()
         fatal: list[BaseException] = []
 
-        def settle(trace: dict[str, Any], job: EpisodeJob, attempt: int) -> bool:
+        def settle(trace: EpisodeTrace, job: EpisodeJob, attempt: int) -> bool:
             """Count one persisted attempt; True when the episode is finished for this invocation."""
             outcome.attempts += 1
-            will_retry = (
-                trace["status"] != "completed" and trace.get("failure_class") == "infrastructure" and attempt < self.max_attempts
-            )
+            will_retry = trace.status != "completed" and trace.failure_class == "infrastructure" and attempt < self.max_attempts
             if self.on_trace is not None:
                 try:
                     self.on_trace(trace, will_retry)
                 except Exception as exc:  # a broken progress display must not stall the run
                     log.warning("on_trace_failed", error=type(exc).__name__, message=str(exc)[:300])
-            if trace["status"] == "completed":
+            if trace.status == "completed":
                 outcome.completed += 1
             elif will_retry:
                 outcome.retried += 1
@@ -176,7 +175,7 @@ class Evaluator:
             return True
 
         saves: set[asyncio.Task[None]] = set()
-        waiting: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
+        waiting: list[tuple[EpisodeTrace, asyncio.Future[None]]] = []
         writer: asyncio.Task[None] | None = None
 
         async def write_waiting() -> None:
@@ -201,7 +200,7 @@ class Evaluator:
                         if not done.done():
                             done.set_result(None)
 
-        async def save(trace: dict[str, Any]) -> None:
+        async def save(trace: EpisodeTrace) -> None:
             nonlocal writer
             done: asyncio.Future[None] = loop.create_future()
             waiting.append((trace, done))
@@ -225,10 +224,10 @@ class Evaluator:
             while True:
                 job, attempt = await queue.get()
                 trace = await self._attempt(job)
-                trace["attempt"] = prior_attempts.get(job.episode_id, 0) + attempt
+                trace.attempt = prior_attempts.get(job.episode_id, 0) + attempt
                 if job.episode_id in final_failures:
                     # A re-roll replaces an outcome: the record says which, so the summary counts it.
-                    trace["rerolled_from"] = final_failures[job.episode_id] or "unclassified"
+                    trace.rerolled_from = final_failures[job.episode_id] or "unclassified"
                 # A finished episode is saved even if the run is cancelled meanwhile: the save
                 # runs as its own task, which run() waits for before it returns.
                 saving = asyncio.ensure_future(save(trace))
@@ -245,9 +244,18 @@ class Evaluator:
                     if remaining == 0:
                         all_done.set()
 
+        def runner_ended(task: asyncio.Task[None]) -> None:
+            # A runner ends only by cancellation; anything else is a bug that would leave run()
+            # waiting for episodes nobody runs: stop the run with it instead.
+            if not task.cancelled() and task.exception() is not None:
+                fatal.append(task.exception())  # type: ignore[arg-type]
+                all_done.set()
+
         runners = [
             asyncio.create_task(run_episodes(), name=f"episode-runner-{i}") for i in range(min(self.concurrency, len(pending)))
         ]
+        for task in runners:
+            task.add_done_callback(runner_ended)
         try:
             await all_done.wait()
         finally:
@@ -263,7 +271,7 @@ class Evaluator:
             raise fatal[0]
         return outcome
 
-    async def _attempt(self, job: EpisodeJob) -> dict[str, Any]:
+    async def _attempt(self, job: EpisodeJob) -> EpisodeTrace:
         # Every log line of the episode (runtime, adapters, retries) carries its episode_id.
         try:
             with structlog.contextvars.bound_contextvars(episode_id=job.episode_id):

@@ -10,6 +10,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
+from shopsimrl.records import EpisodeTrace, dump_line
 from shopsimrl.schemas import ModelOutput, ToolCall
 
 
@@ -182,3 +185,8 @@ class FakeEnvironment:
 
     async def aclose(self) -> None:
         pass
+
+
+def written(trace: EpisodeTrace) -> dict[str, Any]:
+    """A trace as the stores write it (the JSON object of its line)."""
+    return dict(orjson.loads(dump_line(trace)))

@@ -19,11 +19,11 @@ import pytest
 from shopsimrl.episode import AgentRuntime
 from shopsimrl.model import ModelRequestError, OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.prompts import PromptBuilder
+from shopsimrl.records import read_trace
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.skills import NoSkills
 from shopsimrl.testbed.serving import running_server
-from shopsimrl.traces import is_completed
-from tests.fakes import FakeEnvironment
+from tests.fakes import FakeEnvironment, written
 from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 
 TOOLS = [
@@ -253,8 +253,8 @@ async def test_runtime_terminates_an_overflow_as_generation_length_and_scores_it
     )
     env = FakeEnvironment()
     runtime = AgentRuntime(model=make(), environment=env, prompts=PromptBuilder(), skills=NoSkills())
-    trace = await runtime.run(EpisodeJob(task_id=7, sample_id=0, seed=50, split="val"))
-    assert trace["status"] == "completed" and is_completed(trace) and trace["failure_class"] is None
+    trace = written(await runtime.run(EpisodeJob(task_id=7, sample_id=0, seed=50, split="val")))
+    assert trace["status"] == "completed" and read_trace(trace).completed and trace["failure_class"] is None
     assert env.terminations == ["generation_length"]  # the only policy reason ShopSimulator accepts
     assert trace["final"]["reward"] == 0.0 and trace["final"]["termination_reason"] == "generation_length"
     first, second = trace["steps"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shopsimrl import __version__
+from shopsimrl.records import read_trace
 from shopsimrl.schemas import MANIFEST_SCHEMA_VERSION, SUMMARY_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
-from shopsimrl.traces import is_completed
 from tests.testbed_process import ROOT, start_testbed, write_config
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def test_context_overflow_on_the_testbed_is_a_scored_zero(tmp_path: Path) -> Non
     overflowed = [r for r in traces if any((s.get("policy_failure") or {}).get("code") == "context_length" for s in r["steps"])]
     assert 0 < len(overflowed) < len(traces)
     for record in overflowed:
-        assert is_completed(record) and record["failure_class"] is None
+        assert read_trace(record).completed and record["failure_class"] is None
         assert record["final"]["reward"] == 0.0 and record["final"]["termination_reason"] == "generation_length"
         last = record["steps"][-1]
         assert last["policy_failure"]["code"] == "context_length" and last["environment"] is None
@@ -203,7 +203,7 @@ def outcomes(run_dir: Path) -> dict[str, object]:
     """Per planned episode, what the summary scores: the reward, or the failure's class."""
     scored: dict[str, object] = {}
     for record in records(run_dir):
-        if is_completed(record):
+        if read_trace(record).completed:
             scored[record["episode_id"]] = record["final"]["reward"]
         elif record["failure_class"] != "infrastructure":
             scored.setdefault(record["episode_id"], record["failure_class"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.traces import is_completed
+from shopsimrl.records import read_trace
 from tests.testbed_process import ROOT, start_testbed, write_config
 
 pytestmark = pytest.mark.slow
@@ -32,10 +32,10 @@ def run(config: Path, env: dict[str, str], *args: str, timeout: float = 240) -> 
 
 def records(run_dir: Path) -> list[dict]:
     """Every whole record; a line torn by kill -9 (even inside a UTF-8 sequence) is skipped."""
-    from shopsimrl.traces import parse_trace_line
+    from shopsimrl.records import parse_trace_line, to_plain
 
     lines = (run_dir / "traces.jsonl").read_bytes().split(b"\n")
-    return [record for record in map(parse_trace_line, lines) if record is not None]
+    return [to_plain(record) for record in map(parse_trace_line, lines) if record is not None]
 
 
 def test_smoke_config_completes_and_releases_every_lease(tmp_path: Path) -> None:
@@ -45,7 +45,7 @@ def test_smoke_config_completes_and_releases_every_lease(tmp_path: Path) -> None
         assert result.returncode == 0, result.stderr[-3000:]
         summary = json.loads((tmp_path / "runs/smoke/summary.json").read_text())
         assert summary["counts"]["completed"] == 3 and summary["counts"]["coverage"] == 1.0
-        assert all(is_completed(r) for r in records(tmp_path / "runs/smoke"))
+        assert all(read_trace(r).completed for r in records(tmp_path / "runs/smoke"))
         health = bed.healthz()
         assert health["free_slots"] == health["environment_slots"]
 
@@ -95,11 +95,11 @@ def test_resume_after_kill_9_reruns_no_completed_episode(tmp_path: Path) -> None
             time.sleep(0.05)
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-        before = {r["episode_id"] for r in records(run_dir) if is_completed(r)}
+        before = {r["episode_id"] for r in records(run_dir) if read_trace(r).completed}
         assert 0 < len(before) < 24
         result = run(config, bed.env())
         assert result.returncode == 0, result.stderr[-3000:]
-        completed = Counter(r["episode_id"] for r in records(run_dir) if is_completed(r))
+        completed = Counter(r["episode_id"] for r in records(run_dir) if read_trace(r).completed)
         assert len(completed) == 24 and set(completed.values()) == {1}  # nothing completed twice
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["counts"]["requested"] == 24 and summary["counts"]["completed"] == 24

@@ -16,10 +16,10 @@ from shopsimrl.environment import (
 from shopsimrl.episode import AgentRuntime
 from shopsimrl.model import ModelConfigError, ModelRequestError
 from shopsimrl.prompts import PromptBuilder
+from shopsimrl.records import read_trace
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob, ModelOutput, Skill
 from shopsimrl.skills import NoSkills
-from shopsimrl.traces import is_completed
-from tests.fakes import FakeEnvironment, FakeModel, call, env_result, purchase_result, results_state, tool_output
+from tests.fakes import FakeEnvironment, FakeModel, call, env_result, purchase_result, results_state, tool_output, written
 
 JOB = EpisodeJob(task_id=7, sample_id=0, seed=50, split="val")
 
@@ -42,8 +42,8 @@ async def test_r1_happy_path() -> None:
         [tool_output("search", {"query": "蓝牙耳机"}, reasoning="先搜索"), tool_output("click", {"value": "buy now"})]
     )
     env = FakeEnvironment()
-    trace = await runtime(model, env, skills=OneSkill()).run(JOB)
-    assert trace["schema_version"] == TRACE_SCHEMA_VERSION and trace["status"] == "completed" and is_completed(trace)
+    trace = written(await runtime(model, env, skills=OneSkill()).run(JOB))
+    assert trace["schema_version"] == TRACE_SCHEMA_VERSION and trace["status"] == "completed" and read_trace(trace).completed
     assert trace["final"]["reward"] == 1.0 and trace["error"] is None and trace["failure_class"] is None
     assert [c["seed"] for c in model.calls] == [50, 51]
     assert env.actions == ["search[蓝牙耳机]", "click[buy now]"] and env.terminations == []
@@ -69,7 +69,7 @@ async def test_r2_action_limit_terminates_once() -> None:
     env = FakeEnvironment(
         steps=[env_result({"observation_version": "v", "page_type": "search_home", "search_available": True, "actions": []})]
     )
-    trace = await runtime(model, env, max_steps=2).run(JOB)
+    trace = written(await runtime(model, env, max_steps=2).run(JOB))
     assert env.terminations == ["action_limit"] and trace["status"] == "completed"
     assert trace["final"]["termination_reason"] == "action_limit" and len(trace["steps"]) == 2
 
@@ -79,7 +79,7 @@ async def test_r3_generation_length_is_a_scored_policy_failure() -> None:
         reasoning="思考被截断", finish_reason="length", policy_failure={"code": "generation_length", "message": "cut"}
     )
     env = FakeEnvironment()
-    trace = await runtime(FakeModel([cut]), env).run(JOB)
+    trace = written(await runtime(FakeModel([cut]), env).run(JOB))
     assert trace["status"] == "completed" and trace["final"]["reward"] == 0.0
     assert trace["final"]["termination_reason"] == "generation_length"
     assert env.terminations == ["generation_length"] and env.actions == []
@@ -94,7 +94,7 @@ async def test_r4_text_reply_gets_a_user_repair_turn() -> None:
     )
     model = FakeModel([text, tool_output("search", {"query": "耳机"}), tool_output("click", {"value": "buy now"})])
     env = FakeEnvironment()
-    trace = await runtime(model, env).run(JOB)
+    trace = written(await runtime(model, env).run(JOB))
     assert [c["seed"] for c in model.calls] == [50, 51, 52] and len(trace["steps"]) == 3 and len(env.actions) == 2
     first = trace["steps"][0]
     assert first["protocol_error"]["code"] == "tool_call_count" and first["model"]["content"] == "Action: search[耳机]"
@@ -115,7 +115,7 @@ async def test_r5_wrong_argument_keys_get_a_tool_repair_turn() -> None:
             tool_output("click", {"value": "buy now"}),
         ]
     )
-    trace = await runtime(model, FakeEnvironment()).run(JOB)
+    trace = written(await runtime(model, FakeEnvironment()).run(JOB))
     assert trace["steps"][0]["protocol_error"]["code"] == "invalid_tool_arguments"
     assert trace["conversation"][2]["role"] == "assistant" and trace["conversation"][2]["tool_calls"]
     assert trace["conversation"][3]["role"] == "tool" and trace["conversation"][3]["tool_call_id"] == "call-1"
@@ -128,7 +128,7 @@ async def test_r6_out_of_enum_click_reaches_the_environment() -> None:
         [tool_output("search", {"query": "x"}), tool_output("click", {"value": "92"}), tool_output("click", {"value": "buy now"})]
     )
     env = FakeEnvironment(steps=[env_result(results_state(["buy now"])), invalid, purchase_result()])
-    trace = await runtime(model, env).run(JOB)
+    trace = written(await runtime(model, env).run(JOB))
     assert env.actions[1] == "click[92]" and "protocol_error" not in trace["steps"][1]
 
 
@@ -140,7 +140,7 @@ async def test_truncated_tool_call_is_generation_length_not_a_repair() -> None:
         policy_failure={"code": "generation_length", "message": "cut"},
     )
     env = FakeEnvironment()
-    trace = await runtime(FakeModel([cut]), env).run(JOB)
+    trace = written(await runtime(FakeModel([cut]), env).run(JOB))
     assert env.terminations == ["generation_length"] and "protocol_error" not in trace["steps"][0]
 
 
@@ -148,8 +148,8 @@ async def test_cleanup_failure_makes_the_episode_failed() -> None:
     env = FakeEnvironment()
     env.close_error = EnvironmentUnavailableError("release_one timed out", action="release_one")
     model = FakeModel([tool_output("search", {"query": "x"}), tool_output("click", {"value": "buy now"})])
-    trace = await runtime(model, env).run(JOB)
-    assert trace["status"] == "failed" and trace["final"]["done"] is True and not is_completed(trace)
+    trace = written(await runtime(model, env).run(JOB))
+    assert trace["status"] == "failed" and trace["final"]["done"] is True and not read_trace(trace).completed
     assert trace["error"]["stage"] == "cleanup" and trace["failure_class"] == "infrastructure"
 
 
@@ -234,7 +234,7 @@ async def test_failures_are_charged_to_whoever_caused_them(
         env.reset_error = EnvironmentResponseError("'unknown or inactive task_id 7'", action="reset", status=500)
     if case == "version":
         env.reset_error = EnvironmentVersionError("observation_version is 'v6'", action="reset")
-    trace = await runtime(FakeModel(outputs), env).run(JOB)
+    trace = written(await runtime(FakeModel(outputs), env).run(JOB))
     assert trace["status"] == "failed" and trace["error"]["stage"] == stage, case
     assert trace["failure_class"] == expected, case
     assert env.closes == 1
@@ -242,6 +242,6 @@ async def test_failures_are_charged_to_whoever_caused_them(
 
 async def test_page_without_tools_fails_at_the_tool_stage() -> None:
     env = FakeEnvironment(steps=[env_result(results_state([]))])
-    trace = await runtime(FakeModel([tool_output("search", {"query": "x"})]), env).run(JOB)
+    trace = written(await runtime(FakeModel([tool_output("search", {"query": "x"})]), env).run(JOB))
     assert trace["status"] == "failed" and trace["error"]["stage"] == "tools_step_2"
     assert "search_results" in trace["error"]["message"]

@@ -26,13 +26,13 @@ import pytest
 from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
 from shopsimrl.episode import AgentRuntime
 from shopsimrl.prompts import PromptBuilder
+from shopsimrl.records import dump_line, parse_trace_line, read_trace, to_plain
 from shopsimrl.research import viewer
 from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob, ModelOutput, ToolCall
 from shopsimrl.skills import NoSkills
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
-from shopsimrl.traces import encode_trace_line, is_completed, parse_trace_line
 from tests.fakes import FakeModel
 from tests.openai_stub import OpenAIStub, Reply, completion
 from tests.testbed_process import ROOT, write_config
@@ -60,7 +60,7 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     lines = (run_dir / "traces.jsonl").read_bytes().splitlines()
     parsed = [parse_trace_line(line) for line in lines if line]
     assert all(record is not None for record in parsed)
-    return [record for record in parsed if record is not None]
+    return [to_plain(record) for record in parsed if record is not None]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_lone_surrogates_from_the_model_are_repair_turns_and_the_run_completes(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     traces = records(run_dir)
-    assert len(traces) == 2 and all(is_completed(record) for record in traces)
+    assert len(traces) == 2 and all(read_trace(record).completed for record in traces)
     steps = [step for record in traces for step in record["steps"]]
     assert len(steps) == 4 and {step["protocol_error"]["code"] for step in steps} == {"invalid_unicode"}
     assert all(step["action"] is None for step in steps)  # nothing reached the shop
@@ -135,7 +135,7 @@ def test_every_reader_takes_a_run_holding_lone_surrogates(
     run_dir = tmp_path / "run"
     shutil.copytree(source, run_dir)
     traces = [_as_a_custom_model_would(record) for record in records(source)]
-    (run_dir / "traces.jsonl").write_bytes(b"".join(encode_trace_line(record) for record in traces))
+    (run_dir / "traces.jsonl").write_bytes(b"".join(dump_line(record) for record in traces))
     assert records(run_dir) == traces  # lossless
     episode = traces[0]["episode_id"]
     out = tmp_path / "out"
@@ -189,10 +189,11 @@ async def test_a_custom_chat_model_handing_over_lone_surrogates_gets_a_repair_tu
     environment = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=shop_url))
     runtime = AgentRuntime(model=model, environment=environment, prompts=PromptBuilder(), skills=NoSkills(), max_steps=2)
     try:
-        trace = await runtime.run(EpisodeJob(task_id=19, sample_id=0, seed=3, split="val"))
+        typed = await runtime.run(EpisodeJob(task_id=19, sample_id=0, seed=3, split="val"))
     finally:
         await environment.aclose()
-    assert is_completed(trace), trace["error"]
+    trace = to_plain(typed)
+    assert typed.completed, trace["error"]
     first, second = trace["steps"]
     assert first["protocol_error"]["code"] == "invalid_unicode" and first["action"] is None
     assert second["action"] == "search[台灯]"
@@ -201,4 +202,5 @@ async def test_a_custom_chat_model_handing_over_lone_surrogates_gets_a_repair_tu
     assert sent[2]["tool_calls"][0]["id"] == "call-\ufffd" and sent[3]["tool_call_id"] == "call-\ufffd"
     orjson.dumps(sent)
     assert first["model"]["tool_calls"][0]["raw_arguments"] == '{"query": "台灯\udfff"}'
-    assert parse_trace_line(encode_trace_line(trace)) == trace
+    again = parse_trace_line(dump_line(typed))
+    assert again is not None and to_plain(again) == trace

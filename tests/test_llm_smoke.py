@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import yaml
 
+from shopsimrl.records import read_trace
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob
 from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, default_cache_dir, installed_server, tool_results_handler
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
-from shopsimrl.traces import is_completed
 
 ROOT = Path(__file__).resolve().parents[1]
 # The small fixture catalog keeps every page short: a search page of the full synthetic catalog
@@ -97,7 +97,7 @@ def test_two_episodes_against_llama_cpp(tmp_path: Path, llama: LlamaServer, shop
     prompt_tokens = completion_tokens = 0
     for record in records:
         assert record["schema_version"] == TRACE_SCHEMA_VERSION and set(record) >= TRACE_KEYS, set(record) ^ TRACE_KEYS
-        assert is_completed(record) and record["failure_class"] is None and record["error"] is None
+        assert read_trace(record).completed and record["failure_class"] is None and record["error"] is None
         assert EpisodeJob.from_dict(record["job"]).episode_id == record["episode_id"]
         assert record["provenance"]["model"]["model"] == MODEL_ALIAS
         assert record["provenance"]["model"]["base_url"] == llama.base_url

@@ -20,17 +20,24 @@ import pytest
 
 from shopsimrl.local_run import LocalRunStore, RunLockedError, atomic_write_json
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
+from shopsimrl.records import read_trace
 from tests.testbed_process import start_testbed, write_config
 
 
 def trace(episode_id: str, status: str = "completed", reward: float = 1.0) -> dict:
+    """A trace as written (the JSON object of its line)."""
     return {
         "schema_version": "shopsimrl-episode-v4",
         "episode_id": episode_id,
         "status": status,
+        "job": {"task_id": 1, "sample_id": 0, "seed": 1, "split": "val"},
         "final": {"done": status == "completed", "reward": reward},
         "steps": [],
     }
+
+
+def save(store: LocalRunStore, record: dict) -> None:
+    store.save_traces([read_trace(record)])
 
 
 PLAN = {"experiment": "x", "model": {"model": "m", "sampling": {"temperature": 0.6}}, "jobs": [{"task_id": 1}]}
@@ -38,13 +45,13 @@ PLAN = {"experiment": "x", "model": {"model": "m", "sampling": {"temperature": 0
 
 def test_torn_tail_and_garbage_are_skipped_and_sealed(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path / "run")
-    store.save_trace(trace("task-000001__sample-000"))
+    save(store, trace("task-000001__sample-000"))
     with store.traces_path.open("ab") as handle:  # a crash mid-write, cut inside a multi-byte character
         handle.write(json.dumps(trace("task-000002__sample-000"), ensure_ascii=False).encode()[:30] + "中".encode()[:2])
     index = store.load_index()
     assert index.is_complete("task-000001__sample-000") and "task-000002__sample-000" not in index.episodes
     assert index.bad_lines == 1
-    store.save_trace(trace("task-000002__sample-000"))
+    save(store, trace("task-000002__sample-000"))
     with store.traces_path.open("ab") as handle:
         handle.write(b"not json at all\n[1,2]\n\xff\xfe\n\n")
     index = store.load_index()
@@ -54,12 +61,12 @@ def test_torn_tail_and_garbage_are_skipped_and_sealed(tmp_path: Path) -> None:
 
 def test_latest_record_wins_and_attempts_count(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path)
-    store.save_trace(trace("e", "failed"))
-    store.save_trace(trace("e", "completed", 0.5))
-    store.save_trace(trace("f", "failed"))
+    save(store, trace("e", "failed"))
+    save(store, trace("e", "completed", 0.5))
+    save(store, trace("f", "failed"))
     index = store.load_index()
     assert index.attempts("e") == 2 and index.is_complete("e") and not index.is_complete("f")
-    latest = [(flag, r["status"]) for flag, r in store.iter_records(index) if r["episode_id"] == "e"]
+    latest = [(flag, r.status) for flag, r in store.iter_records(index) if r.episode_id == "e"]
     assert latest == [(False, "failed"), (True, "completed")]
 
 
@@ -68,9 +75,9 @@ def test_unserialisable_payload_is_repaired_not_fatal(tmp_path: Path) -> None:
     record = trace("e")
     record["final"]["reward"] = math.nan
     record["final"]["odd"] = object()
-    store.save_trace(record)
+    save(store, record)
     (saved,) = [r for _, r in store.iter_records()]
-    assert saved["final"]["reward"] is None and saved["serialization_repaired"] is True
+    assert saved.final is not None and saved.final.get("reward", "absent") is None and saved.serialization_repaired is True
 
 
 def test_documents_keep_a_lone_surrogate_as_its_escape(tmp_path: Path) -> None:
@@ -129,11 +136,11 @@ def test_one_process_per_run_directory(tmp_path: Path) -> None:
 def test_completion_is_sticky_when_a_failed_record_follows(tmp_path: Path) -> None:
     # e.g. traces concatenated from two machines: a completed episode must never be rerun
     store = LocalRunStore(tmp_path)
-    store.save_trace(trace("e", "completed", 0.5))
-    store.save_trace(trace("e", "failed"))
+    save(store, trace("e", "completed", 0.5))
+    save(store, trace("e", "failed"))
     index = store.load_index()
     assert index.is_complete("e") and index.attempts("e") == 2
-    winners = [r["status"] for flag, r in store.iter_records(index) if flag]
+    winners = [r.status for flag, r in store.iter_records(index) if flag]
     assert winners == ["completed"]
 
 
@@ -256,7 +263,7 @@ def test_a_full_disk_while_rewriting_the_summary_exits_3_and_keeps_the_old_one(t
     seed = tmp_path / "seed"
     store = LocalRunStore(seed / "run")
     for n in range(1, 6):
-        store.save_trace(trace(f"task-{n:06d}__sample-000", reward=n / 5))
+        save(store, trace(f"task-{n:06d}__sample-000", reward=n / 5))
     (seed / "run" / "summary.json").write_text('{"previous": true}\n')
     result = run_on_a_full_disk(mode, seed, tmp_path / "disk", ["summarize", str(tmp_path / "disk" / "run")])
     assert result.code == 3, result.stderr[-3000:]

@@ -21,9 +21,15 @@ from shopsimrl.metrics import (
     unfinished_view,
     wilson_interval,
 )
+from shopsimrl.records import read_trace
 from shopsimrl.schemas import SUMMARY_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
 
 FIXTURES = Path(__file__).parent / "fixtures"
+IDENTITY: dict[str, Any] = {
+    "schema_version": TRACE_SCHEMA_VERSION,
+    "job": {"task_id": 5, "sample_id": 0, "seed": 7, "split": "val"},
+}
+"""What every trace record has: its schema version and its job (plus its episode_id)."""
 CREATED = "2025-09-01T00:00:00+00:00"
 REFERENCE_KEYS = {
     "counts": {"requested", "trace_files", "completed", "failed", "scored", "coverage"},
@@ -207,8 +213,8 @@ def test_e5_only_failed_attempts() -> None:
     accumulator = SummaryAccumulator(requested=1)
     attempts = [_failed("task-000001__sample-000", attempt=n) for n in (1, 2, 3)]
     for earlier in attempts[:-1]:
-        accumulator.note_superseded_attempt(earlier)
-    accumulator.add(attempts[-1])
+        accumulator.note_superseded_attempt(read_trace(earlier))
+    accumulator.add(read_trace(attempts[-1]))
     summary = accumulator.result(created_at=CREATED)
     assert summary["counts"]["failed"] == 1 and summary["counts"]["completed"] == 0
     assert summary["primary"]["reward_mean"] is None
@@ -356,7 +362,7 @@ def test_streaming_equals_batch_and_result_is_repeatable() -> None:
     records = _legacy_records()
     accumulator = SummaryAccumulator()
     for record in records:
-        accumulator.add(record)
+        accumulator.add(read_trace(record))
     assert accumulator.result(created_at=CREATED) == summarize_traces(records, created_at=CREATED)
     assert accumulator.result(created_at=CREATED) == accumulator.result(created_at=CREATED)
 
@@ -366,12 +372,12 @@ def _reference_formulas(records: list[dict[str, Any]], requested: int) -> dict[s
     from collections import Counter
     from statistics import fmean, stdev
 
-    from shopsimrl.traces import is_completed
+    from shopsimrl.records import read_trace
 
     def numeric(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    done = [r for r in records if is_completed(r)]
+    done = [r for r in records if read_trace(r).completed]
     rewards = [float(r["final"]["reward"]) for r in done if numeric(r["final"].get("reward"))]
     details = [r["final"].get("reward_detail") or {} for r in done]
     successes = [float(d["r_success"]) for d in details if numeric(d.get("r_success"))]
@@ -414,7 +420,11 @@ def _reference_formulas(records: list[dict[str, Any]], requested: int) -> dict[s
         "duration_ms_mean": fmean(r["duration_ms"] for r in done),
         "tokens": dict(tokens),
         "errors": dict(
-            sorted(Counter(str((r.get("error") or {}).get("type") or "unknown") for r in records if not is_completed(r)).items())
+            sorted(
+                Counter(
+                    str((r.get("error") or {}).get("type") or "unknown") for r in records if not read_trace(r).completed
+                ).items()
+            )
         ),
     }
 
@@ -473,13 +483,12 @@ def test_not_in_plan_records_are_counted_nowhere_else() -> None:
         _failed(plan[1]),
         _trace("task-000099__sample-000", reward=0.0, steps=[_action_step(1)]),
         _failed("task-000098__sample-000", error_type="Boom"),
-        {"status": "completed"},  # no episode_id at all
     ]
     summary = summarize_traces(records, requested_episode_ids=plan, created_at=CREATED)
     counts = summary["counts"]
     assert (counts["requested"], counts["trace_files"], counts["completed"], counts["failed"]) == (3, 2, 1, 1)
-    assert counts["missing"] == 1 and counts["not_in_plan"] == 3
-    assert counts["not_in_plan_ids_sample"] == ["task-000099__sample-000", "task-000098__sample-000", "None"]
+    assert counts["missing"] == 1 and counts["not_in_plan"] == 2
+    assert counts["not_in_plan_ids_sample"] == ["task-000099__sample-000", "task-000098__sample-000"]
     assert counts["coverage"] == pytest.approx(1 / 3)
     assert summary["primary"]["reward_mean"] == 1.0
     assert summary["behavior"]["model_steps"] == 0
@@ -487,8 +496,8 @@ def test_not_in_plan_records_are_counted_nowhere_else() -> None:
 
     accumulator = SummaryAccumulator(requested_episode_ids=plan)
     for n in range(30):
-        accumulator.add(_trace(f"stray-{n:02d}"))
-    accumulator.note_superseded_attempt(_failed("stray-00"))
+        accumulator.add(read_trace(_trace(f"stray-{n:02d}")))
+    accumulator.note_superseded_attempt(read_trace(_failed("stray-00")))
     result = accumulator.result()
     assert result["counts"]["not_in_plan"] == 30
     assert result["counts"]["not_in_plan_ids_sample"] == [f"stray-{n:02d}" for n in range(20)]
@@ -502,7 +511,7 @@ def test_requested_arguments_are_validated() -> None:
         SummaryAccumulator(requested=-1)
     with pytest.raises(TypeError, match="not a string"):
         SummaryAccumulator(requested_episode_ids="abc")
-    with pytest.raises(TypeError, match="JSON object, got list"):
+    with pytest.raises(TypeError, match="must be an EpisodeTrace, got list"):
         SummaryAccumulator().add([1, 2])  # type: ignore[arg-type]
     assert summarize_traces([])["counts"]["coverage"] == 0.0
 
@@ -517,17 +526,18 @@ def test_odd_rewards_are_not_scored_and_missing_keys_never_raise() -> None:
         _trace("bool", reward=True),
         _trace("text", reward="1.0"),
         _trace("ok", reward=0.25, success=0),
-        {"schema_version": TRACE_SCHEMA_VERSION, "status": "completed", "final": {"done": True}},  # bare minimum
+        {**IDENTITY, "episode_id": "bare", "status": "completed", "final": {"done": True}},  # bare minimum
         {
-            "schema_version": TRACE_SCHEMA_VERSION,
+            **IDENTITY,
+            "episode_id": "odd",
             "status": "completed",
             "final": {"done": True, "termination_reason": None},
             "steps": "not-a-list",
             "duration_ms": "slow",
         },
-        {"schema_version": "shopsimrl-episode-v9", "status": "completed", "final": {"done": True}},
-        {"status": "completed", "final": {"done": False}, "error": "not an object"},
-        {},
+        {**IDENTITY, "episode_id": "f1", "status": "completed", "final": {"done": False}, "error": "not an object"},
+        {**IDENTITY, "episode_id": "f2", "status": "odd", "final": "not an object"},
+        {**IDENTITY, "episode_id": "f3", "status": "failed", "steps": [{"step_index": 1, "model": "x", "environment": 3}]},
     ]
     summary = summarize_traces(records, created_at=CREATED)
     assert summary["counts"]["completed"] == 7 and summary["counts"]["failed"] == 3
@@ -536,6 +546,23 @@ def test_odd_rewards_are_not_scored_and_missing_keys_never_raise() -> None:
     assert summary["errors"] == {"unknown": 3}
     assert summary["behavior"]["termination_reasons"] == {"None": 1, "purchase": 5, "unknown": 1}
     assert "nan" not in json.dumps(summary, allow_nan=False).lower()
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        ({"status": "completed", "final": {"done": True}}, "not a trace record"),  # no version, no id
+        ({**IDENTITY, "schema_version": "shopsimrl-episode-v9", "episode_id": "v9"}, "'shopsimrl-episode-v9' is not one"),
+        ({**IDENTITY, "episode_id": "nojob", "job": None}, "job"),
+        ({**IDENTITY, "episode_id": "badjob", "job": {"task_id": True}}, "job"),
+        ({**IDENTITY, "job": IDENTITY["job"]}, "episode_id"),
+    ],
+)
+def test_what_is_not_a_trace_record_never_reaches_the_summary(record: dict[str, Any], error: str) -> None:
+    """A record without a trace's identity (version, episode id, job) is refused by the reader, so
+    the stores count its line as unreadable; it is never scored as an episode."""
+    with pytest.raises(ValueError, match=re.escape(error)):
+        summarize_traces([record])
 
 
 def test_retry_statistics_from_additive_keys() -> None:
@@ -563,11 +590,11 @@ def test_throughput_span_and_unknown_span() -> None:
     first = _trace("a", started_at="2025-08-30T10:00:00Z", ended_at="2025-08-30T10:10:00Z")
     second = _trace("b", started_at="2025-08-30T10:05:00+00:00", ended_at="2025-08-30T10:30:00+00:00")
     accumulator = SummaryAccumulator()
-    accumulator.add(first)
-    accumulator.add(second)
+    accumulator.add(read_trace(first))
+    accumulator.add(read_trace(second))
     assert accumulator.result()["throughput"]["episodes_per_hour"] == pytest.approx(4.0)  # 2 in 30 min
     # An earlier attempt widens the span the run actually took.
-    accumulator.note_superseded_attempt(_failed("a", started_at="2025-08-30T09:30:00+00:00", ended_at=None))
+    accumulator.note_superseded_attempt(read_trace(_failed("a", started_at="2025-08-30T09:30:00+00:00", ended_at=None)))
     assert accumulator.result()["throughput"]["episodes_per_hour"] == pytest.approx(2.0)
     unknown = summarize_traces([_trace("x", started_at=None, ended_at="garbage")])
     assert unknown["throughput"]["episodes_per_hour"] is None
@@ -693,10 +720,10 @@ def test_memory_is_flat_in_the_number_of_records() -> None:
         )
 
     for n in range(1_000):
-        accumulator.add(record(n))
+        accumulator.add(read_trace(record(n)))
     early = _container_sizes(accumulator, skip={"_plan_ids"})
     for n in range(1_000, 50_000):
-        accumulator.add(record(n))
+        accumulator.add(read_trace(record(n)))
     late = _container_sizes(accumulator, skip={"_plan_ids"})
 
     assert set(late) == set(early)
@@ -780,33 +807,26 @@ def test_an_unfinished_view_counts_as_its_record() -> None:
     failed = [r for r in legacy if r.get("status") != "completed"]
     odd: list[dict[str, Any]] = [
         {
+            **IDENTITY,
             "episode_id": "e1",
             "status": "failed",
-            "job": {"task_id": 7},
             "error": {"type": "ReadTimeout"},
             "failure_class": "infrastructure",
             "started_at": "2026-01-01T00:00:00+00:00",
             "ended_at": "2026-01-01T00:01:00+00:00",
-            "steps": [{"model": {"latency_ms": 5}}],
+            "steps": [{"step_index": 1, "model": {"latency_ms": 5}}],
         },
-        {"episode_id": "e2", "status": "failed", "job": {"task_id": True}, "error": "not an object", "failure_class": None},
-        {"episode_id": "e3", "status": "failed", "job": None, "failure_class": "policy", "ended_at": "bad time"},
-        {
-            "episode_id": "e4",
-            "schema_version": TRACE_SCHEMA_VERSION,
-            "status": "completed",
-            "final": {"done": False, "reward": 1.0},
-            "job": {"task_id": 9},
-            "error": {"type": None},
-        },
+        {**IDENTITY, "episode_id": "e2", "status": "failed", "error": "not an object", "failure_class": None},
+        {**IDENTITY, "episode_id": "e3", "status": "failed", "failure_class": "policy", "ended_at": "bad time"},
+        {**IDENTITY, "episode_id": "e4", "status": "completed", "final": {"done": False, "reward": 1.0}, "error": {"type": None}},
     ]
     records = failed + odd
     assert len(failed) >= 1
     for plan in (None, {r["episode_id"] for r in records[::2]}):
         whole, viewed = (SummaryAccumulator(requested_episode_ids=plan) for _ in range(2))
         for record in records:
-            whole.add(record)
-            whole.note_superseded_attempt(record)
-            viewed.add(unfinished_view(record))
-            viewed.note_superseded_attempt(unfinished_view(record))
+            whole.add(read_trace(record))
+            whole.note_superseded_attempt(read_trace(record))
+            viewed.add(unfinished_view(read_trace(record)))
+            viewed.note_superseded_attempt(unfinished_view(read_trace(record)))
         assert viewed.result(created_at=CREATED) == whole.result(created_at=CREATED)

@@ -16,7 +16,7 @@ testbed shop over HTTP) must hold:
   bytes, recoverable with ``surrogateescape``);
 - the episode ends completed, or failed with a class other than ``runtime_error`` (a bug); the
   conversation and every action are valid Unicode (what reaches the model server and the shop);
-- the trace line round-trips exactly (``parse_trace_line(encode_trace_line(t)) == t``), without
+- the trace line round-trips exactly (``parse_trace_line(dump_line(t)) == t``), without
   being repaired, and the summary, the transcript and the steps table read it.
 """
 
@@ -42,13 +42,13 @@ from shopsimrl.episode import AgentRuntime
 from shopsimrl.metrics import summarize_traces
 from shopsimrl.model import RAW_TEXT_CHARS, ModelRequestError, OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.prompts import PromptBuilder
+from shopsimrl.records import EpisodeTrace, dump_line, parse_trace_line, to_plain
 from shopsimrl.research.tables import STEP_SCHEMA, step_rows
 from shopsimrl.research.transcript import read_transcript, render_terminal
 from shopsimrl.schemas import EpisodeJob, parse_json
 from shopsimrl.skills import NoSkills
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
-from shopsimrl.traces import encode_trace_line, parse_trace_line
 from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 
 CATALOG = Path(__file__).parent / "testbed" / "fixtures" / "catalog_small.json"
@@ -270,7 +270,8 @@ async def _check_episode(stub: OpenAIStub, model_url: str, shop_url: str, wire: 
         await environment.aclose()
 
 
-def _check_trace(trace: dict[str, Any]) -> None:
+def _check_trace(typed: EpisodeTrace) -> None:
+    trace = to_plain(typed)
     assert trace["failure_class"] != "runtime_error", trace["error"]
     event(f"episode: {trace['status']} {trace['failure_class'] or ''}".strip())
     if any(step["action"] and step["action"] != "search[电水壶]" for step in trace["steps"]):
@@ -278,9 +279,9 @@ def _check_trace(trace: dict[str, Any]) -> None:
     orjson.dumps(trace["conversation"])  # what was sent to the model: strict UTF-8
     for step in trace["steps"]:
         assert not lone_surrogate(step["action"])  # what reached the shop
-    line = encode_trace_line(trace)
+    line = dump_line(typed)
     again = parse_trace_line(line)
-    assert again == trace and "serialization_repaired" not in again
+    assert again is not None and to_plain(again) == trace and "serialization_repaired" not in trace
     orjson.dumps(summarize_traces([again]))  # the summary: strict UTF-8
     pa.RecordBatch.from_pylist(list(step_rows(again)), schema=STEP_SCHEMA)  # Arrow strings are strict UTF-8
     console = Console(file=io.StringIO(), width=100)

@@ -9,23 +9,26 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.local_run import LocalRunStore
+from shopsimrl.records import EpisodeTrace, read_trace
 from shopsimrl.scheduler import Evaluator
 from shopsimrl.schemas import EpisodeJob
 
 JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in (1, 2, 3)]
 
 
-def trace(job: EpisodeJob, status: str, failure_class: str | None = None, reward: float = 1.0) -> dict:
-    return {
-        "schema_version": "shopsimrl-episode-v4",
-        "episode_id": job.episode_id,
-        "status": status,
-        "job": job.to_dict(),
-        "final": {"done": True, "reward": reward} if status == "completed" else None,
-        "steps": [],
-        "error": None if status == "completed" else {"type": "X"},
-        "failure_class": failure_class,
-    }
+def trace(job: EpisodeJob, status: str, failure_class: str | None = None, reward: float = 1.0) -> EpisodeTrace:
+    return read_trace(
+        {
+            "schema_version": "shopsimrl-episode-v4",
+            "episode_id": job.episode_id,
+            "status": status,
+            "job": job.to_dict(),
+            "final": {"done": True, "reward": reward} if status == "completed" else None,
+            "steps": [],
+            "error": None if status == "completed" else {"type": "X"},
+            "failure_class": failure_class,
+        }
+    )
 
 
 class ScriptedRuntime:
@@ -35,7 +38,7 @@ class ScriptedRuntime:
         self.script = script
         self.calls: list[int] = []
 
-    async def run(self, job: EpisodeJob) -> dict:
+    async def run(self, job: EpisodeJob) -> EpisodeTrace:
         self.calls.append(job.task_id)
         outcomes = self.script.get(job.task_id, ["ok"])
         outcome = outcomes[min(self.calls.count(job.task_id) - 1, len(outcomes) - 1)]
@@ -75,7 +78,7 @@ async def test_e4_infrastructure_failures_are_retried_within_the_invocation(tmp_
     assert runtime.calls.count(2) == 3 and outcome.completed == 3 and outcome.failed == 0 and outcome.retried == 2
     index = store.load_index()
     assert index.is_complete(JOBS[1].episode_id) and index.attempts(JOBS[1].episode_id) == 3
-    attempts = [r["attempt"] for _, r in store.iter_records(index) if r["episode_id"] == JOBS[1].episode_id]
+    attempts = [r.attempt for _, r in store.iter_records(index) if r.episode_id == JOBS[1].episode_id]
     assert attempts == [1, 2, 3]
 
 
@@ -116,8 +119,8 @@ async def test_an_outcome_failure_is_final_across_invocations_unless_rerolled(tm
     assert runtime.calls.count(1) == 1
     outcome = await run(store, runtime, reroll_failed=True)  # the explicit choice: run it again, marked
     assert runtime.calls.count(1) == 2 and outcome.rerolled == 1 and outcome.completed == 1
-    records = [r for _, r in store.iter_records() if r["episode_id"] == JOBS[0].episode_id]
-    assert [r.get("rerolled_from") for r in records] == [None, failure_class or "unclassified"]
+    records = [r for _, r in store.iter_records() if r.episode_id == JOBS[0].episode_id]
+    assert [r.rerolled_from for r in records] == [None, failure_class or "unclassified"]
     from shopsimrl.local_run import summarize_local
 
     summary = summarize_local(store, None, [job.episode_id for job in JOBS])
@@ -146,10 +149,10 @@ async def test_one_bad_episode_never_aborts_the_run(tmp_path: Path) -> None:
     runtime = ScriptedRuntime({1: [RuntimeError("bug in a custom runtime")], 2: ["nan"]})
     outcome = await run(store, runtime)
     assert outcome.attempts == 3
-    records = {r["episode_id"]: r for _, r in store.iter_records()}
-    assert records[JOBS[0].episode_id]["error"]["stage"] == "evaluator_boundary"
-    assert records[JOBS[1].episode_id]["final"]["reward"] is None  # NaN made safe, not fatal
-    assert records[JOBS[2].episode_id]["status"] == "completed"
+    records = {r.episode_id: r for _, r in store.iter_records()}
+    assert records[JOBS[0].episode_id].error.stage == "evaluator_boundary"
+    assert records[JOBS[1].episode_id].final.get("reward", "absent") is None  # NaN made safe, not fatal
+    assert records[JOBS[2].episode_id].status == "completed"
 
 
 async def test_a_failing_store_stops_the_run(tmp_path: Path) -> None:
@@ -184,8 +187,8 @@ class BlockingSink:
     def save_traces(self, records: list[dict]) -> None:
         self.entered.set()
         assert self.release.wait(30), "the test never let the save finish"
-        self.saved.extend(record["episode_id"] for record in records)
-        self.batches.append([record["episode_id"] for record in records])
+        self.saved.extend(record.episode_id for record in records)
+        self.batches.append([record.episode_id for record in records])
 
 
 @pytest.mark.slow
@@ -214,7 +217,7 @@ class GatedRuntime(ScriptedRuntime):
         self.gate = asyncio.Event()
         self.all_ended = asyncio.Event()
 
-    async def run(self, job: EpisodeJob) -> dict:
+    async def run(self, job: EpisodeJob) -> EpisodeTrace:
         if job.task_id != 1:
             await self.gate.wait()
         try:
@@ -262,7 +265,7 @@ class FullDiskStore:
         try:
             self.store.save_traces(records)
         except OSError as exc:
-            self.failed.append(([record["episode_id"] for record in records], exc))
+            self.failed.append(([record.episode_id for record in records], exc))
             raise
 
 
@@ -277,7 +280,7 @@ class CleanupAfterCancel(ScriptedRuntime):
         self.gate = asyncio.Event()
         self.cancelled_before_second_write_failed = False
 
-    async def run(self, job: EpisodeJob) -> dict:
+    async def run(self, job: EpisodeJob) -> EpisodeTrace:
         if job.task_id == 2:
             await self.gate.wait()
         elif job.task_id == 3:

@@ -33,7 +33,7 @@ from typer.testing import CliRunner
 from shopsimrl import logs
 from shopsimrl.cli import app
 from shopsimrl.progress import RunProgress, ShardedRunProgress
-from shopsimrl.traces import is_completed
+from shopsimrl.records import EpisodeTrace, read_trace
 from tests.terminal_screen import run_on_terminal, screen_lines
 from tests.testbed_process import ROOT, LocalTestbed, start_testbed, write_config
 
@@ -222,8 +222,16 @@ def terminal_console(buffer: io.StringIO) -> Console:
     return Console(file=buffer, force_terminal=True, width=160, color_system="standard")
 
 
-def completed_trace(number: int, reward: float = 1.0) -> dict[str, Any]:
-    return {"episode_id": f"task-{number:06d}__sample-000", "status": "completed", "final": {"reward": reward, "done": True}}
+def completed_trace(number: int, reward: float = 1.0) -> EpisodeTrace:
+    return read_trace(
+        {
+            "schema_version": "shopsimrl-episode-v4",
+            "episode_id": f"task-{number:06d}__sample-000",
+            "status": "completed",
+            "job": {"task_id": number, "sample_id": 0, "seed": number, "split": "val"},
+            "final": {"reward": reward, "done": True},
+        }
+    )
 
 
 def assert_logs_above_the_bar(lines: list[str], expected_logs: int) -> None:
@@ -350,7 +358,7 @@ def keep_first_records(traces: Path, count: int) -> int:
     """Cut the trace file to its first ``count`` lines (a run stopped early); returns the episodes completed in them."""
     lines = traces.read_text(encoding="utf-8").splitlines(keepends=True)[:count]
     traces.write_text("".join(lines), encoding="utf-8")
-    return len({record["episode_id"] for record in map(json.loads, lines) if is_completed(record)})
+    return len({record["episode_id"] for record in map(json.loads, lines) if read_trace(record).completed})
 
 
 @pytest.mark.slow

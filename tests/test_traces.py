@@ -1,4 +1,4 @@
-"""The winner rule of shopsimrl.traces, once, and that both run stores apply it."""
+"""The winner rule (shopsimrl.records.winner), once, and that both run stores apply it; the line codec."""
 
 from __future__ import annotations
 
@@ -8,20 +8,23 @@ from typing import Any
 
 import pytest
 
+from shopsimrl.episode import new_trace
 from shopsimrl.local_run import LocalRunStore
+from shopsimrl.records import EpisodeTrace, dump_line, parse_trace_line, read_trace, to_plain
+from shopsimrl.records.winner import Verdict, WinnerPicker
 from shopsimrl.schemas import EpisodeJob, fingerprint, json_bytes, parse_json, parse_json_exact
 from shopsimrl.sharded.layout import ShardedRunStore
 from shopsimrl.sharded.reduce import reduce_run
 from shopsimrl.sharded.worker import commit_shard
-from shopsimrl.traces import Verdict, WinnerPicker, encode_trace_line, parse_trace_line, trace_skeleton
 
 
 def record(
     episode_id: str, status: str, *, attempt: int | None = None, ended_at: str | None = None, error: str = ""
-) -> dict[str, Any]:
+) -> EpisodeTrace:
     rec: dict[str, Any] = {
         "schema_version": "shopsimrl-episode-v4",
         "episode_id": episode_id,
+        "job": {"task_id": 1, "sample_id": 0, "seed": 0, "split": "val"},
         "status": status,
         "final": {"done": True, "reward": 1.0} if status == "completed" else None,
         "ended_at": ended_at,
@@ -31,10 +34,10 @@ def record(
     }
     if attempt is not None:
         rec["attempt"] = attempt
-    return rec
+    return read_trace(rec)
 
 
-def winners(records: list[dict[str, Any]]) -> tuple[dict[str, str], list[str], list[Verdict]]:
+def winners(records: list[EpisodeTrace]) -> tuple[dict[str, str], list[str], list[Verdict]]:
     """(episode → tag of its winner, tags of superseded attempts, verdicts) with each record tagged by its position."""
     picker: WinnerPicker[str] = WinnerPicker()
     losers, verdicts = [], []
@@ -43,7 +46,7 @@ def winners(records: list[dict[str, Any]]) -> tuple[dict[str, str], list[str], l
         verdicts.append(offer.verdict)
         if offer.loser is not None:
             losers.append(offer.loser)
-    found = {rec["episode_id"]: picker.winner(rec["episode_id"]) for rec in records}
+    found = {rec.episode_id: picker.winner(rec.episode_id) for rec in records}
     return {k: v for k, v in found.items() if v is not None}, losers, verdicts
 
 
@@ -115,12 +118,10 @@ def test_both_run_stores_pick_the_same_winners(tmp_path: Path) -> None:
     ]
     local = LocalRunStore(tmp_path / "local")
     for rec in records:
-        local.save_trace(rec)
+        local.save_traces([rec])
     index = local.load_index()
     local_winners = {
-        (r["episode_id"], r["status"], (r["error"] or {}).get("type"), r["attempt"])
-        for won, r in local.iter_records(index)
-        if won
+        (r.episode_id, r.status, r.error.type if r.error else None, r.attempt) for won, r in local.iter_records(index) if won
     }
     assert local_winners == {(first, "failed", "Third", 3), (second, "completed", None, 2)}
 
@@ -128,7 +129,7 @@ def test_both_run_stores_pick_the_same_winners(tmp_path: Path) -> None:
     sharded = ShardedRunStore(str(tmp_path / "sharded"))
     sharded.initialize(plan)
     ids = sharded.ensure_shard_map(jobs, 1, fingerprint(plan)).episode_ids[0]
-    sharded.write_part(0, 0, "abcdef01", b"".join(encode_trace_line(rec) for rec in records))
+    sharded.write_part(0, 0, "abcdef01", b"".join(dump_line(rec) for rec in records))
     commit_shard(sharded, 0, ids, plan_fp=fingerprint(plan), writer="abcdef01")
     summary = reduce_run(sharded, write=False)
     assert summary["errors"] == {"Third": 1}
@@ -137,25 +138,26 @@ def test_both_run_stores_pick_the_same_winners(tmp_path: Path) -> None:
 
 
 def test_the_skeleton_holds_every_v4_key_of_an_unstarted_episode() -> None:
-    skeleton = trace_skeleton(EpisodeJob(task_id=7, sample_id=1, seed=3, split="val"))
-    assert list(skeleton)[:4] == ["schema_version", "episode_id", "status", "job"]
+    skeleton = to_plain(new_trace(EpisodeJob(task_id=7, sample_id=1, seed=3, split="val")))
+    assert list(skeleton) == list(EpisodeTrace.ALWAYS_WRITTEN)
     assert skeleton["status"] == "failed" and skeleton["final"] is None and skeleton["episode_id"] == "task-000007__sample-001"
 
 
 def test_lone_surrogates_are_stored_exactly_as_json_escapes() -> None:
     """A model's text that is not valid Unicode (orjson refuses it) is written as ``\\uXXXX``
     escapes: a valid UTF-8 line that reads back to the same record, not a repaired one."""
-    trace = record("task-000001__sample-000", "completed")
-    trace["steps"] = [{"model": {"content": "台灯\ud800", "raw_response": {"\udfff": ["x\udc80y", "😀"]}}}]
-    line = encode_trace_line(trace)
+    raw = to_plain(record("task-000001__sample-000", "completed"))
+    raw["steps"] = [{"step_index": 1, "model": {"content": "台灯\ud800", "raw_response": {"\udfff": ["x\udc80y", "😀"]}}}]
+    line = dump_line(read_trace(raw))
     line.decode("utf-8")  # valid UTF-8
     assert b'"\\udfff":["x\\udc80y","\xf0\x9f\x98\x80"]' in line and b"\xe5\x8f\xb0\xe7\x81\xaf\\ud800" in line
-    assert parse_trace_line(line) == trace and "serialization_repaired" not in trace
+    back = parse_trace_line(line)
+    assert back is not None and to_plain(back) == raw and back.serialization_repaired is None
     # NaN and a lone surrogate together: the NaN is repaired (null), the text still kept exactly
-    trace["final"]["reward"] = math.nan
-    again = parse_trace_line(encode_trace_line(trace))
-    assert again is not None and again["serialization_repaired"] is True and again["final"]["reward"] is None
-    assert again["steps"] == trace["steps"]
+    raw["final"]["reward"] = math.nan
+    again = parse_trace_line(dump_line(read_trace(raw)))
+    assert again is not None and again.serialization_repaired is True and again.final is not None
+    assert again.final.get("reward", "absent") is None and to_plain(again)["steps"] == raw["steps"]
 
 
 def test_files_this_package_writes_read_back_strictly() -> None:

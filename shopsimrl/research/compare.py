@@ -29,6 +29,7 @@ import numpy as np
 
 from shopsimrl.manifest import plan_diff
 from shopsimrl.metrics import SummaryAccumulator, student_t_quantile, wilson_interval
+from shopsimrl.records import EpisodeTrace
 from shopsimrl.research.episodes import CORE_COLUMNS, episode_row, task_key
 from shopsimrl.research.labels import LABELS_VERSION, TAXONOMY, LabelCounts, episode_labels, label_counts
 from shopsimrl.research.paired_stats import (
@@ -91,7 +92,7 @@ class LoadedRun:
     """Episodes per rule label over the run (each row also carries its episode's ``labels``)."""
 
 
-def _slim(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _slim(record: EpisodeTrace) -> tuple[dict[str, Any], dict[str, Any]]:
     """The episode's slim row and its label record without the evidence (names and codes: what
     the counts need)."""
     row = episode_row(record)

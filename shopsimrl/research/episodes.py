@@ -11,11 +11,11 @@ excused, as in ``summary.json``). ``success`` likewise from
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from shopsimrl.metrics import step_facts
-from shopsimrl.traces import EXCUSED_FAILURE_CLASSES, is_completed
+from shopsimrl.records import EpisodeTrace
+from shopsimrl.records.trace import EXCUSED_FAILURE_CLASSES
 
 __all__ = ["CORE_COLUMNS", "episode_row", "task_key"]
 
@@ -56,48 +56,32 @@ CORE_COLUMNS = (
 """The row's fixed columns, in order; the reward components (``r_*``) follow them."""
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def _map(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def task_key(record: dict[str, Any]) -> str:
-    """The task an episode belongs to (its samples share it): the job's task id, else the
-    episode id's task part."""
-    task_id = _map(record.get("job")).get("task_id")
-    if isinstance(task_id, int) and not isinstance(task_id, bool):
-        return str(task_id)
-    return str(record.get("episode_id", "")).split("__sample-")[0]
+def task_key(record: EpisodeTrace) -> str:
+    """The task an episode belongs to (its samples share it): the job's task id."""
+    return str(record.job.task_id)
 
 
-def episode_row(record: dict[str, Any]) -> dict[str, Any]:
+def episode_row(record: EpisodeTrace) -> dict[str, Any]:
     """The flat row of one trace record (the winning record of its episode)."""
-    job = _map(record.get("job"))
-    final = _map(record.get("final"))
-    detail = _map(final.get("reward_detail"))
-    completed = is_completed(record)
-    failure_class = record.get("failure_class")
+    job = record.job
+    final = record.final
+    completed = record.completed
+    failure_class = record.failure_class
     excused = not completed and failure_class in EXCUSED_FAILURE_CLASSES
 
-    reward = _number(final.get("reward")) if completed else None
-    success = _number(detail.get("r_success")) if completed else None
-    goal = _map(final.get("goal"))
-    purchase = _map(final.get("purchase"))
+    reward = final.reward if completed and final is not None else None
+    success = final.component("r_success") if completed and final is not None else None
+    goal = _map(final.get("goal")) if final is not None else {}
+    purchase = _map(final.get("purchase")) if final is not None else {}
 
-    steps = record.get("steps")
-    if not isinstance(steps, list):
-        steps = []
     actions = invalid = protocol = policy = retries = 0
     tokens: dict[str, int] = {}
     latency_total, latency_max = 0.0, None
-    for step in steps:
-        if not isinstance(step, dict):
-            continue
+    for step in record.steps:
         facts = step_facts(step)
         actions += facts.acted
         invalid += facts.invalid_action
@@ -110,24 +94,24 @@ def episode_row(record: dict[str, Any]) -> dict[str, Any]:
             latency_total += facts.latency_ms
             latency_max = facts.latency_ms if latency_max is None else max(latency_max, facts.latency_ms)
 
-    error = record.get("error")
     row: dict[str, Any] = {
-        "episode_id": record.get("episode_id"),
-        "task_id": job.get("task_id"),
-        "sample_id": job.get("sample_id"),
-        "seed": job.get("seed"),
-        "split": job.get("split"),
-        "status": record.get("status"),
+        "episode_id": record.episode_id,
+        "task_id": job.task_id,
+        "sample_id": job.sample_id,
+        "seed": job.seed,
+        "split": job.split,
+        "status": record.status,
         "completed": completed,
-        "failure_class": failure_class if isinstance(failure_class, str) else None,
-        "error_type": _map(error).get("type") if error else None,
-        "termination_reason": final.get("termination_reason") if completed else None,
+        "failure_class": failure_class,
+        "error_type": record.error.type if record.error is not None else None,
+        # As stored: the open payload's value, whatever its type (the tables type it).
+        "termination_reason": final.get("termination_reason") if completed and final is not None else None,
         "category": goal.get("category") or purchase.get("product_category") or None,
         "reward": reward,
         "reward_itt": None if excused else (reward if completed else 0.0) or 0.0,
         "success": success,
         "success_itt": None if excused else (success if completed else 0.0) or 0.0,
-        "steps": len(steps),
+        "steps": len(record.steps),
         "actions": actions,
         "invalid_actions": invalid,
         "invalid_action_rate": invalid / actions if actions else None,
@@ -140,13 +124,14 @@ def episode_row(record: dict[str, Any]) -> dict[str, Any]:
         "model_latency_ms_total": latency_total if latency_max is not None else None,
         "model_latency_ms_max": latency_max,
         "model_retries": retries,
-        "duration_ms": _number(record.get("duration_ms")),
-        "attempt": record.get("attempt") if isinstance(record.get("attempt"), int) else 1,
-        "started_at": record.get("started_at"),
-        "ended_at": record.get("ended_at"),
+        "duration_ms": record.duration_ms,
+        "attempt": record.attempt if record.attempt is not None else 1,
+        "started_at": record.started_at,
+        "ended_at": record.ended_at,
     }
-    if completed:
-        for key, value in sorted(detail.items()):
-            if isinstance(key, str) and key.startswith("r_") and _number(value) is not None:
-                row[key] = _number(value)
+    if completed and final is not None:
+        for key in sorted(final.reward_detail):
+            value = final.component(key)
+            if key.startswith("r_") and value is not None:
+                row[key] = value
     return row

@@ -29,6 +29,7 @@ import numpy as np
 import orjson
 
 from shopsimrl.prompts import persona_section
+from shopsimrl.records import EpisodeTrace, ErrorInfo
 from shopsimrl.research.dedup import NearDuplicateIndex
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.outputs import OutputWriteError, check_output_location, replacing
@@ -146,7 +147,7 @@ class _Coverage:
 
 def _selected_records(
     run: Run, select: str, selection: dict[str, Any], coverage: _Coverage
-) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+) -> Iterator[tuple[EpisodeTrace, dict[str, Any]]]:
     """Each selected episode's record and row, refusing test-split records on the way; counts
     every episode of the run into the report's ``selection`` and the coverage's ``in_run`` and
     ``selected`` stages (``kept`` is the exporter's to count)."""
@@ -184,16 +185,15 @@ def _normalised_ids(records: list[dict[str, Any]]) -> str:
     return canonical_json(rename(records))
 
 
-def _trajectory_text(record: dict[str, Any]) -> str:
+def _trajectory_text(record: EpisodeTrace) -> str:
     """The episode as the shop saw it, for near-duplicate detection: the task message, then every
     action and the page it led to. Repair turns are left out: two samples that took the same
     actions through the same pages teach the same thing, whatever the unusable replies between."""
-    conversation = record.get("conversation") or []
+    conversation = record.conversation
     parts = [str(conversation[1].get("content") or "")] if len(conversation) > 1 and isinstance(conversation[1], dict) else []
-    for step in record.get("steps") or []:
-        environment = step.get("environment") if isinstance(step, dict) else None
-        if isinstance(environment, dict):
-            parts += [str(step.get("action") or ""), str(environment.get("observation") or "")]
+    for step in record.steps:
+        if step.environment is not None:
+            parts += [str(step.action or ""), str(step.environment.get("observation") or "")]
     return "\n".join(parts)
 
 
@@ -391,41 +391,36 @@ def _map(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def judge_input(record: dict[str, Any], include: frozenset[str] = frozenset()) -> dict[str, Any]:
+def judge_input(record: EpisodeTrace, include: frozenset[str] = frozenset()) -> dict[str, Any]:
     """What a judge may see of one episode (see the module docstring)."""
     row = episode_row(record)
-    reset, final = _map(record.get("reset")), _map(record.get("final"))
+    reset, final = record.reset or {}, record.final
     transcript = []
-    for position, step in enumerate(record.get("steps") or [], start=1):
-        if not isinstance(step, dict):
-            continue
-        model = _map(step.get("model"))
-        environment = step.get("environment")
+    for step in record.steps:
+        model = step.model
+        environment = step.environment
         entry: dict[str, Any] = {
-            "step": step.get("step_index") if isinstance(step.get("step_index"), int) else position,
-            "observation": step.get("observation"),
-            "tools": [_map(tool.get("function")).get("name") for tool in step.get("tools") or [] if isinstance(tool, dict)],
+            "step": step.step_index,
+            "observation": step.observation,
+            "tools": [_map(tool.get("function")).get("name") for tool in step.tools if isinstance(tool, dict)],
             "reply": {
-                "content": model.get("content"),
-                "tool_calls": [
-                    {"name": _map(call).get("name"), "arguments": _map(call).get("raw_arguments")}
-                    for call in model.get("tool_calls") or []
-                ],
+                "content": model.content,
+                "tool_calls": [{"name": call.name, "arguments": call.raw_arguments} for call in model.tool_calls],
             },
-            "action": step.get("action"),
+            "action": step.action,
         }
         if "reasoning" in include:
-            entry["reasoning"] = model.get("reasoning")
-        if isinstance(environment, dict):
-            feedback = _map(environment.get("action_feedback"))
-            entry["feedback"] = {key: feedback.get(key) for key in ("valid", "reason", "message")}
-        for key in ("protocol_error", "policy_failure"):
-            problem = step.get(key) or model.get(key)
-            if isinstance(problem, dict):
-                entry[key] = {"code": problem.get("code"), "message": problem.get("message")}
+            entry["reasoning"] = model.reasoning
+        if environment is not None:
+            feedback = environment.get("action_feedback")
+            entry["feedback"] = {key: _map(feedback).get(key) for key in ("valid", "reason", "message")}
+        problems = {"protocol_error": step.effective_protocol_error, "policy_failure": step.effective_policy_failure}
+        for key, problem in problems.items():
+            if problem is not None:
+                entry[key] = {"code": problem.code, "message": problem.message}
         transcript.append(entry)
     outcome: dict[str, Any] = {"status": row["status"], "completed": row["completed"], "steps": row["steps"]}
-    if row["completed"]:
+    if row["completed"] and final is not None:
         purchase = _map(final.get("purchase"))
         outcome |= {
             "termination_reason": row["termination_reason"],
@@ -433,8 +428,8 @@ def judge_input(record: dict[str, Any], include: frozenset[str] = frozenset()) -
             "final_observation": final.get("observation"),
         }
     else:
-        error = _map(record.get("error"))
-        outcome["error"] = {"stage": error.get("stage"), "type": error.get("type")}
+        error = record.error or ErrorInfo()
+        outcome["error"] = {"stage": error.stage, "type": error.type}
     data: dict[str, Any] = {
         "judge_input_version": JUDGE_INPUT_VERSION,
         "episode_id": row["episode_id"],
@@ -445,7 +440,8 @@ def judge_input(record: dict[str, Any], include: frozenset[str] = frozenset()) -
     if "persona" in include:
         data["persona"] = persona_of(record)
     if "goal" in include:
-        data["goal"] = {key: value for key, value in _map(final.get("goal")).items() if key != "user_persona"} or None
+        goal = _map(final.get("goal")) if final is not None else {}
+        data["goal"] = {key: value for key, value in goal.items() if key != "user_persona"} or None
     data |= {"transcript": transcript, "outcome": outcome}
     return data
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shopsimrl.metrics import step_facts
+from shopsimrl.records import EpisodeTrace, ErrorInfo
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.outputs import check_output_location, replacing
 from shopsimrl.research.runs import Run
@@ -33,7 +34,6 @@ __all__ = [
     "episode_labels",
     "label_counts",
     "read_labels",
-    "step_number",
     "write_labels",
 ]
 
@@ -82,12 +82,6 @@ def _map(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def step_number(step: Mapping[str, Any], position: int) -> int:
-    """The step's ``step_index``, else its position (1-based) among the steps."""
-    index = step.get("step_index")
-    return index if isinstance(index, int) and not isinstance(index, bool) else position
-
-
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
@@ -131,17 +125,16 @@ class _Pages:
                 self.category_seen_at = step
 
 
-def _failure_class(record: dict[str, Any]) -> tuple[str, bool]:
+def _failure_class(record: EpisodeTrace) -> tuple[str, bool]:
     """The failure class of a failed record, and whether it was inferred (legacy traces carry none)."""
-    declared = record.get("failure_class")
-    if isinstance(declared, str) and declared:
-        return declared, False
-    error = _map(record.get("error"))
-    kind = str(error.get("type") or "")
+    if record.failure_class is not None:
+        return record.failure_class, False
+    error = record.error or ErrorInfo()
+    kind = error.type or ""
     if kind in _INFRASTRUCTURE_ERRORS:
         return "infrastructure", True
     if kind == "ModelRequestError":
-        status = _HTTP_STATUS.search(str(error.get("message") or ""))
+        status = _HTTP_STATUS.search(error.message or "")
         code = int(status.group(1)) if status else None
         return (
             "model_error" if code is not None and 400 <= code < 500 and code not in _RETRYABLE_HTTP else "infrastructure"
@@ -153,19 +146,19 @@ def _failure_class(record: dict[str, Any]) -> tuple[str, bool]:
     return ("runtime_error" if kind else "unclassified"), True
 
 
-def _error_step(error: dict[str, Any]) -> int | None:
-    match = _STEP_STAGE.search(str(error.get("stage") or ""))
+def _error_step(error: ErrorInfo) -> int | None:
+    match = _STEP_STAGE.search(error.stage or "")
     return int(match.group(1)) if match else None
 
 
-def episode_labels(record: dict[str, Any]) -> dict[str, Any]:
+def episode_labels(record: EpisodeTrace) -> dict[str, Any]:
     """The label record of one trace record (the winning record of its episode)."""
     row = episode_row(record)
-    final = _map(record.get("final"))
-    detail = _map(final.get("reward_detail"))
-    goal = _map(final.get("goal"))
-    purchase = _map(final.get("purchase"))
-    steps = [step for step in record.get("steps") or [] if isinstance(step, dict)]
+    final = record.final
+    detail = final.reward_detail if final is not None else {}
+    goal = _map(final.get("goal")) if final is not None else {}
+    purchase = _map(final.get("purchase")) if final is not None else {}
+    steps = record.steps
     completed = bool(row["completed"])
     termination = row["termination_reason"]
     found: dict[str, _Label] = {}
@@ -175,46 +168,46 @@ def episode_labels(record: dict[str, Any]) -> dict[str, Any]:
 
     gold = goal.get("asin")
     pages = _Pages(str(gold) if gold is not None else None, goal.get("category") or None)
-    pages.visit(0, _map(_map(record.get("reset")).get("observation_state")))
+    pages.visit(0, _map((record.reset or {}).get("observation_state")))
     seen_pairs: dict[tuple[str, str], int] = {}
     searches: list[dict[str, Any]] = []
     option_clicks: list[int] = []
     purchase_step: int | None = None
     last_step = 0
-    for position, step in enumerate(steps, start=1):
-        index = step_number(step, position)
+    for step in steps:
+        index = step.step_index
         last_step = index
         facts = step_facts(step)
-        model = _map(step.get("model"))
-        if facts.protocol_error:
-            error = _map(step.get("protocol_error")) or _map(model.get("protocol_error"))
-            code = str(error.get("code") or "unknown")
+        protocol_error = step.effective_protocol_error
+        if protocol_error is not None:
+            code = protocol_error.code or "unknown"
             label("protocol_error").add({"step": index, "code": code}, code)
         if facts.policy_failure is not None:
             name = facts.policy_failure if facts.policy_failure in ("generation_length", "context_length") else None
             if name is not None:
-                label(name).add({"step": index, "finish_reason": model.get("finish_reason")})
-        if not facts.acted:
+                label(name).add({"step": index, "finish_reason": step.model.finish_reason})
+        environment = step.environment
+        if environment is None:
             continue
-        action = str(step.get("action") or "")
-        environment = _map(step.get("environment"))
-        feedback = _map(environment.get("action_feedback"))
-        if facts.invalid_action:
+        action = step.action or ""
+        feedback = environment.action_feedback
+        valid = feedback.valid if feedback is not None else None
+        if facts.invalid_action and feedback is not None:
             code = str(feedback.get("reason") or "unknown")
             label("invalid_action").add({"step": index, "action": action, "code": code}, code)
-        observation = step.get("observation")
-        if isinstance(observation, str) and action:
+        observation = step.observation
+        if observation is not None and action:
             earlier = seen_pairs.get((observation, action))
             if earlier is None:
                 seen_pairs[(observation, action)] = index
             else:
                 label("repeated_action").add({"step": index, "action": action, "repeats_step": earlier})
-        state = _map(environment.get("observation_state"))
-        if action.startswith("search[") and feedback.get("valid") is not False:
+        state = environment.observation_state or {}
+        if action.startswith("search[") and valid is not False:
             searches.append({"step": index, "query": action[len("search[") : -1], "results": state.get("total_results")})
-        if action.startswith("click[") and "=" in action and feedback.get("valid") is True:
+        if action.startswith("click[") and "=" in action and valid is True:
             option_clicks.append(index)
-        if action == "click[buy now]" and feedback.get("valid") is True and environment.get("done") is True:
+        if action == "click[buy now]" and valid is True and environment.done is True:
             purchase_step = index
         pages.visit(index, state)
 
@@ -228,21 +221,21 @@ def episode_labels(record: dict[str, Any]) -> dict[str, Any]:
             {"step": None, "goal_asin": pages.gold_asin, "goal_category": pages.category, "searches": searches}
         )
     if completed and termination == "action_limit":
-        last = steps[-1] if steps else {}
-        by_environment = _map(last.get("environment")).get("done") is True
+        last = steps[-1].environment if steps else None
+        by_environment = last is not None and last.done is True
         code = "environment" if by_environment else "runtime"
         label("action_limit").add(
             {"step": last_step or None, "model_steps": len(steps), "actions": row["actions"]},
             code,
         )
     if not completed:
-        error = _map(record.get("error"))
+        error = record.error or ErrorInfo()
         failure_class, inferred = _failure_class(record)
         evidence = {
             "step": _error_step(error),
-            "stage": error.get("stage"),
-            "error_type": error.get("type"),
-            "message": str(error.get("message") or "")[:_MESSAGE_CHARS],
+            "stage": error.stage,
+            "error_type": error.type,
+            "message": (error.message or "")[:_MESSAGE_CHARS],
         }
         if inferred:
             evidence["inferred_class"] = True
@@ -254,7 +247,7 @@ def episode_labels(record: dict[str, Any]) -> dict[str, Any]:
     names = [name for name in TAXONOMY if name in found]
     return {
         "labels_version": LABELS_VERSION,
-        "episode_id": record.get("episode_id"),
+        "episode_id": record.episode_id,
         "task_id": row["task_id"],
         "sample_id": row["sample_id"],
         "split": row["split"],

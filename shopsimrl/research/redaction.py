@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from shopsimrl.prompts import persona_section
+from shopsimrl.records import EpisodeTrace
 from shopsimrl.research.runs import Run
 
 __all__ = [
@@ -85,22 +86,20 @@ def refuse_test_split(run: Run) -> None:
         raise ExportRefusedError(f"{run.location} is a run of the held-out test split; its episodes are never exported")
 
 
-def refusing_test_records(records: Iterable[dict[str, Any]], location: str) -> Iterator[dict[str, Any]]:
+def refusing_test_records(records: Iterable[EpisodeTrace], location: str) -> Iterator[EpisodeTrace]:
     """The records, raising :class:`ExportRefusedError` at the first of a test-split job (runs
     without a manifest, e.g. the earlier implementation's, are checked episode by episode)."""
     for record in records:
-        job = record.get("job")
-        if isinstance(job, dict) and _is_test(job.get("split")):
+        if _is_test(record.job.split):
             raise ExportRefusedError(
-                f"{location}: episode {record.get('episode_id')} belongs to the held-out test split; it is never exported"
+                f"{location}: episode {record.episode_id} belongs to the held-out test split; it is never exported"
             )
         yield record
 
 
-def persona_of(record: Mapping[str, Any]) -> dict[str, Any]:
+def persona_of(record: EpisodeTrace) -> dict[str, Any]:
     """The public persona the model was shown (``reset.user_persona``), {} when none."""
-    reset = record.get("reset")
-    persona = reset.get("user_persona") if isinstance(reset, dict) else None
+    persona = (record.reset or {}).get("user_persona")
     return persona if isinstance(persona, dict) else {}
 
 
@@ -136,7 +135,7 @@ def public_persona(persona: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
     return strip(persona), removed
 
 
-def removed_persona_fields(record: Mapping[str, Any], include: frozenset[str]) -> list[str]:
+def removed_persona_fields(record: EpisodeTrace, include: frozenset[str]) -> list[str]:
     """The identifying persona fields a default export removes from this episode (none when the
     persona is included in full)."""
     if "persona" in include:
@@ -166,13 +165,10 @@ def _message_texts(message: Mapping[str, Any]) -> Iterator[str]:
             yield function["arguments"]
 
 
-def redacted_conversation(record: Mapping[str, Any], include: frozenset[str]) -> list[dict[str, Any]]:
+def redacted_conversation(record: EpisodeTrace, include: frozenset[str]) -> list[dict[str, Any]]:
     """A copy of the episode's conversation (the messages as sent), the persona section without
     its identifying fields unless ``persona`` is included in full."""
-    conversation = record.get("conversation")
-    if not isinstance(conversation, list):
-        return []
-    messages = [dict(message) if isinstance(message, dict) else message for message in conversation]
+    messages = [dict(message) if isinstance(message, dict) else message for message in record.conversation]
     if "persona" not in include and messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
         content = messages[0].get("content")
         if isinstance(content, str):

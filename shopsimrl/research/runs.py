@@ -4,7 +4,7 @@ directories of the earlier implementation (v4 traces, with or without a manifest
 
 A sharded run is read from its committed shards (the parts a verified commit marker lists),
 as the reducer reads it: no merged file is needed. Each episode is represented by its winning
-record (:mod:`shopsimrl.traces`' winner rule, the one both stores and the reducer apply).
+record (:mod:`shopsimrl.records.winner`' rule, the one both stores and the reducer apply).
 
     run = open_run("s3://bucket/runs/ckpt-1200")
     for record in run.records():      # streams: one shard's parts in memory at a time
@@ -21,6 +21,8 @@ from typing import Any, Literal, TypeVar
 
 from shopsimrl.local_run import LocalRunStore
 from shopsimrl.manifest import ManifestError, run_identity
+from shopsimrl.records import EpisodeTrace, iter_trace_lines, parse_trace_line
+from shopsimrl.records.winner import WinnerPicker
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, redact_uri
 from shopsimrl.sharded.layout import (
     RunNotPlannedError,
@@ -32,7 +34,6 @@ from shopsimrl.sharded.layout import (
 )
 from shopsimrl.sharded.objectstore import RunLocationError
 from shopsimrl.sharded.reduce import read_shard_parts
-from shopsimrl.traces import WinnerPicker, iter_jsonl_records, parse_trace_line
 
 __all__ = ["EpisodeSource", "Run", "RunReadError", "open_run"]
 
@@ -72,7 +73,7 @@ class Run:
     _local: LocalRunStore | None = None
     _store: ShardedRunStore | None = None
     _index: dict[str, EpisodeSource] | None = None
-    _part_cache: tuple[tuple[int, str], list[dict[str, Any] | None]] | None = None
+    _part_cache: tuple[tuple[int, str], list[EpisodeTrace | None]] | None = None
 
     # -- identity and plan ------------------------------------------------------------------
 
@@ -100,15 +101,16 @@ class Run:
 
     # -- records ----------------------------------------------------------------------------
 
-    def records(self) -> Iterator[dict[str, Any]]:
+    def records(self) -> Iterator[EpisodeTrace]:
         """The winning record of every episode that has one, streamed. Sharded runs: shard by
         shard, committed shards only unless the run was opened with ``include_uncommitted``."""
         if self._local is not None:
             yield from self._local_records()
         else:
-            yield from self._sharded_records(winners_only=True)
+            for _, record in self._sharded_records(winners_only=True):
+                yield record
 
-    def all_records(self) -> Iterator[tuple[bool, dict[str, Any]]]:
+    def all_records(self) -> Iterator[tuple[bool, EpisodeTrace]]:
         """Every readable record, superseded attempts and duplicates included, as ``(is_winner,
         record)`` in reading order (file order; shard, part and line order). For readers that check
         more than the winners: a skill gate refuses an episode with two completed records."""
@@ -120,7 +122,7 @@ class Run:
         else:
             yield from self._sharded_records(winners_only=False)
 
-    def winner_views(self, view: Callable[[dict[str, Any]], T]) -> list[T]:
+    def winner_views(self, view: Callable[[EpisodeTrace], T]) -> list[T]:
         """``view(record)`` of every episode's winning record, in the order of :meth:`records`,
         from one pass over the run: each record's view is taken as it is read and only the
         winner's is kept (one view per episode in memory). Half the reading of
@@ -136,7 +138,7 @@ class Run:
         assert self._index is not None
         return self._index
 
-    def record(self, episode_id: str) -> dict[str, Any]:
+    def record(self, episode_id: str) -> EpisodeTrace:
         """One episode's winning record (reads one line, or one part of a sharded run)."""
         source = self.index().get(episode_id)
         if source is None:
@@ -147,11 +149,11 @@ class Run:
                 record = parse_trace_line(handle.readline().strip())
         else:
             record = self._part_records(source)[source.position]
-        if record is None or record.get("episode_id") != episode_id:
+        if record is None or record.episode_id != episode_id:
             raise RunReadError(f"{self.location}: the record of {episode_id} changed since the run was indexed; open it again")
         return record
 
-    def find(self, episode_id: str) -> tuple[dict[str, Any], EpisodeSource]:
+    def find(self, episode_id: str) -> tuple[EpisodeTrace, EpisodeSource]:
         """One episode's winning record and where it lies, without reading the whole run: only
         the lines that contain the episode id are parsed, in traces.jsonl or, for a sharded run,
         in the parts of the episode's own shard (the shard map says which). For one look-up
@@ -159,13 +161,13 @@ class Run:
         if self._index is not None:
             return self.record(episode_id), self._index[episode_id]
         needle = _needle(episode_id)
-        picker: WinnerPicker[tuple[EpisodeSource, dict[str, Any]]] = WinnerPicker()
+        picker: WinnerPicker[tuple[EpisodeSource, EpisodeTrace]] = WinnerPicker()
         attempts = 0
         for source, line in self._lines_of(episode_id):
             if needle is not None and needle not in line:
                 continue
             record = parse_trace_line(line)
-            if record is not None and record["episode_id"] == episode_id:
+            if record is not None and record.episode_id == episode_id:
                 attempts += 1
                 picker.offer(record, (source, record))
         winner = picker.winner(episode_id)
@@ -228,7 +230,7 @@ class Run:
 
     # -- local run directories --------------------------------------------------------------
 
-    def _local_records(self) -> Iterator[dict[str, Any]]:
+    def _local_records(self) -> Iterator[EpisodeTrace]:
         assert self._local is not None
         resume = self._local.load_index()
         self.unreadable_lines = resume.bad_lines
@@ -236,24 +238,24 @@ class Run:
         name = self._local.traces_path.name
         for is_winner, record in self._local.iter_records(resume):
             if is_winner:
-                state = resume.episodes[record["episode_id"]]
-                index[record["episode_id"]] = EpisodeSource(name, state.offset, attempts=state.attempts)
+                state = resume.episodes[record.episode_id]
+                index[record.episode_id] = EpisodeSource(name, state.offset, attempts=state.attempts)
                 yield record
         self._refuse_unreadable(len(index))
         self._index = index
 
-    def _scan_local(self, view: Callable[[dict[str, Any]], T]) -> list[tuple[str, T]]:
+    def _scan_local(self, view: Callable[[EpisodeTrace], T]) -> list[tuple[str, T]]:
         """The pass of ``LocalRunStore.load_index`` (the winner rule over byte offsets), carrying
         each record's view."""
         assert self._local is not None
         picker: WinnerPicker[tuple[int, T]] = WinnerPicker()
         attempts: dict[str, int] = {}
         unreadable = 0
-        for offset, record in iter_jsonl_records(self._local.traces_path):
+        for offset, record in iter_trace_lines(self._local.traces_path):
             if record is None:
                 unreadable += 1
                 continue
-            attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
+            attempts[record.episode_id] = attempts.get(record.episode_id, 0) + 1
             picker.offer(record, (offset, view(record)))
         winners = _winners(picker, attempts)
         name = self._local.traces_path.name
@@ -278,7 +280,7 @@ class Run:
             yield shard, parts.parts, set(frozen.shard_map.episode_ids[shard])
 
     def _pick(
-        self, parts: list[tuple[str, bytes]], shard_ids: set[str], view: Callable[[dict[str, Any]], T]
+        self, parts: list[tuple[str, bytes]], shard_ids: set[str], view: Callable[[EpisodeTrace], T]
     ) -> tuple[list[tuple[str, tuple[int, int], T]], dict[str, int], int]:
         """One pass over a shard's parts, one part decoded at a time: per episode its winning
         line ``(part, line)`` and view, in part order; the attempts per episode; unreadable lines."""
@@ -289,12 +291,13 @@ class Run:
             for line_no, record in enumerate(_held_part_records(name, data)):
                 if record is None:
                     unreadable += 1
-                elif record["episode_id"] in shard_ids:
+                elif record.episode_id in shard_ids:
                     picker.offer(record, ((part_no, line_no), view(record)))
-                    attempts[record["episode_id"]] = attempts.get(record["episode_id"], 0) + 1
+                    attempts[record.episode_id] = attempts.get(record.episode_id, 0) + 1
         return _winners(picker, attempts), attempts, unreadable
 
-    def _sharded_records(self, winners_only: bool) -> Iterator[Any]:
+    def _sharded_records(self, winners_only: bool) -> Iterator[tuple[bool, EpisodeTrace]]:
+        """``(is_winner, record)`` in reading order; with ``winners_only``, the winners alone."""
         index: dict[str, EpisodeSource] = {}
         unreadable = 0
         for shard, parts, shard_ids in self._shard_parts():
@@ -310,14 +313,14 @@ class Run:
                     episode_id = at.get((part_no, line_no))
                     if episode_id is not None and record is not None:
                         index[episode_id] = EpisodeSource(name, line_no, shard=shard, attempts=attempts[episode_id])
-                        yield record if winners_only else (True, record)
-                    elif not winners_only and record is not None and record["episode_id"] in shard_ids:
+                        yield True, record
+                    elif not winners_only and record is not None and record.episode_id in shard_ids:
                         yield False, record
         self.unreadable_lines = unreadable
         self._refuse_unreadable(len(index))
         self._index = index
 
-    def _scan_sharded(self, view: Callable[[dict[str, Any]], T]) -> list[tuple[str, T]]:
+    def _scan_sharded(self, view: Callable[[EpisodeTrace], T]) -> list[tuple[str, T]]:
         index: dict[str, EpisodeSource] = {}
         found: list[tuple[str, T]] = []
         unreadable = 0
@@ -332,7 +335,7 @@ class Run:
         self._index = index
         return found
 
-    def _part_records(self, source: EpisodeSource) -> list[dict[str, Any] | None]:
+    def _part_records(self, source: EpisodeSource) -> list[EpisodeTrace | None]:
         """A part's records, the last part read kept (a viewer opens neighbouring episodes).
         Safe from several threads: each call works on its own reference to the cache entry."""
         assert self._store is not None and source.shard is not None
@@ -364,13 +367,13 @@ def _held_name(name: str) -> str:
     return name if name.endswith(".zst") else f"{name}.zst"
 
 
-def _held_part_records(name: str, data: bytes) -> Iterator[dict[str, Any] | None]:
+def _held_part_records(name: str, data: bytes) -> Iterator[EpisodeTrace | None]:
     return iter_part_records(_held_name(name), data)
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """``(byte offset, line)`` of every non-blank line, stripped, unparsed (the offsets of
-    :func:`~shopsimrl.traces.iter_jsonl_records`)."""
+    :func:`~shopsimrl.records.iter_trace_lines`)."""
     with path.open("rb") as handle:
         offset = 0
         for raw in handle:

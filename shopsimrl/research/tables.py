@@ -27,6 +27,7 @@ import pyarrow.csv as pa_csv  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from shopsimrl.metrics import step_facts
+from shopsimrl.records import CodedMessage, EpisodeTrace, ToolCallRecord
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.outputs import OutputError, check_output_location, replacing
 from shopsimrl.research.runs import Run, open_run
@@ -190,7 +191,7 @@ def _map(value: Any) -> dict[str, Any]:
 _Compact = tuple[tuple[Any, ...], tuple[tuple[str, float | None], ...]]
 
 
-def _compact_row(record: dict[str, Any]) -> _Compact:
+def _compact_row(record: EpisodeTrace) -> _Compact:
     """:func:`episode_row` typed and kept small: the fixed columns' values in order, then the
     reward components as pairs (a tuple holds a 40,000-episode run in tens of MB, dicts in
     hundreds). A value of the wrong type (hand-edited or foreign traces) becomes null rather
@@ -227,68 +228,64 @@ def episodes_table(run: RunLike, *, batch_rows: int = BATCH_ROWS) -> pa.Table:
 # --------------------------------------------------------------------------- steps
 
 
-def _arguments_json(call: dict[str, Any]) -> str | None:
-    arguments = call.get("arguments")
-    if isinstance(arguments, dict):
-        return escape_lone_surrogates(json.dumps(arguments, ensure_ascii=False, sort_keys=True))
-    return _str(call.get("raw_arguments"))
+def _arguments_json(call: ToolCallRecord) -> str | None:
+    if call.arguments is not None:
+        return escape_lone_surrogates(json.dumps(call.arguments, ensure_ascii=False, sort_keys=True))
+    return _str(call.raw_arguments)
 
 
-def _length(value: Any) -> int | None:
-    return len(value) if isinstance(value, str) else None
+def _length(value: str | None) -> int | None:
+    return len(value) if value is not None else None
 
 
-def _code(value: Any) -> str | None:
-    return str(value.get("code") or "unknown") if isinstance(value, dict) else None
+def _code(problem: CodedMessage | None) -> str | None:
+    return (problem.code or "unknown") if problem is not None else None
 
 
-def step_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def step_rows(record: EpisodeTrace) -> Iterator[dict[str, Any]]:
     """The step rows of one trace record, in step order (:data:`STEP_SCHEMA`'s columns)."""
-    job = _map(record.get("job"))
-    page = _map(_map(record.get("reset")).get("observation_state")).get("page_type")
-    steps = record.get("steps")
-    for step in steps if isinstance(steps, list) else []:
-        if not isinstance(step, dict):
-            continue
+    page = _map((record.reset or {}).get("observation_state")).get("page_type")
+    for step in record.steps:
         facts = step_facts(step)
-        model = _map(step.get("model"))
-        calls = [call for call in model.get("tool_calls") or [] if isinstance(call, dict)]
-        environment = _map(step.get("environment"))
-        feedback = _map(environment.get("action_feedback"))
-        attempts = model.get("attempts")
-        tools = [_map(tool.get("function")).get("name") for tool in step.get("tools") or [] if isinstance(tool, dict)]
+        model = step.model
+        calls = model.tool_calls
+        environment = step.environment
+        feedback = environment.action_feedback if environment is not None else None
+        tools = [_map(tool.get("function")).get("name") for tool in step.tools if isinstance(tool, dict)]
         yield {
-            "episode_id": _str(record.get("episode_id")),
-            "task_id": _int(job.get("task_id")),
-            "sample_id": _int(job.get("sample_id")),
-            "step_index": _int(step.get("step_index")),
+            "episode_id": _str(record.episode_id),
+            "task_id": _int(record.job.task_id),
+            "sample_id": _int(record.job.sample_id),
+            "step_index": _int(step.step_index),
             "page_type": _str(page),
             "tools_offered": ",".join(name for name in tools if isinstance(name, str)),
             "tool_calls": len(calls),
-            "tool_name": _str(calls[0].get("name")) if calls else None,
+            "tool_name": _str(calls[0].name) if calls else None,
             "arguments_json": _arguments_json(calls[0]) if calls else None,
-            "action": _str(step.get("action")),
-            "finish_reason": _str(model.get("finish_reason")),
-            "protocol_error": _code(step.get("protocol_error") or model.get("protocol_error")) if facts.protocol_error else None,
+            "action": _str(step.action),
+            "finish_reason": _str(model.finish_reason),
+            "protocol_error": _code(step.effective_protocol_error),
             "policy_failure": facts.policy_failure,
-            "feedback_valid": _bool(feedback.get("valid")),
-            "feedback_reason": _str(feedback.get("reason")),
-            "feedback_message": _str(feedback.get("message")),
-            "step_reward": _float(environment.get("reward")),
-            "done": _bool(environment.get("done")),
+            "feedback_valid": feedback.valid if feedback is not None else None,
+            "feedback_reason": _str(feedback.reason) if feedback is not None else None,
+            "feedback_message": _str(feedback.get("message")) if feedback is not None else None,
+            "step_reward": _float(environment.get("reward")) if environment is not None else None,
+            "done": environment.done if environment is not None else None,
             "latency_ms": facts.latency_ms,
-            "http_attempts": facts.retries + 1 if isinstance(attempts, list) or "attempt_count" in model else None,
+            # Only where the writer recorded its attempts (the earlier implementation did not).
+            "http_attempts": model.tries if {"attempts", "attempt_count"} & model.model_fields_set else None,
             "retries": facts.retries,
             "prompt_tokens": facts.tokens.get("prompt_tokens"),
             "completion_tokens": facts.tokens.get("completion_tokens"),
             "total_tokens": facts.tokens.get("total_tokens"),
             "reasoning_tokens": facts.tokens.get("reasoning_tokens"),
-            "observation_chars": _length(step.get("observation")),
-            "content_chars": _length(model.get("content")),
-            "reasoning_chars": _length(model.get("reasoning")),
+            "observation_chars": _length(step.observation),
+            "content_chars": _length(model.content),
+            "reasoning_chars": _length(model.reasoning),
         }
-        if environment:  # the next call is on the page this action led to; after a repair, the same page
-            page = _map(environment.get("observation_state")).get("page_type")
+        if environment is not None and environment.as_dict():
+            # The next call is on the page this action led to; after a repair, the same page.
+            page = _map(environment.observation_state).get("page_type")
 
 
 def step_batches(run: RunLike, *, batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shopsimrl.metrics import step_facts
+from shopsimrl.records import EpisodeTrace, ModelTurn, to_plain
 from shopsimrl.research.episodes import episode_row, task_key
-from shopsimrl.research.labels import step_number
 from shopsimrl.research.redaction import redacted_conversation
 from shopsimrl.schemas import EpisodeJob, TraceFormatError
 
@@ -86,19 +86,18 @@ def _map(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _reply_from_model(model: dict[str, Any]) -> dict[str, Any]:
+def _reply_from_model(model: ModelTurn) -> dict[str, Any]:
     """The assistant message of a reply that the conversation does not hold (a cut-off reply,
     or one whose action never got an answer), built as the runtime builds it."""
-    calls = [_map(call) for call in model.get("tool_calls") or []]
-    message: dict[str, Any] = {"role": "assistant", "content": model.get("content")}
-    if calls:
+    message: dict[str, Any] = {"role": "assistant", "content": model.content}
+    if model.tool_calls:
         message["tool_calls"] = [
             {
-                "id": call.get("call_id"),
+                "id": call.call_id,
                 "type": "function",
-                "function": {"name": call.get("name"), "arguments": call.get("raw_arguments")},
+                "function": {"name": call.name, "arguments": call.raw_arguments},
             }
-            for call in calls
+            for call in model.tool_calls
         ]
     return message
 
@@ -107,12 +106,12 @@ def _call_ids(message: dict[str, Any]) -> list[Any]:
     return [_map(call).get("id") for call in message.get("tool_calls") or []]
 
 
-def episode_turns(record: Mapping[str, Any], *, include: frozenset[str] = frozenset()) -> list[Turn]:
+def episode_turns(record: EpisodeTrace, *, include: frozenset[str] = frozenset()) -> list[Turn]:
     """Every model call of the episode, in order, aligned with its conversation. Raises
     :class:`TraceShapeError` when the conversation does not match the steps, and
     :class:`~shopsimrl.research.redaction.RedactionError` when the persona cannot be removed."""
     conversation = redacted_conversation(record, include)
-    steps = [step for step in record.get("steps") or [] if isinstance(step, dict)]
+    steps = record.steps
     if not steps:
         return []
     if len(conversation) < 2 or _map(conversation[0]).get("role") != "system" or _map(conversation[1]).get("role") != "user":
@@ -127,27 +126,27 @@ def episode_turns(record: Mapping[str, Any], *, include: frozenset[str] = frozen
             raise TraceShapeError(f"step {step_index}: conversation[{at}] should be a {role} message, found {found}")
         return message
 
-    for position, step in enumerate(steps, start=1):
-        index = step_number(step, position)
-        model = _map(step.get("model"))
+    for step in steps:
+        index = step.step_index
+        model = step.model
         facts = step_facts(step)
         prompt = conversation[:at]
-        calls = [_map(call) for call in model.get("tool_calls") or []]
+        calls = model.tool_calls
         if facts.policy_failure is not None:
             reply, outcome = _reply_from_model(model), "policy_failure"
         elif facts.protocol_error:
             outcome = "protocol_error"
-            content = model.get("content")
+            content = model.content
             if calls:
                 reply = expect("assistant", index)
-                if _call_ids(reply) != [call.get("call_id") for call in calls]:
+                if _call_ids(reply) != [call.call_id for call in calls]:
                     raise TraceShapeError(f"step {index}: conversation[{at}] holds other tool calls than the step")
                 at += 1
                 for _ in calls:
                     expect("tool", index)
                     at += 1
             else:
-                if isinstance(content, str) and content.strip():
+                if content is not None and content.strip():
                     reply = expect("assistant", index)
                     at += 1
                 else:
@@ -156,7 +155,7 @@ def episode_turns(record: Mapping[str, Any], *, include: frozenset[str] = frozen
                 at += 1
         elif facts.acted:
             reply = expect("assistant", index)
-            if _call_ids(reply)[:1] != [calls[0].get("call_id") if calls else None]:
+            if _call_ids(reply)[:1] != [calls[0].call_id if calls else None]:
                 raise TraceShapeError(f"step {index}: conversation[{at}] holds another tool call than the step's action")
             at += 1
             expect("tool", index)
@@ -165,21 +164,9 @@ def episode_turns(record: Mapping[str, Any], *, include: frozenset[str] = frozen
         else:
             reply, outcome = _reply_from_model(model), "unanswered"
         reply = dict(reply)
-        reasoning = model.get("reasoning")
-        if "reasoning" in include and isinstance(reasoning, str) and reasoning:
-            reply["reasoning_content"] = reasoning
-        tools = step.get("tools")
-        action = step.get("action")
-        turns.append(
-            Turn(
-                index,
-                list(prompt),
-                list(tools) if isinstance(tools, list) else [],
-                reply,
-                outcome,
-                action if isinstance(action, str) else None,
-            )
-        )
+        if "reasoning" in include and model.reasoning:
+            reply["reasoning_content"] = model.reasoning
+        turns.append(Turn(index, list(prompt), list(step.tools), reply, outcome, step.action))
     return turns
 
 
@@ -190,7 +177,7 @@ def _weighted(message: dict[str, Any], weight: int) -> dict[str, Any]:
     return {**message, "weight": weight} if message.get("role") == "assistant" else dict(message)
 
 
-def sft_records(record: Mapping[str, Any], *, include: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+def sft_records(record: EpisodeTrace, *, include: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """One chat fine-tuning record per model call that made a valid action: the messages sent
     (earlier assistant turns ``weight: 0``: context, not targets), the tools offered at that
     call, and the reply (``weight: 1``). Unusable, rejected and cut-off replies are never targets."""
@@ -339,22 +326,22 @@ def check_chat_record(record: Any, *, reasoning: bool = False) -> list[str]:
 # --------------------------------------------------------------------------- RL records
 
 
-def rl_record(record: Mapping[str, Any], *, include: frozenset[str] = frozenset()) -> dict[str, Any]:
+def rl_record(record: EpisodeTrace, *, include: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The GRPO/RL record of one episode: its group (the task: samples of one task are compared),
     reward, redacted conversation and turns. Each turn's prompt is the conversation's first
     ``prompt_messages`` messages (prompts only ever grow). No ``training`` namespace yet:
     :func:`attach_training` adds it."""
     turns = episode_turns(record, include=include)
     conversation = redacted_conversation(record, include)
-    row = episode_row(dict(record))
+    row = episode_row(record)
     for turn in turns:
         if turn.prompt != conversation[: len(turn.prompt)]:
             raise TraceShapeError(f"step {turn.step_index}: the prompt is not a prefix of the conversation")
     return {
         "rl_record_version": RL_RECORD_VERSION,
-        "episode_id": record.get("episode_id"),
-        "group": task_key(dict(record)),
-        "job": copy.deepcopy(record.get("job")),
+        "episode_id": record.episode_id,
+        "group": task_key(record),
+        "job": to_plain(record.job),
         "status": row["status"],
         "completed": row["completed"],
         "termination_reason": row["termination_reason"],

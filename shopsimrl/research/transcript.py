@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shopsimrl.metrics import step_facts
+from shopsimrl.records import ActionFeedback, CallAttempt, CodedMessage, EpisodeTrace, ErrorInfo, Record, Step, plain
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.runs import EpisodeSource
 
@@ -55,6 +56,14 @@ def _json_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
 
 
+R = TypeVar("R", bound=Record)
+
+
+def _given(value: R | None) -> R | None:
+    """The object when it holds a key: an empty ``{}`` in a trace is shown as nothing."""
+    return value if value is not None and plain(value) else None
+
+
 @dataclass
 class ToolCallView:
     name: str | None
@@ -66,7 +75,7 @@ class ToolCallView:
 class StepView:
     """One model call and what followed it."""
 
-    index: int | None
+    index: int
     page_type: str | None
     observation: str | None
     """The page (the first one with the task) exactly as sent to the model."""
@@ -77,17 +86,17 @@ class StepView:
     tool_calls: list[ToolCallView]
     finish_reason: str | None
     action: str | None
-    protocol_error: dict[str, Any] | None
+    protocol_error: CodedMessage | None
     protocol_feedback: str | None
     """What was sent back to the model after an unusable reply (its next observation)."""
-    policy_failure: dict[str, Any] | None
-    feedback: dict[str, Any] | None
+    policy_failure: CodedMessage | None
+    feedback: ActionFeedback | None
     """The environment's ``action_feedback``: valid, reason, message."""
     reward: float | None
     done: bool | None
     latency_ms: float | None
     tokens: dict[str, int]
-    attempts: list[dict[str, Any]]
+    attempts: list[CallAttempt]
     """HTTP attempts of the call: attempt, latency_ms, status, error, backoff_ms."""
     retries: int
     raw_response: Any
@@ -111,98 +120,90 @@ class Transcript:
     goal: Any = None
     purchase: Any = None
     final_message: str | None = None
-    error: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
 
 
-def _step_view(step: dict[str, Any], page_type: str | None) -> StepView:
-    facts = step_facts(step)
-    model = _map(step.get("model"))
-    calls = [call for call in model.get("tool_calls") or [] if isinstance(call, dict)]
-    environment = _map(step.get("environment"))
+def _offered_tools(step: Step) -> tuple[list[str], list[str]]:
+    """The names of the tools offered and the click tool's values (the schemas are the model
+    server's open objects, read as such)."""
     tools, click_values = [], []
-    for tool in step.get("tools") or []:
+    for tool in step.tools:
         function = _map(_map(tool).get("function"))
         if isinstance(function.get("name"), str):
             tools.append(function["name"])
         enum = _map(_map(_map(function.get("parameters")).get("properties")).get("value")).get("enum")
         if function.get("name") == "click" and isinstance(enum, list):
             click_values = [str(value) for value in enum]
-    protocol_error = _map(step.get("protocol_error") or model.get("protocol_error")) or None
-    feedback = step.get("protocol_feedback")
-    policy_failure = step.get("policy_failure") if "policy_failure" in step else model.get("policy_failure")
-    reward = environment.get("reward")
-    attempts = model.get("attempts")
+    return tools, click_values
+
+
+def _step_view(step: Step, page_type: str | None) -> StepView:
+    facts = step_facts(step)
+    model = step.model
+    environment = step.environment
+    tools, click_values = _offered_tools(step)
+    # The step's own error, else the model's copy (an empty object at the step shows the model's).
+    protocol_error = _given(step.protocol_error) or _given(model.protocol_error)
+    feedback = step.protocol_feedback
     return StepView(
-        index=step.get("step_index") if isinstance(step.get("step_index"), int) else None,
+        index=step.step_index,
         page_type=page_type,
-        observation=_text(step.get("observation")),
+        observation=step.observation,
         tools=tools,
         click_values=click_values,
-        content=_text(model.get("content")),
-        reasoning=_text(model.get("reasoning")),
+        content=model.content,
+        reasoning=model.reasoning,
         tool_calls=[
-            ToolCallView(
-                _text(call.get("name")),
-                _json_text(call["arguments"])
-                if isinstance(call.get("arguments"), dict)
-                else _text(call.get("raw_arguments")) or "",
-            )
-            for call in calls
+            ToolCallView(call.name, _json_text(call.arguments) if call.arguments is not None else call.raw_arguments or "")
+            for call in model.tool_calls
         ],
-        finish_reason=_text(model.get("finish_reason")),
-        action=_text(step.get("action")),
+        finish_reason=model.finish_reason,
+        action=step.action,
         protocol_error=protocol_error if facts.protocol_error else None,
         protocol_feedback=None if feedback is None else _json_text(feedback),
-        policy_failure=_map(policy_failure) or None,
-        feedback=_map(environment.get("action_feedback")) or None,
-        reward=float(reward) if isinstance(reward, int | float) and not isinstance(reward, bool) else None,
-        done=environment.get("done") if isinstance(environment.get("done"), bool) else None,
+        policy_failure=_given(step.effective_policy_failure),
+        feedback=_given(environment.action_feedback) if environment is not None else None,
+        reward=environment.reward if environment is not None else None,
+        done=environment.done if environment is not None else None,
         latency_ms=facts.latency_ms,
         tokens=facts.tokens,
-        attempts=[_map(attempt) for attempt in attempts] if isinstance(attempts, list) else [],
+        attempts=list(model.attempts),
         retries=facts.retries,
-        raw_response=model.get("raw_response"),
+        raw_response=model.raw_response,
     )
 
 
-def read_transcript(record: dict[str, Any], source: EpisodeSource | None = None) -> Transcript:
+def read_transcript(record: EpisodeTrace, source: EpisodeSource | None = None) -> Transcript:
     """The transcript of one trace record; ``source`` (from ``Run.index()``) adds how many
     attempts of the episode the run recorded."""
-    reset = _map(record.get("reset"))
-    conversation = record.get("conversation")
-    system = _map(conversation[0]) if isinstance(conversation, list) and conversation else {}
-    final = _map(record.get("final"))
-    provenance_model = _map(_map(record.get("provenance")).get("model"))
+    reset = record.reset or {}
+    conversation = record.conversation
+    system = _map(conversation[0]) if conversation else {}
+    final = record.final
+    provenance_model = _map(record.provenance.get("model"))
     transcript = Transcript(
-        episode_id=str(record.get("episode_id")),
+        episode_id=record.episode_id,
         row=episode_row(record),
         records_seen=source.attempts if source is not None else None,
         instruction=_text(reset.get("task_instruction")),
         persona=reset.get("user_persona"),
         system_prompt=_text(system.get("content")) if system.get("role") == "system" else None,
-        skills=[
-            f"{skill.get('skill_id')} (v{skill.get('version')})"
-            for skill in record.get("selected_skills") or []
-            if isinstance(skill, dict)
-        ],
+        skills=[f"{skill.skill_id} (v{skill.version})" for skill in record.selected_skills],
         model=_text(provenance_model.get("checkpoint_id")) or _text(provenance_model.get("model")),
-        reward_detail={
-            key: value for key, value in _map(final.get("reward_detail")).items() if not isinstance(value, dict | list)
-        },
-        goal=final.get("goal") or None,
-        purchase=final.get("purchase") or None,
-        final_message=_text(final.get("message")),
-        error=dict(_map(record.get("error"))) or None,
     )
+    if final is not None:
+        transcript.reward_detail = {
+            key: value for key, value in final.reward_detail.items() if not isinstance(value, dict | list)
+        }
+        transcript.goal = final.get("goal") or None
+        transcript.purchase = final.get("purchase") or None
+        transcript.final_message = _text(final.get("message"))
+    transcript.error = _given(record.error)
     page = _map(reset.get("observation_state")).get("page_type")
-    steps = record.get("steps")
-    for step in steps if isinstance(steps, list) else []:
-        if not isinstance(step, dict):
-            continue
+    for step in record.steps:
         transcript.steps.append(_step_view(step, page if isinstance(page, str) else None))
-        environment = step.get("environment")
-        if isinstance(environment, dict):  # a repair turn stays on the same page
-            page = _map(environment.get("observation_state")).get("page_type")
+        if step.environment is not None:  # a repair turn stays on the same page
+            page = (step.environment.observation_state or {}).get("page_type")
     return transcript
 
 
@@ -323,7 +324,7 @@ def render_terminal(transcript: Transcript, console: Console, *, thinking: bool 
     console.print(Rule(Text("end"), align="left"))
     if transcript.error:
         error = transcript.error
-        console.print(_t(f"error at {error.get('stage')}: {error.get('type')}: {error.get('message')}", "red"))
+        console.print(_t(f"error at {error.stage}: {error.type}: {error.message}", "red"))
     if transcript.reward_detail:
         detail = Table("reward detail", "value", show_edge=False, box=None)
         for key, value in transcript.reward_detail.items():
@@ -349,28 +350,28 @@ def _step_terminal(step: StepView, *, thinking: bool) -> RenderableType:
     for call in step.tool_calls:
         parts.append(Text.assemble(("call: ", "bold cyan"), _t(f"{call.name} {call.arguments}", "cyan")))
     if step.protocol_error:
-        parts.append(_t(f"protocol error {step.protocol_error.get('code')}: {step.protocol_error.get('message')}", "yellow"))
+        parts.append(_t(f"protocol error {step.protocol_error.code}: {step.protocol_error.message}", "yellow"))
         if step.protocol_feedback:
             parts.append(Text.assemble(("sent back: ", "bold yellow"), _t(step.protocol_feedback, "yellow")))
     if step.policy_failure:
-        parts.append(_t(f"policy failure {step.policy_failure.get('code')}: {step.policy_failure.get('message')}", "red"))
+        parts.append(_t(f"policy failure {step.policy_failure.code}: {step.policy_failure.message}", "red"))
     if step.action is not None:
         outcome = Text.assemble(("action: ", "bold"), _t(step.action))
         if step.feedback:
-            valid = step.feedback.get("valid")
+            valid = step.feedback.valid
             outcome.append_text(
                 _t(f" → {'valid' if valid else 'INVALID' if valid is False else '?'}", "green" if valid else "red")
             )
-            outcome.append_text(_t(f" {step.feedback.get('reason')}: {step.feedback.get('message')}"))
+            outcome.append_text(_t(f" {step.feedback.reason}: {step.feedback.get('message')}"))
         if step.reward is not None:
             outcome.append_text(_t(f" · reward {_number(step.reward)}{' · done' if step.done else ''}"))
         parts.append(outcome)
     for attempt in step.attempts:
-        if attempt.get("error") or (isinstance(attempt.get("status"), int) and attempt["status"] != 200):
+        if attempt.error or (attempt.status is not None and attempt.status != 200):
             parts.append(
                 _t(
-                    f"HTTP attempt {attempt.get('attempt')}: status {attempt.get('status')} · {attempt.get('error')} · "
-                    f"{_number(attempt.get('latency_ms'), 0)} ms, then {_number(attempt.get('backoff_ms'), 0)} ms backoff",
+                    f"HTTP attempt {attempt.attempt}: status {attempt.status} · {attempt.error} · "
+                    f"{_number(attempt.latency_ms, 0)} ms, then {_number(attempt.backoff_ms, 0)} ms backoff",
                     "yellow",
                 )
             )

@@ -37,6 +37,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from shopsimrl.records import RecordVersionError
 from shopsimrl.research.runs import Run, RunReadError
 from shopsimrl.research.tables import episodes_table, to_frame
 from shopsimrl.research.transcript import StepView, Transcript, headline, outline, read_transcript, step_usage
@@ -493,7 +494,7 @@ class Viewer:
             return self._error(404, f"{self.run.location} has no episode {episode_id!r}")
         try:
             record = self.run.record(episode_id)
-        except RunReadError as exc:
+        except (RunReadError, RecordVersionError) as exc:
             return self._error(409, str(exc))
         except StoreUnavailableError as exc:
             return self._error(503, f"the run's store did not answer: {exc}")
@@ -610,8 +611,8 @@ def _step_html(step: StepView) -> Html:
         parts.append(
             h(
                 '<div class="warn"><strong>protocol error</strong> {}: {}</div>',
-                step.protocol_error.get("code"),
-                step.protocol_error.get("message"),
+                step.protocol_error.code,
+                step.protocol_error.message,
             )
         )
         if step.protocol_feedback:
@@ -620,35 +621,35 @@ def _step_html(step: StepView) -> Html:
         parts.append(
             h(
                 '<div class="invalid"><strong>policy failure</strong> {}: {}</div>',
-                step.policy_failure.get("code"),
-                step.policy_failure.get("message"),
+                step.policy_failure.code,
+                step.policy_failure.message,
             )
         )
     if step.action is not None:
         outcome = [h("<strong>action</strong> <code>{}</code>", step.action)]
         if step.feedback:
-            valid = step.feedback.get("valid")
+            valid = step.feedback.valid
             outcome.append(
                 h(
                     ' → <span class="{}">{}</span> {}: {}',
                     "valid" if valid else "invalid",
                     "valid" if valid else "invalid" if valid is False else "?",
-                    step.feedback.get("reason"),
+                    step.feedback.reason,
                     step.feedback.get("message"),
                 )
             )
         if step.reward is not None:
             outcome.append(h(" · reward {}{}", _fmt(step.reward), " · done" if step.done else ""))
         parts.append(h('<div class="action">{}</div>', join(outcome)))
-    if len(step.attempts) > 1 or any(attempt.get("error") for attempt in step.attempts):
+    if len(step.attempts) > 1 or any(attempt.error for attempt in step.attempts):
         rows = join(
             h(
                 "<tr><td>{}</td><td>{}</td><td>{} ms</td><td>{}</td><td>backoff {} ms</td></tr>",
-                attempt.get("attempt"),
-                attempt.get("status"),
-                _fmt(attempt.get("latency_ms"), 0),
-                attempt.get("error") or "",
-                _fmt(attempt.get("backoff_ms"), 0),
+                attempt.attempt,
+                attempt.status,
+                _fmt(attempt.latency_ms, 0),
+                attempt.error or "",
+                _fmt(attempt.backoff_ms, 0),
             )
             for attempt in step.attempts
         )
@@ -665,13 +666,13 @@ def _end_html(transcript: Transcript) -> Html:
         parts.append(
             h(
                 '<div class="error-box"><strong>error at {}</strong> {}: {}</div>',
-                error.get("stage"),
-                error.get("type"),
-                error.get("message"),
+                error.stage,
+                error.type,
+                error.message,
             )
         )
-        if error.get("traceback"):
-            parts.append(h("<details><summary>traceback</summary>{}</details>", _pre(error["traceback"])))
+        if error.traceback:
+            parts.append(h("<details><summary>traceback</summary>{}</details>", _pre(error.traceback)))
     if transcript.reward_detail:
         rows = join(
             h("<tr><td>{}</td><td>{}</td></tr>", key, _fmt(value) if isinstance(value, float) else value)

@@ -46,6 +46,7 @@ from shopsimrl.manifest import (
     validate_manifest,
 )
 from shopsimrl.planning import SHARD_ASSIGNMENT, PlanError, shard_jobs
+from shopsimrl.records import EpisodeTrace, parse_trace_line
 from shopsimrl.schemas import (
     MANIFEST_SCHEMA_VERSIONS,
     EpisodeJob,
@@ -56,7 +57,6 @@ from shopsimrl.schemas import (
     sha256_hex,
 )
 from shopsimrl.sharded.objectstore import TEMP_PREFIX, ObjectStore, RetryPolicy, StoreUnavailableError
-from shopsimrl.traces import attempt_rank, failure_is_outcome, is_completed, parse_trace_line
 
 __all__ = [
     "MARKER_NAME",
@@ -488,19 +488,12 @@ class RecordOutcome(NamedTuple):
     completed: bool
     rank: tuple[int, str]
     final: bool
-    """A failure that is an outcome of the episode (:func:`~shopsimrl.traces.failure_is_outcome`)."""
+    """A failure that is an outcome of the episode (:attr:`EpisodeTrace.failed_as_outcome`)."""
     failure_class: str | None
 
 
-def record_outcome(record: dict[str, Any]) -> RecordOutcome:
-    failure_class = record.get("failure_class")
-    return RecordOutcome(
-        record["episode_id"],
-        is_completed(record),
-        attempt_rank(record),
-        failure_is_outcome(record),
-        failure_class if isinstance(failure_class, str) else None,
-    )
+def record_outcome(record: EpisodeTrace) -> RecordOutcome:
+    return RecordOutcome(record.episode_id, record.completed, record.attempt_rank, record.failed_as_outcome, record.failure_class)
 
 
 @dataclass(frozen=True)
@@ -650,14 +643,14 @@ def marker_document(
     }
 
 
-def iter_part_records(name: str, data: bytes) -> Iterator[dict[str, Any] | None]:
+def iter_part_records(name: str, data: bytes) -> Iterator[EpisodeTrace | None]:
     """Every non-blank line of a stored part: the record, or None for a torn/garbled/foreign
     line. A compressed part that is not whole ends with one None more (its torn tail)."""
     lines, whole = part_lines(name, data)
     for raw in lines.split(b"\n"):
         line = raw.strip()
         if line:
-            yield parse_trace_line(line)
+            yield parse_trace_line(line, name)
     if not whole and (not lines or lines.endswith(b"\n")):
         yield None  # the cut fell on a line boundary (or nothing decoded): still a torn part
 

@@ -15,7 +15,7 @@ parts parses each record once and feeds the winners to the streaming
 of its completed episodes and a small view of each unfinished attempt still waiting for a
 later one, so memory follows the largest shard's stored bytes, not the run.
 
-Winner per ``episode_id``: the rule of :mod:`shopsimrl.traces`, shared with the local run
+Winner per ``episode_id``: the rule of :mod:`shopsimrl.records.winner`, shared with the local run
 store, over the parts in part order (sequence number, writer): the first completed record; if
 none completed, the latest attempt (``attempt``, then ``ended_at``). Further completed records
 are duplicates (a replaced pod, a retried write): counted, not re-scored.
@@ -30,6 +30,8 @@ from typing import Any
 
 from shopsimrl.manifest import run_identity
 from shopsimrl.metrics import SummaryAccumulator, unfinished_view
+from shopsimrl.records import EpisodeTrace
+from shopsimrl.records.winner import Verdict, WinnerPicker
 from shopsimrl.schemas import sha256_hex
 from shopsimrl.sharded.layout import (
     ShardedRunStore,
@@ -41,7 +43,6 @@ from shopsimrl.sharded.layout import (
     marker_problem,
     part_order,
 )
-from shopsimrl.traces import Verdict, WinnerPicker, is_completed
 
 __all__ = ["WaitResult", "reduce_run", "wait_for_markers"]
 
@@ -95,25 +96,25 @@ def _tally(
     parts: list[bytes], shard_ids: set[str], accumulator: SummaryAccumulator, result: _ShardResult, not_in_plan_sample: list[str]
 ) -> None:
     """One pass over the committed parts, in part order, through the winner rule of
-    :mod:`shopsimrl.traces`: a completed winner is counted at once; an unfinished attempt waits
+    :mod:`shopsimrl.records.winner`: a completed winner is counted at once; an unfinished attempt waits
     (as a small view) until a completed record or a later attempt supersedes it; those still
     waiting at the end win."""
     # Items: a completed record is counted at once and holds nothing (None); an unfinished one
     # holds its small view, the only thing a reducer keeps per episode.
-    picker: WinnerPicker[dict[str, Any] | None] = WinnerPicker()
+    picker: WinnerPicker[EpisodeTrace | None] = WinnerPicker()
     rerun: set[str] = set()
     for data in parts:
         for record in iter_part_records(_HELD_NAME, data):
             if record is None:
                 result.unreadable_lines += 1
                 continue
-            episode_id = record["episode_id"]
+            episode_id = record.episode_id
             if episode_id not in shard_ids:
                 result.not_in_shard += 1
                 if len(not_in_plan_sample) < _SAMPLE:
                     not_in_plan_sample.append(episode_id)
                 continue
-            offer = picker.offer(record, None if is_completed(record) else unfinished_view(record))
+            offer = picker.offer(record, None if record.completed else unfinished_view(record))
             if offer.verdict is Verdict.DUPLICATE:
                 result.duplicates += 1
                 rerun.add(episode_id)

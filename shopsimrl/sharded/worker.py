@@ -38,6 +38,7 @@ from shopsimrl.config import ConfigError, WorkerSettings, load_experiment_config
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.logs import LogSettings, current_settings
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
+from shopsimrl.records import EpisodeTrace, dump_line
 from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.sharded.layout import (
     PART_PATTERN,
@@ -57,7 +58,6 @@ from shopsimrl.sharded.layout import (
 )
 from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
 from shopsimrl.stopping import STOP_SIGNALS
-from shopsimrl.traces import encode_trace_line
 
 __all__ = ["PartSink", "WorkerOptions", "commit_shard", "plan_run", "run_worker"]
 
@@ -73,7 +73,7 @@ class _Stop(Exception):
 class PartSink:
     """The Evaluator's trace sink: buffers encoded traces and writes them as whole parts.
 
-    ``save_trace`` and ``flush_if_stale`` run in threads (``asyncio.to_thread``, off the event loop); one lock
+    ``save_traces`` and ``flush_if_stale`` run in threads (``asyncio.to_thread``, off the event loop); one lock
     keeps buffer and part sequence consistent between the episode path and the flush timer.
     It remembers what each part it wrote holds (``written``), so the commit never reads its own
     parts back, and keeps the writer's progress object up to date: after every part and, as a
@@ -121,21 +121,19 @@ class PartSink:
         self._progress_lock = threading.Lock()
         self._last_beat = -math.inf
 
-    def save_trace(self, record: dict[str, Any]) -> None:
-        line = encode_trace_line(record)
-        outcome = record_outcome(record)
+    def save_traces(self, records: list[EpisodeTrace]) -> None:
+        """Buffer ``records`` (the scheduler's group commit, one lock for the batch); a part is
+        written once the buffer holds ``flush_episodes`` records."""
+        lines = [dump_line(record) for record in records]
+        outcomes = [record_outcome(record) for record in records]
         with self._lock:
             if not self._buffer:
                 self._oldest = time.monotonic()
-            self._buffer.append(line)
-            self._outcomes.append(outcome)
+            self._buffer.extend(lines)
+            self._outcomes.extend(outcomes)
             wrote = len(self._buffer) >= self.flush_episodes and self._flush_locked()
         if wrote:
             self.report_progress()
-
-    def save_traces(self, records: list[dict[str, Any]]) -> None:
-        for record in records:
-            self.save_trace(record)
 
     def flush(self) -> None:
         with self._lock:
@@ -626,14 +624,13 @@ async def _evaluate(
     )
     limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
 
-    def on_trace(record: dict[str, Any], will_retry: bool) -> None:
-        final = record["final"] if isinstance(record.get("final"), dict) else {}
+    def on_trace(record: EpisodeTrace, will_retry: bool) -> None:
         log.info(
             "episode_finished",
-            episode_id=record.get("episode_id"),
-            status=record.get("status"),
-            reward=final.get("reward"),
-            failure_class=record.get("failure_class"),
+            episode_id=record.episode_id,
+            status=record.status,
+            reward=record.final.reward if record.final is not None else None,
+            failure_class=record.failure_class,
             will_retry=will_retry,
         )
 

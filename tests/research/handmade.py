@@ -9,9 +9,10 @@ import itertools
 import json
 from typing import Any
 
+from shopsimrl.episode import new_trace
 from shopsimrl.prompts import PromptBuilder, action_tools, protocol_feedback
+from shopsimrl.records import to_plain
 from shopsimrl.schemas import EpisodeJob, ModelOutput, ToolCall
-from shopsimrl.traces import trace_skeleton
 
 GOAL_ASIN = "100000000001"
 CATEGORY = "家居›照明›台灯"
@@ -82,7 +83,7 @@ class Episode:
         goal: dict[str, Any] | None = None,
         max_steps: int = 30,
     ) -> None:
-        self.record = trace_skeleton(EpisodeJob(task_id, sample_id, 1000 + task_id, split))
+        self.record = to_plain(new_trace(EpisodeJob(task_id, sample_id, 1000 + task_id, split)))
         self.persona = PERSONA if persona is None else persona
         self.goal = copy.deepcopy(GOAL if goal is None else goal)
         self.state = search_home()

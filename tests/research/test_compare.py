@@ -14,6 +14,7 @@ import pytest
 
 from shopsimrl.local_run import LocalRunStore
 from shopsimrl.metrics import student_t_quantile, wilson_interval
+from shopsimrl.records import read_trace
 from shopsimrl.research.compare import CompareError, compare_loaded, compare_runs, format_comparison, load_run
 from shopsimrl.research.labels import TAXONOMY, label_counts
 from shopsimrl.research.paired_stats import cluster_sums, holm_adjust, mcnemar_exact, percentile_interval, resampled_differences
@@ -272,6 +273,7 @@ def _record(
         "job": job,
     }
     step = {
+        "step_index": 0,
         "model": {"latency_ms": 10.0, "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}},
         "action": {"valid": True},
     }
@@ -285,13 +287,12 @@ def _record(
         "termination_reason": "purchase",
         "goal": {"category": category},
     }
-    return {**record, "status": "completed", "final": final, "steps": [step, step]}
+    return {**record, "status": "completed", "final": final, "steps": [step, {**step, "step_index": 1}]}
 
 
 def _write_run(path: Path, records: list[dict[str, Any]]) -> str:
     store = LocalRunStore(path)
-    for record in records:
-        store.save_trace(record)
+    store.save_traces([read_trace(record) for record in records])
     return str(path)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.metrics import summarize_traces
+from shopsimrl.records import read_trace
 from shopsimrl.research.episodes import CORE_COLUMNS, episode_row
 from shopsimrl.research.runs import open_run
 
@@ -49,11 +50,12 @@ def test_failed_episodes_count_zero_unless_infrastructure() -> None:
         "schema_version": "shopsimrl-episode-v4",
         "episode_id": "task-000007__sample-001",
         "status": "failed",
+        "job": {"task_id": 7, "sample_id": 1, "seed": 7, "split": "val"},
         "final": None,
     }
-    row = episode_row({**failed, "failure_class": "policy"})
-    assert row["reward"] is None and row["reward_itt"] == 0.0 and row["success_itt"] == 0.0 and row["task_id"] is None
-    assert episode_row({**failed, "failure_class": "infrastructure"})["reward_itt"] is None
+    row = episode_row(read_trace({**failed, "failure_class": "policy"}))
+    assert row["reward"] is None and row["reward_itt"] == 0.0 and row["success_itt"] == 0.0 and row["task_id"] == 7
+    assert episode_row(read_trace({**failed, "failure_class": "infrastructure"}))["reward_itt"] is None
     json.dumps(row)  # every value is plain JSON
 
 
@@ -61,5 +63,5 @@ def test_a_fixture_row(tmp_path: Path) -> None:
     line = (
         (Path(__file__).resolve().parents[1] / "fixtures" / "legacy_v4_traces.jsonl").read_text(encoding="utf-8").splitlines()[0]
     )
-    row = episode_row(json.loads(line))
+    row = episode_row(read_trace(json.loads(line)))
     assert row["episode_id"] == "task-000003__sample-000" and row["task_id"] == 3 and row["split"] == "val"

@@ -15,6 +15,7 @@ import pytest
 
 from shopsimrl.local_run import LocalRunStore
 from shopsimrl.manifest import build_manifest
+from shopsimrl.records import read_trace, to_plain
 from shopsimrl.research.export import (
     ExportError,
     _normalised_ids,
@@ -46,8 +47,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 def _run_dir(tmp_path: Path, records: list[dict[str, Any]], name: str = "run") -> Path:
     """A run directory of these traces and no manifest (as the earlier implementation left them)."""
     store = LocalRunStore(tmp_path / name)
-    for record in records:
-        store.save_trace(record)
+    store.save_traces([read_trace(record) for record in records])
     return store.run_dir
 
 
@@ -75,11 +75,12 @@ def _all_text(path: Path) -> str:
 def _private_texts(run_location: Path | str) -> dict[str, set[str]]:
     """What must not appear in a default export, gathered from the run's own traces."""
     private: dict[str, set[str]] = {"reasoning": set(), "persona": set(), "goal": set()}
-    for record in open_run(run_location).records():
+    for trace in open_run(run_location).records():
+        persona = persona_of(trace)
+        record = to_plain(trace)
         for step in record["steps"]:
             if step["model"].get("reasoning"):
                 private["reasoning"].add(step["model"]["reasoning"])
-        persona = persona_of(record)
         if persona:
             # The profile stays (the replies depend on it); what identifies the user does not.
             private["persona"].add(json.dumps(persona, ensure_ascii=False, sort_keys=True))
@@ -133,7 +134,7 @@ def test_sft_export_of_a_run_with_reasoning_leaves_out_reasoning_goal_and_who_th
     assert "reasoning_content" in full
     kept = {item["episode_id"] for item in included["episodes"]}
     for record in open_run(reasoning_run).records():
-        if record["episode_id"] in kept:
+        if record.episode_id in kept:
             assert json.dumps(persona_of(record), ensure_ascii=False, sort_keys=True) in full
     assert not [value for value in private["goal"] if value in full]
     assert included["kept"] == report["kept"]
@@ -153,7 +154,7 @@ def test_sft_targets_keep_the_profile_their_words_come_from(reasoning_run: Path,
     """The policy searches with words of the user's profile. Every word of a target that the
     profile holds is in that record's messages, so input and target still pair up; the report
     counts the records that depend on the profile, and none of them holds the user id."""
-    records = {record["episode_id"]: record for record in open_run(reasoning_run).records()}
+    records = {record.episode_id: record for record in open_run(reasoning_run).records()}
     report = export_sft(open_run(reasoning_run), tmp_path / "sft.jsonl", select="completed")
     lines = _lines(tmp_path / "sft.jsonl")
     dependent = 0
@@ -178,7 +179,7 @@ def test_sft_selects_successes_by_default(reasoning_run: Path, tmp_path: Path) -
     run = open_run(reasoning_run)
     successes = {
         record["episode_id"]
-        for record in run.records()
+        for record in map(to_plain, run.records())
         if (record.get("final") or {}).get("reward_detail", {}).get("r_success") == 1
     }
     report = export_sft(run, tmp_path / "sft.jsonl")
@@ -321,7 +322,7 @@ def test_judge_input_shows_the_episode_but_no_reward_goal_persona_or_reasoning(r
         assert forbidden not in text, forbidden
     for kind, values in private.items():
         assert not [value for value in values if value in text], kind
-    traces = {record["episode_id"]: record for record in open_run(reasoning_run).records()}
+    traces = {record.episode_id: to_plain(record) for record in open_run(reasoning_run).records()}
     for item in records:
         trace = traces[item["episode_id"]]
         assert item["task_instruction"] == trace["reset"]["task_instruction"]
@@ -338,7 +339,7 @@ def test_judge_input_of_a_failed_and_a_repaired_episode() -> None:
     repaired = Episode()
     repaired.protocol_error("mixed_content", content="看一下")
     repaired.act("search", "台灯", results((GOAL_ASIN, CATEGORY)))
-    item = judge_input(repaired.policy_failure().done())
+    item = judge_input(read_trace(repaired.policy_failure().done()))
     assert [entry.get("protocol_error", {}).get("code") for entry in item["transcript"]] == ["mixed_content", None, None]
     assert item["transcript"][1]["feedback"] == {"valid": True, "reason": "executed", "message": "executed"}
     assert item["transcript"][2]["policy_failure"]["code"] == "generation_length"
@@ -351,7 +352,9 @@ def test_judge_input_of_a_failed_and_a_repaired_episode() -> None:
         "purchase": None,
     }
     assert final_observation.startswith("页面：search_results")
-    failed = judge_input(Episode().fail("reset", "LeaseError", "no slot http://user:pw@shop", "infrastructure").done())
+    failed = judge_input(
+        read_trace(Episode().fail("reset", "LeaseError", "no slot http://user:pw@shop", "infrastructure").done())
+    )
     assert failed["outcome"] == {
         "status": "failed",
         "completed": False,

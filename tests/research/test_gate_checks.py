@@ -20,6 +20,7 @@ from shopsimrl.research.gate.fit import fit_paired_delta_ols
 from shopsimrl.research.gate.masks import Assignment, gate_a_assignments
 from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob, fingerprint
+from tests.fakes import written
 
 from .conftest import ResearchRuns
 
@@ -33,7 +34,7 @@ EFFECTS = (0.125, -0.0625)  # exact in binary: the deltas are exact, so the fit 
 def bare(research_runs: ResearchRuns) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     run = open_run(research_runs.local)
     assert run.manifest is not None
-    return run.manifest["plan"], sorted(run.records(), key=lambda r: r["episode_id"])
+    return run.manifest["plan"], sorted((written(record) for record in run.records()), key=lambda r: r["episode_id"])
 
 
 def assignments_for(plan: dict[str, Any]) -> list[Assignment]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from shopsimrl.records import EpisodeTrace, read_trace
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.labels import (
     LABELS_VERSION,
@@ -32,7 +33,7 @@ ELSEWHERE = "900000000009"
 
 
 def labelled(record: dict) -> dict:  # type: ignore[type-arg]
-    labels = episode_labels(record)
+    labels = episode_labels(read_trace(record))
     assert labels["labels_version"] == LABELS_VERSION
     assert labels["labels"] == [name for name in TAXONOMY if name in labels["labels"]], "taxonomy order"
     assert set(labels["details"]) == set(labels["labels"])
@@ -233,7 +234,7 @@ def test_label_counts_count_episodes_once_per_label() -> None:
     repeated.protocol_error("tool_call_count")
     repeated.protocol_error("tool_call_count")
     repeated.protocol_error("mixed_content", content="嗯")
-    records = [episode_labels(good_episode()), episode_labels(repeated.policy_failure().done())]
+    records = [episode_labels(read_trace(good_episode())), episode_labels(read_trace(repeated.policy_failure().done()))]
     counts = label_counts(records)
     assert counts.episodes == 2 and counts.clean == 1
     assert list(counts.labels) == list(TAXONOMY)
@@ -245,7 +246,7 @@ def test_label_counts_count_episodes_once_per_label() -> None:
 
 def test_reading_a_labels_file_names_the_bad_line(tmp_path: Path) -> None:
     path = tmp_path / "labels.jsonl"
-    good = orjson.dumps(episode_labels(good_episode())).decode()
+    good = orjson.dumps(episode_labels(read_trace(good_episode()))).decode()
     path.write_text(good + "\n\n" + good.replace(LABELS_VERSION, "shopsimrl-labels-v0") + "\n")
     with pytest.raises(LabelsFileError, match=r"labels\.jsonl:3: labels_version 'shopsimrl-labels-v0'"):
         list(read_labels(path))
@@ -259,7 +260,7 @@ def test_reading_a_labels_file_names_the_bad_line(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- real runs
 
 
-def _consistent(record: dict, labels: dict) -> None:  # type: ignore[type-arg]
+def _consistent(record: EpisodeTrace, labels: dict) -> None:  # type: ignore[type-arg]
     """What the labels say agrees with the trace's own outcome."""
     row = episode_row(record)
     names = set(labels["labels"])
@@ -281,7 +282,7 @@ def test_labels_of_local_and_sharded_runs_agree_and_follow_the_traces(
     counts = write_labels(local, tmp_path / "local.jsonl")
     write_labels(open_run(research_runs.sharded), tmp_path / "sharded.jsonl")
     assert (tmp_path / "local.jsonl").read_bytes() == (tmp_path / "sharded.jsonl").read_bytes()
-    records = {record["episode_id"]: record for record in local.records()}
+    records = {record.episode_id: record for record in local.records()}
     labels = list(read_labels(tmp_path / "local.jsonl"))
     assert counts.episodes == len(labels) == research_runs.episodes
     assert [item["episode_id"] for item in labels] == sorted(records)

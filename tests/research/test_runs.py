@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from shopsimrl.local_run import LocalRunStore
+from shopsimrl.records import EpisodeTrace, dump_line, read_trace
 from shopsimrl.research.runs import RunReadError, open_run
-from shopsimrl.traces import is_completed
+from tests.fakes import written
 
 from .conftest import ResearchRuns
 from .synthetic import sharded_copy, trace_line
@@ -25,14 +26,14 @@ def test_local_and_sharded_runs_of_one_plan_read_the_same_episodes(research_runs
     assert local.manifest["plan_fingerprint"] == sharded.manifest["plan_fingerprint"]
     assert "testing-secret" not in json.dumps(sharded.identity)
 
-    by_id = {record["episode_id"]: record for record in local.records()}
-    sharded_by_id = {record["episode_id"]: record for record in sharded.records()}
+    by_id = {record.episode_id: record for record in local.records()}
+    sharded_by_id = {record.episode_id: record for record in sharded.records()}
     assert len(by_id) == research_runs.episodes and set(by_id) == set(sharded_by_id)
     assert set(by_id) == {job.episode_id for job in local.jobs or []}
     assert sharded.shard_states == {0: "committed", 1: "committed", 2: "committed", 3: "committed"}
     for episode_id, record in by_id.items():
-        assert is_completed(record)
-        assert sharded_by_id[episode_id]["final"]["reward"] == record["final"]["reward"]
+        assert record.completed
+        assert written(sharded_by_id[episode_id])["final"]["reward"] == written(record)["final"]["reward"]
         # One episode without reading the run again: a byte offset locally, a part on S3.
         assert local.record(episode_id) == record
         assert sharded.record(episode_id) == sharded_by_id[episode_id]
@@ -41,14 +42,20 @@ def test_local_and_sharded_runs_of_one_plan_read_the_same_episodes(research_runs
 
 def test_the_winning_attempt_is_read_and_torn_lines_are_counted(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path / "run")
-    failed = {"schema_version": "shopsimrl-episode-v4", "episode_id": "e1", "status": "failed", "attempt": 1, "final": None}
+    failed = {
+        "schema_version": "shopsimrl-episode-v4",
+        "episode_id": "e1",
+        "status": "failed",
+        "job": {"task_id": 1, "sample_id": 0, "seed": 1, "split": "val"},
+        "attempt": 1,
+        "final": None,
+    }
     won = {**failed, "status": "completed", "attempt": 2, "final": {"done": True, "reward": 0.5}}
-    store.save_trace(failed)
-    store.save_trace(won)
+    store.save_traces([read_trace(failed), read_trace(won)])
     with store.traces_path.open("ab") as handle:
         handle.write(b'{"episode_id": "e2", "sta')  # a torn last line
     run = open_run(store.run_dir)
-    assert list(run.records()) == [won]
+    assert list(run.records()) == [read_trace(won)]
     assert run.unreadable_lines == 1 and run.index()["e1"].attempts == 2
     with pytest.raises(RunReadError, match="no episode 'e2'"):
         run.record("e2")
@@ -87,13 +94,19 @@ def test_all_records_flags_the_winner_among_every_attempt(
     tmp_path: Path, research_runs: ResearchRuns, s3_env: dict[str, str]
 ) -> None:
     store = LocalRunStore(tmp_path / "run")
-    failed = {"schema_version": "shopsimrl-episode-v4", "episode_id": "e1", "status": "failed", "attempt": 1, "final": None}
+    failed = {
+        "schema_version": "shopsimrl-episode-v4",
+        "episode_id": "e1",
+        "status": "failed",
+        "job": {"task_id": 1, "sample_id": 0, "seed": 1, "split": "val"},
+        "attempt": 1,
+        "final": None,
+    }
     won = {**failed, "status": "completed", "attempt": 2, "final": {"done": True, "reward": 0.5}}
     again = {**won, "attempt": 3}
-    for record in (failed, won, again):
-        store.save_trace(record)
+    store.save_traces([read_trace(record) for record in (failed, won, again)])
     run = open_run(store.run_dir)
-    assert list(run.all_records()) == [(False, failed), (True, won), (False, again)]
+    assert list(run.all_records()) == [(False, read_trace(failed)), (True, read_trace(won)), (False, read_trace(again))]
 
     sharded = open_run(research_runs.sharded)
     flagged = list(sharded.all_records())
@@ -101,20 +114,20 @@ def test_all_records_flags_the_winner_among_every_attempt(
     assert len(flagged) >= research_runs.episodes
 
 
-def _local_plan_and_records(research_runs: ResearchRuns) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def _local_plan_and_records(research_runs: ResearchRuns) -> tuple[dict[str, Any], dict[str, EpisodeTrace]]:
     manifest = json.loads((research_runs.local / "manifest.json").read_text(encoding="utf-8"))
-    return manifest["plan"], {record["episode_id"]: record for record in open_run(research_runs.local).records()}
+    return manifest["plan"], {record.episode_id: record for record in open_run(research_runs.local).records()}
 
 
 @pytest.mark.slow
 def test_plain_parts_of_earlier_versions_are_read(research_runs: ResearchRuns, tmp_path: Path) -> None:
     plan, records = _local_plan_and_records(research_runs)
     sharded_copy(
-        str(tmp_path / "plain"), plan, lambda episode_id: trace_line(records[episode_id]), 2, per_part=5, compressed=False
+        str(tmp_path / "plain"), plan, lambda episode_id: dump_line(records[episode_id]), 2, per_part=5, compressed=False
     )
     run = open_run(tmp_path / "plain")
     assert {source.name.endswith(".jsonl") for source in run.index().values()} == {True}
-    assert {record["episode_id"]: record for record in run.records()} == records
+    assert {record.episode_id: record for record in run.records()} == records
     assert run.unreadable_lines == 0
     some = next(iter(records))
     assert open_run(tmp_path / "plain").record(some) == records[some]
@@ -130,7 +143,7 @@ def test_winner_views_are_the_records_views_in_one_pass(
 
     def attempts(episode_id: str) -> bytes:
         # A failed attempt before the completed one; two failed attempts, the later one winning.
-        record = records[episode_id]
+        record = written(records[episode_id])
         failed = {**record, "status": "failed", "final": None, "failure_class": "infrastructure", "attempt": 1}
         if episode_id == retried:
             return trace_line(failed) + trace_line({**record, "attempt": 2})
@@ -143,8 +156,8 @@ def test_winner_views_are_the_records_views_in_one_pass(
     local_retried.mkdir()
     (local_retried / "traces.jsonl").write_bytes(b"".join(attempts(episode_id) for episode_id in ids) + b'{"torn')
 
-    def view(record: dict[str, Any]) -> tuple[str, str, int | None]:
-        return record["episode_id"], record["status"], record.get("attempt")
+    def view(record: EpisodeTrace) -> tuple[str, str, int | None]:
+        return record.episode_id, record.status, record.attempt
 
     for location in (research_runs.local, research_runs.sharded, research_runs.legacy, tmp_path / "retried", local_retried):
         viewed, streamed = open_run(location), open_run(location)
@@ -157,17 +170,22 @@ def test_winner_views_are_the_records_views_in_one_pass(
     run = open_run(tmp_path / "retried")
     views = {episode_id: (status, attempt) for episode_id, status, attempt in run.winner_views(view)}
     assert views[retried] == ("completed", 2) and views[failed_twice] == ("failed", 2)
-    assert run.index()[retried].attempts == 2 and run.record(retried)["status"] == "completed"
+    assert run.index()[retried].attempts == 2 and run.record(retried).status == "completed"
 
 
 def test_find_parses_every_line_for_an_id_json_may_escape(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path / "run")
-    odd = {"schema_version": "shopsimrl-episode-v4", "episode_id": "épisode/1", "status": "completed", "final": {"done": True}}
-    store.save_trace({**odd, "episode_id": "other"})
-    store.save_trace(odd)
+    odd = {
+        "schema_version": "shopsimrl-episode-v4",
+        "episode_id": "épisode/1",
+        "status": "completed",
+        "job": {"task_id": 1, "sample_id": 0, "seed": 1, "split": "val"},
+        "final": {"done": True},
+    }
+    store.save_traces([read_trace({**odd, "episode_id": "other"}), read_trace(odd)])
     (tmp_path / "run" / "traces.jsonl").write_text(
         (tmp_path / "run" / "traces.jsonl").read_text(encoding="utf-8").replace("épisode/1", "\\u00e9pisode\\/1"),
         encoding="utf-8",
     )
     record, source = open_run(tmp_path / "run").find("épisode/1")
-    assert record == odd and source.attempts == 1 and source.position > 0
+    assert record == read_trace(odd) and source.attempts == 1 and source.position > 0

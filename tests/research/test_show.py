@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.research.runs import open_run
+from tests.fakes import written
 from tests.sharded.conftest import cli
 
 from .conftest import RUN_KINDS, ResearchRuns, run_location
@@ -27,7 +28,7 @@ def show(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 @pytest.mark.parametrize("kind", RUN_KINDS)
 def test_show_prints_every_step(research_runs: ResearchRuns, s3_env: dict[str, str], kind: str) -> None:
     location, env = run_location(research_runs, kind)
-    records = list(open_run(location).records())
+    records = [written(record) for record in open_run(location).records()]
     record = max(records, key=lambda record: len(record["steps"]))
     done = show(location, record["episode_id"], env=env)
     assert done.returncode == 0, done.stderr
@@ -64,7 +65,7 @@ def test_show_marks_repairs_and_policy_failures(research_runs: ResearchRuns) -> 
 @pytest.fixture
 def hostile_run(research_runs: ResearchRuns, tmp_path: Path) -> Path:
     """A run directory (v4 traces, no manifest) whose one episode holds hostile text."""
-    template = next(open_run(research_runs.local).records())
+    template = written(next(open_run(research_runs.local).records()))
     run = tmp_path / "hostile"
     run.mkdir()
     (run / "traces.jsonl").write_bytes(trace_line(template) + trace_line(hostile_record(template)))

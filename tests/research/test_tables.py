@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shopsimrl import analysis
+from shopsimrl.records import EpisodeTrace, to_plain
 from shopsimrl.research import tables
 from shopsimrl.research.episodes import CORE_COLUMNS, episode_row
 from shopsimrl.research.runs import open_run
@@ -22,7 +23,7 @@ from tests.sharded.conftest import cli
 from .conftest import RUN_KINDS, ResearchRuns, run_location
 
 
-def _records(runs: ResearchRuns, kind: str, s3_env: dict[str, str]) -> list[dict[str, Any]]:
+def _records(runs: ResearchRuns, kind: str, s3_env: dict[str, str]) -> list[EpisodeTrace]:
     return list(open_run(run_location(runs, kind)[0]).records())
 
 
@@ -55,7 +56,7 @@ def test_steps_read_the_trace_of_each_call(research_runs: ResearchRuns) -> None:
     """The v4 traces hold a repair turn, a cut-off reply and an invalid action."""
     steps = {(row["episode_id"], row["step_index"]): row for row in analysis.steps_table(research_runs.legacy).to_pylist()}
     records = list(open_run(research_runs.legacy).records())
-    assert len(steps) == sum(len(record["steps"]) for record in records)
+    assert len(steps) == sum(len(record.steps) for record in records)
 
     repair = steps[("task-000006__sample-000", 1)]
     assert repair["protocol_error"] == "tool_call_count" and repair["tool_calls"] == 0 and repair["action"] is None
@@ -85,9 +86,9 @@ def test_steps_of_testbed_runs(research_runs: ResearchRuns, s3_env: dict[str, st
     table = analysis.steps_table(run_location(research_runs, kind)[0])
     assert table.schema == tables.STEP_SCHEMA
     rows = table.to_pylist()
-    assert len(rows) == sum(len(record["steps"]) for record in records)
+    assert len(rows) == sum(len(record.steps) for record in records)
     by_key = {(row["episode_id"], row["step_index"]): row for row in rows}
-    for record in records:
+    for record in map(to_plain, records):
         for step in record["steps"]:
             row = by_key[(record["episode_id"], step["step_index"])]
             model = step["model"]
@@ -165,7 +166,7 @@ def test_steps_are_written_while_the_run_is_still_being_read(
     monkeypatch.setattr(tables.pq, "ParquetWriter", Watched)
     path = tmp_path / "steps.parquet"
     rows = tables.export_table(run, path, to="parquet", level="steps", batch_rows=10)
-    assert rows == sum(len(record["steps"]) for record in open_run(research_runs.local).records())
+    assert rows == sum(len(record.steps) for record in open_run(research_runs.local).records())
     assert len(read_at_writes) == math.ceil(rows / 10)
     assert read_at_writes[0] < research_runs.episodes / 2 and read_at_writes == sorted(read_at_writes)
     metadata = pq.ParquetFile(path).metadata

@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from shopsimrl.prompts import persona_section
+from shopsimrl.records import read_trace
 from shopsimrl.research.redaction import RedactionError, public_persona, removed_persona_fields
 from shopsimrl.research.runs import open_run
 from shopsimrl.research.training import (
@@ -58,7 +59,7 @@ def repaired_episode() -> dict[str, Any]:
 
 def test_turns_follow_the_conversation_step_by_step() -> None:
     record = repaired_episode()
-    turns = episode_turns(record)
+    turns = episode_turns(read_trace(record))
     assert [turn.outcome for turn in turns] == [
         "protocol_error",
         "action",
@@ -90,11 +91,11 @@ def test_a_conversation_that_does_not_match_its_steps_is_refused() -> None:
     record = good_episode()
     del record["conversation"][3]  # the tool answer of step 1
     with pytest.raises(TraceShapeError, match=r"step 1: conversation\[3\] should be a tool message, found assistant"):
-        episode_turns(record)
+        episode_turns(read_trace(record))
     record = good_episode()
     record["conversation"][2]["tool_calls"][0]["id"] = "someone-else"
     with pytest.raises(TraceShapeError, match="step 1"):
-        episode_turns(record)
+        episode_turns(read_trace(record))
 
 
 def test_the_persona_stays_as_the_policy_saw_it_without_its_identifying_fields() -> None:
@@ -103,14 +104,15 @@ def test_the_persona_stays_as_the_policy_saw_it_without_its_identifying_fields()
     record = good_episode()
     system = record["conversation"][0]["content"]
     assert PERSONA["用户ID"] in system
-    redacted = episode_turns(record)[0].prompt[0]["content"]
+    redacted = episode_turns(read_trace(record))[0].prompt[0]["content"]
     public = {key: value for key, value in PERSONA.items() if key != "用户ID"}
     assert PERSONA["用户ID"] not in redacted and "用户ID" not in redacted
     assert redacted == system.replace(persona_section(PERSONA), persona_section(public))
     assert "极简北欧风格" in redacted and "性价比" in redacted
-    assert episode_turns(record, include=frozenset({"persona"}))[0].prompt[0]["content"] == system
+    assert episode_turns(read_trace(record), include=frozenset({"persona"}))[0].prompt[0]["content"] == system
     assert (
-        removed_persona_fields(record, frozenset()) == ["用户ID"] and removed_persona_fields(record, frozenset({"persona"})) == []
+        removed_persona_fields(read_trace(record), frozenset()) == ["用户ID"]
+        and removed_persona_fields(read_trace(record), frozenset({"persona"})) == []
     )
 
 
@@ -121,8 +123,8 @@ def test_an_identifying_field_repeated_outside_the_persona_makes_the_episode_unu
     call = record["conversation"][2]["tool_calls"][0]
     call["function"]["arguments"] = json.dumps({"query": f"台灯 {PERSONA['用户ID']}"}, ensure_ascii=False)
     with pytest.raises(RedactionError, match=r"conversation\[2\] repeats an identifying persona field \(用户ID\)"):
-        episode_turns(record)
-    assert episode_turns(record, include=frozenset({"persona"}))  # in full, nothing is removed
+        episode_turns(read_trace(record))
+    assert episode_turns(read_trace(record), include=frozenset({"persona"}))  # in full, nothing is removed
     nested = {"基本信息": {"注册时间": "2021-03-04 10:00:00", "城市": "杭州"}, "用户ID": "U1"}
     assert public_persona(nested) == ({"基本信息": {"城市": "杭州"}}, {"注册时间": ["2021-03-04 10:00:00"], "用户ID": ["U1"]})
 
@@ -132,17 +134,20 @@ def test_a_persona_that_cannot_be_separated_is_an_error_not_a_leak() -> None:
     conversation = record["conversation"]
     conversation[0]["content"] = conversation[0]["content"].replace('", "', '","')  # rendered some other way
     with pytest.raises(RedactionError, match="persona"):
-        episode_turns(record)
+        episode_turns(read_trace(record))
 
 
 def test_reasoning_only_on_the_reply_and_only_when_included() -> None:
     record = good_episode(reasoning="这是思考")
     assert all(
-        "reasoning_content" not in json.dumps(turn.prompt) for turn in episode_turns(record, include=frozenset({"reasoning"}))
+        "reasoning_content" not in json.dumps(turn.prompt)
+        for turn in episode_turns(read_trace(record), include=frozenset({"reasoning"}))
     )
-    replies = [turn.reply.get("reasoning_content") for turn in episode_turns(record, include=frozenset({"reasoning"}))]
+    replies = [
+        turn.reply.get("reasoning_content") for turn in episode_turns(read_trace(record), include=frozenset({"reasoning"}))
+    ]
     assert replies == ["这是思考", "这是思考", "这是思考", None]  # the purchase came without reasoning
-    assert "这是思考" not in json.dumps([turn.__dict__ for turn in episode_turns(record)], ensure_ascii=False)
+    assert "这是思考" not in json.dumps([turn.__dict__ for turn in episode_turns(read_trace(record))], ensure_ascii=False)
 
 
 # --------------------------------------------------------------------------- SFT
@@ -150,8 +155,8 @@ def test_reasoning_only_on_the_reply_and_only_when_included() -> None:
 
 def test_sft_records_are_valid_actions_in_the_chat_format_and_round_trip() -> None:
     record = repaired_episode()
-    records = sft_records(record)
-    turns = [turn for turn in episode_turns(record) if turn.outcome == "action"]
+    records = sft_records(read_trace(record))
+    turns = [turn for turn in episode_turns(read_trace(record)) if turn.outcome == "action"]
     assert len(records) == 2
     for item in records:
         assert check_chat_record(item) == []
@@ -165,7 +170,7 @@ def test_sft_records_are_valid_actions_in_the_chat_format_and_round_trip() -> No
 
 
 def _mutated(change: Any) -> dict[str, Any]:
-    record = copy.deepcopy(sft_records(good_episode())[-1])
+    record = copy.deepcopy(sft_records(read_trace(good_episode()))[-1])
     change(record)
     return record
 
@@ -220,9 +225,9 @@ def _render_closing(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
 
 def test_rl_records_round_trip_and_carry_training_fields_apart() -> None:
     record = repaired_episode()
-    rl = rl_record(record, include=frozenset({"reasoning"}))
+    rl = rl_record(read_trace(record), include=frozenset({"reasoning"}))
     assert "training" not in rl and rl["group"] == "1" and rl["reward"] == 0.0
-    assert rl_turns(rl) == episode_turns(record, include=frozenset({"reasoning"}))
+    assert rl_turns(rl) == episode_turns(read_trace(record), include=frozenset({"reasoning"}))
     assert rl_turns(orjson.loads(orjson.dumps(rl))) == rl_turns(rl)
 
     logprobs = {2: [-0.5] * len(_render([{"role": "assistant", **rl["turns"][1]["reply"]}], [], False))}
@@ -327,7 +332,7 @@ def test_every_episode_of_a_real_run_converts_and_round_trips(
     converted = 0
     for record in open_run(location).records():
         turns = episode_turns(record, include=include)
-        assert len(turns) == len(record["steps"])
+        assert len(turns) == len(record.steps)
         records = sft_records(record, include=include)
         for item in records:
             assert check_chat_record(item, reasoning=True) == []

@@ -21,6 +21,7 @@ import pytest
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob
+from tests.fakes import written
 from tests.sharded.conftest import REPO
 
 from .conftest import RUN_KINDS, ResearchRuns, console_errors, navigate, run_location, screenshot
@@ -111,7 +112,7 @@ def _count(page: str) -> tuple[int, int]:
 def mixed_run(research_runs: ResearchRuns, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """60 episodes made from the testbed's: some failed (environment_error), some ended by the
     action limit, rewards spread; and one whose texts are hostile."""
-    templates = list(open_run(research_runs.local).records())
+    templates = [written(record) for record in open_run(research_runs.local).records()]
     run = tmp_path_factory.mktemp("mixed") / "run"
     run.mkdir()
     jobs = [
@@ -201,7 +202,7 @@ def test_the_table_pages(viewers: dict[str, Viewer], mixed_run: Path) -> None:
 def test_every_episode_page_replays_its_steps(
     research_runs: ResearchRuns, s3_env: dict[str, str], viewers: dict[str, Viewer], kind: str
 ) -> None:
-    records = list(open_run(run_location(research_runs, kind)[0]).records())
+    records = [written(record) for record in open_run(run_location(research_runs, kind)[0]).records()]
     order = sorted(record["episode_id"] for record in records)
     for record in records:
         page = viewers[kind].get(f"/episodes/{record['episode_id']}")
@@ -318,7 +319,7 @@ def test_browse_filter_sort_and_open_episodes(
     assert console_errors(driver) == []
 
     navigate(driver, driver.find_element(By.LINK_TEXT, shown[0]))
-    record = open_run(research_runs.sharded).record(shown[0])
+    record = written(open_run(research_runs.sharded).record(shown[0]))
     assert driver.find_element(By.ID, "episode-id").text == shown[0]
     assert driver.find_element(By.ID, "instruction").text == record["reset"]["task_instruction"]
     steps = driver.find_elements(By.CSS_SELECTOR, "li.step")

@@ -130,7 +130,7 @@ def test_parallel_reads_give_what_reading_one_by_one_gives(
     for concurrency in ("1", "16"):
         monkeypatch.setenv("SHOPSIMRL_STORE_READ_CONCURRENCY", concurrency)
         run = open_run(uri)
-        orders.append([record["episode_id"] for record in run.records()])
+        orders.append([record.episode_id for record in run.records()])
         assert run.unreadable_lines == 1
     assert orders[0] == orders[1] and len(orders[0]) == PARTS
 

@@ -97,7 +97,10 @@ def test_sigterm_flushes_then_resume_completes(backend: Backend, testbed: Testbe
     # that finished between the two lands in a second part. Nothing is committed.
     assert 1 <= len(listing.parts) <= 2 and not listing.marker
     saved = {
-        record["episode_id"] for part in listing.parts for record in iter_part_records(part, store.read_part(0, part) or b"")
+        record.episode_id
+        for part in listing.parts
+        for record in iter_part_records(part, store.read_part(0, part) or b"")
+        if record is not None
     }
     # Every logged episode was flushed. The signal may also land between an episode's save and
     # its log line (the save is shielded from the cancel, the line is not written), once per
@@ -262,7 +265,7 @@ def test_a_marker_with_a_bad_checksum_is_not_trusted_and_the_shard_heals(
     assert any(line.get("event") == "parts_not_trusted" and line.get("parts") == [bad_part] for line in lines)
     # The part whose bytes differ from its commit is not trusted: its episodes ran again.
     rerun = set(healer.finished_episodes())
-    distrusted = {record["episode_id"] for record in iter_part_records(bad_part, store.read_part(0, bad_part) or b"")}
+    distrusted = {record.episode_id for record in iter_part_records(bad_part, store.read_part(0, bad_part) or b"") if record}
     assert rerun == distrusted
     summary = reduce_run(store)
     assert summary["complete"] and summary["shards"]["committed"] == 1 and summary["counts"]["completed"] == 4
@@ -483,6 +486,6 @@ def test_the_agents_failures_stay_final_in_a_sharded_run_and_are_rerolled_only_w
             for i in (0, 1)
             for name in store.list_shard(i).parts
             for record in iter_part_records(name, store.read_part(i, name) or b"")
-            if record and record.get("rerolled_from")
+            if record and record.rerolled_from
         ]
-        assert len(marked) == failed and {r["rerolled_from"] for r in marked} == {"environment_error"}
+        assert len(marked) == failed and {r.rerolled_from for r in marked} == {"environment_error"}

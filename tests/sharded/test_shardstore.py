@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
+from shopsimrl.records import read_trace, to_plain
 from shopsimrl.schemas import EpisodeJob, fingerprint, redact_uri
 from shopsimrl.sharded.layout import (
     ShardedRunStore,
@@ -58,11 +59,11 @@ def lines(*records: dict) -> bytes:
 def write(store: ShardedRunStore, index: int, seq: int, writer: str, *records: dict) -> WrittenPart:
     """A part as a worker writes it (compressed), with what the worker knows of it."""
     name, stored = store.write_part(index, seq, writer, lines(*records))
-    return WrittenPart(part_entry(name, stored, len(records)), tuple(record_outcome(r) for r in records))
+    return WrittenPart(part_entry(name, stored, len(records)), tuple(record_outcome(read_trace(r)) for r in records))
 
 
 def records_of(store: ShardedRunStore, index: int, name: str) -> list[dict]:
-    return [r for r in iter_part_records(name, store.read_part(index, name) or b"") if r is not None]
+    return [to_plain(r) for r in iter_part_records(name, store.read_part(index, name) or b"") if r is not None]
 
 
 def commit(store: ShardedRunStore, index: int, shard_map, parts: list[tuple[str, bytes, int]], completed: int) -> None:

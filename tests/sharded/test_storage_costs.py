@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from shopsimrl.records import dump_line, read_trace
 from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint
 from shopsimrl.sharded.layout import ShardedRunStore, encode_part, iter_part_records, load_frozen_plan, scan_shard
 from shopsimrl.sharded.reduce import reduce_run
 from shopsimrl.sharded.status import shard_status
 from shopsimrl.sharded.worker import PartSink, commit_shard
-from shopsimrl.traces import encode_trace_line
 
 from .conftest import S3_TEST_ENV, Backend, Testbed, cli, worker_env, write_config
 from .faultproxy import FaultPlan, FaultProxy
@@ -34,7 +34,7 @@ def trace(job: EpisodeJob, status: str = "completed", *, observation: str = PAGE
     steps = [
         {
             "step_index": k,
-            "observation": {"text": observation},
+            "observation": observation,
             "model": {"latency_ms": 10.0 + k},
             "environment": {"reward": 0.0, "done": k == 5},
         }
@@ -55,7 +55,7 @@ def trace(job: EpisodeJob, status: str = "completed", *, observation: str = PAGE
 
 
 def lines(*records: dict) -> bytes:
-    return b"".join(encode_trace_line(r) for r in records)
+    return b"".join(dump_line(r) for r in records)
 
 
 def planned(uri: str, shards: int = 1) -> tuple[ShardedRunStore, list[list[str]]]:
@@ -77,7 +77,7 @@ def test_parts_are_zstd_and_a_shard_mixing_plain_and_compressed_parts_reduces_wh
     assert old == "part-00000-0badc0de.jsonl" and new == "part-00001-1a2b3c4d.jsonl.zst"
     assert new_bytes == encode_part(new_lines) and len(new_bytes) * 4 <= len(new_lines)
     assert store.read_part(0, new) == new_bytes  # stored as compressed, checksummed as stored
-    assert [r["episode_id"] for r in iter_part_records(new, new_bytes)] == [j.episode_id for j in jobs[3:]]
+    assert [r.episode_id for r in iter_part_records(new, new_bytes) if r is not None] == [j.episode_id for j in jobs[3:]]
 
     state = scan_shard(store, 0, set(ids))  # the worker's resume scan reads both kinds
     assert state.completed == set(ids) and state.next_seq == 2 and state.unreadable_lines == 0
@@ -206,9 +206,9 @@ def test_status_reads_progress_objects_never_parts_and_shows_a_stale_heartbeat(b
         store, 0, "5eed5eed", 0, flush_episodes=2, flush_seconds=60, plan_fingerprint=fingerprint(PLAN), heartbeat_seconds=30
     )
     sink.report_progress()  # as a worker does when it starts
-    sink.save_trace(trace(jobs[0]))
-    sink.save_trace(trace(jobs[1], "failed"))  # the second record fills the buffer: a part, then progress
-    sink.save_trace(trace(jobs[2]))  # buffered, not yet in a part
+    sink.save_traces([read_trace(trace(jobs[0]))])
+    sink.save_traces([read_trace(trace(jobs[1], "failed"))])  # the second record fills the buffer: a part, then progress
+    sink.save_traces([read_trace(trace(jobs[2]))])  # buffered, not yet in a part
     assert len(sink.written) == 1 and [(o.episode_id, o.completed) for o in sink.written[0].outcomes] == [
         (jobs[0].episode_id, True),
         (jobs[1].episode_id, False),
@@ -295,7 +295,7 @@ def test_status_adds_up_the_processes_of_one_worker(tmp_path: Path) -> None:
             session="0000ffff",
             heartbeat_seconds=30,
         )
-        sink.save_trace(trace(job))
+        sink.save_traces([read_trace(trace(job))])
     row = shard_status(NoPartReads(uri))["shards"][0]
     assert row["completed"] == 3 and row["writers"] == 2
     # A later worker that found those 3 and completed 1 more: 4, not 3 + 4.
@@ -310,5 +310,5 @@ def test_status_adds_up_the_processes_of_one_worker(tmp_path: Path) -> None:
         resumed={j.episode_id for j in jobs[:3]},
         heartbeat_seconds=30,
     )
-    later.save_trace(trace(jobs[3]))
+    later.save_traces([read_trace(trace(jobs[3]))])
     assert shard_status(NoPartReads(uri))["shards"][0]["completed"] == 4

@@ -12,7 +12,6 @@ from shopsimrl.manifest import manifest_head, run_identity
 from shopsimrl.metrics import summarize_traces
 from shopsimrl.sharded.layout import ShardedRunStore, iter_part_records
 from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.traces import is_completed
 
 from .conftest import Backend, Testbed, cli, worker_env, write_config
 
@@ -46,9 +45,9 @@ def test_reduced_summary_names_its_run_and_clusters_repeats_across_shards(
     for index in range(3):
         for name in store.list_shard(index).parts:
             for record in iter_part_records(name, store.read_part(index, name) or b""):
-                if record is not None and is_completed(record):
-                    winners.setdefault(record["episode_id"], record)
-                    shards_of_task.setdefault(record["job"]["task_id"], set()).add(index)
+                if record is not None and record.completed:
+                    winners.setdefault(record.episode_id, record)
+                    shards_of_task.setdefault(record.job.task_id, set()).add(index)
     assert len(winners) == 10 and any(len(shards) > 1 for shards in shards_of_task.values())
     direct = summarize_traces(winners.values())
     for block in ("primary", "intent_to_treat", "per_task", "intervals"):

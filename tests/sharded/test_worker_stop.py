@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from shopsimrl.records import read_trace
 from shopsimrl.sharded.layout import ShardedRunStore
 from shopsimrl.sharded.objectstore import StoreUnavailableError
 from shopsimrl.sharded.worker import PartSink
@@ -95,7 +96,18 @@ async def test_a_failing_flush_is_retried_and_loses_nothing(tmp_path: Path) -> N
 
     store.write_part = flaky  # type: ignore[method-assign]
     sink = PartSink(store, 0, "feedbeef", 0, flush_episodes=1000, flush_seconds=0.05, plan_fingerprint="0" * 64)
-    sink.save_trace({"episode_id": "task-000001__sample-000", "status": "completed"})
+    sink.save_traces(
+        [
+            read_trace(
+                {
+                    "schema_version": "shopsimrl-episode-v4",
+                    "episode_id": "task-000001__sample-000",
+                    "status": "completed",
+                    "job": {"task_id": 1, "sample_id": 0, "seed": 1, "split": "val"},
+                }
+            )
+        ]
+    )
     timer = asyncio.ensure_future(sink.flush_stale_parts())
     deadline = time.monotonic() + 30
     while sink.buffered:  # two failed flushes, then a part

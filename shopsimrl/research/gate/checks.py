@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from shopsimrl.manifest import plan_diff
+from shopsimrl.records import EpisodeTrace, to_plain
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.gate.masks import Assignment
 from shopsimrl.research.runs import Run
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, fingerprint
-from shopsimrl.traces import is_completed
 
 __all__ = [
     "Baseline",
@@ -82,7 +82,7 @@ class Observation:
 
     episode_id: str
     job: dict[str, Any]
-    skill_ids: list[str]
+    skill_ids: list[str | None]
     provenance: dict[str, Any]
     outcomes: dict[str, float]
     """``reward`` and every ``r_*``."""
@@ -102,8 +102,8 @@ class StrictRead:
     """Episodes whose winning record is not completed → its failure class (or status)."""
 
 
-def _outcomes(record: dict[str, Any], where: str) -> dict[str, float]:
-    final = record["final"]
+def _outcomes(record: EpisodeTrace, final: dict[str, Any], where: str) -> dict[str, float]:
+    # Checked on the values as stored: the typed reading takes a value of the wrong type for absent.
     detail = final.get("reward_detail")
     if not isinstance(detail, dict) or not set(REQUIRED_COMPONENTS) <= set(detail):
         raise GateCheckError(f"{where}: final.reward_detail must hold {list(REQUIRED_COMPONENTS)}")
@@ -118,29 +118,37 @@ def _outcomes(record: dict[str, Any], where: str) -> dict[str, float]:
     return {name: float(row[name]) for name in sorted(values)}
 
 
-def _observe(record: dict[str, Any], where: str) -> Observation:
-    episode_id = record["episode_id"]
+def _observe(record: EpisodeTrace, where: str) -> Observation:
+    episode_id = record.episode_id
+    job_written = to_plain(record.job)
     try:
-        job = EpisodeJob.from_dict(record["job"] if isinstance(record.get("job"), dict) else {})
+        job = EpisodeJob.from_dict(job_written)
     except TraceFormatError as exc:
         raise GateCheckError(f"{where}: {exc}") from None
     if job.episode_id != episode_id:
         raise GateCheckError(f"{where}: episode_id does not match its job (task {job.task_id}, sample {job.sample_id})")
-    provenance = record.get("provenance")
-    if not isinstance(provenance, dict) or any(
-        not isinstance(provenance.get(f), dict) or not provenance[f] for f in PROVENANCE_FIELDS
-    ):
+    provenance = record.provenance
+    if any(not isinstance(provenance.get(f), dict) or not provenance[f] for f in PROVENANCE_FIELDS):
         raise GateCheckError(f"{where}: provenance must hold non-empty {list(PROVENANCE_FIELDS)} objects")
-    selected = record.get("selected_skills")
-    if not isinstance(selected, list) or not all(isinstance(s, dict) for s in selected):
+    if "selected_skills" not in record.model_fields_set:
         raise GateCheckError(f"{where}: selected_skills must be a list of objects")
+    assert record.final is not None  # a completed record has one
+    final = record.final.as_dict()
     return Observation(
         episode_id=episode_id,
         job=job.to_dict(),
-        skill_ids=[s.get("skill_id") for s in selected],
+        skill_ids=[skill.skill_id for skill in record.selected_skills],
         provenance={f: provenance[f] for f in PROVENANCE_FIELDS},
-        outcomes=_outcomes(record, where),
-        digest=fingerprint({key: record.get(key) for key in ("episode_id", "job", "provenance", "selected_skills", "final")}),
+        outcomes=_outcomes(record, final, where),
+        digest=fingerprint(
+            {
+                "episode_id": episode_id,
+                "job": job_written,
+                "provenance": provenance,
+                "selected_skills": to_plain(record.selected_skills),
+                "final": final,
+            }
+        ),
     )
 
 
@@ -149,9 +157,9 @@ def read_strict(run: Run, what: str) -> StrictRead:
     read = StrictRead(run.location)
     completed: set[str] = set()
     for is_winner, record in run.all_records():
-        episode_id = record["episode_id"]
+        episode_id = record.episode_id
         where = f"{what} {run.location}: {episode_id}"
-        if is_completed(record):
+        if record.completed:
             if episode_id in completed:
                 raise GateCheckError(f"{where} has a duplicate completed record (a gate pairs exactly one rollout per episode)")
             completed.add(episode_id)
@@ -159,10 +167,10 @@ def read_strict(run: Run, what: str) -> StrictRead:
             raise GateCheckError(f"{where}: an attempt follows its completed record")
         if not is_winner:
             continue
-        if is_completed(record):
+        if record.completed:
             read.observations[episode_id] = _observe(record, where)
         else:
-            read.unfinished[episode_id] = str(record.get("failure_class") or record.get("status") or "unfinished")
+            read.unfinished[episode_id] = record.failure_class or record.status
     if run.unreadable_lines:
         raise GateCheckError(
             f"{what} {run.location}: {run.unreadable_lines} line(s) are not trace records (torn or garbled); "

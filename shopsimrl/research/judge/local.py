@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 import structlog
 
+from shopsimrl.records import EpisodeTrace
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.judge.call import JUDGE_OUTPUT_VERSION, judge_episode, judge_model, judged, model_identity
 from shopsimrl.research.judge.config import JudgeConfig, JudgeConfigError, Rubric, judge_fingerprint
@@ -200,9 +201,14 @@ async def judge_stream(
     return written
 
 
+def _facts(record: EpisodeTrace) -> tuple[dict[str, Any], list[str]]:
+    """An episode's row and its rule labels."""
+    return episode_row(record), episode_labels(record)["labels"]
+
+
 def episode_facts(run: Run) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """episode id → (its row, its rule labels), for the summary (one more pass over the run)."""
-    facts = run.winner_views(lambda record: (episode_row(record), episode_labels(record)["labels"]))
+    facts = run.winner_views(_facts)
     return {str(row["episode_id"]): (row, labels) for row, labels in facts}
 
 
