@@ -876,9 +876,7 @@ class ShopSimulatorEpisode:
             raise TypeError(f"action must be a string such as 'search[...]', got {type(action).__name__}")
         payload = self._leased("interact", response=action)
         # interact is not idempotent: never resend a request that may have reached the server.
-        result = await self._env._call(
-            "interact", payload, timeout=Timeout(self._env.settings.timeout), policy=_NOT_SENT_ONLY
-        )
+        result = await self._env._call("interact", payload, timeout=Timeout(self._env.settings.timeout), policy=_NOT_SENT_ONLY)
         self._check_same_versions("interact", result)
         return result
 
@@ -886,9 +884,7 @@ class ShopSimulatorEpisode:
         if reason not in TERMINATION_REASONS:
             raise ValueError(f"termination reason must be one of {list(TERMINATION_REASONS)}, got {reason!r}")
         payload = self._leased("terminate", termination_reason=reason)
-        result = await self._env._call(
-            "terminate", payload, timeout=Timeout(self._env.settings.timeout), policy=_NOT_SENT_ONLY
-        )
+        result = await self._env._call("terminate", payload, timeout=Timeout(self._env.settings.timeout), policy=_NOT_SENT_ONLY)
         self._check_same_versions("terminate", result)
         echoed = result.get("termination_reason")
         if echoed != reason:

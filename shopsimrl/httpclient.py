@@ -314,7 +314,10 @@ def _bytes_acked(sock: socket.socket | None) -> int | None:
         info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 256)
     except OSError:
         return None
-    return struct.unpack_from("=Q", info, _BYTES_ACKED_AT)[0] if len(info) >= _BYTES_ACKED_AT + 8 else None  # type: ignore[no-any-return]
+    if len(info) < _BYTES_ACKED_AT + 8:
+        return None
+    acked: int = struct.unpack_from("=Q", info, _BYTES_ACKED_AT)[0]
+    return acked
 
 
 class _Exchange:
@@ -400,9 +403,7 @@ class _Exchange:
             if due <= now:
                 self._expire(WriteTimeout(f"the request was not taken by the socket within {write} s"))
                 return
-            if read is not None:
-                due = min(due, max(self.last_read + read, now + 0.001))
-            self._arm(due)
+            self._arm(due if read is None else min(due, now + read))
             return
         if read is None:
             return
@@ -591,8 +592,9 @@ class HttpService:
     timeout=Timeout(30))`` returns a read :class:`Response`; ``async with service.stream(...) as
     response`` one whose body is read as it arrives. ``trust_env``: proxies from ``HTTP(S)_PROXY``
     and ``NO_PROXY`` (read once per URL). ``socket_factory`` makes each connection's socket from
-    its address (``getaddrinfo``'s tuple), for socket options (aiohttp's hook). The pool is opened in the event loop that first uses it,
-    and opened anew if a later call comes from another loop.
+    its address (``getaddrinfo``'s tuple), for socket options (aiohttp's hook). The pool is
+    opened in the event loop that first uses it, and opened anew if a later call comes from
+    another loop.
     """
 
     def __init__(

@@ -7,11 +7,15 @@ real testbed shop and policy processes."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
 import struct
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import orjson
 import pytest
@@ -240,9 +244,7 @@ async def test_a_socket_that_never_takes_the_request_is_a_write_timeout() -> Non
         service = HttpService(max_connections=4)
         try:
             with pytest.raises(httpclient.WriteTimeout) as failure:
-                await service.request(
-                    "POST", f"{url}/x", content=b"x" * (64 << 20), timeout=Timeout(5.0, write=0.3, read=None)
-                )
+                await service.request("POST", f"{url}/x", content=b"x" * (64 << 20), timeout=Timeout(5.0, write=0.3, read=None))
         finally:
             stalled.set()
             await service.aclose()
@@ -665,7 +667,9 @@ class CountingApp:
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         if scope["type"] == "lifespan":
             while (message := await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
@@ -698,7 +702,9 @@ async def test_a_pooled_connection_the_server_closed_while_the_loop_was_busy_is_
                 for phase in ("before", "after"):
                     answers = await asyncio.gather(
                         *(
-                            service.request("POST", f"{url}/x", content=b"%d-%d-%b" % (round_, n, phase.encode()), timeout=Timeout(10.0))
+                            service.request(
+                                "POST", f"{url}/x", content=b"%d-%d-%b" % (round_, n, phase.encode()), timeout=Timeout(10.0)
+                            )
                             for n in range(STALE_CONNECTIONS)
                         )
                     )
@@ -713,6 +719,82 @@ async def test_a_pooled_connection_the_server_closed_while_the_loop_was_busy_is_
     # What came of it: every POST arrived, exactly once.
     sent = [b"%d-%d-%b" % (r, n, p) for r in range(STALE_ROUNDS) for p in (b"before", b"after") for n in range(STALE_CONNECTIONS)]
     assert sorted(app.bodies) == sorted(sent)
+
+
+HTTPS_CLIENT = """
+import asyncio, json, ssl, sys
+from shopsimrl.httpclient import HttpService, Timeout
+from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
+
+cert, key = sys.argv[1], sys.argv[2]
+ANSWER = {"id": "c1", "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "好"}}]}
+seen, connections = [], []
+
+
+async def serve(reader, writer):
+    connections.append(1)
+    while True:
+        try:
+            head = await reader.readuntil(b"\\r\\n\\r\\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        length = next((int(l.split(b":")[1]) for l in head.split(b"\\r\\n") if l.lower().startswith(b"content-length")), 0)
+        seen.append((head.split(b" ")[1].decode(), len(await reader.readexactly(length))))
+        body = json.dumps(ANSWER).encode()
+        writer.write(b"HTTP/1.1 200 OK\\r\\nContent-Type: application/json\\r\\nContent-Length: %d\\r\\n\\r\\n%b" % (len(body), body))
+        await writer.drain()
+
+
+async def main():
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=tls)
+    url = f"https://localhost:{server.sockets[0].getsockname()[1]}"
+    model = OpenAICompatibleChatModel(OpenAICompatibleSettings(model="m", base_url=f"{url}/v1", api_key_env=None))
+    outputs = [await model.generate([{"role": "user", "content": "hi"}], []) for _ in range(2)]
+    await model.aclose()
+    service = HttpService(max_connections=1)
+    try:
+        await service.request("GET", url.replace("localhost", "127.0.0.1") + "/x", timeout=Timeout(5))
+        refused = None
+    except Exception as exc:
+        refused = [type(exc).__name__, exc.request_sent, str(exc)]
+    await service.aclose()
+    server.close()
+    print(json.dumps({"contents": [o.content for o in outputs], "attempts": [o.attempt_count for o in outputs], "seen": seen, "connections": len(connections), "refused": refused}))
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_https_goes_through_the_same_client_and_checks_the_certificate(tmp_path: Path) -> None:
+    """A TLS server with a certificate for localhost, trusted through SSL_CERT_FILE (read when
+    the client starts, so in a process of its own): the model adapter's calls succeed over https
+    on one kept-alive connection; the same certificate at an address it does not name is a
+    ConnectError, never sent."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"openssl cannot make a certificate here: {made.stderr[-500:]}")
+    done = subprocess.run(
+        [sys.executable, "-c", HTTPS_CLIENT, str(cert), str(key)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SSL_CERT_FILE": str(cert)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome["contents"] == ["好", "好"] and outcome["attempts"] == [1, 1]
+    assert [path for path, _ in outcome["seen"]] == ["/v1/chat/completions"] * 2 and outcome["connections"] == 1
+    name, request_sent, message = outcome["refused"]
+    assert name == "ConnectError" and request_sent is False and "certificate" in message.lower()
 
 
 # --------------------------------------------------------------------------- the real testbed
@@ -828,7 +910,9 @@ async def test_a_whole_answer_reads_its_charset_headers_and_encoding(trust_env: 
                 head = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Type: application/json\r\n"
                 writer.write(head + b"Content-Length: %d\r\n\r\n" % len(packed) + packed)
             elif b"/bad-charset" in request:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=no-such\r\nContent-Length: 4\r\n\r\n\xff\xfeok")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=no-such\r\nContent-Length: 4\r\n\r\n\xff\xfeok"
+                )
             else:
                 head = b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json; charset=gbk\r\nRetry-After: 7\r\n"
                 writer.write(head + b"Content-Length: %d\r\n\r\n" % len(plain) + plain)

@@ -696,7 +696,9 @@ async def test_calls_after_the_server_closed_idle_connections_under_a_busy_loop_
     stub = OpenAIStub()
     with running_server(stub, timeout_keep_alive=1) as url:
         port = int(url.rsplit(":", 1)[1])
-        settings = OpenAICompatibleSettings(model="stub-model", base_url=f"{url}/v1", api_key_env="SHOPSIMRL_TEST_KEY", stream=stream)
+        settings = OpenAICompatibleSettings(
+            model="stub-model", base_url=f"{url}/v1", api_key_env="SHOPSIMRL_TEST_KEY", stream=stream
+        )
         model = OpenAICompatibleChatModel(settings, sleep=sleeps)
         reply = Reply(sse=stream_chunks(*FRAGMENTED_CALL)) if stream else Reply(json=completion(tool_calls=[tool_call()]))
         closed_by_server, outputs = 0, []
