@@ -91,6 +91,26 @@ async def test_no_answer_within_the_read_timeout_is_a_read_timeout() -> None:
     assert not request_not_sent(failure.value)
 
 
+async def test_a_get_that_timed_out_is_not_sent_again() -> None:
+    """A read timeout ends the exchange: the GET, which the client would resend after a dropped
+    connection, is not sent a second time (the server may still be working on the first)."""
+    arrived: list[bytes] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for request in read_requests(reader):
+            arrived.append(request)
+
+    async with raw_server(silent) as url:
+        service = HttpService(max_connections=2)
+        try:
+            with pytest.raises(httpclient.ReadTimeout):
+                await service.request("GET", f"{url}/x", timeout=Timeout(5.0, read=0.3))
+            await asyncio.sleep(0.1)  # a resend, had there been one, would have arrived by now
+        finally:
+            await service.aclose()
+    assert len(arrived) == 1
+
+
 async def test_a_body_cut_off_is_a_protocol_error() -> None:
     async def truncated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
