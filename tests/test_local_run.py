@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.local_run import LocalRunStore, RunLockedError, atomic_write_json
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.records import read_trace
+from shopsimrl.storage.local import LocalRunStore, RunLockedError, atomic_write_json
 from tests.testbed_process import start_testbed, write_config
 
 
@@ -83,7 +83,7 @@ def test_unserialisable_payload_is_repaired_not_fatal(tmp_path: Path) -> None:
 def test_documents_keep_a_lone_surrogate_as_its_escape(tmp_path: Path) -> None:
     """summary.json and the sharded documents are indented JSON from the standard library; a lone
     surrogate (a model's text that is not valid Unicode) must not make them unwritable."""
-    from shopsimrl.sharded.layout import _json_bytes
+    from shopsimrl.storage.sharded import _json_bytes
 
     value = {"note": "台灯\ud800", "nested": ["\udfff"]}
     atomic_write_json(tmp_path / "summary.json", value)
@@ -276,9 +276,9 @@ def test_a_full_disk_while_rewriting_the_summary_exits_3_and_keeps_the_old_one(t
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["tmpfs", "fsize"])
 def test_a_full_disk_while_reducing_a_sharded_run_exits_3_and_leaves_no_temporary_files(tmp_path: Path, mode: str) -> None:
+    from shopsimrl.runner.worker import commit_shard
     from shopsimrl.schemas import EpisodeJob, fingerprint
-    from shopsimrl.sharded.layout import ShardedRunStore
-    from shopsimrl.sharded.worker import commit_shard
+    from shopsimrl.storage.sharded import ShardedRunStore
 
     jobs = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in range(1, 5)]
     plan = {"experiment": "x", "jobs": [job.to_dict() for job in jobs]}

@@ -31,8 +31,8 @@ from shopsimrl.records import (
 )
 from shopsimrl.records.jsonschema import SCHEMA_DIR, SCHEMA_MODELS, render, schema_document
 from shopsimrl.schemas import EpisodeJob, ModelOutput
-from shopsimrl.sharded.layout import marker_document
 from shopsimrl.skills import NoSkills
+from shopsimrl.storage.sharded import marker_document
 from tests.fakes import FakeEnvironment, FakeModel, tool_output
 
 LEGACY = Path(__file__).resolve().parent / "fixtures" / "legacy_v4_traces.jsonl"

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from shopsimrl.episode import new_trace
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.records import EpisodeTrace, dump_line, parse_trace_line, read_trace, to_plain
 from shopsimrl.records.winner import Verdict, WinnerPicker
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.runner.worker import commit_shard
 from shopsimrl.schemas import EpisodeJob, fingerprint, json_bytes, parse_json, parse_json_exact
-from shopsimrl.sharded.layout import ShardedRunStore
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.worker import commit_shard
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.sharded import ShardedRunStore
 
 
 def record(

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from shopsimrl.schemas import EpisodeJob
-from shopsimrl.sharded.layout import ShardedRunStore, marker_document, part_entry
+from shopsimrl.storage.sharded import ShardedRunStore, marker_document, part_entry
 
 WRITER = "5e1ec7ed"
 

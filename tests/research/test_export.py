@@ -13,7 +13,6 @@ from typing import Any
 import orjson
 import pytest
 
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.manifest import build_manifest
 from shopsimrl.records import read_trace, to_plain
 from shopsimrl.research.export import (
@@ -25,7 +24,8 @@ from shopsimrl.research.export import (
     judge_input,
 )
 from shopsimrl.research.redaction import IDENTIFYING_PERSONA_FIELDS, ExportRefusedError, persona_of, public_persona
-from shopsimrl.research.runs import open_run
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.reading import open_run
 from tests.sharded.conftest import cli
 
 from .conftest import ResearchRuns

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from shopsimrl.local_run import LocalRunStore, atomic_write_json
 from shopsimrl.manifest import build_manifest
 from shopsimrl.research.gate.checks import GateCheckError, bare_preflight, pair_observations, read_strict
 from shopsimrl.research.gate.fit import fit_paired_delta_ols
 from shopsimrl.research.gate.masks import Assignment, gate_a_assignments
-from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob, fingerprint
+from shopsimrl.storage.local import LocalRunStore, atomic_write_json
+from shopsimrl.storage.reading import open_run
 from tests.fakes import written
 
 from .conftest import ResearchRuns

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.records import EpisodeTrace, dump_line, read_trace
-from shopsimrl.research.runs import RunReadError, open_run
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.reading import RunReadError, open_run
 from tests.fakes import written
 
 from .conftest import ResearchRuns

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from shopsimrl.research.runs import open_run
+from shopsimrl.runner.reduce import reduce_run
 from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.sharded.layout import ShardedRunStore, marker_document, part_entry
-from shopsimrl.sharded.objectstore import READ_CONCURRENCY, RetryPolicy, RunLocationError, StoreUnavailableError
-from shopsimrl.sharded.reduce import read_shard_parts, reduce_run
+from shopsimrl.storage.objectstore import READ_CONCURRENCY, RetryPolicy, RunLocationError, StoreUnavailableError
+from shopsimrl.storage.reading import open_run
+from shopsimrl.storage.sharded import ShardedRunStore, marker_document, part_entry, read_shard_parts
 
 from .conftest import S3Server
 from .faultproxy import FaultPlan, FaultProxy, Scripted

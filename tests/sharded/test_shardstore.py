@@ -13,8 +13,12 @@ import pytest
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.records import read_trace, to_plain
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.runner.status import shard_status
+from shopsimrl.runner.worker import commit_shard
 from shopsimrl.schemas import EpisodeJob, fingerprint, redact_uri
-from shopsimrl.sharded.layout import (
+from shopsimrl.storage.objectstore import RetryPolicy, StoreUnavailableError, is_create_conflict
+from shopsimrl.storage.sharded import (
     ShardedRunStore,
     ShardMapError,
     WrittenPart,
@@ -23,10 +27,6 @@ from shopsimrl.sharded.layout import (
     part_entry,
     record_outcome,
 )
-from shopsimrl.sharded.objectstore import RetryPolicy, StoreUnavailableError, is_create_conflict
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.status import shard_status
-from shopsimrl.sharded.worker import commit_shard
 
 from .conftest import Backend, S3Server
 from .faultproxy import FaultPlan, FaultProxy, Scripted

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.records import dump_line, read_trace
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.runner.status import shard_status
+from shopsimrl.runner.worker import PartSink, commit_shard
 from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint
-from shopsimrl.sharded.layout import ShardedRunStore, encode_part, iter_part_records, load_frozen_plan, scan_shard
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.status import shard_status
-from shopsimrl.sharded.worker import PartSink, commit_shard
+from shopsimrl.storage.sharded import ShardedRunStore, encode_part, iter_part_records, load_frozen_plan, scan_shard
 
 from .conftest import S3_TEST_ENV, Backend, Testbed, cli, worker_env, write_config
 from .faultproxy import FaultPlan, FaultProxy

@@ -10,8 +10,8 @@ import pytest
 from shopsimrl import __version__
 from shopsimrl.manifest import manifest_head, run_identity
 from shopsimrl.metrics import summarize_traces
-from shopsimrl.sharded.layout import ShardedRunStore, iter_part_records
-from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.storage.sharded import ShardedRunStore, iter_part_records
 
 from .conftest import Backend, Testbed, cli, worker_env, write_config
 

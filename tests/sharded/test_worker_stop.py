@@ -23,9 +23,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from shopsimrl.records import read_trace
-from shopsimrl.sharded.layout import ShardedRunStore
-from shopsimrl.sharded.objectstore import StoreUnavailableError
-from shopsimrl.sharded.worker import PartSink
+from shopsimrl.runner.worker import PartSink
+from shopsimrl.storage.objectstore import StoreUnavailableError
+from shopsimrl.storage.sharded import ShardedRunStore
 from shopsimrl.testbed.serving import running_server
 from tests.sharded.conftest import REPO, Backend, Testbed, start_worker, worker_env, write_config
 
@@ -194,7 +194,7 @@ def _state(pid: int) -> str:
 COORDINATOR_SIGNALLED_TWICE = """
 import os, signal, sys
 from pathlib import Path
-from shopsimrl.sharded.local_job import run_indexed
+from shopsimrl.runner.local_job import run_indexed
 
 sent = []
 def first_signal() -> None:  # the first signal, from inside the coordinator's loop

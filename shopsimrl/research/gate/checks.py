@@ -25,8 +25,8 @@ from shopsimrl.manifest import plan_diff
 from shopsimrl.records import EpisodeTrace, to_plain
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.gate.masks import Assignment
-from shopsimrl.research.runs import Run
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, fingerprint
+from shopsimrl.storage.reading import Run
 
 __all__ = [
     "Baseline",

@@ -41,8 +41,8 @@ from shopsimrl.research.gate.freeze import (
 )
 from shopsimrl.research.gate.masks import MASK_PROBABILITY, gate_a_assignments
 from shopsimrl.research.gate.spec import GateSpec
-from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob
+from shopsimrl.storage.reading import open_run
 
 __all__ = ["REFIT_DIR", "EarlierGateError", "compare_with_earlier", "is_earlier_gate", "load_earlier_gate"]
 

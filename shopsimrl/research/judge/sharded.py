@@ -1,6 +1,6 @@
 """The judge stage sharded like rollouts: ``judge plan`` → Indexed Job workers → ``judge reduce``.
 
-It uses the sharded run layout's objects and protocol (:mod:`shopsimrl.sharded.layout`): parts
+It uses the sharded run layout's objects and protocol (:mod:`shopsimrl.storage.sharded`): parts
 named by sequence and writer id (zstd), written once; commit markers ``_SUCCESS*.json`` that
 list parts with their sha256 and are never replaced; a shard's committed parts are the union of
 the parts of the markers that verify. At a judge location (a directory or any fsspec URI)::
@@ -46,9 +46,9 @@ from shopsimrl.manifest import FingerprintMismatchError
 from shopsimrl.research.judge.call import judged
 from shopsimrl.research.judge.config import JudgeConfig, Rubric, rubric_from_bytes
 from shopsimrl.research.judge.local import OUTPUTS_NAME, SUMMARY_NAME, judge_header, judge_stream, summarize
-from shopsimrl.research.runs import Run, open_run
 from shopsimrl.schemas import fingerprint, json_bytes, parse_json_exact, sha256_hex
-from shopsimrl.sharded.layout import (
+from shopsimrl.storage.reading import Run, open_run
+from shopsimrl.storage.sharded import (
     ShardedRunStore,
     ShardMapError,
     marker_document,

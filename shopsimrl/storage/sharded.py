@@ -1,4 +1,4 @@
-"""The layout of a sharded run on an object store (:mod:`shopsimrl.sharded.objectstore`):
+"""The layout of a sharded run on an object store (:mod:`shopsimrl.storage.objectstore`):
 manifest, shard map, trace parts, commit markers, progress objects, summary.
 
 Layout (every object is written once, except ``summary.json`` which ``reduce`` rewrites)::
@@ -56,7 +56,7 @@ from shopsimrl.schemas import (
     fingerprint,
     sha256_hex,
 )
-from shopsimrl.sharded.objectstore import TEMP_PREFIX, ObjectStore, RetryPolicy, StoreUnavailableError
+from shopsimrl.storage.objectstore import TEMP_PREFIX, ObjectStore, RetryPolicy, StoreUnavailableError
 
 __all__ = [
     "MARKER_NAME",
@@ -97,6 +97,8 @@ PART_PATTERN = re.compile(r"^part-(\d{5,})-([0-9a-f]{8,32})\.jsonl(\.zst)?$")
 """Trace parts: ``.jsonl.zst`` as written now, plain ``.jsonl`` as written before (both are read)."""
 PROGRESS_SCHEMA_VERSION = "shopsimrl-shard-progress-v1"
 PROGRESS_PATTERN = re.compile(r"^_PROGRESS-([0-9a-f]{8,32})\.json$")
+REPORT_SAMPLE = 20
+"""How many problems, foreign objects or stray ids a shard report lists."""
 _ZSTD_LEVEL = 3
 """zstd level of the parts: ratio 15 on testbed traces at ~350 MB/s to compress and ~1 GB/s to
 read back; higher levels gain little ratio for a fraction of the speed (docs/benchmarks.md)."""
@@ -708,3 +710,108 @@ def load_frozen_plan(store: ShardedRunStore) -> FrozenPlan:
         raise ManifestError(f"{store.display_uri}/manifest.json: {exc}") from None
     check_shard_map(shard_map, jobs, plan_fp, store.display_uri)
     return FrozenPlan(plan_fp, shard_map, head or manifest)
+
+
+# --------------------------------------------------------------------------- committed output
+
+
+@dataclass
+class ShardResult:
+    index: int
+    state: str = "uncommitted"
+    """``committed``, ``uncommitted`` (no marker yet), ``corrupt`` (no marker verifies)."""
+    jobs: int = 0
+    completed: int = 0
+    failed: int = 0
+    parts: int = 0
+    markers: int = 0
+    ignored_markers: int = 0
+    uncommitted_parts: int = 0
+    temporary_objects: int = 0
+    duplicates: int = 0
+    episodes_rerun: int = 0
+    superseded: int = 0
+    unreadable_lines: int = 0
+    not_in_shard: int = 0
+    listed_parts: int = 0
+    problems: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        row = {k: v for k, v in self.__dict__.items() if k not in ("problems", "foreign", "listed_parts")}
+        if self.problems:
+            row["problems"] = self.problems[:REPORT_SAMPLE]
+        if self.foreign:
+            row["foreign_objects"] = self.foreign[:REPORT_SAMPLE]
+        return row
+
+
+def _read_parts(store: ShardedRunStore, index: int, names: list[str]) -> dict[str, tuple[str, bytes] | None]:
+    """Read each part once: its sha256 and its bytes as held until the shard is tallied
+    (compressed: a plain part of an earlier version is compressed here), None when missing."""
+    held: dict[str, tuple[str, bytes] | None] = {}
+    # Fetched several at a time (the store's read window); hashed and held in part order.
+    for name, data in store.read_parts(index, names):
+        held[name] = None if data is None else (sha256_hex(data), data if name.endswith(".zst") else encode_part(data))
+    return held
+
+
+@dataclass
+class ShardParts:
+    """The parts of one shard that count, each read once: those a verified commit marker lists
+    (or, with ``include_uncommitted``, every listed part of a shard without a marker)."""
+
+    result: ShardResult
+    parts: list[tuple[str, bytes]] = field(default_factory=list)
+    """``(part name, compressed bytes)`` in part order."""
+
+
+def read_shard_parts(
+    store: ShardedRunStore, index: int, shard_map: ShardMap, plan_fp: str, *, include_uncommitted: bool = False
+) -> ShardParts:
+    """Verify a shard's commit markers and read the parts they commit (the reducer's and the
+    research readers' one view of a shard's output)."""
+    ids = shard_map.episode_ids[index]
+    result = ShardResult(index=index, jobs=len(ids))
+    listing = store.list_shard(index)
+    result.foreign = listing.foreign
+    result.temporary_objects = len(listing.temporary)
+    result.listed_parts = len(listing.parts)
+
+    candidates: list[tuple[str, dict[str, Any]]] = []
+    for name, marker in store.read_markers(index, listing.markers):
+        problem = marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index))
+        if problem is None:
+            candidates.append((name, marker))
+        else:
+            result.problems.append(f"{name} {problem}")
+    names: list[str]
+    if candidates:
+        names = sorted({part["name"] for _, marker in candidates for part in marker["parts"]}, key=part_order)
+        held = _read_parts(store, index, names)
+        actual = {name: None if part is None else part[0] for name, part in held.items()}
+        verified = []
+        for name, marker in candidates:
+            problems = marker_part_problems(marker, actual)
+            if problems:
+                result.problems.extend(f"{name} does not verify, ignored: {problem}" for problem in problems)
+            else:
+                verified.append(marker)
+        result.markers, result.ignored_markers = len(verified), len(candidates) - len(verified)
+        if not verified:
+            result.state = "corrupt"  # committed output that does not verify is not trusted at all
+            return ShardParts(result)
+        committed = {part["name"] for marker in verified for part in marker["parts"]}
+        names = [name for name in names if name in committed]  # a marker was ignored: only what the others verify
+        result.state = "committed"
+        result.uncommitted_parts = sum(1 for name in listing.parts if name not in committed)
+    elif listing.markers:
+        result.state = "corrupt"
+        return ShardParts(result)
+    elif include_uncommitted:
+        names = list(listing.parts)
+        held = _read_parts(store, index, names)
+    else:
+        return ShardParts(result)
+    result.parts = len(names)
+    return ShardParts(result, [(name, part[1]) for name, part in ((name, held[name]) for name in names) if part is not None])

@@ -7,7 +7,7 @@ One worker = one shard = one process (a local subprocess or a pod of an Indexed 
    another shard count → exit 2);
 2. resumes from the shard's existing parts: an episode with a completed record is never run
    again (the reducer de-duplicates whatever a concurrent writer produced anyway);
-3. runs the remaining jobs with :class:`~shopsimrl.scheduler.Evaluator`, buffering traces and
+3. runs the remaining jobs with :class:`~shopsimrl.runner.scheduler.Evaluator`, buffering traces and
    writing a new part every ``flush_episodes`` records or ``flush_seconds``, whichever comes
    first (a timer flushes a stalled buffer), so a crash loses at most that tail;
 4. on SIGTERM/SIGINT stops, flushes what finished and exits 3 (resume later);
@@ -40,7 +40,9 @@ from shopsimrl.logs import LogSettings, current_settings
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.records import EpisodeTrace, dump_line
 from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.sharded.layout import (
+from shopsimrl.stopping import STOP_SIGNALS
+from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
+from shopsimrl.storage.sharded import (
     PART_PATTERN,
     PROGRESS_SCHEMA_VERSION,
     RecordOutcome,
@@ -56,12 +58,10 @@ from shopsimrl.sharded.layout import (
     record_outcome,
     scan_shard,
 )
-from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
-from shopsimrl.stopping import STOP_SIGNALS
 
 __all__ = ["PartSink", "WorkerOptions", "commit_shard", "plan_run", "run_worker"]
 
-log = structlog.get_logger("shopsimrl.sharded.worker")
+log = structlog.get_logger("shopsimrl.runner.worker")
 
 
 class _Stop(Exception):
@@ -216,10 +216,10 @@ class WorkerOptions:
 
 
 def _prepare(config_path: Path, settings: WorkerSettings, final_test: bool) -> Any:
-    from shopsimrl.experiment import prepare
     from shopsimrl.model import ModelConfigError
     from shopsimrl.planning import PlanError
     from shopsimrl.prompts import PromptError
+    from shopsimrl.runner.experiment import prepare
     from shopsimrl.skills import SkillBankError
     from shopsimrl.tasks import SplitError
 
@@ -611,8 +611,8 @@ async def _evaluate(
     Whatever finished is saved on every path: at the first signal the buffer is flushed at
     once (before the episodes unwind and release their leases, which may take the grace
     period), and again after the evaluation ended."""
-    from shopsimrl.lease_journal import LeaseJournal, shard_journal_storage, start_lease_tracking
-    from shopsimrl.scheduler import ConcurrencyLimitedModel, Evaluator
+    from shopsimrl.runner.lease_journal import LeaseJournal, shard_journal_storage, start_lease_tracking
+    from shopsimrl.runner.scheduler import ConcurrencyLimitedModel, Evaluator
     from shopsimrl.stopping import GracefulStop
 
     config = prepared.config

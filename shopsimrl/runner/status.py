@@ -17,11 +17,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from shopsimrl.lease_journal import DirectoryJournalStorage, ProcessIdentity, read_journals, shard_journal_storage
-from shopsimrl.local_run import LocalRunStore
-from shopsimrl.progress import read_progress_file
+from shopsimrl.runner.lease_journal import DirectoryJournalStorage, ProcessIdentity, read_journals, shard_journal_storage
+from shopsimrl.runner.progress import read_progress_file
 from shopsimrl.schemas import episode_id_for
-from shopsimrl.sharded.layout import ShardedRunStore, ShardListing, load_frozen_plan, marker_problem
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.sharded import ShardedRunStore, ShardListing, load_frozen_plan, marker_problem
 
 __all__ = ["is_local_run", "lease_status", "local_status", "shard_status"]
 

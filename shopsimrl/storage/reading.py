@@ -19,21 +19,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.manifest import ManifestError, run_identity
 from shopsimrl.records import EpisodeTrace, iter_trace_lines, parse_trace_line
 from shopsimrl.records.winner import WinnerPicker
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, redact_uri
-from shopsimrl.sharded.layout import (
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.objectstore import RunLocationError
+from shopsimrl.storage.sharded import (
     RunNotPlannedError,
     ShardedRunStore,
     ShardMapError,
     iter_part_records,
     load_frozen_plan,
     part_lines,
+    read_shard_parts,
 )
-from shopsimrl.sharded.objectstore import RunLocationError
-from shopsimrl.sharded.reduce import read_shard_parts
 
 __all__ = ["EpisodeSource", "Run", "RunReadError", "open_run"]
 
