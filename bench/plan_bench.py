@@ -93,14 +93,14 @@ def main() -> None:
 
         def freeze() -> None:
             store = ShardedRunStore(uri)
-            manifest = store.initialize(plan)
+            manifest = store.freeze_plan(plan)
             store.ensure_shard_map(jobs, args.shards, manifest["plan_fingerprint"])  # type: ignore[arg-type]
 
         rows["freeze (fingerprint; manifest, jobs.jsonl, shards.json)"] = timed(freeze)
 
         def verify() -> None:
             store = ShardedRunStore(uri)
-            store.initialize(plan)
+            store.freeze_plan(plan)
             store.ensure_shard_map(jobs, args.shards, fingerprint(plan))  # type: ignore[arg-type]
 
         worker = timed(verify)

@@ -131,7 +131,7 @@ def build_run(
     jobs = [EpisodeJob(task_id=i % tasks, sample_id=i // tasks, seed=i, split="val") for i in range(episodes)]
     plan = {"experiment": "bench", "jobs": [j.to_dict() for j in jobs]}
     store = ShardedRunStore(str(root))
-    store.initialize(plan)
+    store.freeze_plan(plan)
     shard_map = store.ensure_shard_map(jobs, shards, fingerprint(plan))
     by_id = {j.episode_id: j for j in jobs}
     total_bytes = stored_bytes = 0

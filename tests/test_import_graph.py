@@ -58,6 +58,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # through the stores below it.
     "runner": (
         "shopsimrl.runner",
+        "shopsimrl.runner.driver",
         "shopsimrl.runner.experiment",
         "shopsimrl.runner.kube",
         "shopsimrl.runner.lease_journal",
@@ -68,10 +69,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.runner.scheduler",
         "shopsimrl.runner.status",
         "shopsimrl.runner.worker",
+        "shopsimrl.runner.worker_processes",
     ),
     # Run stores and their readers: they know records, never how episodes run.
     "storage": (
         "shopsimrl.storage",
+        "shopsimrl.storage.base",
         "shopsimrl.storage.local",
         "shopsimrl.storage.objectstore",
         "shopsimrl.storage.reading",

@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +23,14 @@ from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, run_identity
 from shopsimrl.metrics import SummaryAccumulator
 from shopsimrl.records import RecordVersionError
+from shopsimrl.runner.driver import EvaluationHooks, Resume, evaluate
+from shopsimrl.runner.lease_journal import DirectoryJournalStorage
+from shopsimrl.runner.progress import ProgressFile, RunProgress
 from shopsimrl.storage.local import LocalRunStore, RunLockedError, RunWriteError
 
 if TYPE_CHECKING:
     from shopsimrl.runner.experiment import PreparedExperiment
+    from shopsimrl.runner.scheduler import Evaluator
 
 __all__ = ["RunStopped", "run_local", "summarize_local"]
 
@@ -70,7 +73,7 @@ def run_local(
         try:
             if not config.experiment.resume and store.read_manifest() is not None:
                 raise RunStopped(ExitCode.BAD_INPUT, f"{config.run_dir} already holds a run and experiment.resume is false")
-            manifest = store.initialize(prepared.plan(), prepared.execution())
+            manifest = store.freeze_plan(prepared.plan(), prepared.execution())
         except FingerprintMismatchError as exc:
             raise RunStopped(ExitCode.FINGERPRINT_MISMATCH, str(exc)) from None
         except ManifestError as exc:
@@ -86,11 +89,20 @@ def run_local(
         final = {eid: cls for eid, cls in index.final_failures().items() if eid not in completed}
         announce(_plan_line(config.name, prepared.jobs, completed, prior, final, retry_failed, reroll_failed, config.run_dir))
         retries = config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
-        resume = _Resume(completed, prior, final)
+        resume = Resume(completed, prior, final)
+        hooks = _LocalHooks(store, len(prepared.jobs), resume, manifest["plan_fingerprint"], show_progress)
         try:
             terminated = eventloop.run(
-                _evaluate(
-                    prepared, store, resume, retries, retry_failed, reroll_failed, show_progress, manifest["plan_fingerprint"]
+                evaluate(
+                    prepared,
+                    prepared.jobs,
+                    resume,
+                    store,
+                    DirectoryJournalStorage(config.run_dir / "leases"),
+                    max_episode_retries=retries,
+                    retry_failed=retry_failed,
+                    reroll_failed=reroll_failed,
+                    hooks=hooks,
                 )
             )
         except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
@@ -109,13 +121,6 @@ def run_local(
     finally:
         store.release()
     return store, summary
-
-
-@dataclass(frozen=True)
-class _Resume:
-    completed: set[str]
-    prior: dict[str, int]
-    final: dict[str, str | None]
 
 
 def _plan_line(
@@ -145,97 +150,41 @@ def _plan_line(
     return ", ".join(parts) + f", {todo} to run → {run_dir}"
 
 
-async def _evaluate(
-    prepared: PreparedExperiment,
-    store: LocalRunStore,
-    resume: _Resume,
-    max_episode_retries: int,
-    retry_failed: bool,
-    reroll_failed: bool,
-    show_progress: bool,
-    plan_fingerprint: str,
-) -> bool:
-    """Run the pending episodes; True when a signal stopped the run (leases are released)."""
-    from shopsimrl.runner.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
-    from shopsimrl.runner.progress import ProgressFile, RunProgress
-    from shopsimrl.runner.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
-    from shopsimrl.stopping import GracefulStop
+class _LocalHooks(EvaluationHooks):
+    """A local run's view of its evaluation: the live bar over the whole plan and
+    ``progress.json`` (counts and a heartbeat, for ``shopsimrl status`` in another terminal)."""
 
-    config = prepared.config
-    model = prepared.model()
-    environment = prepared.environment()
-    journal = LeaseJournal(
-        DirectoryJournalStorage(config.run_dir / "leases"), environment_url=prepared.environment_settings.base_url
-    )
-    limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
-    evaluation: asyncio.Task[Any] | None = None
+    def __init__(self, store: LocalRunStore, planned: int, resume: Resume, plan_fingerprint: str, show: bool) -> None:
+        self.store, self.planned, self.resume = store, planned, resume
+        self.plan_fingerprint, self.show = plan_fingerprint, show
+        self.bar: RunProgress | None = None
+        self.progress: ProgressFile | None = None
 
-    def stop_evaluation() -> None:
-        if evaluation is not None:
-            evaluation.cancel()  # every episode unwinds through its cleanup: no lease stays held
+    def started(self, evaluator: Evaluator, pending: int) -> None:
+        self.bar = RunProgress(self.planned, before=self.planned - pending, enabled=self.show and sys.stderr.isatty())
+        self.bar.__enter__()
+        evaluator.on_trace = self.bar.on_trace
+        self.progress = ProgressFile(
+            self.store.progress_path,
+            self.bar,
+            plan_fingerprint=self.plan_fingerprint,
+            completed_before=len(self.resume.completed),
+        )
+        self.progress.write()
 
-    grace = config.environment.cleanup_grace_seconds
-    with GracefulStop(stop_evaluation, cleanup=f"releasing leases (up to {grace:g} s)") as stop:
-        try:
-            await start_lease_tracking(
-                environment,
-                journal,
-                concurrency=config.experiment.concurrency,
-                processes=1,
-                configured=config.environment.max_leases,
-            )
-            if stop.requested:
-                return True
-            evaluator = Evaluator(
-                prepared.runtime(limited, environment),
-                store,
-                concurrency=config.experiment.concurrency,
-                max_episode_retries=max_episode_retries,
-                retry_failed=retry_failed,
-                reroll_failed=reroll_failed,
-            )
-            pending = evaluator.pending(prepared.jobs, resume.completed, resume.prior, EvaluationOutcome(), resume.final)
-            with RunProgress(
-                len(prepared.jobs), before=len(prepared.jobs) - len(pending), enabled=show_progress and sys.stderr.isatty()
-            ) as bar:
-                evaluator.on_trace = bar.on_trace
-                progress = ProgressFile(
-                    store.progress_path,
-                    bar,
-                    plan_fingerprint=plan_fingerprint,
-                    completed_before=sum(1 for job in prepared.jobs if job.episode_id in resume.completed),
-                )
-                await asyncio.to_thread(progress.write)
-                beat = asyncio.ensure_future(progress.beat())
-                final = "stopped"
-                try:
-                    evaluation = asyncio.ensure_future(
-                        evaluator.run(
-                            prepared.jobs, completed=resume.completed, prior_attempts=resume.prior, final_failures=resume.final
-                        )
-                    )
-                    try:
-                        await evaluation
-                    except asyncio.CancelledError:
-                        if not stop.requested:
-                            raise
-                        # mypy keeps stop.requested narrowed to False by the check above; a signal sets it since.
-                        final = "interrupted"  # type: ignore[unreachable]
-                        return True
-                    final = "finished"
-                finally:
-                    beat.cancel()
-                    await asyncio.gather(beat, return_exceptions=True)
-                    progress.write(final)
-            return False
-        finally:
-            try:
-                await model.aclose()
-            finally:
-                try:
-                    await environment.aclose()
-                finally:
-                    await journal.aclose()
+    def background(self) -> Sequence[Callable[[], Awaitable[None]]]:
+        return (self._beat,)
+
+    async def _beat(self) -> None:
+        while self.progress is None:  # noqa: ASYNC110 - set by started(), on this loop
+            await asyncio.sleep(0.05)
+        await self.progress.beat()
+
+    def ended(self, state: str) -> None:
+        if self.progress is not None:
+            self.progress.write(state)
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
 
 
 def summarize_local(

@@ -141,6 +141,10 @@ class LocalRunStore:
         self.progress_path = self.run_dir / "progress.json"
         self._lock_handle: Any = None
 
+    @property
+    def display_uri(self) -> str:
+        return str(self.run_dir)
+
     # -- lifecycle --------------------------------------------------------------------------
 
     def acquire(self) -> None:
@@ -177,7 +181,7 @@ class LocalRunStore:
             raise ManifestError(f"{self.manifest_path} is not valid JSON: {exc}") from exc
         return validate_manifest(manifest, str(self.manifest_path))
 
-    def initialize(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
+    def freeze_plan(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
         """Create the manifest, or verify that the existing one freezes the same plan."""
         if (self.run_dir / "shards.json").exists():
             # A single process would not see the shards' parts and would run every episode again.
@@ -214,6 +218,9 @@ class LocalRunStore:
             handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())
+
+    def flush(self) -> None:
+        """Nothing to do: every :meth:`save_traces` is durable when it returns."""
 
     def load_index(self) -> ResumeIndex:
         """One pass over traces.jsonl: per episode its attempts and its winning record

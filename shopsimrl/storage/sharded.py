@@ -26,15 +26,19 @@ depend on the order in which concurrent committers write.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import re
 import threading
+import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import orjson
+import structlog
 import zstandard
 
 from shopsimrl.manifest import (
@@ -46,7 +50,7 @@ from shopsimrl.manifest import (
     validate_manifest,
 )
 from shopsimrl.planning import SHARD_ASSIGNMENT, PlanError, shard_jobs
-from shopsimrl.records import EpisodeTrace, parse_trace_line
+from shopsimrl.records import EpisodeTrace, dump_line, parse_trace_line
 from shopsimrl.schemas import (
     MANIFEST_SCHEMA_VERSIONS,
     EpisodeJob,
@@ -65,17 +69,24 @@ __all__ = [
     "PART_PATTERN",
     "PROGRESS_PATTERN",
     "PROGRESS_SCHEMA_VERSION",
+    "REPORT_SAMPLE",
     "SHARD_MAP_SCHEMA_VERSION",
     "FrozenPlan",
+    "MarkerCheck",
+    "PartWriter",
     "RecordOutcome",
     "RunNotPlannedError",
     "ShardListing",
     "ShardMap",
     "ShardMapError",
+    "ShardParts",
+    "ShardResult",
     "ShardState",
     "ShardedRunStore",
     "WrittenPart",
+    "check_markers",
     "check_shard_map",
+    "commit_shard",
     "iter_part_records",
     "load_frozen_plan",
     "marker_document",
@@ -85,6 +96,7 @@ __all__ = [
     "part_lines",
     "part_name",
     "part_order",
+    "read_shard_parts",
     "record_outcome",
     "scan_shard",
 ]
@@ -113,6 +125,7 @@ def part_name(seq: int, writer: str, *, compressed: bool = True) -> str:
 
 
 # A compressor is not safe for concurrent use; one per thread (the sinks flush from asyncio.to_thread threads).
+log = structlog.get_logger("shopsimrl.storage.sharded")
 _codecs = threading.local()
 
 
@@ -289,7 +302,7 @@ class ShardedRunStore(ObjectStore):
         self.manifest_sha256 = sha256_hex(data)
         return manifest
 
-    def initialize(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
+    def freeze_plan(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
         """Create manifest.json, or verify that the one there freezes the same plan.
 
         Planning is deterministic, so any number of workers may call this at once: one creates
@@ -815,3 +828,193 @@ def read_shard_parts(
         return ShardParts(result)
     result.parts = len(names)
     return ShardParts(result, [(name, part[1]) for name, part in ((name, held[name]) for name in names) if part is not None])
+
+
+# --------------------------------------------------------------------------- writing a shard
+
+
+class PartWriter:
+    """A shard's trace writer: buffers encoded traces and writes them as whole parts.
+
+    ``save_traces`` and ``flush_if_stale`` run in threads (``asyncio.to_thread``, off the event loop); one lock
+    keeps buffer and part sequence consistent between the episode path and the flush timer.
+    It remembers what each part it wrote holds (``written``), so the commit never reads its own
+    parts back, and keeps the writer's progress object up to date: after every part and, as a
+    heartbeat, every ``heartbeat_seconds`` while the flush timer runs. ``resumed``: the episodes
+    the shard had completed when the worker started; ``session``: the worker's writer id, shared
+    by the event-loop processes it starts (``status`` adds up the processes of one session).
+    """
+
+    def __init__(
+        self,
+        store: ShardedRunStore,
+        shard: int,
+        writer: str,
+        first_seq: int,
+        *,
+        flush_episodes: int,
+        flush_seconds: float,
+        plan_fingerprint: str,
+        resumed: Collection[str] = (),
+        session: str | None = None,
+        heartbeat_seconds: float = 30.0,
+    ) -> None:
+        self.store, self.shard, self.writer = store, shard, writer
+        self.flush_episodes, self.flush_seconds = flush_episodes, flush_seconds
+        self._seq = first_seq
+        self._buffer: list[bytes] = []
+        self._outcomes: list[RecordOutcome] = []
+        self._oldest = 0.0
+        self._lock = threading.Lock()
+        self.written: list[WrittenPart] = []
+        self._resumed = frozenset(resumed)
+        self._completed: set[str] = set()
+        self._failed_attempts = 0
+        self._records = 0
+        self._progress: dict[str, Any] = {
+            "schema_version": PROGRESS_SCHEMA_VERSION,
+            "shard": shard,
+            "writer": writer,
+            "plan_fingerprint": plan_fingerprint,
+            "session": session or writer,
+            "resumed": len(self._resumed),
+            "heartbeat_seconds": heartbeat_seconds,
+            "started_at": datetime.now(UTC).isoformat(),
+        }
+        self._progress_lock = threading.Lock()
+        self._last_beat = -math.inf
+
+    def save_traces(self, records: list[EpisodeTrace]) -> None:
+        """Buffer ``records`` (the scheduler's group commit, one lock for the batch); a part is
+        written once the buffer holds ``flush_episodes`` records."""
+        lines = [dump_line(record) for record in records]
+        outcomes = [record_outcome(record) for record in records]
+        with self._lock:
+            if not self._buffer:
+                self._oldest = time.monotonic()
+            self._buffer.extend(lines)
+            self._outcomes.extend(outcomes)
+            wrote = len(self._buffer) >= self.flush_episodes and self._flush_locked()
+        if wrote:
+            self.report_progress()
+
+    def flush(self) -> None:
+        with self._lock:
+            wrote = self._flush_locked()
+        if wrote:
+            self.report_progress()
+
+    def flush_if_stale(self) -> None:
+        """The timer's call: flush a buffer older than ``flush_seconds``, beat the heartbeat when due."""
+        with self._lock:
+            wrote = bool(self._buffer) and time.monotonic() - self._oldest >= self.flush_seconds and self._flush_locked()
+        if wrote or time.monotonic() - self._last_beat >= self._progress["heartbeat_seconds"]:
+            self.report_progress()
+
+    async def flush_stale_parts(self) -> None:
+        """Flush a buffer older than ``flush_seconds``, until cancelled. A failed write is logged
+        and tried again: the buffer stays until a part holds it (this one, or the final flush)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.flush_seconds / 4))
+            try:
+                await asyncio.to_thread(self.flush_if_stale)
+            except Exception as exc:
+                log.warning("part_flush_failed", error=f"{type(exc).__name__}: {exc}", buffered=self.buffered)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def _flush_locked(self) -> bool:
+        if not self._buffer:
+            return False
+        # The buffer is kept until the part is safely stored, so a failed write loses nothing
+        # that a later flush (or the SIGTERM path) could still save.
+        name, stored = self.store.write_part(self.shard, self._seq, self.writer, b"".join(self._buffer))
+        part = WrittenPart(part_entry(name, stored, len(self._buffer)), tuple(self._outcomes))
+        self._seq = int(PART_PATTERN.match(name).group(1)) + 1  # type: ignore[union-attr]
+        self.written.append(part)
+        self._records += len(self._outcomes)
+        self._completed.update(o.episode_id for o in self._outcomes if o.completed and o.episode_id not in self._resumed)
+        self._failed_attempts += sum(1 for o in self._outcomes if not o.completed)
+        log.info("part_written", part=name, records=len(self._buffer), bytes=len(stored), lines_bytes=sum(map(len, self._buffer)))
+        self._buffer.clear()
+        self._outcomes.clear()
+        return True
+
+    def report_progress(self, state: str = "running") -> None:
+        """Rewrite this writer's progress object. Advisory: one try, a failure is only logged
+        (the next part or heartbeat writes it again)."""
+        with self._progress_lock:
+            self._last_beat = time.monotonic()
+            progress = {
+                **self._progress,
+                "state": state,
+                "completed": len(self._completed),
+                "failed_attempts": self._failed_attempts,
+                "parts_written": len(self.written),
+                "records_written": self._records,
+                "updated_at": datetime.now(UTC).isoformat(),
+            }
+            try:
+                self.store.write_progress(self.shard, progress)
+            except Exception as exc:
+                log.warning("progress_not_written", error=f"{type(exc).__name__}: {exc}")
+
+
+def commit_shard(
+    store: ShardedRunStore,
+    index: int,
+    episode_ids: list[str],
+    *,
+    plan_fp: str,
+    writer: str,
+    state: ShardState | None = None,
+    exclude: Collection[str] = (),
+    written: Sequence[WrittenPart] = (),
+) -> tuple[str, int]:
+    """Add a commit marker for the shard; returns its name and the completed episode count.
+
+    The marker lists exactly the parts hashed: every part now listed (ours and any concurrent
+    writer's, less ``exclude``) and every part this process wrote (``written``), by name even
+    when a listing does not show it yet. Parts already in ``state`` and the ones this process
+    wrote (whose bytes and sha256 it knows) are not read again; only a concurrent writer's new
+    parts are. The marker is a new object, never a replacement: the reducer takes the union of
+    the verified markers, whatever order they were written in.
+    """
+    state = scan_shard(store, index, set(episode_ids), state, exclude=exclude, written=written)
+    completed = len(state.completed)
+    document = marker_document(
+        shard=index,
+        plan_fingerprint=plan_fp,
+        completed=completed,
+        failed=len(episode_ids) - completed,
+        episode_ids_sha256=fingerprint(episode_ids),
+        parts=[state.parts[name] for name in sorted(state.parts, key=part_order)],
+        writer=writer,
+    )
+    return store.create_marker(index, document), completed
+
+
+@dataclass
+class MarkerCheck:
+    verified: list[dict[str, Any]] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+    distrusted: set[str] = field(default_factory=set)
+    """Parts whose bytes differ from the sha256 a marker recorded for them."""
+
+
+def check_markers(store: ShardedRunStore, index: int, plan_fp: str, ids_sha: str, state: ShardState) -> MarkerCheck:
+    """The shard's markers against the parts as read: the same rules as the reducer's."""
+    check = MarkerCheck()
+    actual = {name: entry["sha256"] for name, entry in state.parts.items()}
+    for name, marker in store.read_markers(index):
+        problem = marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=ids_sha)
+        problems = [problem] if problem else marker_part_problems(marker, actual)
+        if not problems:
+            check.verified.append(marker)
+            continue
+        check.ignored.append((name, "; ".join(problems[:5])))
+        if problem is None:
+            check.distrusted |= {p["name"] for p in marker["parts"] if actual.get(p["name"]) not in (None, p["sha256"])}
+    return check

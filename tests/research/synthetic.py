@@ -29,7 +29,7 @@ def sharded_copy(
     """Freeze ``plan`` at ``uri`` as ``shards`` shards and commit each: parts of ``per_part``
     trace lines (``line_of(episode_id)``, one JSON line), then a commit marker, as a worker does."""
     store = ShardedRunStore(uri)
-    manifest = store.initialize(plan)
+    manifest = store.freeze_plan(plan)
     jobs = [EpisodeJob.from_dict(job) for job in plan["jobs"]]
     shard_map = store.ensure_shard_map(jobs, shards, manifest["plan_fingerprint"])
 

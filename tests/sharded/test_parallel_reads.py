@@ -57,7 +57,7 @@ def write_run(
     jobs = JOBS if parts == PARTS else [EpisodeJob(task_id=t, sample_id=0, seed=t * 3, split="val") for t in range(1, parts + 1)]
     plan = {"experiment": "parallel-reads", "jobs": [job.to_dict() for job in jobs]}
     store = ShardedRunStore(uri, retry=retry)
-    store.initialize(plan)
+    store.freeze_plan(plan)
     shard_map = store.ensure_shard_map(jobs, shards, fingerprint(plan))
     by_id = {job.episode_id: job for job in jobs}
     names: dict[int, list[str]] = {}

@@ -26,7 +26,6 @@ before an ``error`` one, the first in part order otherwise.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import secrets
 import tempfile
@@ -212,21 +211,10 @@ async def _judge_until_stopped(
 ) -> bool:
     """Judge ``todo``; True when SIGTERM/SIGINT stopped it (in-flight calls are cancelled, the
     verdicts already handed to ``sink`` stay)."""
-    from shopsimrl.stopping import GracefulStop
+    from shopsimrl.runner.driver import drive
 
-    judging = asyncio.ensure_future(judge_stream(config, rubric, todo, sink))
-
-    def stop_judging() -> None:
-        judging.cancel()
-
-    with GracefulStop(stop_judging, cleanup="saving the verdicts judged so far") as stop:
-        try:
-            await judging
-        except asyncio.CancelledError:
-            if not stop.requested:
-                raise
-            return True
-    return False
+    driven = await drive(judge_stream(config, rubric, todo, sink), cleanup="saving the verdicts judged so far")
+    return driven.interrupted
 
 
 def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
