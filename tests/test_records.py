@@ -104,7 +104,7 @@ async def test_written_records_match_their_checked_in_json_schema(tmp_path: Path
         shard=0, plan_fingerprint="f" * 64, completed=1, failed=0, episode_ids_sha256="e" * 64,
         parts=[{"name": "part-00000-abcdef01.jsonl.zst", "sha256": "0" * 64, "records": 1}], writer="abcdef01",
     )  # fmt: skip
-    validators["shopsimrl-shard-commit-v1"].validate(marker)
+    validators["shopsimrl-shard-commit-v1"].validate(orjson.loads(dump_document(marker)))
     accumulator = SummaryAccumulator(requested_episode_ids=[JOB.episode_id])
     accumulator.add(read_trace(traces[0]))
     summary = json.loads(json.dumps(accumulator.result()))

@@ -21,15 +21,9 @@ from shopsimrl.runner.lease_journal import DirectoryJournalStorage, ProcessIdent
 from shopsimrl.runner.progress import read_progress_file
 from shopsimrl.schemas import episode_id_for
 from shopsimrl.storage.local import LocalRunStore
-from shopsimrl.storage.sharded import ShardedRunStore, ShardListing, load_frozen_plan, marker_problem
+from shopsimrl.storage.sharded import ShardedRunStore, ShardListing, load_frozen_plan
 
 __all__ = ["is_local_run", "lease_status", "local_status", "shard_status"]
-
-
-def _claimed(marker: dict[str, Any], key: str) -> int:
-    episodes = marker.get("episodes")
-    value = episodes.get(key) if isinstance(episodes, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 _STALE_BEATS = 3
@@ -59,21 +53,18 @@ def shard_status(store: ShardedRunStore, *, now: datetime | None = None) -> dict
         ids = shard_map.episode_ids[index]
         listing = store.list_shard(index)
         row: dict[str, Any] = {"shard": index, "jobs": len(ids), "parts": len(listing.parts)}
-        markers = [
-            marker
-            for _, marker in store.read_markers(index, listing.markers)
-            if marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index))
-            is None
-        ]
+        markers = store.plan_markers(
+            index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index), names=listing.markers
+        )
         if markers:
             # Progress from the markers' own counts (the reducer verifies the parts): the one
             # with the most completed episodes, then the most parts.
-            best = max(markers, key=lambda m: (_claimed(m, "completed"), len(m["parts"])))
+            best = max(markers, key=lambda m: (m.episodes.completed, len(m.parts)))
             row.update(
                 state="committed",
-                completed=_claimed(best, "completed"),
-                failed=_claimed(best, "failed"),
-                written_at=best.get("written_at"),
+                completed=best.episodes.completed,
+                failed=best.episodes.failed,
+                written_at=best.written_at,
                 markers=len(markers),
             )
         else:

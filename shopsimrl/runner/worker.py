@@ -183,13 +183,11 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
         log.warning("parts_not_trusted", parts=sorted(check.distrusted))
         state = scan_shard(store, index, shard_ids, exclude=check.distrusted)
     if check.verified:
-        committed = {
-            eid for marker in check.verified for part in marker["parts"] for eid in state.part_completed.get(part["name"], ())
-        }
+        committed = {eid for marker in check.verified for part in marker.parts for eid in state.part_completed.get(part.name, ())}
         if committed >= shard_ids:
             log.info("shard_already_committed", completed=len(jobs))
             return ExitCode.OK
-        in_markers = {part["name"] for marker in check.verified for part in marker["parts"]}
+        in_markers = {part.name for marker in check.verified for part in marker.parts}
         settled = committed | set(state.final_failures())
         if not options.retry_failed or (not options.reroll_failed and settled >= shard_ids and in_markers >= set(state.parts)):
             # Nothing to run or commit: every episode not completed failed as an outcome (final).

@@ -50,7 +50,19 @@ from shopsimrl.manifest import (
     validate_manifest,
 )
 from shopsimrl.planning import SHARD_ASSIGNMENT, PlanError, shard_jobs
-from shopsimrl.records import EpisodeTrace, dump_line, parse_trace_line
+from shopsimrl.records import (
+    MARKER_SCHEMA_VERSION,
+    EpisodeTrace,
+    MarkerEpisodes,
+    MarkerPart,
+    RecordFormatError,
+    RecordVersionError,
+    ShardMarker,
+    dump_document,
+    dump_line,
+    parse_trace_line,
+    read_marker,
+)
 from shopsimrl.schemas import (
     MANIFEST_SCHEMA_VERSIONS,
     EpisodeJob,
@@ -102,7 +114,6 @@ __all__ = [
 ]
 
 SHARD_MAP_SCHEMA_VERSION = "shopsimrl-shard-map-v1"
-MARKER_SCHEMA_VERSION = "shopsimrl-shard-commit-v1"
 MARKER_NAME = "_SUCCESS.json"
 MARKER_PATTERN = re.compile(r"^_SUCCESS(?:-([0-9a-f]{8,32}))?\.json$")
 PART_PATTERN = re.compile(r"^part-(\d{5,})-([0-9a-f]{8,32})\.jsonl(\.zst)?$")
@@ -417,16 +428,26 @@ class ShardedRunStore(ObjectStore):
                 found.append(progress)
         return found
 
-    def read_marker(self, index: int, name: str = MARKER_NAME) -> dict[str, Any] | None:
-        """The marker document, None when absent, ``{"unreadable": True}`` when it is not JSON."""
+    def read_marker(self, index: int, name: str = MARKER_NAME) -> ShardMarker | str | None:
+        """The commit marker, None when absent, or why it is not one (not JSON, another version,
+        a field that does not fit)."""
         rel = f"{self.shard_dir(index)}/{name}"
         try:
-            return self.read_json(rel)
+            document = self.read_json(rel)
         except ManifestError:
-            return {"unreadable": True}
+            return "not valid JSON"
+        if document is None:
+            return None
+        try:
+            return read_marker(document, f"{self.display_uri}/{rel}")
+        except RecordVersionError:
+            return f"unknown schema_version {document.get('schema_version')!r}"
+        except RecordFormatError as exc:
+            return f"not a commit marker ({str(exc).rpartition(': ')[0].rpartition(': ')[2] or 'shape'})"
 
-    def read_markers(self, index: int, names: Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
-        """Every commit marker of the shard (listed now, or ``names``), by name."""
+    def read_markers(self, index: int, names: Sequence[str] | None = None) -> list[tuple[str, ShardMarker | str]]:
+        """Every commit marker of the shard (listed now, or ``names``), by name: the marker, or why
+        the object is not one."""
         found = []
         for name in self.list_shard(index).markers if names is None else names:
             marker = self.read_marker(index, name)
@@ -434,14 +455,27 @@ class ShardedRunStore(ObjectStore):
                 found.append((name, marker))
         return found
 
-    def create_marker(self, index: int, marker: dict[str, Any]) -> str:
+    def plan_markers(
+        self, index: int, *, plan_fingerprint: str, episode_ids_sha256: str, names: Sequence[str] | None = None
+    ) -> list[ShardMarker]:
+        """The shard's commit markers that belong to this plan and shard map (their parts not yet
+        checked): what ``status`` counts without reading a part."""
+        return [
+            marker
+            for _, marker in self.read_markers(index, names)
+            if isinstance(marker, ShardMarker)
+            and marker_problem(marker, index=index, plan_fingerprint=plan_fingerprint, episode_ids_sha256=episode_ids_sha256)
+            is None
+        ]
+
+    def create_marker(self, index: int, marker: ShardMarker) -> str:
         """Add a commit marker; returns its name. Markers are never replaced: the first commit
         of a shard is ``_SUCCESS.json``, every later one ``_SUCCESS-<writer>.json``."""
-        data = _json_bytes(marker)
-        for name in (MARKER_NAME, f"_SUCCESS-{marker['writer']}.json"):
+        data = dump_document(marker)
+        for name in (MARKER_NAME, f"_SUCCESS-{marker.writer}.json"):
             if self.create(f"{self.shard_dir(index)}/{name}", data):
                 return name
-        raise StoreUnavailableError(f"{self.display_uri}: shard {index} already has a marker of writer {marker['writer']}")
+        raise StoreUnavailableError(f"{self.display_uri}: shard {index} already has a marker of writer {marker.writer}")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         canonical_json(summary)  # refuse NaN before touching the store
@@ -575,33 +609,26 @@ def check_shard_map(shard_map: ShardMap, jobs: Sequence[EpisodeJob], plan_finger
         raise ShardMapError(f"{where}/shards.json assigns episodes differently from {SHARD_ASSIGNMENT}")
 
 
-def marker_problem(marker: dict[str, Any], *, index: int, plan_fingerprint: str, episode_ids_sha256: str) -> str | None:
+def marker_problem(marker: ShardMarker | str, *, index: int, plan_fingerprint: str, episode_ids_sha256: str) -> str | None:
     """Why ``marker`` is not a commit of this shard of this plan, or None when it is one."""
-    if marker.get("unreadable"):
-        return "not valid JSON"
-    if marker.get("schema_version") != MARKER_SCHEMA_VERSION:
-        return f"unknown schema_version {marker.get('schema_version')!r}"
-    if marker.get("plan_fingerprint") != plan_fingerprint:
+    if isinstance(marker, str):
+        return marker
+    if marker.plan_fingerprint != plan_fingerprint:
         return "belongs to another plan fingerprint"
-    if marker.get("shard") != index or marker.get("episode_ids_sha256") != episode_ids_sha256:
+    if marker.shard != index or marker.episode_ids_sha256 != episode_ids_sha256:
         return "belongs to another shard or shard map"
-    parts = marker.get("parts")
-    if not isinstance(parts, list) or not all(
-        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("sha256"), str) for p in parts
-    ):
-        return "has no valid 'parts' list"
     return None
 
 
-def marker_part_problems(marker: dict[str, Any], actual_sha256: Mapping[str, str | None]) -> list[str]:
+def marker_part_problems(marker: ShardMarker, actual_sha256: Mapping[str, str | None]) -> list[str]:
     """The listed parts that are missing or whose bytes differ from the marker's sha256."""
     problems = []
-    for part in marker["parts"]:
-        sha = actual_sha256.get(part["name"])
+    for part in marker.parts:
+        sha = actual_sha256.get(part.name)
         if sha is None:
-            problems.append(f"{part['name']}: listed but missing")
-        elif sha != part["sha256"]:
-            problems.append(f"{part['name']}: sha256 differs from the marker")
+            problems.append(f"{part.name}: listed but missing")
+        elif sha != part.sha256:
+            problems.append(f"{part.name}: sha256 differs from the marker")
     return problems
 
 
@@ -645,17 +672,17 @@ def marker_document(
     episode_ids_sha256: str,
     parts: list[dict[str, Any]],
     writer: str,
-) -> dict[str, Any]:
-    return {
-        "schema_version": MARKER_SCHEMA_VERSION,
-        "shard": shard,
-        "plan_fingerprint": plan_fingerprint,
-        "episodes": {"completed": completed, "failed": failed},
-        "episode_ids_sha256": episode_ids_sha256,
-        "parts": parts,
-        "writer": writer,
-        "written_at": datetime.now(UTC).isoformat(),
-    }
+) -> ShardMarker:
+    return ShardMarker(
+        schema_version=MARKER_SCHEMA_VERSION,
+        shard=shard,
+        plan_fingerprint=plan_fingerprint,
+        episodes=MarkerEpisodes(completed=completed, failed=failed),
+        episode_ids_sha256=episode_ids_sha256,
+        parts=[MarkerPart.model_validate(part) for part in parts],
+        writer=writer,
+        written_at=datetime.now(UTC).isoformat(),
+    )
 
 
 def iter_part_records(name: str, data: bytes) -> Iterator[EpisodeTrace | None]:
@@ -791,16 +818,16 @@ def read_shard_parts(
     result.temporary_objects = len(listing.temporary)
     result.listed_parts = len(listing.parts)
 
-    candidates: list[tuple[str, dict[str, Any]]] = []
+    candidates: list[tuple[str, ShardMarker]] = []
     for name, marker in store.read_markers(index, listing.markers):
         problem = marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index))
-        if problem is None:
+        if problem is None and isinstance(marker, ShardMarker):
             candidates.append((name, marker))
         else:
             result.problems.append(f"{name} {problem}")
     names: list[str]
     if candidates:
-        names = sorted({part["name"] for _, marker in candidates for part in marker["parts"]}, key=part_order)
+        names = sorted({part.name for _, marker in candidates for part in marker.parts}, key=part_order)
         held = _read_parts(store, index, names)
         actual = {name: None if part is None else part[0] for name, part in held.items()}
         verified = []
@@ -814,7 +841,7 @@ def read_shard_parts(
         if not verified:
             result.state = "corrupt"  # committed output that does not verify is not trusted at all
             return ShardParts(result)
-        committed = {part["name"] for marker in verified for part in marker["parts"]}
+        committed = {part.name for marker in verified for part in marker.parts}
         names = [name for name in names if name in committed]  # a marker was ignored: only what the others verify
         result.state = "committed"
         result.uncommitted_parts = sum(1 for name in listing.parts if name not in committed)
@@ -998,7 +1025,9 @@ def commit_shard(
 
 @dataclass
 class MarkerCheck:
-    verified: list[dict[str, Any]] = field(default_factory=list)
+    """A shard's markers checked against its parts as read (the reducer's rules)."""
+
+    verified: list[ShardMarker] = field(default_factory=list)
     ignored: list[tuple[str, str]] = field(default_factory=list)
     distrusted: set[str] = field(default_factory=set)
     """Parts whose bytes differ from the sha256 a marker recorded for them."""
@@ -1010,11 +1039,13 @@ def check_markers(store: ShardedRunStore, index: int, plan_fp: str, ids_sha: str
     actual = {name: entry["sha256"] for name, entry in state.parts.items()}
     for name, marker in store.read_markers(index):
         problem = marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=ids_sha)
-        problems = [problem] if problem else marker_part_problems(marker, actual)
+        if problem is not None or not isinstance(marker, ShardMarker):
+            check.ignored.append((name, problem or "not a commit marker"))
+            continue
+        problems = marker_part_problems(marker, actual)
         if not problems:
             check.verified.append(marker)
             continue
         check.ignored.append((name, "; ".join(problems[:5])))
-        if problem is None:
-            check.distrusted |= {p["name"] for p in marker["parts"] if actual.get(p["name"]) not in (None, p["sha256"])}
+        check.distrusted |= {p.name for p in marker.parts if actual.get(p.name) not in (None, p.sha256)}
     return check

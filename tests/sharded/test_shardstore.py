@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
-from shopsimrl.records import read_trace, to_plain
+from shopsimrl.records import ShardMarker, read_trace, to_plain
 from shopsimrl.runner.reduce import reduce_run
 from shopsimrl.runner.status import shard_status
 from shopsimrl.schemas import EpisodeJob, fingerprint, redact_uri
@@ -319,7 +319,7 @@ class GatedStore(ShardedRunStore):
         super().__init__(uri)
         self.label, self.gate = label, gate
 
-    def create_marker(self, index: int, marker: dict) -> str:
+    def create_marker(self, index: int, marker: ShardMarker) -> str:
         self.gate.arrive(self.label)
         try:
             return super().create_marker(index, marker)
