@@ -94,7 +94,7 @@ def main() -> None:
         def freeze() -> None:
             store = ShardedRunStore(uri)
             manifest = store.freeze_plan(plan)
-            store.ensure_shard_map(jobs, args.shards, manifest["plan_fingerprint"])  # type: ignore[arg-type]
+            store.ensure_shard_map(jobs, args.shards, manifest.plan_fingerprint)  # type: ignore[arg-type]
 
         rows["freeze (fingerprint; manifest, jobs.jsonl, shards.json)"] = timed(freeze)
 

@@ -188,7 +188,7 @@ def plan(
             manifest_state = (
                 "none"
                 if existing is None
-                else ("matches" if existing["plan_fingerprint"] == plan_fp else "CONFLICTS (run would exit 42)")
+                else ("matches" if existing.plan_fingerprint == plan_fp else "CONFLICTS (run would exit 42)")
             )
         except ManifestError as exc:
             manifest_state = f"unreadable: {exc}"
@@ -389,7 +389,7 @@ def summarize(
     if manifest is not None and requested is None:
         from shopsimrl.schemas import EpisodeJob
 
-        requested_ids = [EpisodeJob.from_dict(job).episode_id for job in manifest["plan"]["jobs"]]
+        requested_ids = [EpisodeJob.from_dict(job).episode_id for job in manifest.plan.get("jobs")]
     try:
         summary = summarize_local(store, manifest, requested_ids, requested)
     except _record_errors() as exc:
@@ -423,7 +423,7 @@ def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> tuple[dict
     jobs_per_shard = [len(ids) for ids in shard_map.episode_ids]
     report = {
         "run": store.display_uri,
-        "plan_fingerprint": manifest["plan_fingerprint"],
+        "plan_fingerprint": manifest.plan_fingerprint,
         "shards": shard_map.count,
         "jobs_per_shard": jobs_per_shard[:16],
     }

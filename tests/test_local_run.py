@@ -96,7 +96,7 @@ def test_fingerprint_mismatch_names_the_keys(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path)
     first = store.freeze_plan(PLAN, {"concurrency": 4})
     again = store.freeze_plan(PLAN, {"concurrency": 64})  # execution settings never block resume
-    assert again["created_at"] == first["created_at"]
+    assert again.created_at == first.created_at
     changed = {**PLAN, "model": {"model": "m", "sampling": {"temperature": 0.7}}, "jobs": [{"task_id": 2}]}
     with pytest.raises(FingerprintMismatchError) as info:
         store.freeze_plan(changed)

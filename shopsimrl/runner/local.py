@@ -22,7 +22,7 @@ from shopsimrl import eventloop
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, run_identity
 from shopsimrl.metrics import SummaryAccumulator
-from shopsimrl.records import RecordVersionError
+from shopsimrl.records import RecordVersionError, RunManifest
 from shopsimrl.runner.driver import EvaluationHooks, Resume, evaluate
 from shopsimrl.runner.lease_journal import DirectoryJournalStorage
 from shopsimrl.runner.progress import ProgressFile, RunProgress
@@ -90,7 +90,7 @@ def run_local(
         announce(_plan_line(config.name, prepared.jobs, completed, prior, final, retry_failed, reroll_failed, config.run_dir))
         retries = config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
         resume = Resume(completed, prior, final)
-        hooks = _LocalHooks(store, len(prepared.jobs), resume, manifest["plan_fingerprint"], show_progress)
+        hooks = _LocalHooks(store, len(prepared.jobs), resume, manifest.plan_fingerprint, show_progress)
         try:
             terminated = eventloop.run(
                 evaluate(
@@ -188,7 +188,7 @@ class _LocalHooks(EvaluationHooks):
 
 
 def summarize_local(
-    store: LocalRunStore, manifest: dict[str, Any] | None, requested_ids: list[str] | None, requested: int | None = None
+    store: LocalRunStore, manifest: RunManifest | None, requested_ids: list[str] | None, requested: int | None = None
 ) -> dict[str, Any]:
     """The summary of the run directory's winning records, written to summary.json (raises
     :class:`RunWriteError` when it cannot be written)."""

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from shopsimrl.records import RunManifest
 from shopsimrl.runner.lease_journal import DirectoryJournalStorage, ProcessIdentity, read_journals, shard_journal_storage
 from shopsimrl.runner.progress import read_progress_file
 from shopsimrl.schemas import episode_id_for
@@ -174,8 +175,8 @@ def local_status(run_dir: str | Path, *, now: datetime | None = None) -> dict[st
     manifest = store.read_manifest()
     if manifest is None:
         raise FileNotFoundError(f"{store.manifest_path}: no such file (not a local run)")
-    fingerprint = manifest["plan_fingerprint"]
-    jobs = manifest["plan"].get("jobs")
+    fingerprint = manifest.plan_fingerprint
+    jobs = manifest.plan.get("jobs")
     job_count = len(jobs) if isinstance(jobs, list) else None
     report: dict[str, Any] = {
         "run": str(store.run_dir),
@@ -233,12 +234,12 @@ def _progress_view(progress: dict[str, Any], now: datetime) -> dict[str, Any]:
     }
 
 
-def _traces_view(store: LocalRunStore, manifest: dict[str, Any]) -> dict[str, Any]:
+def _traces_view(store: LocalRunStore, manifest: RunManifest) -> dict[str, Any]:
     """Counts from the traces themselves: a run without a progress file (never started here, or
     written by an earlier version). The one case that parses every line."""
     ids = {
         episode_id_for(job["task_id"], job["sample_id"])
-        for job in manifest["plan"].get("jobs") or []
+        for job in manifest.plan.get("jobs") or []
         if isinstance(job, dict) and isinstance(job.get("task_id"), int) and isinstance(job.get("sample_id"), int)
     }
     index = store.load_index()

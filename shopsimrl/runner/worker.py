@@ -30,12 +30,20 @@ from shopsimrl import eventloop
 from shopsimrl.config import ConfigError, WorkerSettings, load_experiment_config
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
-from shopsimrl.records import EpisodeTrace
+from shopsimrl.records import EpisodeTrace, RunManifest
 from shopsimrl.runner.driver import EvaluationHooks, Resume, evaluate
 from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.stopping import STOP_SIGNALS
 from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
-from shopsimrl.storage.sharded import PartWriter, ShardedRunStore, ShardMapError, check_markers, commit_shard, scan_shard
+from shopsimrl.storage.sharded import (
+    PartWriter,
+    ShardedRunStore,
+    ShardMap,
+    ShardMapError,
+    check_markers,
+    commit_shard,
+    scan_shard,
+)
 
 if TYPE_CHECKING:
     from shopsimrl.runner.experiment import PreparedExperiment
@@ -81,7 +89,7 @@ def prepare_worker(config_path: Path, settings: WorkerSettings, final_test: bool
         raise WorkerStopped(ExitCode.BAD_INPUT, str(exc)) from None
 
 
-def plan_run(prepared: Any, store: ShardedRunStore, shards: int | None) -> tuple[dict[str, Any], Any]:
+def plan_run(prepared: Any, store: ShardedRunStore, shards: int | None) -> tuple[RunManifest, ShardMap]:
     """Create or verify manifest.json and shards.json; returns (manifest, shard map)."""
     from shopsimrl.planning import PlanError
 
@@ -94,7 +102,7 @@ def plan_run(prepared: Any, store: ShardedRunStore, shards: int | None) -> tuple
             raise ShardMapError(f"{store.display_uri} has no shards.json yet; pass --shards N (or SHOPSIMRL_SHARDS)")
         shards = shard_map.count
     try:
-        shard_map = store.ensure_shard_map(prepared.jobs, shards, manifest["plan_fingerprint"])
+        shard_map = store.ensure_shard_map(prepared.jobs, shards, manifest.plan_fingerprint)
     except PlanError as exc:
         raise ShardMapError(str(exc)) from None
     return manifest, shard_map
@@ -167,7 +175,7 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
     index = options.shard_index
     if not 0 <= index < shard_map.count:
         raise WorkerStopped(ExitCode.BAD_INPUT, f"shard index {index} is outside 0…{shard_map.count - 1}")
-    plan_fp = manifest["plan_fingerprint"]
+    plan_fp = manifest.plan_fingerprint
     by_id = {job.episode_id: job for job in prepared.jobs}
     jobs = [by_id[eid] for eid in shard_map.episode_ids[index]]
     shard_ids = set(shard_map.episode_ids[index])

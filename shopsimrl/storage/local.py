@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
-from shopsimrl.records import EpisodeTrace, dump_line, iter_trace_lines
+from shopsimrl.records import EpisodeTrace, RunManifest, dump_line, iter_trace_lines, to_plain
 from shopsimrl.records.winner import WinnerPicker
 from shopsimrl.schemas import canonical_json, escape_lone_surrogates, fingerprint
 
@@ -172,7 +172,7 @@ class LocalRunStore:
 
     # -- manifest ---------------------------------------------------------------------------
 
-    def read_manifest(self) -> dict[str, Any] | None:
+    def read_manifest(self) -> RunManifest | None:
         if not self.manifest_path.exists():
             return None
         try:
@@ -181,7 +181,7 @@ class LocalRunStore:
             raise ManifestError(f"{self.manifest_path} is not valid JSON: {exc}") from exc
         return validate_manifest(manifest, str(self.manifest_path))
 
-    def freeze_plan(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
+    def freeze_plan(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> RunManifest:
         """Create the manifest, or verify that the existing one freezes the same plan."""
         if (self.run_dir / "shards.json").exists():
             # A single process would not see the shards' parts and would run every episode again.
@@ -192,13 +192,13 @@ class LocalRunStore:
         existing = self.read_manifest()
         new_fingerprint = fingerprint(plan)
         if existing is not None:
-            if existing["plan_fingerprint"] != new_fingerprint:
+            if existing.plan_fingerprint != new_fingerprint:
                 raise FingerprintMismatchError(
-                    str(self.run_dir), existing["plan_fingerprint"], new_fingerprint, plan_diff(existing["plan"], plan)
+                    str(self.run_dir), existing.plan_fingerprint, new_fingerprint, plan_diff(existing.plan.as_dict(), plan)
                 )
             return existing
-        manifest = build_manifest(plan, execution)
-        atomic_write_json(self.manifest_path, manifest)
+        manifest = build_manifest(plan, execution, plan_fingerprint=new_fingerprint)
+        atomic_write_json(self.manifest_path, to_plain(manifest))
         return manifest
 
     # -- traces -----------------------------------------------------------------------------

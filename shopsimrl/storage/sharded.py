@@ -57,6 +57,7 @@ from shopsimrl.records import (
     MarkerPart,
     RecordFormatError,
     RecordVersionError,
+    RunManifest,
     ShardMarker,
     dump_document,
     dump_line,
@@ -302,18 +303,18 @@ class ShardedRunStore(ObjectStore):
 
     # -- manifest and plan ------------------------------------------------------------------
 
-    def read_manifest(self) -> dict[str, Any] | None:
+    def read_manifest(self) -> RunManifest | None:
         data = self.read_bytes("manifest.json")
         return None if data is None else self.parse_manifest(data)
 
-    def parse_manifest(self, data: bytes) -> dict[str, Any]:
+    def parse_manifest(self, data: bytes) -> RunManifest:
         """manifest.json's bytes, checked: valid JSON, a known version, the plan matching its
         fingerprint. Remembers their sha256 (``manifest_sha256``) for the shard map."""
         manifest = validate_manifest(self._parse_json("manifest.json", data), f"{self.display_uri}/manifest.json")
         self.manifest_sha256 = sha256_hex(data)
         return manifest
 
-    def freeze_plan(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
+    def freeze_plan(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> RunManifest:
         """Create manifest.json, or verify that the one there freezes the same plan.
 
         Planning is deterministic, so any number of workers may call this at once: one creates
@@ -330,13 +331,13 @@ class ShardedRunStore(ObjectStore):
         for _ in range(3):
             existing = self.read_manifest()
             if existing is not None:
-                if existing["plan_fingerprint"] != new_fp:
+                if existing.plan_fingerprint != new_fp:
                     raise FingerprintMismatchError(
-                        self.display_uri, existing["plan_fingerprint"], new_fp, plan_diff(existing["plan"], plan)
+                        self.display_uri, existing.plan_fingerprint, new_fp, plan_diff(existing.plan.as_dict(), plan)
                     )
                 return existing
             manifest = build_manifest(plan, execution, plan_fingerprint=new_fp)
-            data = _json_bytes(manifest)
+            data = dump_document(manifest)
             if self.create("manifest.json", data):
                 self.manifest_sha256 = sha256_hex(data)
                 return manifest
@@ -715,7 +716,7 @@ class RunNotPlannedError(ValueError):
 class FrozenPlan:
     fingerprint: str
     shard_map: ShardMap
-    identity: dict[str, Any]
+    identity: RunManifest | dict[str, Any]
     """The manifest, or its head (what the summary's ``run`` block needs)."""
 
 
@@ -743,9 +744,9 @@ def load_frozen_plan(store: ShardedRunStore) -> FrozenPlan:
     ):
         return FrozenPlan(shard_map.plan_fingerprint, shard_map, head)
     manifest = store.parse_manifest(data)
-    plan_fp = manifest["plan_fingerprint"]
+    plan_fp = manifest.plan_fingerprint
     try:
-        jobs = [EpisodeJob.from_dict(job) for job in manifest["plan"]["jobs"]]
+        jobs = [EpisodeJob.from_dict(job) for job in manifest.plan.get("jobs")]
     except TraceFormatError as exc:
         raise ManifestError(f"{store.display_uri}/manifest.json: {exc}") from None
     check_shard_map(shard_map, jobs, plan_fp, store.display_uri)

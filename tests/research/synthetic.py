@@ -31,7 +31,7 @@ def sharded_copy(
     store = ShardedRunStore(uri)
     manifest = store.freeze_plan(plan)
     jobs = [EpisodeJob.from_dict(job) for job in plan["jobs"]]
-    shard_map = store.ensure_shard_map(jobs, shards, manifest["plan_fingerprint"])
+    shard_map = store.ensure_shard_map(jobs, shards, manifest.plan_fingerprint)
 
     def commit(shard: int) -> None:
         ids = shard_map.episode_ids[shard]
@@ -45,7 +45,7 @@ def sharded_copy(
             shard,
             marker_document(
                 shard=shard,
-                plan_fingerprint=manifest["plan_fingerprint"],
+                plan_fingerprint=manifest.plan_fingerprint,
                 completed=completed,
                 failed=len(ids) - completed,
                 episode_ids_sha256=shard_map.ids_sha256(shard),

@@ -288,7 +288,7 @@ def test_the_held_out_test_split_is_never_exported(research_runs: ResearchRuns, 
     shutil.copytree(research_runs.local, held_out)
     manifest = json.loads((held_out / "manifest.json").read_text())
     plan = manifest["plan"] | {"test_guard": {"held_out_split": True, "final_test": True}}
-    (held_out / "manifest.json").write_text(json.dumps(build_manifest(plan)))
+    (held_out / "manifest.json").write_text(json.dumps(to_plain(build_manifest(plan))))
     for export in (export_sft, export_judge_input):
         with pytest.raises(ExportRefusedError, match="held-out test split"):
             export(open_run(held_out), tmp_path / "out" / "x.jsonl")

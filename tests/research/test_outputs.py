@@ -229,7 +229,7 @@ def test_a_sharded_run_without_a_readable_record_is_refused(tmp_path: Path, rese
     run = open_run(research_runs.local)
     assert run.manifest is not None
     location = tmp_path / "sharded-garbage"
-    sharded_copy(str(location), run.manifest["plan"], lambda episode_id: b"garbage, not a record\n", 2, per_part=5)
+    sharded_copy(str(location), run.manifest.plan.as_dict(), lambda episode_id: b"garbage, not a record\n", 2, per_part=5)
     with pytest.raises(
         RunReadError, match=r"sharded-garbage shard 0, part [^,]+, line 1: not a trace record; .* holds no readable"
     ):

@@ -68,7 +68,7 @@ def lines(*records: dict) -> bytes:
 def planned(uri: str, shards: int = 1) -> tuple[ShardedRunStore, list[list[str]]]:
     store = ShardedRunStore(uri)
     manifest = store.freeze_plan(PLAN)
-    return store, store.ensure_shard_map(JOBS, shards, manifest["plan_fingerprint"]).episode_ids
+    return store, store.ensure_shard_map(JOBS, shards, manifest.plan_fingerprint).episode_ids
 
 
 # --------------------------------------------------------------------------- compressed parts

@@ -10,6 +10,7 @@ import pytest
 from shopsimrl import __version__
 from shopsimrl.manifest import manifest_head, run_identity
 from shopsimrl.metrics import summarize_traces
+from shopsimrl.records import to_plain
 from shopsimrl.runner.reduce import reduce_run
 from shopsimrl.storage.sharded import ShardedRunStore, iter_part_records
 
@@ -69,7 +70,7 @@ def test_manifest_head_reads_the_identity_without_the_job_list() -> None:
         "task_split": {"name": "val", "task_count": 2, "task_ids_sha256": "ab" * 32},
         "jobs": [{"task_id": n, "sample_id": 0, "seed": n, "split": "val"} for n in range(20_000)],
     }
-    data = (json.dumps(build_manifest(plan), ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+    data = (json.dumps(to_plain(build_manifest(plan)), ensure_ascii=False, indent=2) + "\n").encode("utf-8")
     head = manifest_head(data[:4096])
     assert head is not None and "jobs" not in head["plan"]
     assert run_identity(head, uri="s3://key:secret@bucket/runs/x") == run_identity(json.loads(data), uri="s3://bucket/runs/x")

@@ -95,12 +95,12 @@ def _check_masked_location(frozen: FrozenGate, location: str) -> None:
         manifest = ShardedRunStore(location).read_manifest()
     else:
         manifest = LocalRunStore(location).read_manifest()
-    if manifest is not None and manifest["plan_fingerprint"] != frozen.masked_fingerprint:
+    if manifest is not None and manifest.plan_fingerprint != frozen.masked_fingerprint:
         raise FingerprintMismatchError(
             _shown(location),
-            manifest["plan_fingerprint"],
+            manifest.plan_fingerprint,
             frozen.masked_fingerprint,
-            plan_diff(manifest["plan"], frozen.masked_experiment.plan()),
+            plan_diff(manifest.plan.as_dict(), frozen.masked_experiment.plan()),
         )
 
 
@@ -295,8 +295,8 @@ def _manifest(frozen: FrozenGate, location: str, status: str, summary: dict[str,
 def _fit(frozen: FrozenGate, location: str) -> GateResult:
     spec = frozen.spec
     run = open_run(location)
-    if run.manifest is None or run.manifest["plan_fingerprint"] != frozen.masked_fingerprint:
-        found = None if run.manifest is None else run.manifest["plan_fingerprint"]
+    if run.manifest is None or run.manifest.plan_fingerprint != frozen.masked_fingerprint:
+        found = None if run.manifest is None else run.manifest.plan_fingerprint
         raise GateCheckError(
             f"the masked run at {run.location} is not this gate's masked plan (its fingerprint {found}, "
             f"the gate's {frozen.masked_fingerprint}); give the run that `gate plan` froze"
