@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, build_manifest, plan_diff, validate_manifest
-from shopsimrl.records import EpisodeTrace, RunManifest, dump_line, iter_trace_lines, to_plain
+from shopsimrl.records import EpisodeTrace, RunManifest, dump_line, iter_trace_lines, read_summary, to_plain
 from shopsimrl.records.winner import WinnerPicker
 from shopsimrl.schemas import canonical_json, escape_lone_surrogates, fingerprint
 
@@ -269,6 +269,7 @@ class LocalRunStore:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         canonical_json(summary)  # refuse NaN before touching the file
+        read_summary(summary, str(self.summary_path))  # what is written fits its schema version
         atomic_write_json(self.summary_path, summary)
 
 

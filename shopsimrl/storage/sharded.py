@@ -63,6 +63,7 @@ from shopsimrl.records import (
     dump_line,
     parse_trace_line,
     read_marker,
+    read_summary,
 )
 from shopsimrl.schemas import (
     MANIFEST_SCHEMA_VERSIONS,
@@ -480,6 +481,7 @@ class ShardedRunStore(ObjectStore):
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         canonical_json(summary)  # refuse NaN before touching the store
+        read_summary(summary, f"{self.display_uri}/summary.json")  # what is written fits its schema version
         self.overwrite("summary.json", _json_bytes(summary))
 
 
