@@ -119,10 +119,13 @@ def test_edited_manifest_is_refused(tmp_path: Path) -> None:
 
 def test_summary_write_is_atomic_and_refuses_nan(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path)
-    store.write_summary({"a": 1})
+    summary = {"schema_version": "shopsimrl-eval-summary-v3", "a": 1}
+    store.write_summary(summary)
     with pytest.raises(ValueError):
-        store.write_summary({"a": math.nan})
-    assert json.loads(store.summary_path.read_text()) == {"a": 1}
+        store.write_summary({**summary, "a": math.nan})
+    with pytest.raises(ValueError, match="not a run summary"):
+        store.write_summary({"a": 2})  # what is written fits its schema version
+    assert json.loads(store.summary_path.read_text()) == summary
     assert not list(tmp_path.glob(".summary.json.*"))
 
 
