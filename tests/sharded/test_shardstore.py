@@ -86,7 +86,7 @@ def test_manifest_is_create_only_and_mismatch_is_refused(backend: Backend) -> No
     store = ShardedRunStore(backend.uri("m"))
     first = store.freeze_plan(PLAN, {"concurrency": 4})
     again = ShardedRunStore(backend.uri("m")).freeze_plan(PLAN, {"concurrency": 99})
-    assert again["created_at"] == first["created_at"]  # the existing manifest is kept, not rewritten
+    assert again.created_at == first.created_at  # the existing manifest is kept, not rewritten
     changed = {**PLAN, "model": {"sampling": {"temperature": 0.7}}}
     with pytest.raises(FingerprintMismatchError) as info:
         store.freeze_plan(changed)

@@ -34,8 +34,8 @@ def test_reduced_summary_names_its_run_and_clusters_repeats_across_shards(
     identity = summary["run"]
     assert identity["experiment"] == "named" and identity["model_id"] == "shopsim-heuristic"
     assert identity["model_name"] == "shopsim-heuristic" and identity["checkpoint_id"] is None
-    assert identity["plan_fingerprint"] == manifest["plan_fingerprint"] and identity["split"]["name"] == "val"
-    assert identity["split"]["task_ids_sha256"] == manifest["plan"]["task_split"]["task_ids_sha256"]
+    assert identity["plan_fingerprint"] == manifest.plan_fingerprint and identity["split"]["name"] == "val"
+    assert identity["split"]["task_ids_sha256"] == manifest.plan.task_split["task_ids_sha256"]
     assert identity["versions"]["shopsimrl"] == __version__
     assert identity["uri"] == store.display_uri and "testing-secret" not in json.dumps(summary)
 
