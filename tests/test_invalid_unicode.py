@@ -28,9 +28,9 @@ from shopsimrl.episode import AgentRuntime
 from shopsimrl.prompts import PromptBuilder
 from shopsimrl.records import dump_line, parse_trace_line, read_trace, to_plain
 from shopsimrl.research import viewer
-from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob, ModelOutput, ToolCall
 from shopsimrl.skills import NoSkills
+from shopsimrl.storage.reading import open_run
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
 from tests.fakes import FakeModel
