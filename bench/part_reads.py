@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shopsimrl.research.runs import open_run
-from shopsimrl.sharded.layout import ShardedRunStore
-from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.storage.reading import open_run
+from shopsimrl.storage.sharded import ShardedRunStore
 from tests.sharded.faultproxy import FaultPlan, FaultProxy
 from tests.sharded.test_parallel_reads import write_run
 

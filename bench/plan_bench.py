@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shopsimrl.planning import EvaluationPlan, build_jobs
 from shopsimrl.schemas import fingerprint
-from shopsimrl.sharded.layout import ShardedRunStore
+from shopsimrl.storage.sharded import ShardedRunStore
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -48,7 +48,7 @@ def peak_rss_mb() -> float:
 
 def load_child(root: str, full: bool) -> None:
     """One reduce/status plan load in this (fresh) process; prints seconds and peak RSS."""
-    from shopsimrl.sharded.layout import load_frozen_plan
+    from shopsimrl.storage.sharded import load_frozen_plan
 
     before = peak_rss_mb()
     store = ShardedRunStore(root)
@@ -93,14 +93,14 @@ def main() -> None:
 
         def freeze() -> None:
             store = ShardedRunStore(uri)
-            manifest = store.initialize(plan)
-            store.ensure_shard_map(jobs, args.shards, manifest["plan_fingerprint"])  # type: ignore[arg-type]
+            manifest = store.freeze_plan(plan)
+            store.ensure_shard_map(jobs, args.shards, manifest.plan_fingerprint)  # type: ignore[arg-type]
 
         rows["freeze (fingerprint; manifest, jobs.jsonl, shards.json)"] = timed(freeze)
 
         def verify() -> None:
             store = ShardedRunStore(uri)
-            store.initialize(plan)
+            store.freeze_plan(plan)
             store.ensure_shard_map(jobs, args.shards, fingerprint(plan))  # type: ignore[arg-type]
 
         worker = timed(verify)

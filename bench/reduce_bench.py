@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shopsimrl.records import dump_line
 from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.sharded.layout import ShardedRunStore, marker_document, part_entry
+from shopsimrl.storage.sharded import ShardedRunStore, marker_document, part_entry
 
 OBSERVATION = "搜索结果：第1页，共20页。\n" + "".join(
     f"[{i}] 商品{i}：简约玻璃水杯 大容量 耐热 带盖 ￥{10 + i}.90\n" for i in range(12)
@@ -131,7 +131,7 @@ def build_run(
     jobs = [EpisodeJob(task_id=i % tasks, sample_id=i // tasks, seed=i, split="val") for i in range(episodes)]
     plan = {"experiment": "bench", "jobs": [j.to_dict() for j in jobs]}
     store = ShardedRunStore(str(root))
-    store.initialize(plan)
+    store.freeze_plan(plan)
     shard_map = store.ensure_shard_map(jobs, shards, fingerprint(plan))
     by_id = {j.episode_id: j for j in jobs}
     total_bytes = stored_bytes = 0
@@ -179,8 +179,8 @@ def peak_rss_mb() -> float:
 def reduce_child(root: str) -> None:
     import gc
 
-    from shopsimrl.sharded.layout import load_frozen_plan
-    from shopsimrl.sharded.reduce import reduce_run
+    from shopsimrl.runner.reduce import reduce_run
+    from shopsimrl.storage.sharded import load_frozen_plan
 
     plan = load_frozen_plan(ShardedRunStore(root))  # the plan alone: manifest job list + shard map
     plan_rss_mb = peak_rss_mb()
@@ -255,7 +255,7 @@ def main() -> None:
             [
                 sys.executable,
                 "-c",
-                "import shopsimrl.sharded.reduce, pathlib; print(next(int(l.split()[1]) / 1024 for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')))",
+                "import shopsimrl.runner.reduce, pathlib; print(next(int(l.split()[1]) / 1024 for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')))",
             ],
             capture_output=True,
             text=True,

@@ -25,11 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shopsimrl.episode import AgentRuntime
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.prompts import PromptBuilder
-from shopsimrl.scheduler import Evaluator
+from shopsimrl.runner.scheduler import Evaluator
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.skills import NoSkills
+from shopsimrl.storage.local import LocalRunStore
 from tests.fakes import FakeEnvironment, FakeModel, env_result, purchase_result, results_state, tool_output
 
 ACTIONS = ["back to search", "next >"] + [f"{100000000000 + i}" for i in range(20)]

@@ -41,9 +41,9 @@ import s3fs  # noqa: E402
 from moto.server import ThreadedMotoServer  # noqa: E402
 
 from shopsimrl.records import to_plain  # noqa: E402
-from shopsimrl.research.runs import open_run  # noqa: E402
 from shopsimrl.schemas import EpisodeJob  # noqa: E402
-from shopsimrl.sharded.layout import ShardedRunStore  # noqa: E402
+from shopsimrl.storage.reading import open_run  # noqa: E402
+from shopsimrl.storage.sharded import ShardedRunStore  # noqa: E402
 from tests.research.synthetic import sharded_copy, synthetic_line_of  # noqa: E402
 from tests.research.test_viewer import serving  # noqa: E402
 from tests.testbed_process import start_testbed, write_config  # noqa: E402

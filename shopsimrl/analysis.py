@@ -17,7 +17,6 @@ docs/research.md ("analysis API") and :mod:`shopsimrl.research.tables`.
 
 from __future__ import annotations
 
-from shopsimrl.research.runs import Run, RunReadError, open_run
 from shopsimrl.research.tables import (
     EPISODE_TYPES,
     STEP_SCHEMA,
@@ -30,6 +29,7 @@ from shopsimrl.research.tables import (
     steps,
     steps_table,
 )
+from shopsimrl.storage.reading import Run, RunReadError, open_run
 
 __all__ = [
     "EPISODE_TYPES",

@@ -103,7 +103,7 @@ def _record_errors() -> tuple[type[Exception], ...]:
 
 def _run_read_errors() -> tuple[type[Exception], ...]:
     """A run, or a record in it, that cannot be read: bad input (exit 2) for every research command."""
-    from shopsimrl.research.runs import RunReadError
+    from shopsimrl.storage.reading import RunReadError
 
     return (RunReadError, *_record_errors())
 
@@ -124,10 +124,10 @@ def worker_settings() -> WorkerSettings:
 
 
 def _prepare(config: ExperimentConfig, final_test: bool) -> Any:
-    from shopsimrl.experiment import prepare
     from shopsimrl.model import ModelConfigError
     from shopsimrl.planning import PlanError
     from shopsimrl.prompts import PromptError
+    from shopsimrl.runner.experiment import prepare
     from shopsimrl.skills import SkillBankError
     from shopsimrl.tasks import SplitError
 
@@ -171,7 +171,7 @@ def plan(
     verbose: bool = VERBOSE,
 ) -> None:
     """Show the frozen plan (episodes, seeds, fingerprint, identities) without running anything."""
-    from shopsimrl.local_run import LocalRunStore
+    from shopsimrl.storage.local import LocalRunStore
 
     _setup_logging(quiet, verbose)
     if run_uri is not None and shards is None:
@@ -188,7 +188,7 @@ def plan(
             manifest_state = (
                 "none"
                 if existing is None
-                else ("matches" if existing["plan_fingerprint"] == plan_fp else "CONFLICTS (run would exit 42)")
+                else ("matches" if existing.plan_fingerprint == plan_fp else "CONFLICTS (run would exit 42)")
             )
         except ManifestError as exc:
             manifest_state = f"unreadable: {exc}"
@@ -221,7 +221,7 @@ def plan(
     if shards is not None:
         report["sharded_run"], _ = _freeze_sharded_plan(prepared, str(config.run_dir) if run_uri is None else run_uri, shards)
     if check:
-        from shopsimrl.experiment import check_services
+        from shopsimrl.runner.experiment import check_services
 
         result = eventloop.run(check_services(prepared, processes=shards or 1))
         report["services"] = {"ready": result.ready, "reason": result.reason, "detail": result.detail}
@@ -298,8 +298,8 @@ def run(
     """Run (or resume) every episode of the plan in this process, then write summary.json.
 
     With --shards N: N `shopsimrl worker` processes write write-once parts to --run, then `reduce`."""
-    from shopsimrl.local_run import RunStopped, run_local
     from shopsimrl.model import ModelConfigError
+    from shopsimrl.runner.local import RunStopped, run_local
 
     _setup_logging(quiet, verbose)
     _check_rerun_flags(retry_failed, reroll_failed)
@@ -361,7 +361,8 @@ def summarize(
     verbose: bool = VERBOSE,
 ) -> None:
     """Recompute summary.json from the traces of a run directory (also traces of the earlier format)."""
-    from shopsimrl.local_run import LocalRunStore, RunWriteError, summarize_local
+    from shopsimrl.runner.local import summarize_local
+    from shopsimrl.storage.local import LocalRunStore, RunWriteError
 
     _setup_logging(quiet, verbose)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", run_dir_arg):
@@ -388,7 +389,7 @@ def summarize(
     if manifest is not None and requested is None:
         from shopsimrl.schemas import EpisodeJob
 
-        requested_ids = [EpisodeJob.from_dict(job).episode_id for job in manifest["plan"]["jobs"]]
+        requested_ids = [EpisodeJob.from_dict(job).episode_id for job in manifest.plan.get("jobs")]
     try:
         summary = summarize_local(store, manifest, requested_ids, requested)
     except _record_errors() as exc:
@@ -406,9 +407,9 @@ def summarize(
 
 def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> tuple[dict[str, Any], list[int]]:
     """Write or verify the frozen sharded plan; returns its part of `plan`'s report and every shard's job count."""
-    from shopsimrl.sharded.layout import ShardedRunStore, ShardMapError
-    from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
-    from shopsimrl.sharded.worker import plan_run
+    from shopsimrl.runner.worker import plan_run
+    from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
+    from shopsimrl.storage.sharded import ShardedRunStore, ShardMapError
 
     try:
         store = ShardedRunStore(run_uri)
@@ -422,7 +423,7 @@ def _freeze_sharded_plan(prepared: Any, run_uri: str, shards: int) -> tuple[dict
     jobs_per_shard = [len(ids) for ids in shard_map.episode_ids]
     report = {
         "run": store.display_uri,
-        "plan_fingerprint": manifest["plan_fingerprint"],
+        "plan_fingerprint": manifest.plan_fingerprint,
         "shards": shard_map.count,
         "jobs_per_shard": jobs_per_shard[:16],
     }
@@ -440,8 +441,8 @@ def _run_sharded(
     reroll_failed: bool,
     progress: bool,
 ) -> None:
-    from shopsimrl.progress import ShardedRunProgress
-    from shopsimrl.sharded.local_job import run_indexed
+    from shopsimrl.runner.local_job import run_indexed
+    from shopsimrl.runner.progress import ShardedRunProgress
 
     config = _load(config_path)
     prepared = _prepare(config, final_test)
@@ -496,9 +497,9 @@ def _reduce_and_report(
     namespace: str | None = None,
 ) -> ExitCode:
     from shopsimrl.metrics import format_summary_table
-    from shopsimrl.sharded.layout import RunNotPlannedError, ShardedRunStore, ShardMapError
-    from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
-    from shopsimrl.sharded.reduce import reduce_run, wait_for_markers
+    from shopsimrl.runner.reduce import reduce_run, wait_for_markers
+    from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
+    from shopsimrl.storage.sharded import RunNotPlannedError, ShardedRunStore, ShardMapError
 
     try:
         store = ShardedRunStore(uri)
@@ -544,8 +545,8 @@ def _reduce_and_report(
 
 
 def _failed_indexes_of(job: str, namespace: str) -> Any:
-    """A ``give_up`` for :func:`~shopsimrl.sharded.reduce.wait_for_markers` that watches the worker Job."""
-    kube = _import_extra("shopsimrl.sharded.kube", "kube")
+    """A ``give_up`` for :func:`~shopsimrl.runner.reduce.wait_for_markers` that watches the worker Job."""
+    kube = _import_extra("shopsimrl.runner.kube", "kube")
     return kube.give_up_on_failed_indexes(
         job, namespace, warn=lambda line: typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
     )
@@ -581,7 +582,7 @@ def worker(
     verbose: bool = VERBOSE,
 ) -> None:
     """Run one shard of a sharded run into write-once parts and commit it (one pod of an Indexed Job)."""
-    from shopsimrl.sharded.worker import WorkerOptions, run_worker
+    from shopsimrl.runner.worker import WorkerOptions, run_worker
 
     settings = worker_settings()
     if processes is not None:
@@ -669,9 +670,9 @@ def status(
     read), leases held per running shard, the shop's slot usage; with --namespace/--release also
     the Job. A local run directory: its state and counts while another process runs it (no lock
     taken), its leases, the shop's slot usage."""
-    from shopsimrl.sharded.layout import RunNotPlannedError, ShardedRunStore, ShardMapError
-    from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
-    from shopsimrl.sharded.status import is_local_run, lease_status, shard_status
+    from shopsimrl.runner.status import is_local_run, lease_status, shard_status
+    from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
+    from shopsimrl.storage.sharded import RunNotPlannedError, ShardedRunStore, ShardMapError
 
     _setup_logging(quiet, verbose)
     if env_url is not None:
@@ -725,7 +726,7 @@ def status(
 
 
 def _local_status(run_dir: str, env_url: str | None, as_json: bool) -> None:
-    from shopsimrl.sharded.status import local_status
+    from shopsimrl.runner.status import local_status
 
     bad_input: tuple[type[Exception], ...] = (ManifestError, *_record_errors())
     try:
@@ -812,7 +813,7 @@ def _kube_status(namespace: str | None, release: str | None) -> dict[str, Any]:
     if not (namespace and release):
         return {"error": "--namespace and --release are both needed for the Job's view"}
     try:
-        from shopsimrl.sharded import kube
+        from shopsimrl.runner import kube
     except ImportError as exc:
         return {"error": f"Kubernetes support is not available in this installation ({exc})"}
     try:
@@ -836,7 +837,7 @@ def wait_ready(
     verbose: bool = VERBOSE,
 ) -> None:
     """Wait until the model lists the served model and the environment says ready (exit 3 on timeout)."""
-    from shopsimrl.experiment import check_services
+    from shopsimrl.runner.experiment import check_services
 
     settings = worker_settings()
     _setup_logging(quiet, verbose)
@@ -1135,8 +1136,8 @@ def gate_run(
 def _gate_run_sharded(
     gate_config: Path, shards: int | None, run_uri: str | None, backoff_limit: int, progress: bool, settings: Any
 ) -> None:
-    from shopsimrl.progress import ShardedRunProgress
-    from shopsimrl.sharded.local_job import run_indexed
+    from shopsimrl.runner.local_job import run_indexed
+    from shopsimrl.runner.progress import ShardedRunProgress
 
     if shards is None or run_uri is None:
         _fail(ExitCode.BAD_INPUT, "--shards and --run go together: a sharded masked run needs a location (a dir or s3://…)")
@@ -1372,7 +1373,7 @@ INCLUDE = typer.Option(
 
 
 def _open_research_run(location: str) -> Any:
-    runs = _import_extra("shopsimrl.research.runs", "research")
+    runs = _import_extra("shopsimrl.storage.reading", "research")
     try:
         return runs.open_run(location)
     except _run_read_errors() as exc:
@@ -1518,7 +1519,7 @@ def export_judge_input_command(
 def _research_call(call: Any) -> Any:
     """Run ``call`` (it reads a run): an unreadable run or episode is bad input, an object
     store that does not answer is retryable."""
-    from shopsimrl.sharded.objectstore import StoreUnavailableError
+    from shopsimrl.storage.objectstore import StoreUnavailableError
 
     try:
         return call()
@@ -1540,8 +1541,8 @@ def show(
     it, thinking, tool calls, feedback, per-step latency and usage, reward detail."""
     from rich.console import Console
 
-    from shopsimrl.research.runs import open_run
     from shopsimrl.research.transcript import read_transcript, render_terminal
+    from shopsimrl.storage.reading import open_run
 
     _setup_logging(quiet, verbose)
 
@@ -1572,7 +1573,7 @@ def view(
     """Serve a read-only web viewer of a run: the episode table (filters, sorting, pages) and
     each episode step by step. The run is read once at start."""
     viewer = _import_extra("shopsimrl.research.viewer", "research")
-    from shopsimrl.research.runs import open_run
+    from shopsimrl.storage.reading import open_run
 
     _setup_logging(quiet, verbose)
     bad_names = [name for name in allow_host if not viewer.valid_host_name(name)]
@@ -1610,7 +1611,7 @@ def export_table(
 ) -> None:
     """Write a run's episodes or steps as Parquet or CSV, streamed in row batches."""
     tables = _import_extra("shopsimrl.research.tables", "research")
-    from shopsimrl.research.runs import open_run
+    from shopsimrl.storage.reading import open_run
 
     _setup_logging(quiet, verbose)
     rows = _research_call(

@@ -16,16 +16,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 from shopsimrl import __version__
-from shopsimrl.schemas import (
-    FINGERPRINT_VERSION,
+from shopsimrl.records import (
     MANIFEST_SCHEMA_VERSION,
     MANIFEST_SCHEMA_VERSIONS,
     SUMMARY_SCHEMA_VERSION,
     TRACE_SCHEMA_VERSION,
-    TraceFormatError,
-    fingerprint,
-    redact_uri,
+    RecordFormatError,
+    RecordVersionError,
+    RunManifest,
+    RunPlan,
+    read_manifest,
 )
+from shopsimrl.schemas import FINGERPRINT_VERSION, TraceFormatError, fingerprint, redact_uri
 
 __all__ = [
     "FingerprintMismatchError",
@@ -59,20 +61,22 @@ class FingerprintMismatchError(RuntimeError):
 
 def build_manifest(
     plan: dict[str, Any], execution: dict[str, Any] | None = None, *, plan_fingerprint: str | None = None
-) -> dict[str, Any]:
-    """The manifest document; ``plan_fingerprint``: ``fingerprint(plan)`` when the caller has it
-    already (a 100,000-job plan takes a few hundred ms to hash)."""
-    return {
-        "schema_version": MANIFEST_SCHEMA_VERSION,
-        "created_at": datetime.now(UTC).isoformat(),
-        "fingerprint_version": FINGERPRINT_VERSION,
-        "plan_fingerprint": plan_fingerprint or fingerprint(plan),
-        "plan": plan,
-        "execution": execution or {},
-    }
+) -> RunManifest:
+    """The manifest; ``plan_fingerprint``: ``fingerprint(plan)`` when the caller has it already (a
+    100,000-job plan takes a few hundred ms to hash)."""
+    return RunManifest(
+        schema_version=MANIFEST_SCHEMA_VERSION,
+        created_at=datetime.now(UTC).isoformat(),
+        fingerprint_version=FINGERPRINT_VERSION,
+        plan_fingerprint=plan_fingerprint or fingerprint(plan),
+        plan=RunPlan.model_validate(plan),
+        execution=execution or {},
+    )
 
 
-def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
+def validate_manifest(manifest: Any, where: str) -> RunManifest:
+    """A parsed manifest.json as a :class:`RunManifest`; :class:`ManifestError` naming ``where``
+    and what is wrong otherwise (another version, a plan that does not match its fingerprint)."""
     if not isinstance(manifest, dict):
         raise ManifestError(f"{where}: the manifest must be a JSON object")
     version = manifest.get("schema_version")
@@ -80,14 +84,10 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
         raise ManifestError(
             f"{where}: unsupported manifest schema_version {version!r}; this shopsimrl reads {', '.join(MANIFEST_SCHEMA_VERSIONS)}"
         )
-    plan = manifest.get("plan")
-    if not isinstance(plan, dict) or not isinstance(manifest.get("plan_fingerprint"), str):
-        raise ManifestError(f"{where}: the manifest needs a 'plan' object and a 'plan_fingerprint' string")
-    if not isinstance(plan.get("jobs"), list):
-        raise ManifestError(f"{where}: plan.jobs must be a list")
-    if fingerprint(plan) != manifest["plan_fingerprint"]:
-        raise ManifestError(f"{where}: plan_fingerprint does not match the plan it stores; the manifest was edited")
-    return manifest
+    try:
+        return read_manifest(manifest, where)
+    except (RecordFormatError, RecordVersionError) as exc:
+        raise ManifestError(str(exc)) from None
 
 
 def flatten(value: Any) -> dict[str, Any]:
@@ -128,13 +128,20 @@ def plan_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------- identity in summaries
 
 
-def run_identity(manifest: Mapping[str, Any] | None, *, uri: str | None) -> dict[str, Any]:
+def run_identity(manifest: RunManifest | Mapping[str, Any] | None, *, uri: str | None) -> dict[str, Any]:
     """The ``run`` block of ``summary.json``: which run these numbers belong to.
 
     ``manifest`` may be the full manifest or its head (:func:`manifest_head`); without one
     (traces of the earlier implementation) every plan-derived field is null. ``uri`` is
     redacted: no credentials reach the summary.
     """
+    if isinstance(manifest, RunManifest):
+        manifest = {
+            "schema_version": manifest.schema_version,
+            "fingerprint_version": manifest.fingerprint_version,
+            "plan_fingerprint": manifest.plan_fingerprint,
+            "plan": manifest.plan.as_dict(),
+        }
     manifest = manifest or {}
     plan = _object(manifest.get("plan"))
     model = _object(plan.get("model"))

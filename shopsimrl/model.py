@@ -492,7 +492,7 @@ class OpenAICompatibleChatModel:
             record["backoff_ms"] = round(failed.delay_s * 1000.0, 3)
             status = getattr(failed.error, "status", None)
             # Info, one short line: the live bar counts retries, and load refusals get one
-            # aggregated warning there (shopsimrl.progress); the full error is in the trace.
+            # aggregated warning there (shopsimrl.runner.progress); the full error is in the trace.
             _log.info(
                 "model_request_retry",
                 attempt=failed.number,

@@ -1055,7 +1055,7 @@ def test_repository_config_via_set_file(helm: Helm, tmp_path: Path) -> None:
 def _pod_plan_fingerprint(docs: list[Doc], root: Path) -> str:
     """The plan fingerprint a worker pod computes from exactly the files the chart mounts."""
     from shopsimrl.config import load_experiment_config
-    from shopsimrl.experiment import prepare
+    from shopsimrl.runner.experiment import prepare
     from shopsimrl.schemas import fingerprint
 
     config = load_experiment_config(_materialize_config(docs, root), load_dotenv=False)
@@ -1064,7 +1064,7 @@ def _pod_plan_fingerprint(docs: list[Doc], root: Path) -> str:
 
 def _local_plan_fingerprint(config_path: Path) -> str:
     from shopsimrl.config import load_experiment_config
-    from shopsimrl.experiment import prepare
+    from shopsimrl.runner.experiment import prepare
     from shopsimrl.schemas import fingerprint
 
     return fingerprint(prepare(load_experiment_config(config_path, load_dotenv=False)).plan())
@@ -1876,7 +1876,7 @@ def test_jobset_runs_the_workers_then_the_reducer_as_one_object(helm: Helm, matr
         assert "kueue.x-k8s.io/queue-name" not in labels, "a child Job with a queue would be a second workload"
         assert job["metadata"]["annotations"]["shopsimrl.io/run-uri"] == "s3://shopsimrl-evals/runs/ckpt-300-val"
     # `shopsimrl status --release` lists the worker Jobs by these labels.
-    from shopsimrl.sharded.kube import release_selector
+    from shopsimrl.runner.kube import release_selector
 
     wanted = dict(pair.split("=") for pair in release_selector(RELEASE).split(","))
     assert wanted.items() <= worker["metadata"]["labels"].items()

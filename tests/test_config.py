@@ -197,7 +197,7 @@ def test_experiment_name_without_usable_characters_is_refused_when_loading(tmp_p
 
 async def _environment_attempts(config_text: str, tmp_path: Path) -> int:
     from shopsimrl.environment import EnvironmentUnavailableError, ShopSimulatorEnvironment
-    from shopsimrl.experiment import prepare
+    from shopsimrl.runner.experiment import prepare
 
     prepared = prepare(load_experiment_config(write(tmp_path, config_text)))
 
@@ -214,8 +214,8 @@ async def _environment_attempts(config_text: str, tmp_path: Path) -> int:
 
 
 async def test_environment_and_model_max_retries_both_count_total_attempts(tmp_path: Path) -> None:
-    from shopsimrl.experiment import prepare
     from shopsimrl.model import ModelRequestError
+    from shopsimrl.runner.experiment import prepare
     from shopsimrl.testbed.serving import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: every attempt is refused

@@ -74,7 +74,7 @@ def test_the_worker_path_imports_neither_the_testbed_nor_kubernetes(tmp_path: Pa
         assert "shopsimrl.cli" in modules, f"{name}: -X importtime listed no shopsimrl modules"
         assert _forbidden(modules) == [], name
     # The shards really ran: the worker imported its own modules and the reducer wrote a summary.
-    assert {"shopsimrl.sharded.worker", "shopsimrl.episode", "shopsimrl.sharded.layout"} <= _imported(steps["worker 0"].stderr)
+    assert {"shopsimrl.runner.worker", "shopsimrl.episode", "shopsimrl.storage.sharded"} <= _imported(steps["worker 0"].stderr)
     assert (tmp_path / "run" / "summary.json").is_file()
 
 
@@ -200,7 +200,7 @@ def test_the_worker_image_package_has_no_testbed_and_needs_no_extra(tmp_path: Pa
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         meta = email.message_from_bytes(archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
-    assert "shopsimrl/sharded/worker.py" in names and "shopsimrl/cli.py" in names
+    assert "shopsimrl/runner/worker.py" in names and "shopsimrl/cli.py" in names
     assert not [n for n in names if n.startswith("shopsimrl/testbed")], "the testbed ships in the worker image"
     base = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
     assert not [r for r in base if re.match(r"(starlette|uvicorn|kubernetes)\b", r)], base

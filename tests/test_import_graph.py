@@ -49,26 +49,36 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.paired_stats",
         "shopsimrl.research.redaction",
         "shopsimrl.research.report",
-        "shopsimrl.research.runs",
         "shopsimrl.research.tables",
         "shopsimrl.research.training",
         "shopsimrl.research.transcript",
         "shopsimrl.research.viewer",
     ),
-    "scheduling": (
-        "shopsimrl.experiment",
-        "shopsimrl.lease_journal",
-        "shopsimrl.local_run",
-        "shopsimrl.progress",
-        "shopsimrl.scheduler",
-        "shopsimrl.sharded",
-        "shopsimrl.sharded.kube",
-        "shopsimrl.sharded.layout",
-        "shopsimrl.sharded.local_job",
-        "shopsimrl.sharded.objectstore",
-        "shopsimrl.sharded.reduce",
-        "shopsimrl.sharded.status",
-        "shopsimrl.sharded.worker",
+    # Running a plan: scheduling, signals, the commands around a run. It writes and reads runs
+    # through the stores below it.
+    "runner": (
+        "shopsimrl.runner",
+        "shopsimrl.runner.driver",
+        "shopsimrl.runner.experiment",
+        "shopsimrl.runner.kube",
+        "shopsimrl.runner.lease_journal",
+        "shopsimrl.runner.local",
+        "shopsimrl.runner.local_job",
+        "shopsimrl.runner.progress",
+        "shopsimrl.runner.reduce",
+        "shopsimrl.runner.scheduler",
+        "shopsimrl.runner.status",
+        "shopsimrl.runner.worker",
+        "shopsimrl.runner.worker_processes",
+    ),
+    # Run stores and their readers: they know records, never how episodes run.
+    "storage": (
+        "shopsimrl.storage",
+        "shopsimrl.storage.base",
+        "shopsimrl.storage.local",
+        "shopsimrl.storage.objectstore",
+        "shopsimrl.storage.reading",
+        "shopsimrl.storage.sharded",
     ),
     "episode": ("shopsimrl.episode",),
     "adapters": (
@@ -279,6 +289,7 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
     a relative import and the testbed reaching up is caught, naming each offending import."""
     package = tmp_path / "shopsimrl"
     (package / "testbed").mkdir(parents=True)
+    (package / "runner").mkdir()
     files = {
         "__init__.py": "",
         "cli.py": "import shopsimrl.testbed.up\n",
@@ -287,8 +298,9 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
         "model.py": "def call():\n    from shopsimrl.episode import run\n",
         "episode.py": "from .model import call\n",
         "testbed/__init__.py": "",
-        "testbed/up.py": "from shopsimrl.scheduler import Evaluator\n",
-        "scheduler.py": "import shopsimrl.testbed\n",
+        "testbed/up.py": "from shopsimrl.runner.scheduler import Evaluator\n",
+        "runner/__init__.py": "",
+        "runner/scheduler.py": "import shopsimrl.testbed\n",
     }
     for name, text in files.items():
         (package / name).write_text(text)
@@ -301,6 +313,6 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
     assert ("shopsimrl.episode", "shopsimrl.model", "module") in {(e.source, e.target, e.kind) for e in edges}
     problems = "\n".join(layer_problems(edges))
     assert "shopsimrl/model.py:2: shopsimrl.model imports shopsimrl.episode (function): upward" in problems
-    assert "shopsimrl/testbed/up.py:1: shopsimrl.testbed.up imports shopsimrl.scheduler" in problems
-    assert "shopsimrl/scheduler.py:1: shopsimrl.scheduler imports shopsimrl.testbed: only shopsimrl.cli" in problems
+    assert "shopsimrl/testbed/up.py:1: shopsimrl.testbed.up imports shopsimrl.runner.scheduler" in problems
+    assert "shopsimrl/runner/scheduler.py:1: shopsimrl.runner.scheduler imports shopsimrl.testbed: only shopsimrl.cli" in problems
     assert "shopsimrl.cli imports" not in problems

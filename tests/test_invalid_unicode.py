@@ -28,9 +28,9 @@ from shopsimrl.episode import AgentRuntime
 from shopsimrl.prompts import PromptBuilder
 from shopsimrl.records import dump_line, parse_trace_line, read_trace, to_plain
 from shopsimrl.research import viewer
-from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob, ModelOutput, ToolCall
 from shopsimrl.skills import NoSkills
+from shopsimrl.storage.reading import open_run
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
 from tests.fakes import FakeModel
@@ -137,7 +137,13 @@ def test_every_reader_takes_a_run_holding_lone_surrogates(
     traces = [_as_a_custom_model_would(record) for record in records(source)]
     (run_dir / "traces.jsonl").write_bytes(b"".join(dump_line(record) for record in traces))
     assert records(run_dir) == traces  # lossless
-    episode = traces[0]["episode_id"]
+    # The episode whose raw replies hold the "\ud83d" content (which episode got which scripted
+    # reply depends on the order the two episodes asked in).
+    episode = next(
+        record["episode_id"]
+        for record in traces
+        if any("\ud83d" in json.dumps(step["model"]["raw_response"], ensure_ascii=False) for step in record["steps"])
+    )
     out = tmp_path / "out"
     out.mkdir()
     commands = [

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from shopsimrl.exitcodes import ExitCode
-from shopsimrl.sharded.kube import (
+from shopsimrl.runner.kube import (
     IndexState,
     api_clients,
     exit_code_meaning,
@@ -402,7 +402,7 @@ def test_api_clients_from_a_kubeconfig_file(tmp_path) -> None:
 
 
 def test_api_clients_without_any_config_says_so(tmp_path, monkeypatch) -> None:
-    from shopsimrl.sharded.kube import KubeUnavailableError
+    from shopsimrl.runner.kube import KubeUnavailableError
 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(KubeUnavailableError, match="no Kubernetes access"):

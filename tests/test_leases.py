@@ -30,7 +30,7 @@ from shopsimrl.environment import (
     lease_budget,
 )
 from shopsimrl.httpclient import HttpService
-from shopsimrl.lease_journal import (
+from shopsimrl.runner.lease_journal import (
     DirectoryJournalStorage,
     LeaseJournal,
     ProcessIdentity,
@@ -301,7 +301,7 @@ def dead_process_identity() -> ProcessIdentity:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         alive = ProcessIdentity(ProcessIdentity.current().host, child.pid, None, ProcessIdentity.current().pid_namespace)
-        started = __import__("shopsimrl.lease_journal", fromlist=["x"])._process_start_ticks(child.pid)
+        started = __import__("shopsimrl.runner.lease_journal", fromlist=["x"])._process_start_ticks(child.pid)
         alive = ProcessIdentity(alive.host, alive.pid, started, alive.pid_namespace)
         assert alive.is_alive()
     finally:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.local_run import LocalRunStore, RunLockedError, atomic_write_json
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.records import read_trace
+from shopsimrl.storage.local import LocalRunStore, RunLockedError, atomic_write_json
 from tests.testbed_process import start_testbed, write_config
 
 
@@ -83,7 +83,7 @@ def test_unserialisable_payload_is_repaired_not_fatal(tmp_path: Path) -> None:
 def test_documents_keep_a_lone_surrogate_as_its_escape(tmp_path: Path) -> None:
     """summary.json and the sharded documents are indented JSON from the standard library; a lone
     surrogate (a model's text that is not valid Unicode) must not make them unwritable."""
-    from shopsimrl.sharded.layout import _json_bytes
+    from shopsimrl.storage.sharded import _json_bytes
 
     value = {"note": "台灯\ud800", "nested": ["\udfff"]}
     atomic_write_json(tmp_path / "summary.json", value)
@@ -94,19 +94,19 @@ def test_documents_keep_a_lone_surrogate_as_its_escape(tmp_path: Path) -> None:
 
 def test_fingerprint_mismatch_names_the_keys(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path)
-    first = store.initialize(PLAN, {"concurrency": 4})
-    again = store.initialize(PLAN, {"concurrency": 64})  # execution settings never block resume
-    assert again["created_at"] == first["created_at"]
+    first = store.freeze_plan(PLAN, {"concurrency": 4})
+    again = store.freeze_plan(PLAN, {"concurrency": 64})  # execution settings never block resume
+    assert again.created_at == first.created_at
     changed = {**PLAN, "model": {"model": "m", "sampling": {"temperature": 0.7}}, "jobs": [{"task_id": 2}]}
     with pytest.raises(FingerprintMismatchError) as info:
-        store.initialize(changed)
+        store.freeze_plan(changed)
     message = str(info.value)
     assert "model.sampling.temperature: 0.6 -> 0.7" in message and "jobs: 1 jobs" in message
 
 
 def test_edited_manifest_is_refused(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path)
-    store.initialize(PLAN)
+    store.freeze_plan(PLAN)
     manifest = json.loads(store.manifest_path.read_text())
     manifest["plan"]["experiment"] = "edited"
     store.manifest_path.write_text(json.dumps(manifest))
@@ -119,10 +119,13 @@ def test_edited_manifest_is_refused(tmp_path: Path) -> None:
 
 def test_summary_write_is_atomic_and_refuses_nan(tmp_path: Path) -> None:
     store = LocalRunStore(tmp_path)
-    store.write_summary({"a": 1})
+    summary = {"schema_version": "shopsimrl-eval-summary-v3", "a": 1}
+    store.write_summary(summary)
     with pytest.raises(ValueError):
-        store.write_summary({"a": math.nan})
-    assert json.loads(store.summary_path.read_text()) == {"a": 1}
+        store.write_summary({**summary, "a": math.nan})
+    with pytest.raises(ValueError, match="not a run summary"):
+        store.write_summary({"a": 2})  # what is written fits its schema version
+    assert json.loads(store.summary_path.read_text()) == summary
     assert not list(tmp_path.glob(".summary.json.*"))
 
 
@@ -147,7 +150,7 @@ def test_completion_is_sticky_when_a_failed_record_follows(tmp_path: Path) -> No
 def test_local_and_sharded_layouts_never_mix(tmp_path: Path) -> None:
     (tmp_path / "shards.json").write_text("{}")
     with pytest.raises(ManifestError, match="sharded run"):
-        LocalRunStore(tmp_path).initialize(PLAN)
+        LocalRunStore(tmp_path).freeze_plan(PLAN)
 
 
 # --------------------------------------------------------------------------- a full disk
@@ -277,13 +280,12 @@ def test_a_full_disk_while_rewriting_the_summary_exits_3_and_keeps_the_old_one(t
 @pytest.mark.parametrize("mode", ["tmpfs", "fsize"])
 def test_a_full_disk_while_reducing_a_sharded_run_exits_3_and_leaves_no_temporary_files(tmp_path: Path, mode: str) -> None:
     from shopsimrl.schemas import EpisodeJob, fingerprint
-    from shopsimrl.sharded.layout import ShardedRunStore
-    from shopsimrl.sharded.worker import commit_shard
+    from shopsimrl.storage.sharded import ShardedRunStore, commit_shard
 
     jobs = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in range(1, 5)]
     plan = {"experiment": "x", "jobs": [job.to_dict() for job in jobs]}
     seed = ShardedRunStore(str(tmp_path / "seed" / "run"))
-    seed.initialize(plan)
+    seed.freeze_plan(plan)
     ids = seed.ensure_shard_map(jobs, 1, fingerprint(plan)).episode_ids[0]
     seed.write_part(0, 0, "abcdef01", b"".join(json.dumps(trace(i)).encode() + b"\n" for i in ids))
     commit_shard(seed, 0, ids, plan_fp=fingerprint(plan), writer="abcdef01")

@@ -28,11 +28,12 @@ from shopsimrl.records import (
     read_marker,
     read_summary,
     read_trace,
+    to_plain,
 )
 from shopsimrl.records.jsonschema import SCHEMA_DIR, SCHEMA_MODELS, render, schema_document
 from shopsimrl.schemas import EpisodeJob, ModelOutput
-from shopsimrl.sharded.layout import marker_document
 from shopsimrl.skills import NoSkills
+from shopsimrl.storage.sharded import marker_document
 from tests.fakes import FakeEnvironment, FakeModel, tool_output
 
 LEGACY = Path(__file__).resolve().parent / "fixtures" / "legacy_v4_traces.jsonl"
@@ -99,12 +100,12 @@ async def test_written_records_match_their_checked_in_json_schema(tmp_path: Path
     for trace in traces:
         validators["shopsimrl-episode-v4"].validate(trace)
     manifest = build_manifest({"experiment": "x", "jobs": [JOB.to_dict()]}, {"concurrency": 4})
-    validators["shopsimrl-run-manifest-v2"].validate(manifest)
+    validators["shopsimrl-run-manifest-v2"].validate(to_plain(manifest))
     marker = marker_document(
         shard=0, plan_fingerprint="f" * 64, completed=1, failed=0, episode_ids_sha256="e" * 64,
         parts=[{"name": "part-00000-abcdef01.jsonl.zst", "sha256": "0" * 64, "records": 1}], writer="abcdef01",
     )  # fmt: skip
-    validators["shopsimrl-shard-commit-v1"].validate(marker)
+    validators["shopsimrl-shard-commit-v1"].validate(orjson.loads(dump_document(marker)))
     accumulator = SummaryAccumulator(requested_episode_ids=[JOB.episode_id])
     accumulator.add(read_trace(traces[0]))
     summary = json.loads(json.dumps(accumulator.result()))
@@ -164,8 +165,8 @@ def test_values_of_the_wrong_type_in_payloads_are_read_as_absent_never_coerced()
 
 
 def test_a_manifest_whose_plan_was_edited_is_refused() -> None:
-    manifest = build_manifest({"experiment": "x", "jobs": [JOB.to_dict()]})
-    assert read_manifest(manifest).plan.jobs[0].task_id == 7
+    manifest = to_plain(build_manifest({"experiment": "x", "jobs": [JOB.to_dict()]}))
+    assert read_manifest(manifest).plan.jobs()[0].task_id == 7
     manifest["plan"]["experiment"] = "y"
     with pytest.raises(ManifestIntegrityError, match=r"manifest\.json: plan_fingerprint does not match"):
         read_manifest(manifest)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.records import EpisodeTrace, read_trace
-from shopsimrl.scheduler import Evaluator
+from shopsimrl.runner.scheduler import Evaluator
 from shopsimrl.schemas import EpisodeJob
+from shopsimrl.storage.local import LocalRunStore
 
 JOBS = [EpisodeJob(task_id=t, sample_id=0, seed=t, split="val") for t in (1, 2, 3)]
 
@@ -121,7 +121,7 @@ async def test_an_outcome_failure_is_final_across_invocations_unless_rerolled(tm
     assert runtime.calls.count(1) == 2 and outcome.rerolled == 1 and outcome.completed == 1
     records = [r for _, r in store.iter_records() if r.episode_id == JOBS[0].episode_id]
     assert [r.rerolled_from for r in records] == [None, failure_class or "unclassified"]
-    from shopsimrl.local_run import summarize_local
+    from shopsimrl.runner.local import summarize_local
 
     summary = summarize_local(store, None, [job.episode_id for job in JOBS])
     assert summary["intent_to_treat"]["rerolled"] == 1 and summary["counts"]["completed"] == 3
@@ -134,7 +134,7 @@ async def test_configuration_failures_run_again_in_the_next_invocation(tmp_path:
     runtime = ScriptedRuntime({2: ["configuration_error", "ok"]})
     outcome = await run(store, runtime)
     assert runtime.calls.count(2) == 1 and outcome.failed == 1 and outcome.retried == 0
-    from shopsimrl.local_run import summarize_local
+    from shopsimrl.runner.local import summarize_local
 
     summary = summarize_local(store, None, [job.episode_id for job in JOBS])
     itt = summary["intent_to_treat"]

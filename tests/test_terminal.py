@@ -32,8 +32,8 @@ from typer.testing import CliRunner
 
 from shopsimrl import logs
 from shopsimrl.cli import app
-from shopsimrl.progress import RunProgress, ShardedRunProgress
 from shopsimrl.records import EpisodeTrace, read_trace
+from shopsimrl.runner.progress import RunProgress, ShardedRunProgress
 from tests.terminal_screen import run_on_terminal, screen_lines
 from tests.testbed_process import ROOT, LocalTestbed, start_testbed, write_config
 

@@ -9,13 +9,12 @@ from typing import Any
 import pytest
 
 from shopsimrl.episode import new_trace
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.records import EpisodeTrace, dump_line, parse_trace_line, read_trace, to_plain
 from shopsimrl.records.winner import Verdict, WinnerPicker
+from shopsimrl.runner.reduce import reduce_run
 from shopsimrl.schemas import EpisodeJob, fingerprint, json_bytes, parse_json, parse_json_exact
-from shopsimrl.sharded.layout import ShardedRunStore
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.worker import commit_shard
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.sharded import ShardedRunStore, commit_shard
 
 
 def record(
@@ -127,7 +126,7 @@ def test_both_run_stores_pick_the_same_winners(tmp_path: Path) -> None:
 
     plan = {"experiment": "x", "jobs": [job.to_dict() for job in jobs]}
     sharded = ShardedRunStore(str(tmp_path / "sharded"))
-    sharded.initialize(plan)
+    sharded.freeze_plan(plan)
     ids = sharded.ensure_shard_map(jobs, 1, fingerprint(plan)).episode_ids[0]
     sharded.write_part(0, 0, "abcdef01", b"".join(dump_line(rec) for rec in records))
     commit_shard(sharded, 0, ids, plan_fp=fingerprint(plan), writer="abcdef01")

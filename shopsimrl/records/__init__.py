@@ -26,7 +26,7 @@ from shopsimrl.records.io import (
     to_plain,
 )
 from shopsimrl.records.manifest import MANIFEST_SCHEMA_VERSION, MANIFEST_SCHEMA_VERSIONS, RunManifest, RunPlan
-from shopsimrl.records.marker import MARKER_SCHEMA_VERSION, MarkerPart, ShardMarker
+from shopsimrl.records.marker import MARKER_SCHEMA_VERSION, MarkerEpisodes, MarkerPart, ShardMarker
 from shopsimrl.records.summary import SUMMARY_SCHEMA_VERSION, SUMMARY_SCHEMA_VERSIONS, EvalSummary, RunIdentity
 from shopsimrl.records.trace import (
     TRACE_SCHEMA_VERSION,
@@ -62,6 +62,7 @@ __all__ = [
     "EvalSummary",
     "JobRecord",
     "ManifestIntegrityError",
+    "MarkerEpisodes",
     "MarkerPart",
     "ModelTurn",
     "Record",

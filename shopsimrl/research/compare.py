@@ -42,7 +42,7 @@ from shopsimrl.research.paired_stats import (
     percentile_interval,
     resampled_differences,
 )
-from shopsimrl.research.runs import Run, open_run
+from shopsimrl.storage.reading import Run, open_run
 
 __all__ = [
     "COMPARE_SCHEMA_VERSION",
@@ -107,7 +107,7 @@ def _slim(record: EpisodeTrace) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def load_run(location: str) -> LoadedRun:
-    """Open and read a run (raises :class:`shopsimrl.research.runs.RunReadError`)."""
+    """Open and read a run (raises :class:`shopsimrl.storage.reading.RunReadError`)."""
     run: Run = open_run(location)
     jobs = run.jobs
     accumulator = SummaryAccumulator(requested_episode_ids=[job.episode_id for job in jobs] if jobs is not None else None)

@@ -41,9 +41,9 @@ from shopsimrl.research.redaction import (
     refusing_test_records,
     removed_persona_fields,
 )
-from shopsimrl.research.runs import Run
 from shopsimrl.research.training import TraceShapeError, check_chat_record, sft_records
 from shopsimrl.schemas import canonical_json, json_bytes, parse_json_exact
+from shopsimrl.storage.reading import Run
 
 __all__ = [
     "EXPORT_REPORT_VERSION",

@@ -23,8 +23,8 @@ from shopsimrl.metrics import step_facts
 from shopsimrl.records import EpisodeTrace, ErrorInfo
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.outputs import check_output_location, replacing
-from shopsimrl.research.runs import Run
 from shopsimrl.schemas import json_bytes, parse_json_exact
+from shopsimrl.storage.reading import Run
 
 __all__ = [
     "LABELS_VERSION",

@@ -13,7 +13,7 @@
   :class:`OutputWriteError` (exit 2); a write that fails partway (disk full, quota, file size
   limit, I/O error) is :class:`OutputStorageError` (exit 3: safe to retry once there is room).
 
-What a run must hold to be read at all is the reader's rule (:mod:`shopsimrl.research.runs`).
+What a run must hold to be read at all is the reader's rule (:mod:`shopsimrl.storage.reading`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import IO, TYPE_CHECKING
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-from shopsimrl.research.runs import Run
+from shopsimrl.storage.reading import Run
 
 __all__ = [
     "OutputError",

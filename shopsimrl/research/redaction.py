@@ -28,7 +28,7 @@ from typing import Any
 
 from shopsimrl.prompts import persona_section
 from shopsimrl.records import EpisodeTrace
-from shopsimrl.research.runs import Run
+from shopsimrl.storage.reading import Run
 
 __all__ = [
     "IDENTIFYING_PERSONA_FIELDS",

@@ -30,8 +30,8 @@ from shopsimrl.metrics import step_facts
 from shopsimrl.records import CodedMessage, EpisodeTrace, ToolCallRecord
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.outputs import OutputError, check_output_location, replacing
-from shopsimrl.research.runs import Run, open_run
 from shopsimrl.schemas import escape_lone_surrogates
+from shopsimrl.storage.reading import Run, open_run
 
 __all__ = [
     "EPISODE_TYPES",

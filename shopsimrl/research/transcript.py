@@ -25,7 +25,7 @@ from rich.text import Text
 from shopsimrl.metrics import step_facts
 from shopsimrl.records import ActionFeedback, CallAttempt, CodedMessage, EpisodeTrace, ErrorInfo, Record, Step, plain
 from shopsimrl.research.episodes import episode_row
-from shopsimrl.research.runs import EpisodeSource
+from shopsimrl.storage.reading import EpisodeSource
 
 __all__ = [
     "THINKING_PREVIEW_CHARS",

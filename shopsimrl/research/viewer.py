@@ -38,11 +38,11 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from shopsimrl.records import RecordVersionError
-from shopsimrl.research.runs import Run, RunReadError
 from shopsimrl.research.tables import episodes_table, to_frame
 from shopsimrl.research.transcript import StepView, Transcript, headline, outline, read_transcript, step_usage
 from shopsimrl.schemas import escape_lone_surrogates
-from shopsimrl.sharded.objectstore import StoreUnavailableError
+from shopsimrl.storage.objectstore import StoreUnavailableError
+from shopsimrl.storage.reading import Run, RunReadError
 
 __all__ = [
     "MAX_PAGE_SIZE",

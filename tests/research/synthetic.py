@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from shopsimrl.schemas import EpisodeJob
-from shopsimrl.sharded.layout import ShardedRunStore, marker_document, part_entry
+from shopsimrl.storage.sharded import ShardedRunStore, marker_document, part_entry
 
 WRITER = "5e1ec7ed"
 
@@ -29,9 +29,9 @@ def sharded_copy(
     """Freeze ``plan`` at ``uri`` as ``shards`` shards and commit each: parts of ``per_part``
     trace lines (``line_of(episode_id)``, one JSON line), then a commit marker, as a worker does."""
     store = ShardedRunStore(uri)
-    manifest = store.initialize(plan)
+    manifest = store.freeze_plan(plan)
     jobs = [EpisodeJob.from_dict(job) for job in plan["jobs"]]
-    shard_map = store.ensure_shard_map(jobs, shards, manifest["plan_fingerprint"])
+    shard_map = store.ensure_shard_map(jobs, shards, manifest.plan_fingerprint)
 
     def commit(shard: int) -> None:
         ids = shard_map.episode_ids[shard]
@@ -45,7 +45,7 @@ def sharded_copy(
             shard,
             marker_document(
                 shard=shard,
-                plan_fingerprint=manifest["plan_fingerprint"],
+                plan_fingerprint=manifest.plan_fingerprint,
                 completed=completed,
                 failed=len(ids) - completed,
                 episode_ids_sha256=shard_map.ids_sha256(shard),

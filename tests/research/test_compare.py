@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.metrics import student_t_quantile, wilson_interval
 from shopsimrl.records import read_trace
 from shopsimrl.research.compare import CompareError, compare_loaded, compare_runs, format_comparison, load_run
 from shopsimrl.research.labels import TAXONOMY, label_counts
 from shopsimrl.research.paired_stats import cluster_sums, holm_adjust, mcnemar_exact, percentile_interval, resampled_differences
-from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, fingerprint
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.reading import open_run
 
 from .conftest import ResearchRuns
 

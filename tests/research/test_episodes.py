@@ -10,7 +10,7 @@ import pytest
 from shopsimrl.metrics import summarize_traces
 from shopsimrl.records import read_trace
 from shopsimrl.research.episodes import CORE_COLUMNS, episode_row
-from shopsimrl.research.runs import open_run
+from shopsimrl.storage.reading import open_run
 
 from .conftest import ResearchRuns
 

@@ -13,7 +13,6 @@ from typing import Any
 import orjson
 import pytest
 
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.manifest import build_manifest
 from shopsimrl.records import read_trace, to_plain
 from shopsimrl.research.export import (
@@ -25,7 +24,8 @@ from shopsimrl.research.export import (
     judge_input,
 )
 from shopsimrl.research.redaction import IDENTIFYING_PERSONA_FIELDS, ExportRefusedError, persona_of, public_persona
-from shopsimrl.research.runs import open_run
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.reading import open_run
 from tests.sharded.conftest import cli
 
 from .conftest import ResearchRuns
@@ -288,7 +288,7 @@ def test_the_held_out_test_split_is_never_exported(research_runs: ResearchRuns, 
     shutil.copytree(research_runs.local, held_out)
     manifest = json.loads((held_out / "manifest.json").read_text())
     plan = manifest["plan"] | {"test_guard": {"held_out_split": True, "final_test": True}}
-    (held_out / "manifest.json").write_text(json.dumps(build_manifest(plan)))
+    (held_out / "manifest.json").write_text(json.dumps(to_plain(build_manifest(plan))))
     for export in (export_sft, export_judge_input):
         with pytest.raises(ExportRefusedError, match="held-out test split"):
             export(open_run(held_out), tmp_path / "out" / "x.jsonl")

@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 
-from shopsimrl.local_run import LocalRunStore, atomic_write_json
 from shopsimrl.manifest import build_manifest
+from shopsimrl.records import to_plain
 from shopsimrl.research.gate.checks import GateCheckError, bare_preflight, pair_observations, read_strict
 from shopsimrl.research.gate.fit import fit_paired_delta_ols
 from shopsimrl.research.gate.masks import Assignment, gate_a_assignments
-from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob, fingerprint
+from shopsimrl.storage.local import LocalRunStore, atomic_write_json
+from shopsimrl.storage.reading import open_run
 from tests.fakes import written
 
 from .conftest import ResearchRuns
@@ -34,7 +35,7 @@ EFFECTS = (0.125, -0.0625)  # exact in binary: the deltas are exact, so the fit 
 def bare(research_runs: ResearchRuns) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     run = open_run(research_runs.local)
     assert run.manifest is not None
-    return run.manifest["plan"], sorted((written(record) for record in run.records()), key=lambda r: r["episode_id"])
+    return run.manifest.plan.as_dict(), sorted((written(record) for record in run.records()), key=lambda r: r["episode_id"])
 
 
 def assignments_for(plan: dict[str, Any]) -> list[Assignment]:
@@ -64,7 +65,7 @@ def masked_records(plan: dict[str, Any], records: list[dict[str, Any]]) -> list[
 
 def write_run(directory: Path, plan: dict[str, Any], records: list[dict[str, Any]], *, raw_tail: bytes = b"") -> Path:
     store = LocalRunStore(directory)
-    atomic_write_json(store.manifest_path, build_manifest(plan))
+    atomic_write_json(store.manifest_path, to_plain(build_manifest(plan)))
     # json.dumps keeps a NaN as NaN, as the earlier implementation's writer did (this one writes null).
     lines = b"".join(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n" for record in records)
     store.traces_path.write_bytes(lines + raw_tail)

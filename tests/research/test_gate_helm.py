@@ -106,7 +106,7 @@ def test_a_gate_runs_through_the_chart_and_fits_like_the_local_gate(
 
     # The pods plan the frozen masked plan from exactly the files the chart mounts.
     from shopsimrl.config import load_experiment_config
-    from shopsimrl.experiment import prepare
+    from shopsimrl.runner.experiment import prepare
     from shopsimrl.schemas import fingerprint
 
     config_path = _materialize_config(docs, tmp_path / "pod")

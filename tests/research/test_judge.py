@@ -495,7 +495,7 @@ def test_sharded_worker_saves_its_verdicts_on_sigterm(tmp_path: Path, research_r
 
 
 def _part_lines(path: Path) -> list[bytes]:
-    from shopsimrl.sharded.layout import part_lines
+    from shopsimrl.storage.sharded import part_lines
 
     lines, whole = part_lines(path.name, path.read_bytes())
     assert whole

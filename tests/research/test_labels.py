@@ -22,7 +22,7 @@ from shopsimrl.research.labels import (
     write_labels,
 )
 from shopsimrl.research.outputs import OutputLocationError
-from shopsimrl.research.runs import open_run
+from shopsimrl.storage.reading import open_run
 from tests.sharded.conftest import cli
 
 from .conftest import FIXTURES, ResearchRuns

@@ -1,5 +1,5 @@
 """The research commands' one output rule (shopsimrl/research/outputs.py) and the readers' rule
-for a run without a readable record (shopsimrl/research/runs.py), command by command, through
+for a run without a readable record (shopsimrl/storage/reading.py), command by command, through
 the real CLI: never an output inside a run; missing folders created; a write that fails for
 real (RLIMIT_FSIZE: the kernel answers EFBIG) leaves the earlier file as it was, exit 3; a run
 of garbage or torn lines is refused with exit 2 naming the file and the line, while a torn last
@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shopsimrl.research.runs import RunReadError, open_run
+from shopsimrl.storage.reading import RunReadError, open_run
 from tests.sharded.conftest import REPO
 
 from .conftest import FIXTURES, ResearchRuns
@@ -229,7 +229,7 @@ def test_a_sharded_run_without_a_readable_record_is_refused(tmp_path: Path, rese
     run = open_run(research_runs.local)
     assert run.manifest is not None
     location = tmp_path / "sharded-garbage"
-    sharded_copy(str(location), run.manifest["plan"], lambda episode_id: b"garbage, not a record\n", 2, per_part=5)
+    sharded_copy(str(location), run.manifest.plan.as_dict(), lambda episode_id: b"garbage, not a record\n", 2, per_part=5)
     with pytest.raises(
         RunReadError, match=r"sharded-garbage shard 0, part [^,]+, line 1: not a trace record; .* holds no readable"
     ):

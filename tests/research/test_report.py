@@ -15,7 +15,7 @@ import pytest
 from shopsimrl.research.compare import load_run
 from shopsimrl.research.labels import label_counts
 from shopsimrl.research.report import build_report, write_report
-from shopsimrl.research.runs import open_run
+from shopsimrl.storage.reading import open_run
 
 from .conftest import ResearchRuns, console_errors, element_screenshot, screenshot
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.records import EpisodeTrace, dump_line, read_trace
-from shopsimrl.research.runs import RunReadError, open_run
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.reading import RunReadError, open_run
 from tests.fakes import written
 
 from .conftest import ResearchRuns
@@ -23,7 +23,7 @@ def test_local_and_sharded_runs_of_one_plan_read_the_same_episodes(research_runs
     sharded = open_run(research_runs.sharded)
     assert local.kind == "local" and sharded.kind == "sharded"
     assert local.manifest is not None and sharded.manifest is not None
-    assert local.manifest["plan_fingerprint"] == sharded.manifest["plan_fingerprint"]
+    assert local.manifest.plan_fingerprint == sharded.manifest.plan_fingerprint
     assert "testing-secret" not in json.dumps(sharded.identity)
 
     by_id = {record.episode_id: record for record in local.records()}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.research.runs import open_run
+from shopsimrl.storage.reading import open_run
 from tests.fakes import written
 from tests.sharded.conftest import cli
 

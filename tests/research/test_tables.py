@@ -17,7 +17,7 @@ from shopsimrl import analysis
 from shopsimrl.records import EpisodeTrace, to_plain
 from shopsimrl.research import tables
 from shopsimrl.research.episodes import CORE_COLUMNS, episode_row
-from shopsimrl.research.runs import open_run
+from shopsimrl.storage.reading import open_run
 from tests.sharded.conftest import cli
 
 from .conftest import RUN_KINDS, ResearchRuns, run_location

@@ -18,7 +18,6 @@ import pytest
 from shopsimrl.prompts import persona_section
 from shopsimrl.records import read_trace
 from shopsimrl.research.redaction import RedactionError, public_persona, removed_persona_fields
-from shopsimrl.research.runs import open_run
 from shopsimrl.research.training import (
     ROLLOUT_REQUEST_VERSION,
     TraceShapeError,
@@ -34,6 +33,7 @@ from shopsimrl.research.training import (
     sft_turns,
 )
 from shopsimrl.schemas import EpisodeJob
+from shopsimrl.storage.reading import open_run
 
 from .conftest import ResearchRuns
 from .handmade import CATEGORY, GOAL_ASIN, PERSONA, Episode, good_episode, product, results

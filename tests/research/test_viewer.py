@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from shopsimrl.research.episodes import episode_row
-from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob
+from shopsimrl.storage.reading import open_run
 from tests.fakes import written
 from tests.sharded.conftest import REPO
 

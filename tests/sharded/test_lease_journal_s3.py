@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from shopsimrl.environment import LeaseError
-from shopsimrl.lease_journal import (
+from shopsimrl.runner.lease_journal import (
     LeaseJournal,
     ProcessIdentity,
     StoreJournalStorage,
@@ -28,7 +28,7 @@ from shopsimrl.lease_journal import (
     shard_journal_storage,
     start_lease_tracking,
 )
-from shopsimrl.sharded.layout import ShardedRunStore
+from shopsimrl.storage.sharded import ShardedRunStore
 from shopsimrl.testbed.serving import running_server
 from tests.sharded.conftest import S3_TEST_ENV, Backend, S3Server, WorkerProcess, start_worker, worker_env, write_config
 from tests.sharded.faultproxy import FaultProxy
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.s3
 async def test_the_journal_on_a_real_s3_server(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shopsimrl.sharded.layout import ShardedRunStore
+    from shopsimrl.storage.sharded import ShardedRunStore
     from tests.sharded.conftest import _make_bucket
 
     for key, value in S3_TEST_ENV.items():

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from shopsimrl.research.runs import open_run
+from shopsimrl.runner.reduce import reduce_run
 from shopsimrl.schemas import EpisodeJob, fingerprint
-from shopsimrl.sharded.layout import ShardedRunStore, marker_document, part_entry
-from shopsimrl.sharded.objectstore import READ_CONCURRENCY, RetryPolicy, RunLocationError, StoreUnavailableError
-from shopsimrl.sharded.reduce import read_shard_parts, reduce_run
+from shopsimrl.storage.objectstore import READ_CONCURRENCY, RetryPolicy, RunLocationError, StoreUnavailableError
+from shopsimrl.storage.reading import open_run
+from shopsimrl.storage.sharded import ShardedRunStore, marker_document, part_entry, read_shard_parts
 
 from .conftest import S3Server
 from .faultproxy import FaultPlan, FaultProxy, Scripted
@@ -57,7 +57,7 @@ def write_run(
     jobs = JOBS if parts == PARTS else [EpisodeJob(task_id=t, sample_id=0, seed=t * 3, split="val") for t in range(1, parts + 1)]
     plan = {"experiment": "parallel-reads", "jobs": [job.to_dict() for job in jobs]}
     store = ShardedRunStore(uri, retry=retry)
-    store.initialize(plan)
+    store.freeze_plan(plan)
     shard_map = store.ensure_shard_map(jobs, shards, fingerprint(plan))
     by_id = {job.episode_id: job for job in jobs}
     names: dict[int, list[str]] = {}

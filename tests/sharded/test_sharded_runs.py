@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.runner.status import shard_status
 from shopsimrl.schemas import fingerprint
-from shopsimrl.sharded.layout import ShardedRunStore, iter_part_records
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.status import shard_status
+from shopsimrl.storage.sharded import ShardedRunStore, iter_part_records
 
 from .conftest import S3_TEST_ENV, Backend, S3Server, Testbed, cli, start_worker, worker_env, write_config
 from .faultproxy import FaultPlan, FaultProxy, Scripted

@@ -12,21 +12,21 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
-from shopsimrl.records import read_trace, to_plain
+from shopsimrl.records import ShardMarker, read_trace, to_plain
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.runner.status import shard_status
 from shopsimrl.schemas import EpisodeJob, fingerprint, redact_uri
-from shopsimrl.sharded.layout import (
+from shopsimrl.storage.objectstore import RetryPolicy, StoreUnavailableError, is_create_conflict
+from shopsimrl.storage.sharded import (
     ShardedRunStore,
     ShardMapError,
     WrittenPart,
+    commit_shard,
     iter_part_records,
     marker_document,
     part_entry,
     record_outcome,
 )
-from shopsimrl.sharded.objectstore import RetryPolicy, StoreUnavailableError, is_create_conflict
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.status import shard_status
-from shopsimrl.sharded.worker import commit_shard
 
 from .conftest import Backend, S3Server
 from .faultproxy import FaultPlan, FaultProxy, Scripted
@@ -84,12 +84,12 @@ def commit(store: ShardedRunStore, index: int, shard_map, parts: list[tuple[str,
 
 def test_manifest_is_create_only_and_mismatch_is_refused(backend: Backend) -> None:
     store = ShardedRunStore(backend.uri("m"))
-    first = store.initialize(PLAN, {"concurrency": 4})
-    again = ShardedRunStore(backend.uri("m")).initialize(PLAN, {"concurrency": 99})
-    assert again["created_at"] == first["created_at"]  # the existing manifest is kept, not rewritten
+    first = store.freeze_plan(PLAN, {"concurrency": 4})
+    again = ShardedRunStore(backend.uri("m")).freeze_plan(PLAN, {"concurrency": 99})
+    assert again.created_at == first.created_at  # the existing manifest is kept, not rewritten
     changed = {**PLAN, "model": {"sampling": {"temperature": 0.7}}}
     with pytest.raises(FingerprintMismatchError) as info:
-        store.initialize(changed)
+        store.freeze_plan(changed)
     assert "model.sampling.temperature: 0.0 -> 0.7" in str(info.value)
     # A create of different bytes never overwrites; an identical retry is recognised as ours.
     assert store.create("manifest.json", b"{}") is False
@@ -124,7 +124,7 @@ def test_two_writers_never_overwrite_each_other(backend: Backend) -> None:
 
 def test_reducer_dedupes_verifies_and_tolerates_junk(backend: Backend) -> None:
     store = ShardedRunStore(backend.uri("r"))
-    store.initialize(PLAN)
+    store.freeze_plan(PLAN)
     shard_map = store.ensure_shard_map(JOBS, 2, fingerprint(PLAN))
     ids0 = [j for j in JOBS if j.episode_id in shard_map.episode_ids[0]]
     ids1 = [j for j in JOBS if j.episode_id in shard_map.episode_ids[1]]
@@ -179,7 +179,7 @@ def test_retries_ride_out_faults_and_a_dead_store_is_unavailable(moto_endpoint: 
         store = ShardedRunStore(
             f"s3://{bucket}/faulty", retry=RetryPolicy(base_delay_s=0.01, max_delay_s=0.05, budget_s=30, attempts=30)
         )
-        store.initialize(PLAN)
+        store.freeze_plan(PLAN)
         names = [store.write_part(0, i, "abcdef01", lines(trace(JOBS[i])))[0] for i in range(8)]
         assert store.list_shard(0).parts == names
         assert all(records_of(store, 0, n)[0]["episode_id"] == JOBS[i].episode_id for i, n in enumerate(names))
@@ -244,7 +244,7 @@ def test_a_lost_put_response_is_not_an_error(s3_server: S3Server, monkeypatch: p
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.start())
     try:
         store = ShardedRunStore(f"s3://{s3_server.bucket}/lost", retry=FAST_RETRY)
-        store.initialize(PLAN)
+        store.freeze_plan(PLAN)
         shard_map = store.ensure_shard_map(JOBS, 2, fingerprint(PLAN))
         ids = shard_map.episode_ids[0]
         part = write(store, 0, 0, "abcdef01", *[trace(job) for job in JOBS if job.episode_id in ids])
@@ -319,7 +319,7 @@ class GatedStore(ShardedRunStore):
         super().__init__(uri)
         self.label, self.gate = label, gate
 
-    def create_marker(self, index: int, marker: dict) -> str:
+    def create_marker(self, index: int, marker: ShardMarker) -> str:
         self.gate.arrive(self.label)
         try:
             return super().create_marker(index, marker)
@@ -343,7 +343,7 @@ class LaggingStore(ShardedRunStore):
 
 def _one_shard_run(uri: str) -> tuple[ShardedRunStore, list[str], list[EpisodeJob]]:
     store = ShardedRunStore(uri)
-    store.initialize(PLAN)
+    store.freeze_plan(PLAN)
     ids = store.ensure_shard_map(JOBS, 1, fingerprint(PLAN)).episode_ids[0]
     return store, ids, [job for job in JOBS if job.episode_id in ids]
 

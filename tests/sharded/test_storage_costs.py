@@ -13,11 +13,18 @@ from pathlib import Path
 import pytest
 
 from shopsimrl.records import dump_line, read_trace
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.runner.status import shard_status
 from shopsimrl.schemas import EpisodeJob, canonical_json, fingerprint
-from shopsimrl.sharded.layout import ShardedRunStore, encode_part, iter_part_records, load_frozen_plan, scan_shard
-from shopsimrl.sharded.reduce import reduce_run
-from shopsimrl.sharded.status import shard_status
-from shopsimrl.sharded.worker import PartSink, commit_shard
+from shopsimrl.storage.sharded import (
+    PartWriter,
+    ShardedRunStore,
+    commit_shard,
+    encode_part,
+    iter_part_records,
+    load_frozen_plan,
+    scan_shard,
+)
 
 from .conftest import S3_TEST_ENV, Backend, Testbed, cli, worker_env, write_config
 from .faultproxy import FaultPlan, FaultProxy
@@ -60,8 +67,8 @@ def lines(*records: dict) -> bytes:
 
 def planned(uri: str, shards: int = 1) -> tuple[ShardedRunStore, list[list[str]]]:
     store = ShardedRunStore(uri)
-    manifest = store.initialize(PLAN)
-    return store, store.ensure_shard_map(JOBS, shards, manifest["plan_fingerprint"]).episode_ids
+    manifest = store.freeze_plan(PLAN)
+    return store, store.ensure_shard_map(JOBS, shards, manifest.plan_fingerprint).episode_ids
 
 
 # --------------------------------------------------------------------------- compressed parts
@@ -117,7 +124,7 @@ def test_jobs_jsonl_lines_are_the_canonical_json_of_each_job(tmp_path: Path) -> 
         for split in ("val", 'tëst"\\\n\x01\x7f\u2028😀')
     ]
     store = ShardedRunStore(str(tmp_path / "run"))
-    store.initialize({"experiment": "canon", "jobs": [j.to_dict() for j in jobs]})
+    store.freeze_plan({"experiment": "canon", "jobs": [j.to_dict() for j in jobs]})
     store.ensure_shard_map(jobs, 5, fingerprint({"experiment": "canon", "jobs": [j.to_dict() for j in jobs]}))
     expected = "".join(
         canonical_json({**j.to_dict(), "episode_id": j.episode_id, "shard": i % 5}) + "\n" for i, j in enumerate(jobs)
@@ -202,7 +209,7 @@ def test_status_reads_progress_objects_never_parts_and_shows_a_stale_heartbeat(b
     uri = backend.uri("beat")
     store, shard_ids = planned(uri, shards=2)
     jobs = [job for job in JOBS if job.episode_id in shard_ids[0]]
-    sink = PartSink(
+    sink = PartWriter(
         store, 0, "5eed5eed", 0, flush_episodes=2, flush_seconds=60, plan_fingerprint=fingerprint(PLAN), heartbeat_seconds=30
     )
     sink.report_progress()  # as a worker does when it starts
@@ -240,7 +247,7 @@ def test_a_finished_interval_beats_again_from_the_flush_timer(tmp_path: Path) ->
     """The flush timer's call rewrites the progress object once a heartbeat interval passed, and
     not before."""
     store, _ = planned(str(tmp_path / "run"))
-    sink = PartSink(
+    sink = PartWriter(
         store, 0, "abcdabcd", 0, flush_episodes=10, flush_seconds=60, plan_fingerprint=fingerprint(PLAN), heartbeat_seconds=0.05
     )
     path = tmp_path / "run" / "shards" / "00000" / "_PROGRESS-abcdabcd.json"
@@ -283,7 +290,7 @@ def test_status_adds_up_the_processes_of_one_worker(tmp_path: Path) -> None:
     jobs = [job for job in JOBS if job.episode_id in ids]
     resumed = {jobs[0].episode_id}
     for writer, job in (("1111aaaa", jobs[1]), ("2222bbbb", jobs[2])):
-        sink = PartSink(
+        sink = PartWriter(
             store,
             0,
             writer,
@@ -299,7 +306,7 @@ def test_status_adds_up_the_processes_of_one_worker(tmp_path: Path) -> None:
     row = shard_status(NoPartReads(uri))["shards"][0]
     assert row["completed"] == 3 and row["writers"] == 2
     # A later worker that found those 3 and completed 1 more: 4, not 3 + 4.
-    later = PartSink(
+    later = PartWriter(
         store,
         0,
         "3333cccc",

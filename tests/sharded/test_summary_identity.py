@@ -10,8 +10,9 @@ import pytest
 from shopsimrl import __version__
 from shopsimrl.manifest import manifest_head, run_identity
 from shopsimrl.metrics import summarize_traces
-from shopsimrl.sharded.layout import ShardedRunStore, iter_part_records
-from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.records import to_plain
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.storage.sharded import ShardedRunStore, iter_part_records
 
 from .conftest import Backend, Testbed, cli, worker_env, write_config
 
@@ -33,8 +34,8 @@ def test_reduced_summary_names_its_run_and_clusters_repeats_across_shards(
     identity = summary["run"]
     assert identity["experiment"] == "named" and identity["model_id"] == "shopsim-heuristic"
     assert identity["model_name"] == "shopsim-heuristic" and identity["checkpoint_id"] is None
-    assert identity["plan_fingerprint"] == manifest["plan_fingerprint"] and identity["split"]["name"] == "val"
-    assert identity["split"]["task_ids_sha256"] == manifest["plan"]["task_split"]["task_ids_sha256"]
+    assert identity["plan_fingerprint"] == manifest.plan_fingerprint and identity["split"]["name"] == "val"
+    assert identity["split"]["task_ids_sha256"] == manifest.plan.task_split["task_ids_sha256"]
     assert identity["versions"]["shopsimrl"] == __version__
     assert identity["uri"] == store.display_uri and "testing-secret" not in json.dumps(summary)
 
@@ -69,7 +70,7 @@ def test_manifest_head_reads_the_identity_without_the_job_list() -> None:
         "task_split": {"name": "val", "task_count": 2, "task_ids_sha256": "ab" * 32},
         "jobs": [{"task_id": n, "sample_id": 0, "seed": n, "split": "val"} for n in range(20_000)],
     }
-    data = (json.dumps(build_manifest(plan), ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+    data = (json.dumps(to_plain(build_manifest(plan)), ensure_ascii=False, indent=2) + "\n").encode("utf-8")
     head = manifest_head(data[:4096])
     assert head is not None and "jobs" not in head["plan"]
     assert run_identity(head, uri="s3://key:secret@bucket/runs/x") == run_identity(json.loads(data), uri="s3://bucket/runs/x")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shopsimrl.sharded.layout import PART_PATTERN, ShardedRunStore
-from shopsimrl.sharded.reduce import reduce_run
+from shopsimrl.runner.reduce import reduce_run
+from shopsimrl.storage.sharded import PART_PATTERN, ShardedRunStore
 from tests.sharded.conftest import Backend, Testbed, start_worker, worker_env, write_config
 
 pytestmark = pytest.mark.slow

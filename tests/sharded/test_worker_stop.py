@@ -23,9 +23,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from shopsimrl.records import read_trace
-from shopsimrl.sharded.layout import ShardedRunStore
-from shopsimrl.sharded.objectstore import StoreUnavailableError
-from shopsimrl.sharded.worker import PartSink
+from shopsimrl.storage.objectstore import StoreUnavailableError
+from shopsimrl.storage.sharded import PartWriter, ShardedRunStore
 from shopsimrl.testbed.serving import running_server
 from tests.sharded.conftest import REPO, Backend, Testbed, start_worker, worker_env, write_config
 
@@ -95,7 +94,7 @@ async def test_a_failing_flush_is_retried_and_loses_nothing(tmp_path: Path) -> N
         return write_part(index, seq, writer, data, compressed=compressed)
 
     store.write_part = flaky  # type: ignore[method-assign]
-    sink = PartSink(store, 0, "feedbeef", 0, flush_episodes=1000, flush_seconds=0.05, plan_fingerprint="0" * 64)
+    sink = PartWriter(store, 0, "feedbeef", 0, flush_episodes=1000, flush_seconds=0.05, plan_fingerprint="0" * 64)
     sink.save_traces(
         [
             read_trace(
@@ -194,7 +193,7 @@ def _state(pid: int) -> str:
 COORDINATOR_SIGNALLED_TWICE = """
 import os, signal, sys
 from pathlib import Path
-from shopsimrl.sharded.local_job import run_indexed
+from shopsimrl.runner.local_job import run_indexed
 
 sent = []
 def first_signal() -> None:  # the first signal, from inside the coordinator's loop

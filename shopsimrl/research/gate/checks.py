@@ -25,8 +25,8 @@ from shopsimrl.manifest import plan_diff
 from shopsimrl.records import EpisodeTrace, to_plain
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.gate.masks import Assignment
-from shopsimrl.research.runs import Run
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, fingerprint
+from shopsimrl.storage.reading import Run
 
 __all__ = [
     "Baseline",
@@ -227,8 +227,8 @@ def bare_preflight(run: Run, expected_plan: Mapping[str, Any], *, require_checkp
     manifest = run.manifest
     if manifest is None:
         raise GateCheckError(f"{where} has no manifest.json; run the bare val run with `shopsimrl run` first")
-    plan = manifest["plan"]
-    if manifest.get("plan_fingerprint") != fingerprint(plan):
+    plan = manifest.plan.as_dict()
+    if manifest.plan_fingerprint != fingerprint(plan):
         raise GateCheckError(f"{where}: manifest plan_fingerprint does not match its plan")
     if plan.get("skills") != BARE_SKILLS:
         raise GateCheckError(f"{where} was made with skills {plan.get('skills')!r}; the bare run needs skills.path: null")
@@ -284,7 +284,7 @@ def bare_preflight(run: Run, expected_plan: Mapping[str, Any], *, require_checkp
     count = len(read.observations)
     record = {
         "run": run.location,
-        "plan_fingerprint": manifest["plan_fingerprint"],
+        "plan_fingerprint": manifest.plan_fingerprint,
         "observations_sha256": fingerprint(sorted([eid, o.digest] for eid, o in read.observations.items())),
         "observations": count,
         "checkpoint_id": checkpoint,

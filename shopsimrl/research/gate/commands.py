@@ -24,7 +24,6 @@ from typing import Any, Final
 
 from shopsimrl.config import WorkerSettings
 from shopsimrl.exitcodes import ExitCode
-from shopsimrl.local_run import LocalRunStore, atomic_write_json, run_local
 from shopsimrl.manifest import FingerprintMismatchError, plan_diff
 from shopsimrl.research.gate.checks import GateCheckError, normalised, pair_observations, read_strict
 from shopsimrl.research.gate.earlier import compare_with_earlier, is_earlier_gate, load_earlier_gate
@@ -42,9 +41,11 @@ from shopsimrl.research.gate.freeze import (
 )
 from shopsimrl.research.gate.outputs import contributions, remove_outputs, write_outputs
 from shopsimrl.research.gate.spec import load_gate_spec
-from shopsimrl.research.runs import open_run
+from shopsimrl.runner.local import run_local
 from shopsimrl.schemas import fingerprint, redact_uri
-from shopsimrl.sharded.layout import ShardedRunStore
+from shopsimrl.storage.local import LocalRunStore, atomic_write_json
+from shopsimrl.storage.reading import open_run
+from shopsimrl.storage.sharded import ShardedRunStore
 
 __all__ = ["GateResult", "PlanReport", "fit_gate", "plan_gate", "run_gate"]
 
@@ -94,12 +95,12 @@ def _check_masked_location(frozen: FrozenGate, location: str) -> None:
         manifest = ShardedRunStore(location).read_manifest()
     else:
         manifest = LocalRunStore(location).read_manifest()
-    if manifest is not None and manifest["plan_fingerprint"] != frozen.masked_fingerprint:
+    if manifest is not None and manifest.plan_fingerprint != frozen.masked_fingerprint:
         raise FingerprintMismatchError(
             _shown(location),
-            manifest["plan_fingerprint"],
+            manifest.plan_fingerprint,
             frozen.masked_fingerprint,
-            plan_diff(manifest["plan"], frozen.masked_experiment.plan()),
+            plan_diff(manifest.plan.as_dict(), frozen.masked_experiment.plan()),
         )
 
 
@@ -127,7 +128,7 @@ def plan_gate(
     ``helm_values`` write the chart's values for it (config, split and assignments inline)."""
     from shopsimrl.planning import PlanError
     from shopsimrl.research.gate.helm import helm_values as values_for
-    from shopsimrl.sharded.worker import plan_run
+    from shopsimrl.runner.worker import plan_run
 
     if (shards is None) != (run is None):
         raise GatePlanError("--shards and --run go together: a sharded masked run needs a location (a dir or s3://…)")
@@ -176,7 +177,7 @@ def run_gate(
     announce: Callable[[str], None] = lambda line: None,
 ) -> GateResult:
     """Plan, run the masked rollouts in this process (into the gate directory), fit. Raises
-    :class:`~shopsimrl.local_run.RunStopped` when the rollouts stop early (exit 3 to resume)."""
+    :class:`~shopsimrl.runner.local.RunStopped` when the rollouts stop early (exit 3 to resume)."""
     spec = load_gate_spec(gate_config)
     _refuse_earlier(spec.gate_dir)
     frozen = freeze(spec, settings)
@@ -294,8 +295,8 @@ def _manifest(frozen: FrozenGate, location: str, status: str, summary: dict[str,
 def _fit(frozen: FrozenGate, location: str) -> GateResult:
     spec = frozen.spec
     run = open_run(location)
-    if run.manifest is None or run.manifest["plan_fingerprint"] != frozen.masked_fingerprint:
-        found = None if run.manifest is None else run.manifest["plan_fingerprint"]
+    if run.manifest is None or run.manifest.plan_fingerprint != frozen.masked_fingerprint:
+        found = None if run.manifest is None else run.manifest.plan_fingerprint
         raise GateCheckError(
             f"the masked run at {run.location} is not this gate's masked plan (its fingerprint {found}, "
             f"the gate's {frozen.masked_fingerprint}); give the run that `gate plan` froze"
@@ -349,16 +350,17 @@ def _fit(frozen: FrozenGate, location: str) -> GateResult:
 
 def exit_code_for(exc: BaseException) -> ExitCode | None:
     """The exit code of an error a gate command reports in one line; None for anything else."""
-    from shopsimrl.local_run import RunStopped, RunWriteError
     from shopsimrl.manifest import ManifestError
     from shopsimrl.model import ModelConfigError
     from shopsimrl.research.gate.drafts import DraftError
     from shopsimrl.research.gate.fit import GateFitError
     from shopsimrl.research.gate.spec import GateSpecError
     from shopsimrl.research.outputs import OutputError, OutputStorageError
-    from shopsimrl.research.runs import RunReadError
-    from shopsimrl.sharded.layout import ShardMapError
-    from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
+    from shopsimrl.runner.local import RunStopped
+    from shopsimrl.storage.local import RunWriteError
+    from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
+    from shopsimrl.storage.reading import RunReadError
+    from shopsimrl.storage.sharded import ShardMapError
 
     if isinstance(exc, RunStopped):
         return exc.code

@@ -41,8 +41,8 @@ from shopsimrl.research.gate.freeze import (
 )
 from shopsimrl.research.gate.masks import MASK_PROBABILITY, gate_a_assignments
 from shopsimrl.research.gate.spec import GateSpec
-from shopsimrl.research.runs import open_run
 from shopsimrl.schemas import EpisodeJob
+from shopsimrl.storage.reading import open_run
 
 __all__ = ["REFIT_DIR", "EarlierGateError", "compare_with_earlier", "is_earlier_gate", "load_earlier_gate"]
 
@@ -164,7 +164,7 @@ def load_earlier_gate(spec: GateSpec, masked_run: str | None = None) -> tuple[Fr
     bare_run = open_run(spec.bare_run)
     if bare_run.manifest is None:
         raise GateCheckError(f"bare run {bare_run.location} has no manifest.json; the earlier bare run directory holds one")
-    bare_plan = bare_run.manifest["plan"]
+    bare_plan = bare_run.manifest.plan.as_dict()
     splits = {job.split for job in jobs}
     if splits != {(bare_plan.get("task_split") or {}).get("name")}:
         raise GateCheckError(f"the masks cover splits {sorted(splits)}, the bare run's split is {bare_plan.get('task_split')!r}")
@@ -178,7 +178,7 @@ def load_earlier_gate(spec: GateSpec, masked_run: str | None = None) -> tuple[Fr
     masked = open_run(location)
     if masked.manifest is None:
         raise GateCheckError(f"masked run {masked.location} has no manifest.json; the earlier gate directory holds one")
-    masked_plan = masked.manifest["plan"]
+    masked_plan = masked.manifest.plan.as_dict()
     for name in PLAN_FIELDS:
         if normalised(name, masked_plan.get(name)) != normalised(name, bare_plan.get(name)):
             raise GateCheckError(
@@ -202,7 +202,7 @@ def load_earlier_gate(spec: GateSpec, masked_run: str | None = None) -> tuple[Fr
         skill_document={},
         masked=None,
         settings=WorkerSettings(),
-        recorded_masked_fingerprint=masked.manifest["plan_fingerprint"],
+        recorded_masked_fingerprint=masked.manifest.plan_fingerprint,
     )
     refit.gate_dir.mkdir(parents=True, exist_ok=True)
     return frozen, location

@@ -36,16 +36,16 @@ from typing import Any, Final
 import yaml
 
 from shopsimrl.config import ConfigError, ExperimentConfig, SkillsSection, WorkerSettings, load_experiment_config, safe_name
-from shopsimrl.experiment import PreparedExperiment, prepare
-from shopsimrl.local_run import atomic_write_json
 from shopsimrl.research.gate.checks import Baseline, bare_preflight
 from shopsimrl.research.gate.drafts import Chunk, GateADraft, OnlinePool, load_candidate_pool, load_gate_a_draft
 from shopsimrl.research.gate.fit import check_design
 from shopsimrl.research.gate.masks import MASK_PROBABILITY, Assignment, gate_a_assignments, online_assignments
 from shopsimrl.research.gate.spec import GateSpec
-from shopsimrl.research.runs import open_run
+from shopsimrl.runner.experiment import PreparedExperiment, prepare
 from shopsimrl.schemas import fingerprint, redact_uri
 from shopsimrl.skills import ASSIGNMENTS_SCHEMA_VERSION, AssignedSkills
+from shopsimrl.storage.local import atomic_write_json
+from shopsimrl.storage.reading import open_run
 
 __all__ = [
     "ASSIGNMENTS_FILE",

@@ -25,8 +25,8 @@ from typing import Any, Final
 import yaml
 
 from shopsimrl.config import load_experiment_config
-from shopsimrl.experiment import prepare
 from shopsimrl.research.gate.freeze import ASSIGNMENTS_FILE, FrozenGate, GatePlanError
+from shopsimrl.runner.experiment import prepare
 from shopsimrl.schemas import fingerprint, redact_uri
 
 __all__ = ["CONFIGMAP_LIMIT_BYTES", "configmap_bytes", "helm_values"]

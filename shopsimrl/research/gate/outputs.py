@@ -22,13 +22,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
-from shopsimrl.local_run import atomic_write_json
 from shopsimrl.research.gate.checks import Pairs
 from shopsimrl.research.gate.drafts import Chunk
 from shopsimrl.research.gate.fit import CONFIDENCE, STANDARD_ERROR, ZERO_TOLERANCE, Fit
 from shopsimrl.research.gate.freeze import ESTIMATOR, FORMULA, FrozenGate
 from shopsimrl.research.outputs import write_output
 from shopsimrl.schemas import fingerprint
+from shopsimrl.storage.local import atomic_write_json
 
 __all__ = ["OUTPUT_FILES", "contributions", "write_outputs"]
 

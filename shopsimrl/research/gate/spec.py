@@ -24,7 +24,7 @@ errors here, naming their path)::
       active_skill_budget: 10
 
 Relative paths are resolved against the GATE.yaml's directory; ``bare_run_dir`` may be any run
-location :func:`shopsimrl.research.runs.open_run` reads.
+location :func:`shopsimrl.storage.reading.open_run` reads.
 """
 
 from __future__ import annotations

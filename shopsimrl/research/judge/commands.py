@@ -36,10 +36,10 @@ from shopsimrl.research.judge.sharded import (
 )
 from shopsimrl.research.outputs import OutputLocationError, OutputWriteError
 from shopsimrl.research.redaction import ExportRefusedError
-from shopsimrl.research.runs import Run, RunReadError, open_run
-from shopsimrl.sharded.layout import ShardMapError
-from shopsimrl.sharded.local_job import run_indexed
-from shopsimrl.sharded.objectstore import RunLocationError, StoreUnavailableError
+from shopsimrl.runner.local_job import run_indexed
+from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
+from shopsimrl.storage.reading import Run, RunReadError, open_run
+from shopsimrl.storage.sharded import ShardMapError
 
 __all__ = [
     "exit_code_for",

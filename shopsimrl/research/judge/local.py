@@ -37,8 +37,8 @@ from shopsimrl.research.judge.config import JudgeConfig, JudgeConfigError, Rubri
 from shopsimrl.research.judge.summary import judge_summary
 from shopsimrl.research.labels import episode_labels
 from shopsimrl.research.outputs import check_output_location, replacing
-from shopsimrl.research.runs import Run
 from shopsimrl.schemas import json_bytes, parse_json_exact
+from shopsimrl.storage.reading import Run
 
 __all__ = [
     "JUDGE_MANIFEST_VERSION",

@@ -1,6 +1,6 @@
 """The judge stage sharded like rollouts: ``judge plan`` → Indexed Job workers → ``judge reduce``.
 
-It uses the sharded run layout's objects and protocol (:mod:`shopsimrl.sharded.layout`): parts
+It uses the sharded run layout's objects and protocol (:mod:`shopsimrl.storage.sharded`): parts
 named by sequence and writer id (zstd), written once; commit markers ``_SUCCESS*.json`` that
 list parts with their sha256 and are never replaced; a shard's committed parts are the union of
 the parts of the markers that verify. At a judge location (a directory or any fsspec URI)::
@@ -26,7 +26,6 @@ before an ``error`` one, the first in part order otherwise.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import secrets
 import tempfile
@@ -43,12 +42,13 @@ import zstandard
 from shopsimrl import eventloop
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError
+from shopsimrl.records import ShardMarker
 from shopsimrl.research.judge.call import judged
 from shopsimrl.research.judge.config import JudgeConfig, Rubric, rubric_from_bytes
 from shopsimrl.research.judge.local import OUTPUTS_NAME, SUMMARY_NAME, judge_header, judge_stream, summarize
-from shopsimrl.research.runs import Run, open_run
 from shopsimrl.schemas import fingerprint, json_bytes, parse_json_exact, sha256_hex
-from shopsimrl.sharded.layout import (
+from shopsimrl.storage.reading import Run, open_run
+from shopsimrl.storage.sharded import (
     ShardedRunStore,
     ShardMapError,
     marker_document,
@@ -212,21 +212,10 @@ async def _judge_until_stopped(
 ) -> bool:
     """Judge ``todo``; True when SIGTERM/SIGINT stopped it (in-flight calls are cancelled, the
     verdicts already handed to ``sink`` stay)."""
-    from shopsimrl.stopping import GracefulStop
+    from shopsimrl.runner.driver import drive
 
-    judging = asyncio.ensure_future(judge_stream(config, rubric, todo, sink))
-
-    def stop_judging() -> None:
-        judging.cancel()
-
-    with GracefulStop(stop_judging, cleanup="saving the verdicts judged so far") as stop:
-        try:
-            await judging
-        except asyncio.CancelledError:
-            if not stop.requested:
-                raise
-            return True
-    return False
+    driven = await drive(judge_stream(config, rubric, todo, sink), cleanup="saving the verdicts judged so far")
+    return driven.interrupted
 
 
 def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
@@ -315,19 +304,19 @@ def _committed(store: ShardedRunStore, plan: JudgePlan, index: int) -> list[tupl
     verified = False
     for marker_name, marker in store.read_markers(index):
         problem = marker_problem(marker, index=index, plan_fingerprint=plan.fingerprint, episode_ids_sha256=spec["ids_sha256"])
-        if problem is not None:
+        if problem is not None or not isinstance(marker, ShardMarker):
             log.warning("marker_ignored", shard=index, marker=marker_name, reason=problem)
             continue
-        for part in marker["parts"]:
-            if part["name"] not in cache:
-                cache[part["name"]] = store.read_part(index, part["name"])
+        for part in marker.parts:
+            if part.name not in cache:
+                cache[part.name] = store.read_part(index, part.name)
         actual = {name: None if data is None else sha256_hex(data) for name, data in cache.items()}
         problems = marker_part_problems(marker, actual)
         if problems:
             log.warning("marker_ignored", shard=index, marker=marker_name, reason="; ".join(problems))
             continue
         verified = True
-        names.update({part["name"]: None for part in marker["parts"]})
+        names.update({part.name: None for part in marker.parts})
     if not verified:
         return None
     return [(name, data) for name in names if (data := cache[name]) is not None]
@@ -356,15 +345,12 @@ def judge_status(uri: str) -> dict[str, Any]:
         spec = plan.document["inputs"][index]
         listing = store.list_shard(index)
         row: dict[str, Any] = {"shard": index, "episodes": spec["records"], "parts": len(listing.parts)}
-        markers = [
-            marker
-            for _, marker in store.read_markers(index, listing.markers)
-            if marker_problem(marker, index=index, plan_fingerprint=plan.fingerprint, episode_ids_sha256=spec["ids_sha256"])
-            is None
-        ]
+        markers = store.plan_markers(
+            index, plan_fingerprint=plan.fingerprint, episode_ids_sha256=spec["ids_sha256"], names=listing.markers
+        )
         if markers:
-            best = max(markers, key=lambda m: (int(m["episodes"]["completed"]), len(m["parts"])))
-            row.update(state="committed", judged=int(best["episodes"]["completed"]), errors=int(best["episodes"]["failed"]))
+            best = max(markers, key=lambda m: (m.episodes.completed, len(m.parts)))
+            row.update(state="committed", judged=best.episodes.completed, errors=best.episodes.failed)
         else:
             row["state"] = "corrupt-marker" if listing.markers else "started" if listing.parts else "not started"
         rows.append(row)

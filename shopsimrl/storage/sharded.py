@@ -1,4 +1,4 @@
-"""The layout of a sharded run on an object store (:mod:`shopsimrl.sharded.objectstore`):
+"""The layout of a sharded run on an object store (:mod:`shopsimrl.storage.objectstore`):
 manifest, shard map, trace parts, commit markers, progress objects, summary.
 
 Layout (every object is written once, except ``summary.json`` which ``reduce`` rewrites)::
@@ -26,15 +26,19 @@ depend on the order in which concurrent committers write.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import re
 import threading
+import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import orjson
+import structlog
 import zstandard
 
 from shopsimrl.manifest import (
@@ -46,7 +50,21 @@ from shopsimrl.manifest import (
     validate_manifest,
 )
 from shopsimrl.planning import SHARD_ASSIGNMENT, PlanError, shard_jobs
-from shopsimrl.records import EpisodeTrace, parse_trace_line
+from shopsimrl.records import (
+    MARKER_SCHEMA_VERSION,
+    EpisodeTrace,
+    MarkerEpisodes,
+    MarkerPart,
+    RecordFormatError,
+    RecordVersionError,
+    RunManifest,
+    ShardMarker,
+    dump_document,
+    dump_line,
+    parse_trace_line,
+    read_marker,
+    read_summary,
+)
 from shopsimrl.schemas import (
     MANIFEST_SCHEMA_VERSIONS,
     EpisodeJob,
@@ -56,7 +74,7 @@ from shopsimrl.schemas import (
     fingerprint,
     sha256_hex,
 )
-from shopsimrl.sharded.objectstore import TEMP_PREFIX, ObjectStore, RetryPolicy, StoreUnavailableError
+from shopsimrl.storage.objectstore import TEMP_PREFIX, ObjectStore, RetryPolicy, StoreUnavailableError
 
 __all__ = [
     "MARKER_NAME",
@@ -65,17 +83,24 @@ __all__ = [
     "PART_PATTERN",
     "PROGRESS_PATTERN",
     "PROGRESS_SCHEMA_VERSION",
+    "REPORT_SAMPLE",
     "SHARD_MAP_SCHEMA_VERSION",
     "FrozenPlan",
+    "MarkerCheck",
+    "PartWriter",
     "RecordOutcome",
     "RunNotPlannedError",
     "ShardListing",
     "ShardMap",
     "ShardMapError",
+    "ShardParts",
+    "ShardResult",
     "ShardState",
     "ShardedRunStore",
     "WrittenPart",
+    "check_markers",
     "check_shard_map",
+    "commit_shard",
     "iter_part_records",
     "load_frozen_plan",
     "marker_document",
@@ -85,18 +110,20 @@ __all__ = [
     "part_lines",
     "part_name",
     "part_order",
+    "read_shard_parts",
     "record_outcome",
     "scan_shard",
 ]
 
 SHARD_MAP_SCHEMA_VERSION = "shopsimrl-shard-map-v1"
-MARKER_SCHEMA_VERSION = "shopsimrl-shard-commit-v1"
 MARKER_NAME = "_SUCCESS.json"
 MARKER_PATTERN = re.compile(r"^_SUCCESS(?:-([0-9a-f]{8,32}))?\.json$")
 PART_PATTERN = re.compile(r"^part-(\d{5,})-([0-9a-f]{8,32})\.jsonl(\.zst)?$")
 """Trace parts: ``.jsonl.zst`` as written now, plain ``.jsonl`` as written before (both are read)."""
 PROGRESS_SCHEMA_VERSION = "shopsimrl-shard-progress-v1"
 PROGRESS_PATTERN = re.compile(r"^_PROGRESS-([0-9a-f]{8,32})\.json$")
+REPORT_SAMPLE = 20
+"""How many problems, foreign objects or stray ids a shard report lists."""
 _ZSTD_LEVEL = 3
 """zstd level of the parts: ratio 15 on testbed traces at ~350 MB/s to compress and ~1 GB/s to
 read back; higher levels gain little ratio for a fraction of the speed (docs/benchmarks.md)."""
@@ -111,6 +138,7 @@ def part_name(seq: int, writer: str, *, compressed: bool = True) -> str:
 
 
 # A compressor is not safe for concurrent use; one per thread (the sinks flush from asyncio.to_thread threads).
+log = structlog.get_logger("shopsimrl.storage.sharded")
 _codecs = threading.local()
 
 
@@ -276,18 +304,18 @@ class ShardedRunStore(ObjectStore):
 
     # -- manifest and plan ------------------------------------------------------------------
 
-    def read_manifest(self) -> dict[str, Any] | None:
+    def read_manifest(self) -> RunManifest | None:
         data = self.read_bytes("manifest.json")
         return None if data is None else self.parse_manifest(data)
 
-    def parse_manifest(self, data: bytes) -> dict[str, Any]:
+    def parse_manifest(self, data: bytes) -> RunManifest:
         """manifest.json's bytes, checked: valid JSON, a known version, the plan matching its
         fingerprint. Remembers their sha256 (``manifest_sha256``) for the shard map."""
         manifest = validate_manifest(self._parse_json("manifest.json", data), f"{self.display_uri}/manifest.json")
         self.manifest_sha256 = sha256_hex(data)
         return manifest
 
-    def initialize(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> dict[str, Any]:
+    def freeze_plan(self, plan: dict[str, Any], execution: dict[str, Any] | None = None) -> RunManifest:
         """Create manifest.json, or verify that the one there freezes the same plan.
 
         Planning is deterministic, so any number of workers may call this at once: one creates
@@ -304,13 +332,13 @@ class ShardedRunStore(ObjectStore):
         for _ in range(3):
             existing = self.read_manifest()
             if existing is not None:
-                if existing["plan_fingerprint"] != new_fp:
+                if existing.plan_fingerprint != new_fp:
                     raise FingerprintMismatchError(
-                        self.display_uri, existing["plan_fingerprint"], new_fp, plan_diff(existing["plan"], plan)
+                        self.display_uri, existing.plan_fingerprint, new_fp, plan_diff(existing.plan.as_dict(), plan)
                     )
                 return existing
             manifest = build_manifest(plan, execution, plan_fingerprint=new_fp)
-            data = _json_bytes(manifest)
+            data = dump_document(manifest)
             if self.create("manifest.json", data):
                 self.manifest_sha256 = sha256_hex(data)
                 return manifest
@@ -402,16 +430,26 @@ class ShardedRunStore(ObjectStore):
                 found.append(progress)
         return found
 
-    def read_marker(self, index: int, name: str = MARKER_NAME) -> dict[str, Any] | None:
-        """The marker document, None when absent, ``{"unreadable": True}`` when it is not JSON."""
+    def read_marker(self, index: int, name: str = MARKER_NAME) -> ShardMarker | str | None:
+        """The commit marker, None when absent, or why it is not one (not JSON, another version,
+        a field that does not fit)."""
         rel = f"{self.shard_dir(index)}/{name}"
         try:
-            return self.read_json(rel)
+            document = self.read_json(rel)
         except ManifestError:
-            return {"unreadable": True}
+            return "not valid JSON"
+        if document is None:
+            return None
+        try:
+            return read_marker(document, f"{self.display_uri}/{rel}")
+        except RecordVersionError:
+            return f"unknown schema_version {document.get('schema_version')!r}"
+        except RecordFormatError as exc:
+            return f"not a commit marker ({str(exc).rpartition(': ')[0].rpartition(': ')[2] or 'shape'})"
 
-    def read_markers(self, index: int, names: Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
-        """Every commit marker of the shard (listed now, or ``names``), by name."""
+    def read_markers(self, index: int, names: Sequence[str] | None = None) -> list[tuple[str, ShardMarker | str]]:
+        """Every commit marker of the shard (listed now, or ``names``), by name: the marker, or why
+        the object is not one."""
         found = []
         for name in self.list_shard(index).markers if names is None else names:
             marker = self.read_marker(index, name)
@@ -419,17 +457,31 @@ class ShardedRunStore(ObjectStore):
                 found.append((name, marker))
         return found
 
-    def create_marker(self, index: int, marker: dict[str, Any]) -> str:
+    def plan_markers(
+        self, index: int, *, plan_fingerprint: str, episode_ids_sha256: str, names: Sequence[str] | None = None
+    ) -> list[ShardMarker]:
+        """The shard's commit markers that belong to this plan and shard map (their parts not yet
+        checked): what ``status`` counts without reading a part."""
+        return [
+            marker
+            for _, marker in self.read_markers(index, names)
+            if isinstance(marker, ShardMarker)
+            and marker_problem(marker, index=index, plan_fingerprint=plan_fingerprint, episode_ids_sha256=episode_ids_sha256)
+            is None
+        ]
+
+    def create_marker(self, index: int, marker: ShardMarker) -> str:
         """Add a commit marker; returns its name. Markers are never replaced: the first commit
         of a shard is ``_SUCCESS.json``, every later one ``_SUCCESS-<writer>.json``."""
-        data = _json_bytes(marker)
-        for name in (MARKER_NAME, f"_SUCCESS-{marker['writer']}.json"):
+        data = dump_document(marker)
+        for name in (MARKER_NAME, f"_SUCCESS-{marker.writer}.json"):
             if self.create(f"{self.shard_dir(index)}/{name}", data):
                 return name
-        raise StoreUnavailableError(f"{self.display_uri}: shard {index} already has a marker of writer {marker['writer']}")
+        raise StoreUnavailableError(f"{self.display_uri}: shard {index} already has a marker of writer {marker.writer}")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         canonical_json(summary)  # refuse NaN before touching the store
+        read_summary(summary, f"{self.display_uri}/summary.json")  # what is written fits its schema version
         self.overwrite("summary.json", _json_bytes(summary))
 
 
@@ -560,33 +612,26 @@ def check_shard_map(shard_map: ShardMap, jobs: Sequence[EpisodeJob], plan_finger
         raise ShardMapError(f"{where}/shards.json assigns episodes differently from {SHARD_ASSIGNMENT}")
 
 
-def marker_problem(marker: dict[str, Any], *, index: int, plan_fingerprint: str, episode_ids_sha256: str) -> str | None:
+def marker_problem(marker: ShardMarker | str, *, index: int, plan_fingerprint: str, episode_ids_sha256: str) -> str | None:
     """Why ``marker`` is not a commit of this shard of this plan, or None when it is one."""
-    if marker.get("unreadable"):
-        return "not valid JSON"
-    if marker.get("schema_version") != MARKER_SCHEMA_VERSION:
-        return f"unknown schema_version {marker.get('schema_version')!r}"
-    if marker.get("plan_fingerprint") != plan_fingerprint:
+    if isinstance(marker, str):
+        return marker
+    if marker.plan_fingerprint != plan_fingerprint:
         return "belongs to another plan fingerprint"
-    if marker.get("shard") != index or marker.get("episode_ids_sha256") != episode_ids_sha256:
+    if marker.shard != index or marker.episode_ids_sha256 != episode_ids_sha256:
         return "belongs to another shard or shard map"
-    parts = marker.get("parts")
-    if not isinstance(parts, list) or not all(
-        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("sha256"), str) for p in parts
-    ):
-        return "has no valid 'parts' list"
     return None
 
 
-def marker_part_problems(marker: dict[str, Any], actual_sha256: Mapping[str, str | None]) -> list[str]:
+def marker_part_problems(marker: ShardMarker, actual_sha256: Mapping[str, str | None]) -> list[str]:
     """The listed parts that are missing or whose bytes differ from the marker's sha256."""
     problems = []
-    for part in marker["parts"]:
-        sha = actual_sha256.get(part["name"])
+    for part in marker.parts:
+        sha = actual_sha256.get(part.name)
         if sha is None:
-            problems.append(f"{part['name']}: listed but missing")
-        elif sha != part["sha256"]:
-            problems.append(f"{part['name']}: sha256 differs from the marker")
+            problems.append(f"{part.name}: listed but missing")
+        elif sha != part.sha256:
+            problems.append(f"{part.name}: sha256 differs from the marker")
     return problems
 
 
@@ -630,17 +675,17 @@ def marker_document(
     episode_ids_sha256: str,
     parts: list[dict[str, Any]],
     writer: str,
-) -> dict[str, Any]:
-    return {
-        "schema_version": MARKER_SCHEMA_VERSION,
-        "shard": shard,
-        "plan_fingerprint": plan_fingerprint,
-        "episodes": {"completed": completed, "failed": failed},
-        "episode_ids_sha256": episode_ids_sha256,
-        "parts": parts,
-        "writer": writer,
-        "written_at": datetime.now(UTC).isoformat(),
-    }
+) -> ShardMarker:
+    return ShardMarker(
+        schema_version=MARKER_SCHEMA_VERSION,
+        shard=shard,
+        plan_fingerprint=plan_fingerprint,
+        episodes=MarkerEpisodes(completed=completed, failed=failed),
+        episode_ids_sha256=episode_ids_sha256,
+        parts=[MarkerPart.model_validate(part) for part in parts],
+        writer=writer,
+        written_at=datetime.now(UTC).isoformat(),
+    )
 
 
 def iter_part_records(name: str, data: bytes) -> Iterator[EpisodeTrace | None]:
@@ -673,7 +718,7 @@ class RunNotPlannedError(ValueError):
 class FrozenPlan:
     fingerprint: str
     shard_map: ShardMap
-    identity: dict[str, Any]
+    identity: RunManifest | dict[str, Any]
     """The manifest, or its head (what the summary's ``run`` block needs)."""
 
 
@@ -701,10 +746,309 @@ def load_frozen_plan(store: ShardedRunStore) -> FrozenPlan:
     ):
         return FrozenPlan(shard_map.plan_fingerprint, shard_map, head)
     manifest = store.parse_manifest(data)
-    plan_fp = manifest["plan_fingerprint"]
+    plan_fp = manifest.plan_fingerprint
     try:
-        jobs = [EpisodeJob.from_dict(job) for job in manifest["plan"]["jobs"]]
+        jobs = [EpisodeJob.from_dict(job) for job in manifest.plan.get("jobs")]
     except TraceFormatError as exc:
         raise ManifestError(f"{store.display_uri}/manifest.json: {exc}") from None
     check_shard_map(shard_map, jobs, plan_fp, store.display_uri)
     return FrozenPlan(plan_fp, shard_map, head or manifest)
+
+
+# --------------------------------------------------------------------------- committed output
+
+
+@dataclass
+class ShardResult:
+    index: int
+    state: str = "uncommitted"
+    """``committed``, ``uncommitted`` (no marker yet), ``corrupt`` (no marker verifies)."""
+    jobs: int = 0
+    completed: int = 0
+    failed: int = 0
+    parts: int = 0
+    markers: int = 0
+    ignored_markers: int = 0
+    uncommitted_parts: int = 0
+    temporary_objects: int = 0
+    duplicates: int = 0
+    episodes_rerun: int = 0
+    superseded: int = 0
+    unreadable_lines: int = 0
+    not_in_shard: int = 0
+    listed_parts: int = 0
+    problems: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        row = {k: v for k, v in self.__dict__.items() if k not in ("problems", "foreign", "listed_parts")}
+        if self.problems:
+            row["problems"] = self.problems[:REPORT_SAMPLE]
+        if self.foreign:
+            row["foreign_objects"] = self.foreign[:REPORT_SAMPLE]
+        return row
+
+
+def _read_parts(store: ShardedRunStore, index: int, names: list[str]) -> dict[str, tuple[str, bytes] | None]:
+    """Read each part once: its sha256 and its bytes as held until the shard is tallied
+    (compressed: a plain part of an earlier version is compressed here), None when missing."""
+    held: dict[str, tuple[str, bytes] | None] = {}
+    # Fetched several at a time (the store's read window); hashed and held in part order.
+    for name, data in store.read_parts(index, names):
+        held[name] = None if data is None else (sha256_hex(data), data if name.endswith(".zst") else encode_part(data))
+    return held
+
+
+@dataclass
+class ShardParts:
+    """The parts of one shard that count, each read once: those a verified commit marker lists
+    (or, with ``include_uncommitted``, every listed part of a shard without a marker)."""
+
+    result: ShardResult
+    parts: list[tuple[str, bytes]] = field(default_factory=list)
+    """``(part name, compressed bytes)`` in part order."""
+
+
+def read_shard_parts(
+    store: ShardedRunStore, index: int, shard_map: ShardMap, plan_fp: str, *, include_uncommitted: bool = False
+) -> ShardParts:
+    """Verify a shard's commit markers and read the parts they commit (the reducer's and the
+    research readers' one view of a shard's output)."""
+    ids = shard_map.episode_ids[index]
+    result = ShardResult(index=index, jobs=len(ids))
+    listing = store.list_shard(index)
+    result.foreign = listing.foreign
+    result.temporary_objects = len(listing.temporary)
+    result.listed_parts = len(listing.parts)
+
+    candidates: list[tuple[str, ShardMarker]] = []
+    for name, marker in store.read_markers(index, listing.markers):
+        problem = marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index))
+        if problem is None and isinstance(marker, ShardMarker):
+            candidates.append((name, marker))
+        else:
+            result.problems.append(f"{name} {problem}")
+    names: list[str]
+    if candidates:
+        names = sorted({part.name for _, marker in candidates for part in marker.parts}, key=part_order)
+        held = _read_parts(store, index, names)
+        actual = {name: None if part is None else part[0] for name, part in held.items()}
+        verified = []
+        for name, marker in candidates:
+            problems = marker_part_problems(marker, actual)
+            if problems:
+                result.problems.extend(f"{name} does not verify, ignored: {problem}" for problem in problems)
+            else:
+                verified.append(marker)
+        result.markers, result.ignored_markers = len(verified), len(candidates) - len(verified)
+        if not verified:
+            result.state = "corrupt"  # committed output that does not verify is not trusted at all
+            return ShardParts(result)
+        committed = {part.name for marker in verified for part in marker.parts}
+        names = [name for name in names if name in committed]  # a marker was ignored: only what the others verify
+        result.state = "committed"
+        result.uncommitted_parts = sum(1 for name in listing.parts if name not in committed)
+    elif listing.markers:
+        result.state = "corrupt"
+        return ShardParts(result)
+    elif include_uncommitted:
+        names = list(listing.parts)
+        held = _read_parts(store, index, names)
+    else:
+        return ShardParts(result)
+    result.parts = len(names)
+    return ShardParts(result, [(name, part[1]) for name, part in ((name, held[name]) for name in names) if part is not None])
+
+
+# --------------------------------------------------------------------------- writing a shard
+
+
+class PartWriter:
+    """A shard's trace writer: buffers encoded traces and writes them as whole parts.
+
+    ``save_traces`` and ``flush_if_stale`` run in threads (``asyncio.to_thread``, off the event loop); one lock
+    keeps buffer and part sequence consistent between the episode path and the flush timer.
+    It remembers what each part it wrote holds (``written``), so the commit never reads its own
+    parts back, and keeps the writer's progress object up to date: after every part and, as a
+    heartbeat, every ``heartbeat_seconds`` while the flush timer runs. ``resumed``: the episodes
+    the shard had completed when the worker started; ``session``: the worker's writer id, shared
+    by the event-loop processes it starts (``status`` adds up the processes of one session).
+    """
+
+    def __init__(
+        self,
+        store: ShardedRunStore,
+        shard: int,
+        writer: str,
+        first_seq: int,
+        *,
+        flush_episodes: int,
+        flush_seconds: float,
+        plan_fingerprint: str,
+        resumed: Collection[str] = (),
+        session: str | None = None,
+        heartbeat_seconds: float = 30.0,
+    ) -> None:
+        self.store, self.shard, self.writer = store, shard, writer
+        self.flush_episodes, self.flush_seconds = flush_episodes, flush_seconds
+        self._seq = first_seq
+        self._buffer: list[bytes] = []
+        self._outcomes: list[RecordOutcome] = []
+        self._oldest = 0.0
+        self._lock = threading.Lock()
+        self.written: list[WrittenPart] = []
+        self._resumed = frozenset(resumed)
+        self._completed: set[str] = set()
+        self._failed_attempts = 0
+        self._records = 0
+        self._progress: dict[str, Any] = {
+            "schema_version": PROGRESS_SCHEMA_VERSION,
+            "shard": shard,
+            "writer": writer,
+            "plan_fingerprint": plan_fingerprint,
+            "session": session or writer,
+            "resumed": len(self._resumed),
+            "heartbeat_seconds": heartbeat_seconds,
+            "started_at": datetime.now(UTC).isoformat(),
+        }
+        self._progress_lock = threading.Lock()
+        self._last_beat = -math.inf
+
+    def save_traces(self, records: list[EpisodeTrace]) -> None:
+        """Buffer ``records`` (the scheduler's group commit, one lock for the batch); a part is
+        written once the buffer holds ``flush_episodes`` records."""
+        lines = [dump_line(record) for record in records]
+        outcomes = [record_outcome(record) for record in records]
+        with self._lock:
+            if not self._buffer:
+                self._oldest = time.monotonic()
+            self._buffer.extend(lines)
+            self._outcomes.extend(outcomes)
+            wrote = len(self._buffer) >= self.flush_episodes and self._flush_locked()
+        if wrote:
+            self.report_progress()
+
+    def flush(self) -> None:
+        with self._lock:
+            wrote = self._flush_locked()
+        if wrote:
+            self.report_progress()
+
+    def flush_if_stale(self) -> None:
+        """The timer's call: flush a buffer older than ``flush_seconds``, beat the heartbeat when due."""
+        with self._lock:
+            wrote = bool(self._buffer) and time.monotonic() - self._oldest >= self.flush_seconds and self._flush_locked()
+        if wrote or time.monotonic() - self._last_beat >= self._progress["heartbeat_seconds"]:
+            self.report_progress()
+
+    async def flush_stale_parts(self) -> None:
+        """Flush a buffer older than ``flush_seconds``, until cancelled. A failed write is logged
+        and tried again: the buffer stays until a part holds it (this one, or the final flush)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.flush_seconds / 4))
+            try:
+                await asyncio.to_thread(self.flush_if_stale)
+            except Exception as exc:
+                log.warning("part_flush_failed", error=f"{type(exc).__name__}: {exc}", buffered=self.buffered)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def _flush_locked(self) -> bool:
+        if not self._buffer:
+            return False
+        # The buffer is kept until the part is safely stored, so a failed write loses nothing
+        # that a later flush (or the SIGTERM path) could still save.
+        name, stored = self.store.write_part(self.shard, self._seq, self.writer, b"".join(self._buffer))
+        part = WrittenPart(part_entry(name, stored, len(self._buffer)), tuple(self._outcomes))
+        self._seq = int(PART_PATTERN.match(name).group(1)) + 1  # type: ignore[union-attr]
+        self.written.append(part)
+        self._records += len(self._outcomes)
+        self._completed.update(o.episode_id for o in self._outcomes if o.completed and o.episode_id not in self._resumed)
+        self._failed_attempts += sum(1 for o in self._outcomes if not o.completed)
+        log.info("part_written", part=name, records=len(self._buffer), bytes=len(stored), lines_bytes=sum(map(len, self._buffer)))
+        self._buffer.clear()
+        self._outcomes.clear()
+        return True
+
+    def report_progress(self, state: str = "running") -> None:
+        """Rewrite this writer's progress object. Advisory: one try, a failure is only logged
+        (the next part or heartbeat writes it again)."""
+        with self._progress_lock:
+            self._last_beat = time.monotonic()
+            progress = {
+                **self._progress,
+                "state": state,
+                "completed": len(self._completed),
+                "failed_attempts": self._failed_attempts,
+                "parts_written": len(self.written),
+                "records_written": self._records,
+                "updated_at": datetime.now(UTC).isoformat(),
+            }
+            try:
+                self.store.write_progress(self.shard, progress)
+            except Exception as exc:
+                log.warning("progress_not_written", error=f"{type(exc).__name__}: {exc}")
+
+
+def commit_shard(
+    store: ShardedRunStore,
+    index: int,
+    episode_ids: list[str],
+    *,
+    plan_fp: str,
+    writer: str,
+    state: ShardState | None = None,
+    exclude: Collection[str] = (),
+    written: Sequence[WrittenPart] = (),
+) -> tuple[str, int]:
+    """Add a commit marker for the shard; returns its name and the completed episode count.
+
+    The marker lists exactly the parts hashed: every part now listed (ours and any concurrent
+    writer's, less ``exclude``) and every part this process wrote (``written``), by name even
+    when a listing does not show it yet. Parts already in ``state`` and the ones this process
+    wrote (whose bytes and sha256 it knows) are not read again; only a concurrent writer's new
+    parts are. The marker is a new object, never a replacement: the reducer takes the union of
+    the verified markers, whatever order they were written in.
+    """
+    state = scan_shard(store, index, set(episode_ids), state, exclude=exclude, written=written)
+    completed = len(state.completed)
+    document = marker_document(
+        shard=index,
+        plan_fingerprint=plan_fp,
+        completed=completed,
+        failed=len(episode_ids) - completed,
+        episode_ids_sha256=fingerprint(episode_ids),
+        parts=[state.parts[name] for name in sorted(state.parts, key=part_order)],
+        writer=writer,
+    )
+    return store.create_marker(index, document), completed
+
+
+@dataclass
+class MarkerCheck:
+    """A shard's markers checked against its parts as read (the reducer's rules)."""
+
+    verified: list[ShardMarker] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+    distrusted: set[str] = field(default_factory=set)
+    """Parts whose bytes differ from the sha256 a marker recorded for them."""
+
+
+def check_markers(store: ShardedRunStore, index: int, plan_fp: str, ids_sha: str, state: ShardState) -> MarkerCheck:
+    """The shard's markers against the parts as read: the same rules as the reducer's."""
+    check = MarkerCheck()
+    actual = {name: entry["sha256"] for name, entry in state.parts.items()}
+    for name, marker in store.read_markers(index):
+        problem = marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=ids_sha)
+        if problem is not None or not isinstance(marker, ShardMarker):
+            check.ignored.append((name, problem or "not a commit marker"))
+            continue
+        problems = marker_part_problems(marker, actual)
+        if not problems:
+            check.verified.append(marker)
+            continue
+        check.ignored.append((name, "; ".join(problems[:5])))
+        check.distrusted |= {p.name for p in marker.parts if actual.get(p.name) not in (None, p.sha256)}
+    return check

@@ -9,7 +9,7 @@ line (hidden by ``-q``). Model calls refused for load (HTTP 429/503: more reques
 than the server takes) add one warning, then at most one a minute with the count since.
 
 :class:`RunProgress` is fed persisted traces (a single-process run); :class:`ShardedRunProgress`
-is fed the JSON log records of shard workers (a local sharded run, see :mod:`shopsimrl.sharded.local_job`).
+is fed the JSON log records of shard workers (a local sharded run, see :mod:`shopsimrl.runner.local_job`).
 :class:`ProgressFile` keeps a local run's counts in its ``progress.json`` for ``shopsimrl status``
 in another terminal.
 """
@@ -36,13 +36,13 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn,
 from rich.progress_bar import ProgressBar
 from rich.text import Text
 
-from shopsimrl.lease_journal import ProcessIdentity
 from shopsimrl.logs import live_console, tap
 from shopsimrl.records import EpisodeTrace
+from shopsimrl.runner.lease_journal import ProcessIdentity
 
 __all__ = ["LOCAL_PROGRESS_SCHEMA", "ProgressFile", "RunProgress", "ShardedRunProgress", "read_progress_file"]
 
-log = structlog.get_logger("shopsimrl.progress")
+log = structlog.get_logger("shopsimrl.runner.progress")
 
 
 class _WholePlanBar(BarColumn):

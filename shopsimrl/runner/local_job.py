@@ -54,7 +54,7 @@ from shopsimrl.stopping import die_with_parent
 
 __all__ = ["IndexOutcome", "ShardedRunResult", "run_indexed"]
 
-log = structlog.get_logger("shopsimrl.sharded.local_job")
+log = structlog.get_logger("shopsimrl.runner.local_job")
 
 _FINAL_CODES = {int(ExitCode.OK), int(ExitCode.BAD_INPUT), int(ExitCode.FINGERPRINT_MISMATCH)}
 _REPORTED_CODES = _FINAL_CODES | {int(ExitCode.EPISODES_FAILED)}

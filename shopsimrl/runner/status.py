@@ -17,19 +17,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from shopsimrl.lease_journal import DirectoryJournalStorage, ProcessIdentity, read_journals, shard_journal_storage
-from shopsimrl.local_run import LocalRunStore
-from shopsimrl.progress import read_progress_file
+from shopsimrl.records import RunManifest
+from shopsimrl.runner.lease_journal import DirectoryJournalStorage, ProcessIdentity, read_journals, shard_journal_storage
+from shopsimrl.runner.progress import read_progress_file
 from shopsimrl.schemas import episode_id_for
-from shopsimrl.sharded.layout import ShardedRunStore, ShardListing, load_frozen_plan, marker_problem
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.sharded import ShardedRunStore, ShardListing, load_frozen_plan
 
 __all__ = ["is_local_run", "lease_status", "local_status", "shard_status"]
-
-
-def _claimed(marker: dict[str, Any], key: str) -> int:
-    episodes = marker.get("episodes")
-    value = episodes.get(key) if isinstance(episodes, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 _STALE_BEATS = 3
@@ -59,21 +54,18 @@ def shard_status(store: ShardedRunStore, *, now: datetime | None = None) -> dict
         ids = shard_map.episode_ids[index]
         listing = store.list_shard(index)
         row: dict[str, Any] = {"shard": index, "jobs": len(ids), "parts": len(listing.parts)}
-        markers = [
-            marker
-            for _, marker in store.read_markers(index, listing.markers)
-            if marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index))
-            is None
-        ]
+        markers = store.plan_markers(
+            index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index), names=listing.markers
+        )
         if markers:
             # Progress from the markers' own counts (the reducer verifies the parts): the one
             # with the most completed episodes, then the most parts.
-            best = max(markers, key=lambda m: (_claimed(m, "completed"), len(m["parts"])))
+            best = max(markers, key=lambda m: (m.episodes.completed, len(m.parts)))
             row.update(
                 state="committed",
-                completed=_claimed(best, "completed"),
-                failed=_claimed(best, "failed"),
-                written_at=best.get("written_at"),
+                completed=best.episodes.completed,
+                failed=best.episodes.failed,
+                written_at=best.written_at,
                 markers=len(markers),
             )
         else:
@@ -183,8 +175,8 @@ def local_status(run_dir: str | Path, *, now: datetime | None = None) -> dict[st
     manifest = store.read_manifest()
     if manifest is None:
         raise FileNotFoundError(f"{store.manifest_path}: no such file (not a local run)")
-    fingerprint = manifest["plan_fingerprint"]
-    jobs = manifest["plan"].get("jobs")
+    fingerprint = manifest.plan_fingerprint
+    jobs = manifest.plan.get("jobs")
     job_count = len(jobs) if isinstance(jobs, list) else None
     report: dict[str, Any] = {
         "run": str(store.run_dir),
@@ -242,12 +234,12 @@ def _progress_view(progress: dict[str, Any], now: datetime) -> dict[str, Any]:
     }
 
 
-def _traces_view(store: LocalRunStore, manifest: dict[str, Any]) -> dict[str, Any]:
+def _traces_view(store: LocalRunStore, manifest: RunManifest) -> dict[str, Any]:
     """Counts from the traces themselves: a run without a progress file (never started here, or
     written by an earlier version). The one case that parses every line."""
     ids = {
         episode_id_for(job["task_id"], job["sample_id"])
-        for job in manifest["plan"].get("jobs") or []
+        for job in manifest.plan.get("jobs") or []
         if isinstance(job, dict) and isinstance(job.get("task_id"), int) and isinstance(job.get("sample_id"), int)
     }
     index = store.load_index()

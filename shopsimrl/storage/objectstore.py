@@ -2,7 +2,7 @@
 
 :class:`ObjectStore` reads, lists, creates (create-only), overwrites and deletes whole objects
 under one run location (``./runs/x``, ``file:///…``, ``s3://bucket/prefix/x``); the run layout
-on top of it is :mod:`shopsimrl.sharded.layout`.
+on top of it is :mod:`shopsimrl.storage.sharded`.
 
 Object storage has neither append nor atomic rename. Writes are create-only where the store
 supports it (``O_EXCL``-style hard link locally, ``If-None-Match: *`` on S3); a retried write

@@ -461,7 +461,7 @@ def load_job_report(
 def give_up_on_failed_indexes(
     job: str, namespace: str, *, warn: Callable[[str], None]
 ) -> Callable[[list[int]], tuple[str, dict[int, str]] | None]:
-    """A ``give_up`` for :func:`~shopsimrl.sharded.reduce.wait_for_markers`: the worker Job's own view.
+    """A ``give_up`` for :func:`~shopsimrl.runner.reduce.wait_for_markers`: the worker Job's own view.
 
     Waiting ends once every pending shard is a failed index of the Job, or the Job has finished.
     Without API access (no RBAC, no cluster) it ``warn``s once and the wait runs to its timeout.

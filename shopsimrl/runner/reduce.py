@@ -32,68 +32,24 @@ from shopsimrl.manifest import run_identity
 from shopsimrl.metrics import SummaryAccumulator, unfinished_view
 from shopsimrl.records import EpisodeTrace
 from shopsimrl.records.winner import Verdict, WinnerPicker
-from shopsimrl.schemas import sha256_hex
-from shopsimrl.sharded.layout import (
+from shopsimrl.storage.sharded import (
+    REPORT_SAMPLE,
     ShardedRunStore,
     ShardMap,
-    encode_part,
+    ShardResult,
     iter_part_records,
     load_frozen_plan,
-    marker_part_problems,
-    marker_problem,
-    part_order,
+    read_shard_parts,
 )
 
 __all__ = ["WaitResult", "reduce_run", "wait_for_markers"]
 
-_SAMPLE = 20
 _HELD_NAME = "held.jsonl.zst"
 """How held part bytes are decoded: the reducer holds every part compressed."""
 
 
-@dataclass
-class _ShardResult:
-    index: int
-    state: str = "uncommitted"
-    """``committed``, ``uncommitted`` (no marker yet), ``corrupt`` (no marker verifies)."""
-    jobs: int = 0
-    completed: int = 0
-    failed: int = 0
-    parts: int = 0
-    markers: int = 0
-    ignored_markers: int = 0
-    uncommitted_parts: int = 0
-    temporary_objects: int = 0
-    duplicates: int = 0
-    episodes_rerun: int = 0
-    superseded: int = 0
-    unreadable_lines: int = 0
-    not_in_shard: int = 0
-    listed_parts: int = 0
-    problems: list[str] = field(default_factory=list)
-    foreign: list[str] = field(default_factory=list)
-
-    def row(self) -> dict[str, Any]:
-        row = {k: v for k, v in self.__dict__.items() if k not in ("problems", "foreign", "listed_parts")}
-        if self.problems:
-            row["problems"] = self.problems[:_SAMPLE]
-        if self.foreign:
-            row["foreign_objects"] = self.foreign[:_SAMPLE]
-        return row
-
-
-def _read_parts(store: ShardedRunStore, index: int, names: list[str]) -> dict[str, tuple[str, bytes] | None]:
-    """Read each part once: its sha256 and its bytes as held until the shard is tallied
-    (compressed: a plain part of an earlier version is compressed here), None when missing."""
-    held: dict[str, tuple[str, bytes] | None] = {}
-    # Fetched several at a time (the store's read window); hashed and held in part order.
-    for name, data in store.read_parts(index, names):
-        held[name] = None if data is None else (sha256_hex(data), data if name.endswith(".zst") else encode_part(data))
-    return held
-
-
 def _tally(
-    parts: list[bytes], shard_ids: set[str], accumulator: SummaryAccumulator, result: _ShardResult, not_in_plan_sample: list[str]
+    parts: list[bytes], shard_ids: set[str], accumulator: SummaryAccumulator, result: ShardResult, not_in_plan_sample: list[str]
 ) -> None:
     """One pass over the committed parts, in part order, through the winner rule of
     :mod:`shopsimrl.records.winner`: a completed winner is counted at once; an unfinished attempt waits
@@ -111,7 +67,7 @@ def _tally(
             episode_id = record.episode_id
             if episode_id not in shard_ids:
                 result.not_in_shard += 1
-                if len(not_in_plan_sample) < _SAMPLE:
+                if len(not_in_plan_sample) < REPORT_SAMPLE:
                     not_in_plan_sample.append(episode_id)
                 continue
             offer = picker.offer(record, None if record.completed else unfinished_view(record))
@@ -131,67 +87,6 @@ def _tally(
     result.episodes_rerun = len(rerun)
 
 
-@dataclass
-class ShardParts:
-    """The parts of one shard that count, each read once: those a verified commit marker lists
-    (or, with ``include_uncommitted``, every listed part of a shard without a marker)."""
-
-    result: _ShardResult
-    parts: list[tuple[str, bytes]] = field(default_factory=list)
-    """``(part name, compressed bytes)`` in part order."""
-
-
-def read_shard_parts(
-    store: ShardedRunStore, index: int, shard_map: ShardMap, plan_fp: str, *, include_uncommitted: bool = False
-) -> ShardParts:
-    """Verify a shard's commit markers and read the parts they commit (the reducer's and the
-    research readers' one view of a shard's output)."""
-    ids = shard_map.episode_ids[index]
-    result = _ShardResult(index=index, jobs=len(ids))
-    listing = store.list_shard(index)
-    result.foreign = listing.foreign
-    result.temporary_objects = len(listing.temporary)
-    result.listed_parts = len(listing.parts)
-
-    candidates: list[tuple[str, dict[str, Any]]] = []
-    for name, marker in store.read_markers(index, listing.markers):
-        problem = marker_problem(marker, index=index, plan_fingerprint=plan_fp, episode_ids_sha256=shard_map.ids_sha256(index))
-        if problem is None:
-            candidates.append((name, marker))
-        else:
-            result.problems.append(f"{name} {problem}")
-    names: list[str]
-    if candidates:
-        names = sorted({part["name"] for _, marker in candidates for part in marker["parts"]}, key=part_order)
-        held = _read_parts(store, index, names)
-        actual = {name: None if part is None else part[0] for name, part in held.items()}
-        verified = []
-        for name, marker in candidates:
-            problems = marker_part_problems(marker, actual)
-            if problems:
-                result.problems.extend(f"{name} does not verify, ignored: {problem}" for problem in problems)
-            else:
-                verified.append(marker)
-        result.markers, result.ignored_markers = len(verified), len(candidates) - len(verified)
-        if not verified:
-            result.state = "corrupt"  # committed output that does not verify is not trusted at all
-            return ShardParts(result)
-        committed = {part["name"] for marker in verified for part in marker["parts"]}
-        names = [name for name in names if name in committed]  # a marker was ignored: only what the others verify
-        result.state = "committed"
-        result.uncommitted_parts = sum(1 for name in listing.parts if name not in committed)
-    elif listing.markers:
-        result.state = "corrupt"
-        return ShardParts(result)
-    elif include_uncommitted:
-        names = list(listing.parts)
-        held = _read_parts(store, index, names)
-    else:
-        return ShardParts(result)
-    result.parts = len(names)
-    return ShardParts(result, [(name, part[1]) for name, part in ((name, held[name]) for name in names) if part is not None])
-
-
 def _reduce_shard(
     store: ShardedRunStore,
     index: int,
@@ -200,7 +95,7 @@ def _reduce_shard(
     accumulator: SummaryAccumulator,
     not_in_plan_sample: list[str],
     include_uncommitted: bool,
-) -> _ShardResult:
+) -> ShardResult:
     shard = read_shard_parts(store, index, shard_map, plan_fp, include_uncommitted=include_uncommitted)
     if shard.result.state == "committed" or (include_uncommitted and shard.result.state == "uncommitted"):
         _tally(
@@ -213,7 +108,7 @@ def _reduce_shard(
     return shard.result
 
 
-def _why_missing(result: _ShardResult) -> str:
+def _why_missing(result: ShardResult) -> str:
     if result.state == "corrupt":
         return "no commit marker verifies: " + (result.problems[0] if result.problems else "unknown")
     if result.listed_parts:
@@ -270,8 +165,8 @@ def reduce_run(
         "uncommitted_parts": sum(r.uncommitted_parts for r in results),
         "temporary_objects": sum(r.temporary_objects for r in results),
         "unreadable_lines": counts["unreadable_lines"],
-        "foreign_objects": [f"shards/{r.index:05d}/{name}" for r in results for name in r.foreign][:_SAMPLE],
-        "problems": [f"shard {r.index}: {p}" for r in results for p in r.problems][:_SAMPLE],
+        "foreign_objects": [f"shards/{r.index:05d}/{name}" for r in results for name in r.foreign][:REPORT_SAMPLE],
+        "problems": [f"shard {r.index}: {p}" for r in results for p in r.problems][:REPORT_SAMPLE],
         "per_shard": [r.row() for r in results],
     }
     missing = [r for r in results if r.state != "committed"]

@@ -19,21 +19,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from shopsimrl.local_run import LocalRunStore
 from shopsimrl.manifest import ManifestError, run_identity
-from shopsimrl.records import EpisodeTrace, iter_trace_lines, parse_trace_line
+from shopsimrl.records import EpisodeTrace, RunManifest, iter_trace_lines, parse_trace_line
 from shopsimrl.records.winner import WinnerPicker
 from shopsimrl.schemas import EpisodeJob, TraceFormatError, redact_uri
-from shopsimrl.sharded.layout import (
+from shopsimrl.storage.local import LocalRunStore
+from shopsimrl.storage.objectstore import RunLocationError
+from shopsimrl.storage.sharded import (
     RunNotPlannedError,
     ShardedRunStore,
     ShardMapError,
     iter_part_records,
     load_frozen_plan,
     part_lines,
+    read_shard_parts,
 )
-from shopsimrl.sharded.objectstore import RunLocationError
-from shopsimrl.sharded.reduce import read_shard_parts
 
 __all__ = ["EpisodeSource", "Run", "RunReadError", "open_run"]
 
@@ -65,7 +65,7 @@ class Run:
     location: str
     """Where it was opened, credentials removed."""
     kind: Literal["local", "sharded"]
-    manifest: dict[str, Any] | None
+    manifest: RunManifest | None
     include_uncommitted: bool = False
     shard_states: dict[int, str] = field(default_factory=dict)
     """Sharded runs: per shard ``committed``, ``uncommitted`` or ``corrupt`` (filled by a read)."""
@@ -79,8 +79,8 @@ class Run:
 
     @property
     def plan(self) -> dict[str, Any] | None:
-        plan = (self.manifest or {}).get("plan")
-        return plan if isinstance(plan, dict) else None
+        """The frozen plan as stored (what its fingerprint hashes), None without a manifest."""
+        return None if self.manifest is None else self.manifest.plan.as_dict()
 
     @property
     def identity(self) -> dict[str, Any]:

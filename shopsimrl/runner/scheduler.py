@@ -34,7 +34,7 @@ from shopsimrl.schemas import EpisodeJob, ModelOutput
 
 __all__ = ["ConcurrencyLimitedModel", "EvaluationOutcome", "Evaluator", "TraceSink"]
 
-log = structlog.get_logger("shopsimrl.scheduler")
+log = structlog.get_logger("shopsimrl.runner.scheduler")
 
 MAX_REQUEUE_DELAY_S = 30.0
 """The backoff before an episode runs again doubles per attempt up to this (then jittered)."""

@@ -1,0 +1,193 @@
+"""The one evaluation driver: a batch of work under SIGTERM/SIGINT, its output saved on every path.
+
+:func:`drive` is the life cycle every long stage shares (``run``, ``worker`` and its processes, the
+judge, and what runs rollouts for them): run the work; at the first signal save what is finished
+at once and cancel the rest (the work's own clean-up, e.g. lease releases, runs as it unwinds);
+on every path save what is finished again, then close each resource in order, each whether or
+not the one before it closed.
+
+:func:`evaluate` is :func:`drive` for episodes: the adapters of a prepared experiment, its lease
+journal, the scheduler over the jobs still to run, and the hooks by which a local run shows its
+progress bar and a shard worker its log lines and flush timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from shopsimrl.schemas import EpisodeJob
+from shopsimrl.stopping import GracefulStop
+from shopsimrl.storage.base import TraceWriter
+
+if TYPE_CHECKING:
+    from shopsimrl.runner.experiment import PreparedExperiment
+    from shopsimrl.runner.lease_journal import JournalStorage
+    from shopsimrl.runner.scheduler import Evaluator
+
+__all__ = ["AsyncClosable", "Driven", "EvaluationHooks", "Resume", "drive", "evaluate"]
+
+T = TypeVar("T")
+
+
+class AsyncClosable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+@dataclass
+class Driven(Generic[T]):
+    """How a driven batch ended: ``result`` when it finished, ``interrupted`` when a signal stopped it."""
+
+    interrupted: bool
+    result: T | None = None
+
+
+async def drive(
+    work: Coroutine[Any, Any, T],
+    *,
+    cleanup: str,
+    save: Callable[[], None] = lambda: None,
+    closing: Sequence[AsyncClosable] = (),
+    background: Sequence[Callable[[], Awaitable[None]]] = (),
+) -> Driven[T]:
+    """Run ``work`` until it ends or a SIGTERM/SIGINT stops it.
+
+    ``save`` persists what is finished (it runs in a thread: at the first signal, and after the
+    work ended whichever way); ``closing`` are closed in order afterwards; ``background`` tasks
+    (a flush timer, a heartbeat) run beside the work and are cancelled when it ends. ``cleanup``
+    says what the process still does once stopped (shown at a second signal)."""
+    task: asyncio.Task[T] = asyncio.ensure_future(work)
+    early: list[asyncio.Future[None]] = []
+
+    def stop() -> None:
+        early.append(asyncio.ensure_future(asyncio.to_thread(save)))  # before the work unwinds, which can take long
+        task.cancel()
+
+    helpers = [asyncio.ensure_future(start()) for start in background]
+    try:
+        with GracefulStop(stop, cleanup=cleanup) as signals:
+            try:
+                return Driven(False, await task)
+            except asyncio.CancelledError:
+                if not signals.requested:
+                    raise
+                return Driven(True)
+    finally:
+        for helper in helpers:
+            helper.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        try:
+            # Finished work is saved before anything else can fail or time out.
+            await asyncio.gather(*early, return_exceptions=True)
+            await asyncio.to_thread(save)
+        finally:
+            await _close_in_order(list(closing))
+
+
+async def _close_in_order(resources: list[AsyncClosable]) -> None:
+    if not resources:
+        return
+    try:
+        await resources[0].aclose()
+    finally:
+        await _close_in_order(resources[1:])
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What the store says of the jobs before this invocation."""
+
+    completed: set[str] = field(default_factory=set)
+    prior_attempts: dict[str, int] = field(default_factory=dict)
+    final_failures: dict[str, str | None] = field(default_factory=dict)
+    """Episode → ``failure_class`` of a recorded failure that is the agent's (final unless re-rolled)."""
+
+
+class EvaluationHooks:
+    """What a caller adds around the evaluation; the defaults add nothing."""
+
+    def started(self, evaluator: Evaluator, pending: int) -> None:
+        """The scheduler is ready with ``pending`` episodes to run (set ``evaluator.on_trace`` here)."""
+
+    def background(self) -> Sequence[Callable[[], Awaitable[None]]]:
+        """Tasks that run beside the evaluation (a progress heartbeat, a flush timer)."""
+        return ()
+
+    def ended(self, state: str) -> None:
+        """The evaluation ended: ``finished``, ``interrupted`` or ``stopped`` (it raised)."""
+
+
+async def evaluate(
+    prepared: PreparedExperiment,
+    jobs: Sequence[EpisodeJob],
+    resume: Resume,
+    writer: TraceWriter,
+    journal_storage: JournalStorage,
+    *,
+    journal_writer: str | None = None,
+    processes: int = 1,
+    max_episode_retries: int,
+    retry_failed: bool = True,
+    reroll_failed: bool = False,
+    hooks: EvaluationHooks | None = None,
+) -> bool:
+    """Run the episodes of ``jobs`` that ``resume`` leaves to run, saving each attempt through
+    ``writer``; True when a signal stopped them (every lease released, what finished saved).
+
+    ``processes``: how many event loops (of all workers running at once) share the shop's slots."""
+    from shopsimrl.runner.lease_journal import LeaseJournal, start_lease_tracking
+    from shopsimrl.runner.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
+
+    hooks = hooks or EvaluationHooks()
+    config = prepared.config
+    model = prepared.model()
+    environment = prepared.environment()
+    journal = LeaseJournal(journal_storage, environment_url=prepared.environment_settings.base_url, writer=journal_writer)
+    limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
+    grace = config.environment.cleanup_grace_seconds
+
+    async def run() -> None:
+        await start_lease_tracking(
+            environment,
+            journal,
+            concurrency=config.experiment.concurrency,
+            processes=processes,
+            configured=config.environment.max_leases,
+        )
+        evaluator = Evaluator(
+            prepared.runtime(limited, environment),
+            writer,
+            concurrency=config.experiment.concurrency,
+            max_episode_retries=max_episode_retries,
+            retry_failed=retry_failed,
+            reroll_failed=reroll_failed,
+        )
+        pending = evaluator.pending(
+            list(jobs), resume.completed, resume.prior_attempts, EvaluationOutcome(), resume.final_failures
+        )
+        hooks.started(evaluator, len(pending))
+        state = "stopped"
+        try:
+            await evaluator.run(
+                list(jobs),
+                completed=resume.completed,
+                prior_attempts=resume.prior_attempts,
+                final_failures=resume.final_failures,
+            )
+            state = "finished"
+        except asyncio.CancelledError:
+            state = "interrupted"
+            raise
+        finally:
+            hooks.ended(state)
+
+    driven = await drive(
+        run(),
+        cleanup=f"saving finished episodes and releasing leases (up to {grace:g} s)",
+        save=writer.flush,
+        closing=[model, environment, journal],
+        background=hooks.background(),
+    )
+    return driven.interrupted

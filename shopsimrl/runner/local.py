@@ -1,0 +1,217 @@
+"""A run on one machine: ``shopsimrl run`` without ``--shards``.
+
+The twin of :mod:`shopsimrl.runner.worker` for a single process: :func:`run_local` takes the
+run directory's lock, creates or verifies the manifest, resumes from ``traces.jsonl``, runs the
+pending episodes with :class:`~shopsimrl.runner.scheduler.Evaluator` (SIGTERM/SIGINT stop it through
+:class:`~shopsimrl.stopping.GracefulStop`: every lease is released, finished episodes are
+saved, exit 3), then writes ``summary.json``. A failure is raised as :class:`RunStopped` with
+its exit code; the CLI prints it.
+Its run directory is a :class:`~shopsimrl.storage.local.LocalRunStore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shopsimrl import eventloop
+from shopsimrl.exitcodes import ExitCode
+from shopsimrl.manifest import FingerprintMismatchError, ManifestError, run_identity
+from shopsimrl.metrics import SummaryAccumulator
+from shopsimrl.records import RecordVersionError, RunManifest
+from shopsimrl.runner.driver import EvaluationHooks, Resume, evaluate
+from shopsimrl.runner.lease_journal import DirectoryJournalStorage
+from shopsimrl.runner.progress import ProgressFile, RunProgress
+from shopsimrl.storage.local import LocalRunStore, RunLockedError, RunWriteError
+
+if TYPE_CHECKING:
+    from shopsimrl.runner.experiment import PreparedExperiment
+    from shopsimrl.runner.scheduler import Evaluator
+
+__all__ = ["RunStopped", "run_local", "summarize_local"]
+
+
+class RunStopped(Exception):
+    """The run ended before its summary, with this exit code (the CLI prints the message)."""
+
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def run_local(
+    prepared: PreparedExperiment,
+    *,
+    max_episode_retries: int | None = None,
+    retry_failed: bool = True,
+    reroll_failed: bool = False,
+    show_progress: bool = True,
+    announce: Callable[[str], None] = lambda line: None,
+) -> tuple[LocalRunStore, dict[str, Any]]:
+    """Run (or resume) every episode of ``prepared`` in this process; returns the store and the
+    written summary. Raises :class:`RunStopped`.
+
+    ``announce`` receives the one line that says what is to run; ``show_progress``: a live bar
+    when stderr is a terminal."""
+    config = prepared.config
+    store = LocalRunStore(config.run_dir)
+    try:
+        store.acquire()
+    except RunLockedError as exc:
+        raise RunStopped(ExitCode.RETRYABLE, str(exc)) from None
+    except OSError as exc:  # the directory cannot exist there (a file in the way, no permission) or the disk failed
+        unusable = isinstance(exc, (PermissionError, FileExistsError, FileNotFoundError, NotADirectoryError))
+        raise RunStopped(
+            ExitCode.BAD_INPUT if unusable else ExitCode.RETRYABLE,
+            f"experiment.output_dir: cannot create the run directory {config.run_dir}: {exc.strerror or exc}",
+        ) from None
+    try:
+        try:
+            if not config.experiment.resume and store.read_manifest() is not None:
+                raise RunStopped(ExitCode.BAD_INPUT, f"{config.run_dir} already holds a run and experiment.resume is false")
+            manifest = store.freeze_plan(prepared.plan(), prepared.execution())
+        except FingerprintMismatchError as exc:
+            raise RunStopped(ExitCode.FINGERPRINT_MISMATCH, str(exc)) from None
+        except ManifestError as exc:
+            raise RunStopped(ExitCode.BAD_INPUT, str(exc)) from None
+        except RunWriteError as exc:
+            raise RunStopped(ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT, str(exc)) from None
+        try:
+            index = store.load_index()
+        except RecordVersionError as exc:
+            raise RunStopped(ExitCode.BAD_INPUT, str(exc)) from None
+        completed = {eid for eid, state in index.episodes.items() if state.completed}
+        prior = {eid: state.attempts for eid, state in index.episodes.items()}
+        final = {eid: cls for eid, cls in index.final_failures().items() if eid not in completed}
+        announce(_plan_line(config.name, prepared.jobs, completed, prior, final, retry_failed, reroll_failed, config.run_dir))
+        retries = config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
+        resume = Resume(completed, prior, final)
+        hooks = _LocalHooks(store, len(prepared.jobs), resume, manifest.plan_fingerprint, show_progress)
+        try:
+            terminated = eventloop.run(
+                evaluate(
+                    prepared,
+                    prepared.jobs,
+                    resume,
+                    store,
+                    DirectoryJournalStorage(config.run_dir / "leases"),
+                    max_episode_retries=retries,
+                    retry_failed=retry_failed,
+                    reroll_failed=reroll_failed,
+                    hooks=hooks,
+                )
+            )
+        except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
+            terminated = True
+        except OSError as exc:
+            raise RunStopped(ExitCode.RETRYABLE, f"cannot persist traces in {config.run_dir}: {exc}") from None
+        if terminated:
+            raise RunStopped(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
+        try:
+            summary = summarize_local(store, manifest, [job.episode_id for job in prepared.jobs])
+        except RunWriteError as exc:  # the traces are safe; only the derived summary is missing
+            raise RunStopped(
+                ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT,
+                f"{exc}; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it",
+            ) from None
+    finally:
+        store.release()
+    return store, summary
+
+
+def _plan_line(
+    name: str,
+    jobs: list[Any],
+    completed: set[str],
+    prior: dict[str, int],
+    final: dict[str, str | None],
+    retry_failed: bool,
+    reroll_failed: bool,
+    run_dir: Path,
+) -> str:
+    """What this invocation will run, in one line."""
+    planned = [job.episode_id for job in jobs]
+    done = sum(1 for eid in planned if eid in completed)
+    kept = sum(1 for eid in planned if eid in final)
+    failed_before = sum(1 for eid in planned if eid not in completed and prior.get(eid, 0) > 0)
+    if reroll_failed:
+        todo = len(planned) - done
+    elif retry_failed:
+        todo = len(planned) - done - kept
+    else:
+        todo = len(planned) - done - failed_before
+    parts = [f"run {name}: {len(planned)} episodes", f"{done} already completed"]
+    if kept:
+        parts.append(f"{kept} failed as outcomes ({'re-rolled now' if reroll_failed else 'final; --reroll-failed reruns them'})")
+    return ", ".join(parts) + f", {todo} to run → {run_dir}"
+
+
+class _LocalHooks(EvaluationHooks):
+    """A local run's view of its evaluation: the live bar over the whole plan and
+    ``progress.json`` (counts and a heartbeat, for ``shopsimrl status`` in another terminal)."""
+
+    def __init__(self, store: LocalRunStore, planned: int, resume: Resume, plan_fingerprint: str, show: bool) -> None:
+        self.store, self.planned, self.resume = store, planned, resume
+        self.plan_fingerprint, self.show = plan_fingerprint, show
+        self.bar: RunProgress | None = None
+        self.progress: ProgressFile | None = None
+
+    def started(self, evaluator: Evaluator, pending: int) -> None:
+        self.bar = RunProgress(self.planned, before=self.planned - pending, enabled=self.show and sys.stderr.isatty())
+        self.bar.__enter__()
+        evaluator.on_trace = self.bar.on_trace
+        self.progress = ProgressFile(
+            self.store.progress_path,
+            self.bar,
+            plan_fingerprint=self.plan_fingerprint,
+            completed_before=len(self.resume.completed),
+        )
+        self.progress.write()
+
+    def background(self) -> Sequence[Callable[[], Awaitable[None]]]:
+        return (self._beat,)
+
+    async def _beat(self) -> None:
+        while self.progress is None:  # noqa: ASYNC110 - set by started(), on this loop
+            await asyncio.sleep(0.05)
+        await self.progress.beat()
+
+    def ended(self, state: str) -> None:
+        if self.progress is not None:
+            self.progress.write(state)
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+
+def summarize_local(
+    store: LocalRunStore, manifest: RunManifest | None, requested_ids: list[str] | None, requested: int | None = None
+) -> dict[str, Any]:
+    """The summary of the run directory's winning records, written to summary.json (raises
+    :class:`RunWriteError` when it cannot be written)."""
+    accumulator = SummaryAccumulator(
+        requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested
+    )
+    index = store.load_index()
+    for is_winner, record in store.iter_records(index):
+        if is_winner:
+            accumulator.add(record)
+        else:
+            accumulator.note_superseded_attempt(record)
+    summary = accumulator.result()
+    summary.setdefault("counts", {})["unreadable_lines"] = index.bad_lines
+    summary["run"] = run_identity(manifest, uri=str(store.run_dir.resolve()))
+    previous = store.read_summary()
+    if previous is not None and _same_but_created_at(summary, previous):
+        return previous  # nothing changed (a resume with nothing to run): the file and its created_at stay
+    store.write_summary(summary)
+    return summary
+
+
+def _same_but_created_at(summary: dict[str, Any], previous: dict[str, Any]) -> bool:
+    # Compared as JSON reads them back (tuples are lists there).
+    fresh = json.loads(json.dumps({**summary, "created_at": previous.get("created_at")}, ensure_ascii=False))
+    return bool(fresh == previous)
