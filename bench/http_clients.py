@@ -8,14 +8,14 @@ with C requests in flight, on uvloop. Prints this process's CPU time per request
 cost; the server is another process) and requests/s:
 
 - httpx, default transport (httpcore): what the adapters used first;
-- httpx with the httpx-aiohttp transport (only if `httpx-aiohttp` is installed);
-- `HttpService` over aiohttp (shopsimrl.httpclient with trust_env, the path https:// origins
-  and proxies take): aiohttp's pool behind httpx's types, what the adapters used before the
-  lean client;
-- aiohttp alone: the floor for any client built on it;
-- `HttpService` (shopsimrl.httpclient): the lean HTTP/1.1 client behind httpx's types, what the
-  adapters use for http:// origins;
-- the lean client alone (shopsimrl.http11 without building an `httpx.Response`): its floor.
+- httpx with the httpx-aiohttp transport (only if `httpx-aiohttp` is installed): httpx's API
+  over aiohttp's pool, the other way to keep one maintained client;
+- aiohttp alone, set up as `HttpService` sets it up (no cookie jar, no automatic
+  Content-Type, Accept-Encoding or User-Agent): the floor for any client built on it;
+- `HttpService` (shopsimrl.httpclient): aiohttp with the project's error contract, stale-socket
+  check, timeouts, size bound, what the adapters use;
+- `HttpService` with trust_env (proxies from the environment, looked up once per URL; none is
+  set here, so it goes direct).
 
 Nothing is asserted; the choice and the figures are in docs/benchmarks.md.
 """
@@ -35,16 +35,16 @@ import aiohttp
 import httpx
 import orjson
 import uvloop
+import yarl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shopsimrl import http11
-from shopsimrl.httpclient import HttpService
+from shopsimrl.httpclient import HttpService, Timeout
 from shopsimrl.testbed.serving import free_port
 
 BODY = orjson.dumps({"action": "release_one", "env_idx": 0, "lease_id": "0" * 32})
 HEADERS = {"Content-Type": "application/json"}
-TIMEOUT = httpx.Timeout(30.0)
+TIMEOUT = Timeout(30.0)
 
 
 async def measure(send: Callable[[], Awaitable[None]], requests: int, concurrency: int) -> tuple[float, float]:
@@ -65,7 +65,7 @@ async def bench(url: str, requests: int, concurrency: int) -> list[tuple[str, fl
     rows = []
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
 
-    plain = httpx.AsyncClient(limits=limits, timeout=TIMEOUT)
+    plain = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0))
 
     async def via_httpcore() -> None:
         _ = (await plain.post(url, content=BODY, headers=HEADERS)).content
@@ -74,11 +74,11 @@ async def bench(url: str, requests: int, concurrency: int) -> list[tuple[str, fl
     await plain.aclose()
 
     try:
-        from httpx_aiohttp import AiohttpTransport
+        from httpx_aiohttp import AiohttpTransport  # type: ignore[import-not-found]
     except ImportError:
         pass
     else:
-        wrapped = httpx.AsyncClient(transport=AiohttpTransport(limits=limits), timeout=TIMEOUT)
+        wrapped = httpx.AsyncClient(transport=AiohttpTransport(limits=limits), timeout=httpx.Timeout(30.0))
 
         async def via_transport() -> None:
             _ = (await wrapped.post(url, content=BODY, headers=HEADERS)).content
@@ -86,42 +86,28 @@ async def bench(url: str, requests: int, concurrency: int) -> list[tuple[str, fl
         rows.append(("httpx + httpx-aiohttp transport", *await measure(via_transport, requests, concurrency)))
         await wrapped.aclose()
 
-    # trust_env sends HttpService through aiohttp (no proxy is set here, so it goes direct).
-    over_aiohttp = HttpService(max_connections=1024, trust_env=True)
-
-    async def via_service_over_aiohttp() -> None:
-        _ = (await over_aiohttp.request("POST", url, content=BODY, headers=HEADERS, timeout=TIMEOUT)).content
-
-    rows.append(("HttpService over aiohttp", *await measure(via_service_over_aiohttp, requests, concurrency)))
-    await over_aiohttp.aclose()
-
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=1024),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("Content-Type", "Accept-Encoding", "User-Agent"),
+    )
+    parsed = yarl.URL(url)
 
     async def via_aiohttp() -> None:
-        async with session.post(url, data=BODY, headers=HEADERS) as response:
+        async with session.post(parsed, data=BODY, headers=HEADERS) as response:
             await response.read()
 
     rows.append(("aiohttp alone", *await measure(via_aiohttp, requests, concurrency)))
     await session.close()
 
-    service = HttpService(max_connections=1024)
+    for name, trust_env in (("HttpService", False), ("HttpService, trust_env", True)):
+        service = HttpService(max_connections=1024, trust_env=trust_env)
 
-    async def via_service() -> None:
-        _ = (await service.request("POST", url, content=BODY, headers=HEADERS, timeout=TIMEOUT)).content
+        async def via_service(service: HttpService = service) -> None:
+            _ = (await service.request("POST", url, content=BODY, headers=HEADERS, timeout=TIMEOUT)).content
 
-    rows.append(("HttpService (lean client)", *await measure(via_service, requests, concurrency)))
-    await service.aclose()
-
-    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
-    pool = http11.Pool(host, int(port), limit=1024, keepalive_expiry=5.0, keep_alive=True)
-    request = http11.request_bytes("POST", "/api/shop_agent", f"{host}:{port}", BODY, HEADERS, keep_alive=True)
-
-    async def via_lean() -> None:
-        _, _, answer = await http11.exchange(pool, "POST", request, TIMEOUT, stream=False)
-        _ = http11.body(answer)
-
-    rows.append(("lean client alone (no httpx types)", *await measure(via_lean, requests, concurrency)))
-    pool.close()
+        rows.append((name, *await measure(via_service, requests, concurrency)))
+        await service.aclose()
     return rows
 
 

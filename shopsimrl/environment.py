@@ -1,4 +1,4 @@
-"""ShopSimulator over HTTP: the environment seam of the runtime and its httpx adapter.
+"""ShopSimulator over HTTP: the environment seam of the runtime and its HTTP adapter.
 
 One :class:`ShopSimulatorEnvironment` per process owns a connection pool (:class:`~shopsimrl.httpclient.HttpService`);
 each episode opens an :class:`EnvironmentEpisode`, which holds at most one server lease
@@ -59,10 +59,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
-import httpx
 import structlog
 
-from shopsimrl.httpclient import HttpService, request_not_sent
+from shopsimrl.httpclient import HttpService, PoolTimeout, ReadTimeout, Response, Timeout, TransportError, request_not_sent
 from shopsimrl.retry import Attempt, Backoff, retry_async
 from shopsimrl.schemas import parse_json, redact_uri, wire_json
 
@@ -318,7 +317,7 @@ class _RetryPolicy:
             return True
         if exc.status is not None:
             return exc.status in self.statuses
-        if isinstance(exc.__cause__, httpx.PoolTimeout):
+        if isinstance(exc.__cause__, PoolTimeout):
             # The local pool stayed saturated for a whole timeout; waiting again rarely helps.
             return False
         return self.after_sent or not exc.request_sent
@@ -408,7 +407,7 @@ class ShopSimulatorEnvironment:
 
     async def healthz(self) -> dict[str, Any]:
         """``GET /healthz``; pinned versions are checked against the versions it reports."""
-        body = await self._call("healthz", None, timeout=httpx.Timeout(self.settings.timeout), policy=_IDEMPOTENT)
+        body = await self._call("healthz", None, timeout=Timeout(self.settings.timeout), policy=_IDEMPOTENT)
         self._check_pins(body, action="healthz")
         return body
 
@@ -425,7 +424,7 @@ class ShopSimulatorEnvironment:
             await self._call(
                 "release_one",
                 {"action": "release_one", "env_idx": env_idx, "lease_id": lease_id},
-                timeout=httpx.Timeout(self.settings.timeout),
+                timeout=Timeout(self.settings.timeout),
                 policy=_IDEMPOTENT,
                 stale_lease_means_done=True,
             )
@@ -436,7 +435,7 @@ class ShopSimulatorEnvironment:
     async def release_all(self) -> str:
         """``release_all``: frees every slot and invalidates every client's leases."""
         result = await self._call(
-            "release_all", {"action": "release_all"}, timeout=httpx.Timeout(self.settings.timeout), policy=_IDEMPOTENT
+            "release_all", {"action": "release_all"}, timeout=Timeout(self.settings.timeout), policy=_IDEMPOTENT
         )
         return str(result.get("message", ""))
 
@@ -571,7 +570,7 @@ class ShopSimulatorEnvironment:
             await self._call(
                 "release_one",
                 {"action": "release_one", "env_idx": env_idx, "lease_id": lease_id},
-                timeout=httpx.Timeout(self.settings.timeout),
+                timeout=Timeout(self.settings.timeout),
                 policy=_IDEMPOTENT,
                 stale_lease_means_done=True,
             )
@@ -664,18 +663,18 @@ class ShopSimulatorEnvironment:
                     action=action,
                 )
 
-    def _reset_timeout(self) -> httpx.Timeout:
+    def _reset_timeout(self) -> Timeout:
         # The server answers a reset only once a slot is free, and a reset given up on the client
         # side is still granted later, to nobody: no read timeout (as the real clients do); the
         # episode's own wait is bounded by reset_timeout instead (see ShopSimulatorEpisode.reset).
-        return httpx.Timeout(connect=self.settings.timeout, read=None, write=self.settings.timeout, pool=None)
+        return Timeout(connect=self.settings.timeout, read=None, write=self.settings.timeout, pool=None)
 
     async def _call(
         self,
         action: str,
         payload: dict[str, Any] | None,
         *,
-        timeout: httpx.Timeout,
+        timeout: Timeout,
         policy: _RetryPolicy,
         stale_lease_means_done: bool = False,
     ) -> dict[str, Any]:
@@ -709,7 +708,7 @@ class ShopSimulatorEnvironment:
             sleep=self._sleep,
         )
 
-    async def _send(self, action: str, payload: dict[str, Any] | None, timeout: httpx.Timeout) -> dict[str, Any]:
+    async def _send(self, action: str, payload: dict[str, Any] | None, timeout: Timeout) -> dict[str, Any]:
         try:
             if payload is None:
                 response = await self._http.request("GET", f"{self._base_url}/healthz", timeout=timeout)
@@ -717,22 +716,22 @@ class ShopSimulatorEnvironment:
                 response = await self._http.request(
                     "POST", self._agent_url, content=wire_json(payload), headers=_JSON_HEADERS, timeout=timeout
                 )
-        except httpx.ReadTimeout as exc:
+        except ReadTimeout as exc:
             raise EnvironmentUnavailableError(
                 f"ShopSimulator {action}: no answer within the read timeout ({exc.__class__.__name__})", action=action
             ) from exc
-        except httpx.TransportError as exc:
+        except TransportError as exc:
             raise EnvironmentUnavailableError(
                 f"ShopSimulator {action}: {_describe(exc)}", action=action, request_sent=not request_not_sent(exc)
             ) from exc
         return _decode(action, response, enveloped=payload is not None)
 
 
-def _describe(exc: httpx.TransportError) -> str:
+def _describe(exc: TransportError) -> str:
     return f"{type(exc).__name__}: {exc or 'transport error'}"
 
 
-def _decode(action: str, response: httpx.Response, *, enveloped: bool) -> dict[str, Any]:
+def _decode(action: str, response: Response, *, enveloped: bool) -> dict[str, Any]:
     status = response.status_code
     try:
         body = parse_json(response.content)
@@ -877,9 +876,7 @@ class ShopSimulatorEpisode:
             raise TypeError(f"action must be a string such as 'search[...]', got {type(action).__name__}")
         payload = self._leased("interact", response=action)
         # interact is not idempotent: never resend a request that may have reached the server.
-        result = await self._env._call(
-            "interact", payload, timeout=httpx.Timeout(self._env.settings.timeout), policy=_NOT_SENT_ONLY
-        )
+        result = await self._env._call("interact", payload, timeout=Timeout(self._env.settings.timeout), policy=_NOT_SENT_ONLY)
         self._check_same_versions("interact", result)
         return result
 
@@ -887,9 +884,7 @@ class ShopSimulatorEpisode:
         if reason not in TERMINATION_REASONS:
             raise ValueError(f"termination reason must be one of {list(TERMINATION_REASONS)}, got {reason!r}")
         payload = self._leased("terminate", termination_reason=reason)
-        result = await self._env._call(
-            "terminate", payload, timeout=httpx.Timeout(self._env.settings.timeout), policy=_NOT_SENT_ONLY
-        )
+        result = await self._env._call("terminate", payload, timeout=Timeout(self._env.settings.timeout), policy=_NOT_SENT_ONLY)
         self._check_same_versions("terminate", result)
         echoed = result.get("termination_reason")
         if echoed != reason:

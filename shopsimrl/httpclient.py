@@ -1,305 +1,717 @@
-"""HTTP for the model and environment adapters: httpx's types over a lean HTTP/1.1 client.
+"""HTTP for the model and environment adapters: aiohttp's client, with this project's error contract.
 
-The adapters speak httpx: they get ``httpx.Response`` objects (a whole body's built cheaply,
-see ``_ReadResponse``), pass ``httpx.Timeout`` and handle
-httpx's exception hierarchy. Underneath, ``http://`` origins go through shopsimrl.http11 (asyncio
-protocols, httptools' C parser, a LIFO keep-alive pool per origin); ``https://`` origins (hosted
-model endpoints), URLs with user:password@ and services created with ``trust_env`` (proxies from
-the environment) go through aiohttp's pool and its TLS, proxy and auth support. Measured on the
-real path (docs/benchmarks.md, "HTTP clients"): httpx's own pool (httpcore) scans every pooled
-connection on each request, so its CPU per request grows with the episodes in flight; httpx's
-client layer costs more than the request itself; aiohttp costs the same at any concurrency, and
-the lean client less than aiohttp.
+One maintained client (aiohttp: its connection pool, C HTTP parser, TLS, proxies, DNS cache) for
+``http://`` and ``https://`` alike; this module adds what the adapters need on top of it and
+nothing else (docs/benchmarks.md, "HTTP clients", says why not httpx's API over it):
 
-Every failure is raised as the httpx error that says whether the request may have reached the
-server, which decides if a non-idempotent call may be sent again. ``http://`` (shopsimrl.http11):
+- the "was the request sent?" contract: every transport failure is raised as one of the
+  exceptions below, whose ``request_sent`` decides whether a non-idempotent call (``interact``)
+  may be sent again;
+- a stale-socket check before a pooled connection is reused: a connection the server closed
+  while the event loop was busy (its FIN waiting unread) is readable, so it is closed and
+  another taken instead of writing a POST into it;
+- keep-alive below the servers' (:data:`KEEPALIVE_EXPIRY_S`), a bound on an answer's size
+  (:data:`MAX_RESPONSE_BYTES`), DNS answers cached (:data:`DNS_CACHE_TTL_S`), no cookies;
+- timeouts per phase (:class:`Timeout`: pool, connect, write, read), the read timeout being
+  inactivity, one timer per request.
 
-===============================================================  ===================  ==============
-failure                                                          httpx                request sent?
-===============================================================  ===================  ==============
-connection refused, unknown host, other connect errors           ConnectError         no
+=================================================================  ===================  =============
+failure                                                            raised as            request_sent
+=================================================================  ===================  =============
+connection refused, unknown host, TLS handshake, a proxy that
+  refuses the tunnel, other connect errors                         ConnectError         False
 reset before the server's TCP stack took any byte of the request
   (Linux TCP_INFO: none acknowledged; a listen backlog that never
-  accepted the connection, or a server that had closed it)       ConnectError         no
-no connection within ``timeout.connect``                         ConnectTimeout       no
-no free pooled connection within ``timeout.pool``                PoolTimeout          no
-a header the client sets itself, or a line break in a header     LocalProtocolError   no (not retried)
-the socket does not take the request within ``timeout.write``    WriteTimeout         maybe
+  accepted the connection, or a server that had closed it)         ConnectError         False
+no connection within ``timeout.connect``                           ConnectTimeout       False
+no free connection within ``timeout.pool`` (``max_connections``)   PoolTimeout          False
+a header the client sets itself, a line break or non-ASCII text
+  in a header                                                      LocalProtocolError   False (not retried)
+the socket does not take the request within ``timeout.write``      WriteTimeout         None (maybe)
 no byte of the answer for ``timeout.read`` (while no byte of the
   request is acknowledged, up to 120 s from the write: the
-  server's kernel still takes it or resets it)                   ReadTimeout          maybe
-a kept-alive connection closed before any byte of the answer:
-  GET, HEAD, PUT, DELETE, OPTIONS, TRACE are sent again (at most
-  3 times, asking for a new connection); others (POST) fail      RemoteProtocolError  maybe
-the server hangs up before the answer or its body is complete    RemoteProtocolError  maybe
-an answer that is not HTTP/1.x                                   RemoteProtocolError  maybe
-the connection reset or failed during the exchange               ReadError            maybe
-===============================================================  ===================  ==============
+  server's kernel still takes it or resets it)                     ReadTimeout          None (maybe)
+a connection closed before any byte of the answer: GET, HEAD,
+  PUT, DELETE, OPTIONS, TRACE are sent again once (aiohttp, RFC
+  9112 9.3.1); others (POST) fail                                  RemoteProtocolError  None (maybe)
+the server hangs up before the answer or its body is complete,
+  or breaks the body's framing                                     RemoteProtocolError  None (maybe)
+an answer that is not HTTP/1.x                                     RemoteProtocolError  None (maybe)
+the connection reset or failed during the exchange                 ReadError            None (maybe)
+an answer larger than ``max_response_bytes``                       ResponseTooLarge     True
+=================================================================  ===================  =============
 
-"Reset before any byte was acknowledged" is the one "no" that the server's side decides: its
-kernel acknowledges what reaches a socket at once, so an unacknowledged request reached no
+"Reset before any byte was acknowledged" is the one "not sent" that the server's side decides:
+its kernel acknowledges what reaches a socket at once, so an unacknowledged request reached no
 process there (left open: a server that reads a request and aborts the connection before its
-kernel's delayed acknowledgement goes out, which no HTTP server does). Whatever transport
-replaces this one must keep the table; tests/test_listen_backlog.py checks that row from
+kernel's delayed acknowledgement goes out, which no HTTP server does). aiohttp closes a
+connection's socket as soon as it is lost, so each request holds a second descriptor of its
+socket (``dup``) to read TCP_INFO afterwards. tests/test_listen_backlog.py checks that row from
 outside, against a server whose listen backlog overflows.
-
-``https://`` and the other aiohttp cases:
-
-========================================  ===========================  ==============
-aiohttp                                   httpx                        request sent?
-========================================  ===========================  ==============
-ClientConnectorError (refused, DNS, TLS)  ConnectError                 no
-ConnectionTimeoutError (connect, pool)    ConnectTimeout               no
-SocketTimeoutError, ServerTimeoutError    ReadTimeout                  maybe
-ServerDisconnectedError                   RemoteProtocolError          maybe
-ClientPayloadError (body cut off)         RemoteProtocolError          maybe
-ClientOSError, any other ClientError      ReadError                    maybe
-========================================  ===========================  ==============
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import codecs
+import contextvars
+import json
+import select
+import socket
+import struct
+import urllib.request
+import weakref
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
-from urllib.parse import quote, urlsplit
+from typing import Any, Final
 
 import aiohttp
-import httpx
 import yarl
+from multidict import CIMultiDictProxy
 
-from shopsimrl import http11
+__all__ = [
+    "DNS_CACHE_TTL_S",
+    "KEEPALIVE_EXPIRY_S",
+    "MAX_RESPONSE_BYTES",
+    "ConnectError",
+    "ConnectTimeout",
+    "HttpService",
+    "LocalProtocolError",
+    "PoolTimeout",
+    "ReadError",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "Response",
+    "ResponseTooLarge",
+    "Timeout",
+    "TimeoutException",
+    "TransportError",
+    "WriteTimeout",
+    "request_not_sent",
+]
 
-__all__ = ["HttpService", "request_not_sent"]
+# An idle pooled connection is dropped after this long. Below the 5 s of uvicorn (vLLM, SGLang),
+# llama.cpp's server and Node, so that we, not the server, end an idle connection; a server with
+# a shorter one (gunicorn's 2 s) closes first, and the stale-socket check catches that close once
+# it has arrived. The testbed keeps connections 30 s.
+KEEPALIVE_EXPIRY_S: Final = 4.0
+# The most an answer's body may hold (decoded), so a misbehaving server cannot exhaust memory.
+# A chat completion or an observation is kilobytes; a streamed generation of 32k tokens a few MB.
+MAX_RESPONSE_BYTES: Final = 64 << 20
+# How long a resolved address is reused for new connections (aiohttp's cache).
+DNS_CACHE_TTL_S: Final = 10
 
-_NOT_SENT: tuple[type[BaseException], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# Linux's struct tcp_info: tcpi_bytes_acked (u64) at this offset (kernel 4.1 and later).
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_BYTES_ACKED_AT = 120
+# How long the read timeout waits on while the server has not acknowledged a byte of the request
+# (it is not the server's slowness that keeps the answer: the request never reached it). A
+# server whose listen backlog overflowed resets such a connection once its SYN-ACK retries are
+# spent (Linux: tcp_synack_retries 5, about 63 s), or accepts it late; past this, it is given up.
+_UNACKNOWLEDGED_WAIT_S = 120.0
+# Framing is the client's job: a caller's own value could desynchronise the connection.
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "host"})
+# Headers aiohttp would add that the adapters do not want: Content-Type (aiohttp's default for
+# bytes is application/octet-stream; callers name theirs), Accept-Encoding (answers come
+# uncompressed, as before; a compressed one is still decoded), User-Agent.
+_SKIP_AUTO_HEADERS = ("Content-Type", "Accept-Encoding", "User-Agent")
 
-# Most specific first: aiohttp's classes inherit from one another.
-_MAPPING: tuple[tuple[type[BaseException], type[httpx.TransportError]], ...] = (
-    (aiohttp.ClientConnectorError, httpx.ConnectError),
-    (aiohttp.ConnectionTimeoutError, httpx.ConnectTimeout),
-    (aiohttp.SocketTimeoutError, httpx.ReadTimeout),
-    (aiohttp.ServerTimeoutError, httpx.ReadTimeout),
-    (aiohttp.ServerDisconnectedError, httpx.RemoteProtocolError),
-    (aiohttp.ClientPayloadError, httpx.RemoteProtocolError),
-    (aiohttp.ClientError, httpx.ReadError),
-)
+
+# --------------------------------------------------------------------------- the error contract
 
 
-def request_not_sent(exc: httpx.TransportError) -> bool:
+class TransportError(Exception):
+    """The request failed below HTTP. ``request_sent``: False when it provably never reached the
+    server (safe to send again, whatever the method), True when the server answered, None when
+    it may have arrived."""
+
+    request_sent: bool | None = None
+
+
+class ConnectError(TransportError):
+    request_sent = False
+
+
+class TimeoutException(TransportError):
+    """A phase of the exchange took longer than its :class:`Timeout` allows."""
+
+
+class ConnectTimeout(TimeoutException):
+    request_sent = False
+
+
+class PoolTimeout(TimeoutException):
+    request_sent = False
+
+
+class WriteTimeout(TimeoutException):
+    pass
+
+
+class ReadTimeout(TimeoutException):
+    pass
+
+
+class LocalProtocolError(TransportError):
+    request_sent = False
+
+
+class RemoteProtocolError(TransportError):
+    pass
+
+
+class ReadError(TransportError):
+    pass
+
+
+class ResponseTooLarge(TransportError):
+    request_sent = True
+
+
+def request_not_sent(exc: TransportError) -> bool:
     """True when the failed request provably never left this process (safe to send again)."""
-    return isinstance(exc, _NOT_SENT)
+    return exc.request_sent is False
 
 
-def _httpx_error(exc: BaseException) -> httpx.TransportError:
-    for source, target in _MAPPING:
-        if isinstance(exc, source):
-            mapped = target(f"{type(exc).__name__}: {exc}")
-            mapped.__cause__ = exc
-            return mapped
-    raise exc  # not a transport failure: let it through unchanged
+# --------------------------------------------------------------------------- timeouts and answers
+
+_UNSET: Any = object()
 
 
-class _ReadResponse(httpx.Response):
-    """An ``httpx.Response`` whose body was read whole and needs no decoding, built cheaply.
+class Timeout:
+    """Seconds allowed per phase (None: no limit), as ``Timeout(30)`` or ``Timeout(30, read=None)``
+    or with all four named: ``pool`` (a free connection), ``connect``, ``write`` (the socket takes
+    the request), ``read`` (inactivity while the answer arrives)."""
 
-    httpx's constructor parses every header and passes the body through a byte stream (~25 µs,
-    about 5 % of the runner's CPU per step at ~2.4 requests a step; docs/benchmarks.md); here the
-    headers are parsed only when read (error paths, Retry-After) and the body is set as read.
-    It answers as ``httpx.Response(status, headers=raw, content=body)`` does for a body without
-    Content-Encoding (tested attribute by attribute against it); an encoded body takes httpx's
-    own constructor, which decodes it."""
+    __slots__ = ("connect", "pool", "read", "write")
 
-    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        # httpx.Response.__init__ is skipped on purpose; these are the attributes it sets.
-        self.status_code = status
-        self._raw_headers = raw_headers
-        self._parsed_headers: httpx.Headers | None = None
-        self._request = None
-        self.next_request = None
-        self.extensions = {}
-        self.history = []
-        self.is_closed = True
-        self.is_stream_consumed = True
-        self.default_encoding = "utf-8"
-        self._content = body
-        self._num_bytes_downloaded = 0  # as httpx.Response(content=...) reports it
-        self.stream = httpx.ByteStream(body)
+    def __init__(
+        self,
+        timeout: float | None = _UNSET,
+        *,
+        connect: float | None = _UNSET,
+        read: float | None = _UNSET,
+        write: float | None = _UNSET,
+        pool: float | None = _UNSET,
+    ) -> None:
+        phases = {"connect": connect, "read": read, "write": write, "pool": pool}
+        if timeout is _UNSET and _UNSET in phases.values():
+            missing = ", ".join(name for name, value in phases.items() if value is _UNSET)
+            raise ValueError(f"Timeout needs a default or all four phases; missing: {missing}")
+        self.connect: float | None = timeout if connect is _UNSET else connect
+        self.read: float | None = timeout if read is _UNSET else read
+        self.write: float | None = timeout if write is _UNSET else write
+        self.pool: float | None = timeout if pool is _UNSET else pool
 
-    @property  # httpx sets a plain attribute; here it is parsed on first read
-    def headers(self) -> httpx.Headers:
-        if self._parsed_headers is None:
-            self._parsed_headers = httpx.Headers(self._raw_headers)
-        return self._parsed_headers
+    def _key(self) -> tuple[float | None, ...]:
+        return (self.connect, self.read, self.write, self.pool)
 
-    @headers.setter
-    def headers(self, value: httpx.Headers) -> None:
-        self._parsed_headers = httpx.Headers(value)
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Timeout) and self._key() == other._key()
 
+    def __hash__(self) -> int:
+        return hash(self._key())
 
-def _read_response(status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes) -> httpx.Response:
-    for name, _ in raw_headers:
-        if len(name) == 16 and name.lower() == b"content-encoding":
-            return httpx.Response(status, headers=raw_headers, content=body)  # httpx decodes it
-    return _ReadResponse(status, raw_headers, body)
+    def __repr__(self) -> str:
+        return f"Timeout(connect={self.connect}, read={self.read}, write={self.write}, pool={self.pool})"
 
 
-class _Body(httpx.AsyncByteStream):
-    """A streamed response body, read from aiohttp as it arrives."""
+class Response:
+    """An answer: ``status_code``, ``headers`` (case-insensitive), and the body as ``content`` /
+    ``text`` / ``json()``; a streamed one reads its body with ``aread``, ``aiter_bytes`` or
+    ``aiter_lines`` first. ``text`` decodes with the charset of Content-Type, else UTF-8,
+    replacing what does not decode."""
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
+    __slots__ = ("_content", "_stream", "headers", "status_code")
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    def __init__(
+        self, status_code: int, headers: CIMultiDictProxy[str], content: bytes | None, stream: _Stream | None = None
+    ) -> None:
+        self.status_code = status_code
+        self.headers = headers
+        self._content = content
+        self._stream = stream
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    @property
+    def content(self) -> bytes:
+        if self._content is None:
+            raise RuntimeError("the body of a streamed answer is read with aread() first")
+        return self._content
+
+    @property
+    def encoding(self) -> str:
+        return _charset(self.headers.get("content-type")) or "utf-8"
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(self.encoding, errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+    async def aread(self) -> bytes:
+        if self._content is None:
+            assert self._stream is not None
+            self._content = b"".join([chunk async for chunk in self._stream.chunks()])
+        return self._content
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        if self._content is not None:
+            if self._content:
+                yield self._content
+            return
+        assert self._stream is not None
+        async for chunk in self._stream.chunks():
+            yield chunk
+
+    async def aiter_lines(self) -> AsyncIterator[str]:
+        """The body's text line by line, without line ends (``\\n``, ``\\r\\n`` or ``\\r``)."""
+        decoder = codecs.getincrementaldecoder(self.encoding)(errors="replace")
+        pending = ""
+        async for chunk in self.aiter_bytes():
+            pending += decoder.decode(chunk)
+            # A CR at the end may be the first half of a CRLF: keep it for the next chunk.
+            cut = len(pending) - 1 if pending.endswith("\r") else len(pending)
+            lines = pending[:cut].replace("\r\n", "\n").replace("\r", "\n").split("\n")
+            pending = lines.pop() + pending[cut:]
+            for line in lines:
+                yield line
+        pending += decoder.decode(b"", final=True)
+        if pending:
+            lines = pending.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+            for line in lines if lines[-1] else lines[:-1]:
+                yield line
+
+    def __repr__(self) -> str:
+        return f"<Response [{self.status_code}]>"
+
+
+def _charset(content_type: str | None) -> str | None:
+    if not content_type or "charset" not in content_type.lower():
+        return None
+    for param in content_type.split(";")[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset" and value.strip():
+            name = value.strip().strip("\"'")
+            try:
+                return codecs.lookup(name).name
+            except LookupError:
+                return None
+    return None
+
+
+# --------------------------------------------------------------------------- one exchange
+
+
+def _bytes_acked(sock: socket.socket | None) -> int | None:
+    if sock is None or _TCP_INFO is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 256)
+    except OSError:
+        return None
+    if len(info) < _BYTES_ACKED_AT + 8:
+        return None
+    acked: int = struct.unpack_from("=Q", info, _BYTES_ACKED_AT)[0]
+    return acked
+
+
+class _Exchange:
+    """One request's state across aiohttp: its connection's socket (a second descriptor, so that
+    TCP_INFO stays readable once aiohttp has closed its own), and its one timer, which enforces
+    the write and read timeouts by aborting the connection."""
+
+    __slots__ = (
+        "acked_before",
+        "expired",
+        "last_read",
+        "loop",
+        "reused",
+        "sock",
+        "streaming",
+        "timeout",
+        "timer",
+        "transport",
+        "waiting",
+        "written_at",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: Timeout) -> None:
+        self.loop = loop
+        self.timeout = timeout
+        self.transport: asyncio.Transport | None = None
+        self.sock: socket.socket | None = None
+        self.acked_before: int | None = None
+        self.reused = False
+        self.written_at = 0.0
+        self.last_read = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired: TimeoutException | None = None
+        self.streaming = False  # the head of a streamed answer is in: the caller reads at its pace
+        self.waiting = False  # the caller waits for more of a streamed answer
+
+    def bind(self, transport: asyncio.Transport, *, reused: bool) -> None:
+        """The connection the request is written to now (again, after aiohttp's resend)."""
+        if self.expired is not None:
+            raise self.expired  # a timeout aborted the attempt: no resend
+        self.release_socket()
+        self.transport = transport
+        self.reused = reused
+        if _TCP_INFO is not None:
+            own = transport.get_extra_info("socket")
+            if own is not None:
+                try:
+                    self.sock = socket.fromfd(own.fileno(), own.family, own.type)
+                except OSError:
+                    self.sock = None
+                # Every byte written before this request was answered, and so acknowledged.
+                self.acked_before = _bytes_acked(self.sock)
+        self.written_at = self.last_read = self.loop.time()
+        self._arm(self._first_due())
+
+    def unacknowledged(self) -> bool:
+        """True when the server's TCP stack provably took no byte of this request (Linux only)."""
+        if self.acked_before is None:
+            return False
+        acked = _bytes_acked(self.sock)
+        return acked is not None and acked <= self.acked_before
+
+    def _first_due(self) -> float | None:
+        write, read = self.timeout.write, self.timeout.read
+        if write is None and read is None:
+            return None
+        return self.written_at + min(t for t in (write, read) if t is not None)
+
+    def _arm(self, due: float | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = None if due is None else self.loop.call_at(due, self._fire)
+
+    def _fire(self) -> None:
+        self.timer = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        now = self.loop.time()
+        write, read = self.timeout.write, self.timeout.read
+        if write is not None and transport.get_write_buffer_size() > 0:
+            due = self.written_at + write  # the socket has not taken the whole request yet
+            if due <= now:
+                self._expire(WriteTimeout(f"the request was not taken by the socket within {write} s"))
+                return
+            self._arm(due if read is None else min(due, now + read))
+            return
+        if read is None:
+            return
+        if self.streaming and not self.waiting:
+            self._arm(now + read)  # the caller, not the server, is the slow side
+            return
+        due = self.last_read + read
+        if due <= now and now - self.written_at < _UNACKNOWLEDGED_WAIT_S and self.unacknowledged():
+            # The server has not taken the request yet (a full listen backlog): its stack will
+            # take it or reset the connection, which makes it safe to send again. Giving up now
+            # could not tell whether it gets there after all.
+            due = min(now + read, self.written_at + _UNACKNOWLEDGED_WAIT_S)
+        if due > now:
+            self._arm(due)
+        else:
+            self._expire(ReadTimeout(f"no data from the server for {read} s"))
+
+    def _expire(self, error: TimeoutException) -> None:
+        self.expired = error
+        assert self.transport is not None
+        self.transport.abort()  # aiohttp fails the request; error() reports it as this timeout
+
+    def release_socket(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
+
+    def finish(self) -> None:
+        self._arm(None)
+        self.release_socket()
+        self.transport = None
+
+    def error(self, exc: BaseException) -> TransportError:
+        """The contract's error for what aiohttp raised (``exc`` becomes its cause)."""
+        if self.expired is not None:
+            return self.expired
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            return ConnectError(f"cannot connect to {exc.host}:{exc.port}: {exc.os_error}")
+        if isinstance(exc, aiohttp.ClientHttpProxyError):
+            return ConnectError(f"the proxy refused the connection: HTTP {exc.status} {exc.message}")
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            return ConnectTimeout(f"no connection within {self.timeout.connect} s")
+        detail = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, ConnectionResetError | aiohttp.ClientOSError) and self.unacknowledged():
+            # Reset, and the server's stack never took a byte of the request: it cannot have
+            # reached the server (any request may be sent again). A full listen backlog does this.
+            return ConnectError(
+                f"the server reset the connection before it took any byte of the request "
+                f"(never accepted: is its listen backlog full?): {detail}"
+            )
+        if isinstance(exc, aiohttp.ServerDisconnectedError):
+            if self.reused:
+                return RemoteProtocolError("the server closed a kept-alive connection before answering")
+            return RemoteProtocolError("the server closed the connection without a complete answer")
+        if isinstance(exc, aiohttp.ClientPayloadError):
+            return RemoteProtocolError(f"the server closed the connection in the middle of the answer's body: {detail}")
+        if isinstance(exc, aiohttp.ClientResponseError):
+            return RemoteProtocolError(f"malformed HTTP answer: {exc.message}")
+        return ReadError(f"the connection failed during the exchange: {detail}")
+
+
+# The exchange in progress in this task, for the connector: set around aiohttp's request call.
+_EXCHANGE: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar("shopsimrl_http_exchange", default=None)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's pool, checking a pooled connection before it is reused and binding each
+    connection to the exchange that writes on it."""
+
+    def __init__(self, counters: _Counters, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._counters = counters
+        self._handed: weakref.WeakSet[Any] = weakref.WeakSet()  # connections handed out before
+        self._poll = select.poll()
+
+    async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:
+        while True:
+            conn = await super().connect(req, traces, timeout)
+            protocol, transport = conn.protocol, conn.transport
+            reused = protocol in self._handed
+            if reused and (transport is None or self._readable(transport)):
+                # Idle in the pool, and readable: the server's FIN (or bytes nobody asked for)
+                # arrived while the event loop was busy. Writing a request into it would fail.
+                self._counters.stale += 1
+                conn.close()
+                continue
+            if not reused:
+                self._handed.add(protocol)
+            exchange = _EXCHANGE.get()
+            if exchange is not None and transport is not None:
+                try:
+                    exchange.bind(transport, reused=reused)
+                except BaseException:
+                    conn.close()
+                    raise
+            return conn
+
+    def _readable(self, transport: asyncio.BaseTransport) -> bool:
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        fd = sock.fileno()
+        if fd < 0:
+            return True
+        self._poll.register(fd, select.POLLIN)
         try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-        except aiohttp.ClientError as exc:
-            raise _httpx_error(exc) from exc
-
-    async def aclose(self) -> None:
-        self._response.release()
+            return bool(self._poll.poll(0))
+        finally:
+            self._poll.unregister(fd)
 
 
-class _LeanBody(httpx.AsyncByteStream):
-    """A streamed response body, read from shopsimrl.http11 as it arrives."""
+class _Counters:
+    __slots__ = ("stale",)
 
-    def __init__(self, answer: http11.Answer) -> None:
-        self._answer = answer
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return http11.iterate(self._answer)
-
-    async def aclose(self) -> None:
-        http11.close_stream(self._answer)
+    def __init__(self) -> None:
+        self.stale = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Origin:
-    """Where a plain-http URL is sent: the pool's key, the request target and the Host header."""
+# --------------------------------------------------------------------------- streamed bodies
 
-    address: tuple[str, int]
-    target: str
-    host: str
+
+class _Stream:
+    """A streamed answer's body, read from aiohttp as the caller asks for it."""
+
+    __slots__ = ("_exchange", "_limit", "_response", "_size", "done")
+
+    def __init__(self, response: aiohttp.ClientResponse, exchange: _Exchange, limit: int) -> None:
+        self._response = response
+        self._exchange = exchange
+        self._limit = limit
+        self._size = 0
+        self.done = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        exchange, content = self._exchange, self._response.content
+        while not self.done:
+            exchange.waiting = True
+            try:
+                chunk = await content.readany()
+            except (aiohttp.ClientError, OSError) as exc:
+                raise exchange.error(exc) from exc
+            finally:
+                exchange.waiting = False
+            if not chunk:
+                self.done = True
+                return
+            exchange.last_read = exchange.loop.time()
+            self._size += len(chunk)
+            if self._size > self._limit:
+                raise ResponseTooLarge(f"the answer's body is larger than {self._limit} bytes")
+            yield chunk
+
+
+async def _read_body(response: aiohttp.ClientResponse, exchange: _Exchange, limit: int) -> bytes:
+    content = response.content
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            break
+        exchange.last_read = exchange.loop.time()
+        size += len(chunk)
+        if size > limit:
+            raise ResponseTooLarge(f"the answer's body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class _Target:
+    __slots__ = ("proxy", "proxy_headers", "url")
+
+    def __init__(self, url: yarl.URL, proxy: yarl.URL | None, proxy_headers: dict[str, str] | None) -> None:
+        self.url = url
+        self.proxy = proxy
+        self.proxy_headers = proxy_headers
 
 
 class HttpService:
     """The connection pool to one upstream service (a model server, ShopSimulator).
 
     ``HttpService(max_connections=512)``; ``await service.request("POST", url, content=body,
-    timeout=httpx.Timeout(30))`` returns a read ``httpx.Response``; ``async with
-    service.stream(...) as response`` one whose body is read as it arrives. The pool is opened
-    in the event loop that first uses it, and opened anew if a later call comes from another loop.
+    timeout=Timeout(30))`` returns a read :class:`Response`; ``async with service.stream(...) as
+    response`` one whose body is read as it arrives. ``trust_env``: proxies from ``HTTP(S)_PROXY``
+    and ``NO_PROXY`` (read once per URL). ``socket_factory`` makes each connection's socket from
+    its address (``getaddrinfo``'s tuple), for socket options (aiohttp's hook). The pool is
+    opened in the event loop that first uses it, and opened anew if a later call comes from
+    another loop.
     """
 
     def __init__(
-        self, *, max_connections: int = 100, keepalive_expiry: float = 5.0, keep_alive: bool = True, trust_env: bool = False
+        self,
+        *,
+        max_connections: int = 100,
+        keepalive_expiry: float = KEEPALIVE_EXPIRY_S,
+        keep_alive: bool = True,
+        trust_env: bool = False,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+        socket_factory: Callable[[Any], socket.socket] | None = None,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self.max_connections = max_connections
         self.keepalive_expiry = keepalive_expiry
         self.keep_alive = keep_alive
         self.trust_env = trust_env
+        self.max_response_bytes = max_response_bytes
+        self.socket_factory = socket_factory
+        self._counters = _Counters()
         self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._urls: dict[str, yarl.URL] = {}
-        self._origins: dict[str, _Origin | None] = {}
-        self._pools: dict[tuple[str, int], http11.Pool] = {}
-        self._pools_loop: asyncio.AbstractEventLoop | None = None
-        self._timeouts: dict[tuple[Any, ...], aiohttp.ClientTimeout] = {}
+        self._targets: dict[str, _Target] = {}
+        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
 
-    def _open(self) -> aiohttp.ClientSession:
+    @property
+    def stale_connections_discarded(self) -> int:
+        """Pooled connections found closed by the server at reuse, and replaced."""
+        return self._counters.stale
+
+    def _open(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore, asyncio.AbstractEventLoop]:
         loop = asyncio.get_running_loop()
-        if self._session is None or self._loop is not loop:
-            connector = aiohttp.TCPConnector(
-                limit=self.max_connections,
+        if self._session is None or self._slots is None or self._loop is not loop:
+            # The limit is this service's own semaphore (a pool timeout apart from the connect
+            # timeout); requests in flight bound the connections, so aiohttp's limit is off.
+            connector = _Connector(
+                self._counters,
+                limit=0,
+                limit_per_host=0,
                 keepalive_timeout=self.keepalive_expiry if self.keep_alive else None,
                 force_close=not self.keep_alive,
+                use_dns_cache=True,
+                ttl_dns_cache=DNS_CACHE_TTL_S,
+                socket_factory=self.socket_factory,
             )
-            # trust_env: proxies from HTTP(S)_PROXY only when asked (as httpx's trust_env).
-            # auto_decompress off: httpx.Response decodes Content-Encoding itself.
-            self._session = aiohttp.ClientSession(connector=connector, trust_env=self.trust_env, auto_decompress=False)
+            # Proxies are looked up here once per URL (trust_env), not by aiohttp per request,
+            # which would also read ~/.netrc credentials into the model's requests.
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=_SKIP_AUTO_HEADERS,
+                trust_env=False,
+                raise_for_status=False,
+            )
+            self._slots = asyncio.Semaphore(self.max_connections)
             self._loop = loop
-        return self._session
+        return self._session, self._slots, loop
 
-    def _origin(self, url: str) -> _Origin | None:
-        """The lean client's view of ``url``; None where aiohttp serves it (https, credentials, proxies)."""
-        try:
-            return self._origins[url]
-        except KeyError:
-            pass
-        if len(self._origins) > 256:  # the adapters use a handful of URLs; never grow without bound
-            self._origins.clear()
-        parts = urlsplit(url)
-        origin = None
-        if parts.scheme == "http" and not self.trust_env and "@" not in parts.netloc and parts.hostname:
-            # Percent-encode what may not appear raw in a request line (spaces, non-ASCII), as httpx does.
-            target = quote(parts.path or "/", safe="/%:@!$&'()*+,;=~") + (
-                f"?{quote(parts.query, safe='/%:@!$&()*+,;=~?')}" if parts.query else ""
-            )
-            origin = _Origin((parts.hostname, parts.port or 80), target, parts.netloc)
-        self._origins[url] = origin
-        return origin
+    def _target(self, url: str) -> _Target:
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) > 256:  # the adapters use a handful of URLs; never grow without bound
+                self._targets.clear()
+            parsed = yarl.URL(url)
+            proxy, proxy_headers = _env_proxy(parsed) if self.trust_env else (None, None)
+            target = self._targets[url] = _Target(parsed, proxy, proxy_headers)
+        return target
 
-    def _pool(self, origin: _Origin) -> http11.Pool:
-        loop = asyncio.get_running_loop()
-        if self._pools_loop is not loop:
-            self._pools = {}  # those of an ended event loop cannot be used (or closed) from this one
-            self._pools_loop = loop
-        pool = self._pools.get(origin.address)
-        if pool is None:
-            pool = self._pools[origin.address] = http11.Pool(
-                *origin.address, limit=self.max_connections, keepalive_expiry=self.keepalive_expiry, keep_alive=self.keep_alive
-            )
-        return pool
-
-    async def _lean_send(
-        self,
-        origin: _Origin,
-        method: str,
-        content: bytes | None,
-        headers: Mapping[str, str] | None,
-        timeout: httpx.Timeout,
-        *,
-        stream: bool,
-    ) -> tuple[int, list[tuple[bytes, bytes]], http11.Answer]:
-        data = http11.request_bytes(method, origin.target, origin.host, content, headers, keep_alive=self.keep_alive)
-        return await http11.exchange(self._pool(origin), method, data, timeout, stream=stream)
-
-    def _url(self, url: str) -> yarl.URL:
-        parsed = self._urls.get(url)
-        if parsed is None:
-            if len(self._urls) > 256:  # the adapters use a handful of URLs; never grow without bound
-                self._urls.clear()
-            parsed = self._urls[url] = yarl.URL(url)
-        return parsed
-
-    def _timeout(self, timeout: httpx.Timeout) -> aiohttp.ClientTimeout:
-        key = (timeout.connect, timeout.read, timeout.pool)
-        cached = self._timeouts.get(key)
+    def _client_timeout(self, timeout: Timeout) -> aiohttp.ClientTimeout:
+        cached = self._timeouts.get(timeout.connect)
         if cached is None:
-            # aiohttp's `connect` covers waiting for a pooled connection plus connecting.
-            pool = None if timeout.pool is None or timeout.connect is None else timeout.pool + timeout.connect
-            cached = self._timeouts[key] = aiohttp.ClientTimeout(
-                total=None, connect=pool, sock_connect=timeout.connect, sock_read=timeout.read
+            # The read and write timeouts are the exchange's timer; aiohttp keeps the connect one
+            # (DNS, TCP, TLS, a proxy's tunnel). There is no pool wait inside aiohttp.
+            cached = self._timeouts[timeout.connect] = aiohttp.ClientTimeout(
+                total=None, connect=timeout.connect, sock_connect=None, sock_read=None
             )
         return cached
 
-    async def _send(
-        self, method: str, url: str, content: bytes | None, headers: Mapping[str, str] | None, timeout: httpx.Timeout
-    ) -> aiohttp.ClientResponse:
+    async def _acquire(self, slots: asyncio.Semaphore, timeout: Timeout) -> None:
+        if not slots.locked() or timeout.pool is None:
+            await slots.acquire()
+            return
         try:
-            return await self._open().request(
+            async with asyncio.timeout(timeout.pool):
+                await slots.acquire()
+        except TimeoutError:
+            raise PoolTimeout(f"no free connection within {timeout.pool} s") from None
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        exchange: _Exchange,
+        method: str,
+        url: str,
+        content: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout: Timeout,
+    ) -> aiohttp.ClientResponse:
+        target = self._target(url)
+        token = _EXCHANGE.set(exchange)
+        try:
+            return await session.request(
                 method,
-                self._url(url),
+                target.url,
                 data=content,
                 headers=headers,
-                timeout=self._timeout(timeout),
+                timeout=self._client_timeout(timeout),
                 allow_redirects=False,
+                proxy=target.proxy,
+                proxy_headers=target.proxy_headers,
             )
-        except aiohttp.ClientError as exc:
-            raise _httpx_error(exc) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise exchange.error(exc) from exc
+        finally:
+            _EXCHANGE.reset(token)
 
     async def request(
         self,
@@ -308,21 +720,28 @@ class HttpService:
         *,
         content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout,
-    ) -> httpx.Response:
+        timeout: Timeout,
+    ) -> Response:
         """Send, and read the whole answer."""
-        origin = self._origin(url)
-        if origin is not None:
-            status, raw_headers, answer = await self._lean_send(origin, method, content, headers, timeout, stream=False)
-            return _read_response(status, raw_headers, http11.body(answer))
-        response = await self._send(method, url, content, headers, timeout)
+        _check_headers(headers)
+        session, slots, loop = self._open()
+        await self._acquire(slots, timeout)
+        exchange = _Exchange(loop, timeout)
         try:
-            body = await response.read()
-        except aiohttp.ClientError as exc:
-            raise _httpx_error(exc) from exc
+            response = await self._send(session, exchange, method, url, content, headers, timeout)
+            exchange.last_read = exchange.loop.time()
+            try:
+                body = await _read_body(response, exchange, self.max_response_bytes)
+            except BaseException as exc:
+                response.close()  # a connection whose answer was not taken whole is not reused
+                if isinstance(exc, aiohttp.ClientError | OSError):
+                    raise exchange.error(exc) from exc
+                raise
+            response.release()  # back to the pool
+            return Response(response.status, response.headers, body)
         finally:
-            response.release()
-        return _read_response(response.status, list(response.raw_headers), body)
+            exchange.finish()
+            slots.release()
 
     @asynccontextmanager
     async def stream(
@@ -332,27 +751,57 @@ class HttpService:
         *,
         content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout,
-    ) -> AsyncIterator[httpx.Response]:
+        timeout: Timeout,
+    ) -> AsyncIterator[Response]:
         """Send; the answer's body is read as it arrives (``aiter_lines``, ``aread``)."""
-        origin = self._origin(url)
-        if origin is not None:
-            status, raw_headers, answer = await self._lean_send(origin, method, content, headers, timeout, stream=True)
-            wrapped = httpx.Response(status, headers=raw_headers, stream=_LeanBody(answer))
-        else:
-            response = await self._send(method, url, content, headers, timeout)
-            wrapped = httpx.Response(response.status, headers=response.raw_headers, stream=_Body(response))
+        _check_headers(headers)
+        session, slots, loop = self._open()
+        await self._acquire(slots, timeout)
+        exchange = _Exchange(loop, timeout)
         try:
-            yield wrapped
+            response = await self._send(session, exchange, method, url, content, headers, timeout)
+            body = _Stream(response, exchange, self.max_response_bytes)
+            exchange.last_read = exchange.loop.time()
+            exchange.streaming = True
+            try:
+                yield Response(response.status, response.headers, None, body)
+            finally:
+                if body.done:
+                    response.release()
+                else:
+                    response.close()  # a connection still carrying this answer cannot be reused
         finally:
-            await wrapped.aclose()
+            exchange.finish()
+            slots.release()
 
     async def aclose(self) -> None:
-        pools, self._pools = self._pools, {}
-        if self._pools_loop is asyncio.get_running_loop():
-            for pool in pools.values():
-                pool.close()
         session, self._session = self._session, None
         # A pool opened in an event loop that has since ended cannot be closed from this one.
         if session is not None and self._loop is asyncio.get_running_loop():
             await session.close()
+
+
+def _check_headers(headers: Mapping[str, str] | None) -> None:
+    if not headers:
+        return
+    for name, value in headers.items():
+        if name.lower() in _FRAMING:
+            raise LocalProtocolError(f"the {name} header is set by the HTTP client, not by callers")
+        if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
+            raise LocalProtocolError("a request header name or value contains a line break")
+        if not (name.isascii() and value.isascii()):
+            raise LocalProtocolError("a request header is not ASCII text")
+
+
+def _env_proxy(url: yarl.URL) -> tuple[yarl.URL | None, dict[str, str] | None]:
+    """The proxy ``HTTP_PROXY`` / ``HTTPS_PROXY`` name for ``url`` unless ``NO_PROXY`` exempts it,
+    with its user:password as a Proxy-Authorization header."""
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(url.scheme)
+    if not proxy or (url.host and urllib.request.proxy_bypass(url.host)):
+        return None, None
+    parsed = yarl.URL(proxy)
+    if parsed.user is None:
+        return parsed, None
+    auth = aiohttp.BasicAuth(parsed.user, parsed.password or "").encode()
+    return parsed.with_user(None), {"Proxy-Authorization": auth}

@@ -226,8 +226,6 @@ def configure_logging(verbosity: int = 0, *, settings: LogSettings | None = None
         logger_factory=_terminal_logger,
         cache_logger_on_first_use=False,
     )
-    # httpx logs every request at INFO; that is noise at rollout volume.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     return settings
 
 

@@ -19,7 +19,7 @@ translated into this module's exceptions::
                                        .status_code, .attempts (records), .attempt_count
 
     Retried inside generate() through shopsimrl.retry (capped exponential backoff with jitter, or the server's
-    Retry-After), never raised as such: httpx.RequestError (connect, timeouts, broken
+    Retry-After), never raised as such: shopsimrl.httpclient.TransportError (connect, timeouts, broken
     connections), HTTP 408/409/429/5xx, a stream without ``[DONE]``, a streamed chunk that is
     not JSON or carries an ``error`` object. Misuse (calling a closed adapter) is a RuntimeError.
 
@@ -72,10 +72,9 @@ from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
 import structlog
 
-from shopsimrl.httpclient import HttpService
+from shopsimrl.httpclient import HttpService, Response, Timeout, TransportError
 from shopsimrl.logs import brief
 from shopsimrl.retry import Attempt, Backoff, retry_async
 from shopsimrl.schemas import (
@@ -228,7 +227,7 @@ class OpenAICompatibleSettings:
         except ValueError:
             raise ModelConfigError("model setting 'base_url' is not a valid URL") from None
         if "@" in parts.netloc:
-            # httpx would send them as Basic auth instead of the Bearer key, and servers echo headers.
+            # The HTTP client would send them as Basic auth instead of the Bearer key, and servers echo headers.
             raise ModelConfigError(
                 "model setting 'base_url' must not contain user:password@ credentials; "
                 "put the API key in the environment variable named by api_key_env"
@@ -388,9 +387,9 @@ class OpenAICompatibleChatModel:
             self._http_service = HttpService(max_connections=s.max_connections, trust_env=s.trust_env)
         return self._http_service
 
-    def _timeout(self) -> httpx.Timeout:
+    def _timeout(self) -> Timeout:
         s = self.settings
-        return httpx.Timeout(s.timeout, connect=min(s.timeout, CONNECT_TIMEOUT_CAP))
+        return Timeout(s.timeout, connect=min(s.timeout, CONNECT_TIMEOUT_CAP))
 
     async def aclose(self) -> None:
         if self._closed:
@@ -405,7 +404,7 @@ class OpenAICompatibleChatModel:
         shown = redact_uri(url)  # messages may persist; the URL itself may carry credentials
         try:
             response = await self._http().request("GET", url, headers=self._headers(), timeout=self._timeout())
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             raise ModelRequestError(
                 self._redact(f"GET {shown} failed: {_describe(exc)}"), status_code=None, attempts=[]
             ) from None
@@ -551,7 +550,7 @@ class OpenAICompatibleChatModel:
             attempts=s.max_retries, base_delay_s=s.retry_backoff_seconds, max_delay_s=s.max_backoff_seconds, jitter="additive"
         )
 
-    def _status_error(self, url: str, response: httpx.Response, text: str) -> Exception:
+    def _status_error(self, url: str, response: Response, text: str) -> Exception:
         status = response.status_code
         excerpt = self._redact(text[:ERROR_BODY_CHARS])
         if status == 400:
@@ -573,7 +572,7 @@ class OpenAICompatibleChatModel:
     ) -> tuple[int, Any, str | None]:
         try:
             response = await client.request("POST", url, content=payload, headers=headers, timeout=self._timeout())
-        except httpx.RequestError as exc:
+        except TransportError as exc:
             raise _Retryable(_describe(exc)) from None
         if not response.is_success:
             raise self._status_error(url, response, response.text)
@@ -596,7 +595,7 @@ class OpenAICompatibleChatModel:
                     if assembler.feed(line):
                         break
                 return response.status_code, assembler.finish(), None
-        except httpx.RequestError as exc:
+        except TransportError as exc:
             raise _Retryable(_describe(exc)) from None
 
 

@@ -33,3 +33,14 @@ def open_connections_to(port: int) -> list[str]:
             if remote_port == port and fields[3] in _OPEN_STATES:
                 states.append(_OPEN_STATES[fields[3]])
     return states
+
+
+def busy_until_closed_by_server(port: int, count: int, timeout: float = 30.0) -> int:
+    """Keep the calling thread busy (so its event loop reads nothing) until ``count`` of this
+    host's connections to ``port`` have the server's FIN waiting unread (CLOSE_WAIT): the server
+    closed them while the client's loop was busy. Returns how many; AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while (closed := open_connections_to(port).count("CLOSE_WAIT")) < count:
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {count} connections to :{port} closed by the server"
+        time.sleep(0.02)  # blocks the event loop on purpose
+    return closed

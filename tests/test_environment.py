@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -20,7 +22,7 @@ from shopsimrl.environment import (
     ShopSimulatorSettings,
 )
 from shopsimrl.testbed.serving import free_port, running_server
-from tests.polling import open_connections_to, until
+from tests.polling import busy_until_closed_by_server, open_connections_to, until
 from tests.shop_stub import DROP, ENVIRONMENT_VERSION, OBSERVATION_VERSION, Reply, ShopStub
 
 Factory = Callable[..., ShopSimulatorEnvironment]
@@ -257,10 +259,10 @@ async def test_step_is_retried_when_the_connection_is_refused() -> None:
             await env.aclose()
 
 
-async def test_step_on_a_connection_the_server_dropped_is_not_resent() -> None:
-    """A request written on a pooled connection that the server closed at that instant may have
-    been read: an interact is never sent twice, the failure is infrastructure (the episode is
-    retried whole)."""
+async def test_step_on_a_pooled_connection_the_server_closed_goes_out_once_on_a_new_one() -> None:
+    """The server closes the pooled connection while the client's event loop is busy (here:
+    stopping the server blocks it), so its FIN waits unread: the client finds the connection
+    stale before writing, sends the interact on a new connection, once."""
     stub, port = ShopStub(), free_port()
     with ExitStack() as servers:
         servers.enter_context(running_server(stub.app, port=port))
@@ -269,13 +271,58 @@ async def test_step_on_a_connection_the_server_dropped_is_not_resent() -> None:
             episode = env.open_episode()
             await episode.reset(1)
             servers.close()  # closed while the client still holds the connection in its pool
+            assert open_connections_to(port) == ["CLOSE_WAIT"]  # the client has not seen it yet
             servers.enter_context(running_server(stub.app, port=port))
-            with pytest.raises(EnvironmentUnavailableError) as failure:
-                await episode.step("search[耳机]")
-            assert failure.value.request_sent and failure.value.attempts == 1
-            assert stub.actions() == ["reset"]
+            step = await episode.step("search[耳机]")
+            assert step["done"] is False and stub.actions() == ["reset", "interact"]
+            await episode.close()
         finally:
             await env.aclose()
+
+
+async def test_step_whose_connection_is_dropped_after_the_server_read_it_is_not_resent(stub: ShopStub) -> None:
+    """A request that reached the server on a connection then closed without an answer may have
+    been acted on: an interact is never sent twice, the failure is infrastructure (the episode is
+    retried whole). A proxy in front of the shop forwards the interact and hangs up on the client."""
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", int(stub.base_url.rsplit(":", 1)[1]))  # type: ignore[attr-defined]
+
+        async def answers() -> None:
+            while data := await upstream_reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+
+        back = asyncio.create_task(answers())
+        try:
+            while data := await reader.read(65536):
+                if b'"interact"' in data:
+                    back.cancel()  # the shop acts on it; its answer never reaches the client
+                    upstream_writer.write(data)
+                    await upstream_writer.drain()
+                    await until(lambda: "interact" in stub.actions(), "the shop received the interact")
+                    break
+                upstream_writer.write(data)
+                await upstream_writer.drain()
+        finally:
+            back.cancel()
+            writer.close()
+            upstream_writer.close()
+
+    proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+    env = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=url, cleanup_grace_seconds=1.0))
+    try:
+        episode = env.open_episode()
+        await episode.reset(1)
+        with pytest.raises(EnvironmentUnavailableError) as failure:
+            await episode.step("search[耳机]")
+        assert failure.value.request_sent and failure.value.attempts == 1
+        assert stub.actions() == ["reset", "interact"]  # it arrived, once
+    finally:
+        await env.aclose()
+        proxy.close()
+        await proxy.wait_closed()
 
 
 async def test_reset_retries_503_but_not_500(stub: ShopStub, make_env: Factory, sleeps: list[float]) -> None:
@@ -500,6 +547,36 @@ async def test_healthz_of_a_shop_that_is_not_ready(stub: ShopStub, make_env: Fac
     stub.script("healthz", Reply(status=503, raw="upstream connect error"))
     assert (await env.healthz())["ready"] is True
     assert stub.actions()[2:] == ["healthz", "healthz"] and sleeps == [0.5]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc/net/tcp")
+async def test_interacts_after_the_shop_closed_idle_connections_under_a_busy_loop_go_out_once() -> None:
+    """A shop with a 1 s keep-alive (uvicorn's default is 5 s; the testbed's 30 s). 8 episodes
+    step at once, then the event loop stays busy until the shop has closed every pooled
+    connection (their FINs wait unread), then all 8 step again, 3 rounds: each interact must go
+    out exactly once and succeed. Written into a connection the server had closed, an interact
+    fails, and it is never sent again (the server may have acted on it): the episode would fail."""
+    episodes, rounds = 8, 3
+    shop = ShopStub(slots=episodes)
+    with running_server(shop.app, timeout_keep_alive=1) as url:
+        port = int(url.rsplit(":", 1)[1])
+        env = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=url, max_connections=episodes))
+        closed_by_server = 0
+        try:
+            opened = [env.open_episode() for _ in range(episodes)]
+            await asyncio.gather(*(episode.reset(n + 1) for n, episode in enumerate(opened)))
+            for round_ in range(rounds):
+                await asyncio.gather(*(episode.step(f"search[round {round_} a]") for episode in opened))
+                closed_by_server += busy_until_closed_by_server(port, len(open_connections_to(port)))
+                await asyncio.gather(*(episode.step(f"search[round {round_} b]") for episode in opened))
+            await asyncio.gather(*(episode.close() for episode in opened))
+        finally:
+            await env.aclose()
+    assert closed_by_server >= rounds * episodes  # the fault, every round
+    interacts = [request["response"] for request in shop.requests if request.get("action") == "interact"]
+    expected = [f"search[round {r} {p}]" for r in range(rounds) for p in "ab" for _ in range(episodes)]
+    assert sorted(interacts) == sorted(expected)  # each exactly once
 
 
 def test_error_hierarchy() -> None:

@@ -83,7 +83,6 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "episode": ("shopsimrl.episode",),
     "adapters": (
         "shopsimrl.environment",
-        "shopsimrl.http11",
         "shopsimrl.httpclient",
         "shopsimrl.model",
         "shopsimrl.prompts",

@@ -60,17 +60,16 @@ def test_requests_reset_before_the_server_accepted_them_are_sent_again() -> None
     assert figures["interacts_duplicated"] == 0 and figures["interacts_missing"] == 0
 
 
-# Linux's default overflow handling, made fast: the server completes our connection when its
-# request arrives (TCP_DEFER_ACCEPT), and by then three others fill its accept queue (backlog 2),
-# so it drops the request and keeps the half-open connection until its one SYN-ACK retry is spent
-# (about 3 s), then resets it. Our read timeout is 1 s.
+# Linux's default overflow handling, made fast: the server completes a connection when its
+# request arrives (TCP_DEFER_ACCEPT). Our connection's handshake is done while its accept queue
+# (backlog 2) has room, but its request waits in our kernel (TCP_CORK, up to 200 ms) until a
+# third connection has filled the queue; so the server drops the request and keeps the half-open
+# connection until its one SYN-ACK retry is spent (about 3 s), then resets it. Our read timeout is 1 s.
 UNACCEPTED = """
-import asyncio, json, socket, sys, time
+import asyncio, json, socket, sys
 sys.path.insert(0, sys.argv[1])
 from listen_backlog import _loopback_up, _sysctl
-import httpx
-from shopsimrl import http11
-from shopsimrl.httpclient import request_not_sent
+from shopsimrl.httpclient import HttpService, Timeout, TransportError, request_not_sent
 
 _loopback_up()
 _sysctl("tcp_abort_on_overflow", 0)
@@ -85,31 +84,40 @@ address = listener.getsockname()
 
 def connect(data):
     sock = socket.create_connection(address)
-    if data:
-        sock.sendall(data)
+    sock.sendall(data)
     return sock
 
 
+def corked(addr_info):
+    family, kind, proto, _, _ = addr_info
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+    return sock
+
+
+def established():  # client ends of connections to the listener that finished their handshake
+    lines = open("/proc/net/tcp").read().splitlines()[1:]
+    return sum(int(f[2].rsplit(":", 1)[1], 16) == address[1] and f[3] == "01" for f in map(str.split, lines))
+
+
 filled = [connect(b"GET /a HTTP/1.1\\r\\n\\r\\n"), connect(b"GET /b HTTP/1.1\\r\\n\\r\\n")]
-ours = connect(None)  # handshake done; its request comes below
-filled.append(connect(b"GET /c HTTP/1.1\\r\\n\\r\\n"))  # the accept queue is full now
 
 
 async def main():
-    pool = http11.Pool(*address, limit=4, keepalive_expiry=5, keep_alive=True)
-
-    async def preconnected(timeout):
-        _, conn = await pool.loop.create_connection(lambda: http11._Connection(pool), sock=ours)
-        pool.every.add(conn)
-        return conn
-
-    pool._connect = preconnected
-    data = http11.request_bytes("POST", "/api/shop_agent", "shop", b'{"action": "interact"}', None, keep_alive=True)
+    service = HttpService(max_connections=4, socket_factory=corked)
+    request = asyncio.ensure_future(
+        service.request("POST", f"http://127.0.0.1:{address[1]}/api/shop_agent", content=b'{"action": "interact"}', timeout=Timeout(5, read=1))
+    )
+    while established() < 3:  # /a, /b and ours
+        await asyncio.sleep(0.001)
+    filled.append(connect(b"GET /c HTTP/1.1\\r\\n\\r\\n"))  # the accept queue is full now
     try:
-        await http11.exchange(pool, "POST", data, httpx.Timeout(5, read=1), stream=False)
+        await request
         return {"error": None}
-    except httpx.TransportError as exc:
+    except TransportError as exc:
         return {"error": type(exc).__name__, "message": str(exc), "not_sent": request_not_sent(exc)}
+    finally:
+        await service.aclose()
 
 
 outcome = asyncio.run(main())

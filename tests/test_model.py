@@ -6,15 +6,15 @@ import asyncio
 import email.utils
 import hashlib
 import json
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 import shopsimrl.model as model_module
-from shopsimrl.httpclient import HttpService
+from shopsimrl.httpclient import HttpService, Timeout
 from shopsimrl.model import (
     ChatModel,
     ModelConfigError,
@@ -24,6 +24,7 @@ from shopsimrl.model import (
 )
 from shopsimrl.testbed.serving import free_port, running_server
 from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
+from tests.polling import busy_until_closed_by_server, open_connections_to
 
 SEARCH_TOOL = {
     "type": "function",
@@ -558,7 +559,7 @@ async def test_injected_client_is_not_closed_and_closed_adapter_refuses(stub: Op
     await model.generate(MESSAGES, TOOLS)
     await model.aclose()
     await model.aclose()  # idempotent
-    response = await http.request("GET", f"{server[1]}/models", timeout=httpx.Timeout(5))  # still open
+    response = await http.request("GET", f"{server[1]}/models", timeout=Timeout(5))  # still open
     assert response.status_code == 200
     await http.aclose()
     with pytest.raises(RuntimeError, match="closed"):
@@ -678,3 +679,38 @@ async def test_a_body_that_is_not_utf8_is_kept_byte_for_byte(stub: OpenAIStub, m
     out = await make().generate(MESSAGES, TOOLS)
     assert out.protocol_error is not None and out.protocol_error["code"] == "invalid_json_response"
     assert out.raw_response["text"].encode("utf-8", "surrogateescape") == body
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc/net/tcp")
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_calls_after_the_server_closed_idle_connections_under_a_busy_loop_need_no_retry(
+    stream: bool, sleeps: SleepRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model server with a 1 s keep-alive (vLLM's and SGLang's uvicorn keep 5 s). 8 calls at
+    once, then the event loop stays busy until the server has closed every pooled connection
+    (their FINs wait unread), then 8 calls again, 3 rounds: each must succeed on its first
+    attempt. Written into a connection the server had closed, a call fails and costs a retry."""
+    calls, rounds = 8, 3
+    monkeypatch.setenv("SHOPSIMRL_TEST_KEY", KEY)
+    stub = OpenAIStub()
+    with running_server(stub, timeout_keep_alive=1) as url:
+        port = int(url.rsplit(":", 1)[1])
+        settings = OpenAICompatibleSettings(
+            model="stub-model", base_url=f"{url}/v1", api_key_env="SHOPSIMRL_TEST_KEY", stream=stream
+        )
+        model = OpenAICompatibleChatModel(settings, sleep=sleeps)
+        reply = Reply(sse=stream_chunks(*FRAGMENTED_CALL)) if stream else Reply(json=completion(tool_calls=[tool_call()]))
+        closed_by_server, outputs = 0, []
+        try:
+            for _ in range(rounds):
+                stub.queue(*[reply] * calls)
+                outputs += await asyncio.gather(*(model.generate(MESSAGES, TOOLS, seed=n) for n in range(calls)))
+                closed_by_server += busy_until_closed_by_server(port, len(open_connections_to(port)))
+                stub.queue(*[reply] * calls)
+                outputs += await asyncio.gather(*(model.generate(MESSAGES, TOOLS, seed=n) for n in range(calls)))
+        finally:
+            await model.aclose()
+    assert closed_by_server >= rounds * calls  # the fault, every round
+    assert [output.attempt_count for output in outputs] == [1] * (2 * rounds * calls) and sleeps.calls == []
+    assert all(output.protocol_error is None for output in outputs) and len(stub.completions) == 2 * rounds * calls
