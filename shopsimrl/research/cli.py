@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import AbstractContextManager, ExitStack
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
@@ -34,7 +35,7 @@ ALLOW_PARTIAL = typer.Option(
 )
 
 
-def _output(option: str) -> Any:
+def _output(option: str) -> AbstractContextManager[None]:
     """An output written by the one rule of research/outputs.py: its errors (refused or
     uncreatable: exit 2; failed partway: exit 3) name ``option``."""
     from shopsimrl.research.outputs import OutputError, OutputStorageError
@@ -42,11 +43,9 @@ def _output(option: str) -> Any:
     return context(OutputError, OutputStorageError, prefix=f"{option} ")
 
 
-def _output_io() -> Any:
+def _output_io() -> ExitStack:
     """Writing ``-o/--output`` from a run: an I/O error of the output names it, any other I/O
     error is the run's storage or the disk failing under way (both exit 3)."""
-    from contextlib import ExitStack
-
     from shopsimrl.research.outputs import OutputStorageError
 
     stack = ExitStack()
