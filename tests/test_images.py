@@ -200,7 +200,7 @@ def test_the_worker_image_package_has_no_testbed_and_needs_no_extra(tmp_path: Pa
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         meta = email.message_from_bytes(archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
-    assert "shopsimrl/runner/worker.py" in names and "shopsimrl/cli.py" in names
+    assert "shopsimrl/runner/worker.py" in names and "shopsimrl/cli/__init__.py" in names
     assert not [n for n in names if n.startswith("shopsimrl/testbed")], "the testbed ships in the worker image"
     base = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
     assert not [r for r in base if re.match(r"(starlette|uvicorn|kubernetes)\b", r)], base

@@ -17,7 +17,20 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shopsimrl"
 
 # Highest first. An import may point into its own layer or any layer below it, never above.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "cli": ("shopsimrl.__main__", "shopsimrl.cli"),
+    # The commands: the core's (shopsimrl/cli/) and those of the optional parts, which the core
+    # registers by name only (CORE_CLI below may not import them).
+    "cli": (
+        "shopsimrl.__main__",
+        "shopsimrl.cli",
+        "shopsimrl.cli.common",
+        "shopsimrl.cli.env",
+        "shopsimrl.cli.errors",
+        "shopsimrl.cli.run",
+        "shopsimrl.cli.shards",
+        "shopsimrl.cli.status",
+        "shopsimrl.research.cli",
+        "shopsimrl.testbed.cli",
+    ),
     # Tools over finished runs; they read runs through the layers below, nothing below imports them.
     "research": (
         "shopsimrl.research",
@@ -120,7 +133,20 @@ LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in mod
 TESTBED = "shopsimrl.testbed"
 TESTBED_MAY_IMPORT = ("records",)
 """The testbed stands in for the services: it may use the core's records, nothing above them."""
-STARTS_THE_TESTBED = ("shopsimrl.cli",)
+STARTS_THE_TESTBED = ("shopsimrl.testbed.cli",)
+CORE_CLI = ("shopsimrl.__main__", "shopsimrl.cli")
+"""The core's commands (the modules and their submodules): they run without the optional parts,
+so they import neither (shopsimrl/cli/__init__.py loads those with importlib, by name)."""
+OPTIONAL_PARTS = ("shopsimrl.research", "shopsimrl.testbed")
+
+
+def _within(module: str, roots: tuple[str, ...]) -> bool:
+    return any(module == root or module.startswith(root + ".") for root in roots)
+
+
+def _is_testbed(module: str) -> bool:
+    """A module of the testbed proper; its commands (``shopsimrl.testbed.cli``) are of the cli layer."""
+    return module.startswith(TESTBED) and module not in LAYER_OF
 
 
 @dataclass(frozen=True)
@@ -240,7 +266,12 @@ def cycles(edges: list[Import]) -> list[list[Import]]:
 def layer_problems(edges: list[Import]) -> list[str]:
     problems = []
     for edge in edges:
-        source_tb, target_tb = edge.source.startswith(TESTBED), edge.target.startswith(TESTBED)
+        if _within(edge.source, CORE_CLI) and _within(edge.target, OPTIONAL_PARTS):
+            problems.append(
+                f"{edge}: the core's commands may not import an optional part (register it in shopsimrl/cli/__init__.py)"
+            )
+            continue
+        source_tb, target_tb = _is_testbed(edge.source), _is_testbed(edge.target)
         if source_tb and target_tb:
             continue
         if target_tb:
@@ -264,7 +295,10 @@ def test_every_module_has_a_declared_layer_and_every_declared_module_exists() ->
     known = module_names(PACKAGE)
     core = {name for name in known if not name.startswith(TESTBED)}
     assert sorted(core - set(LAYER_OF)) == [], "declare the layer of these modules in LAYERS"
-    assert sorted(set(LAYER_OF) - core) == [], "these modules in LAYERS no longer exist"
+    assert sorted(set(LAYER_OF) - set(known)) == [], "these modules in LAYERS no longer exist"
+    assert [name for name in LAYER_OF if name.startswith(TESTBED)] == ["shopsimrl.testbed.cli"], (
+        "only its commands leave the testbed"
+    )
     declared = [module for modules in LAYERS.values() for module in modules]
     assert len(declared) == len(set(declared)), "a module is declared in two layers"
 
@@ -286,13 +320,17 @@ def test_imports_point_down_the_layers_and_the_testbed_stays_apart() -> None:
 
 def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
     """The control: a package with a TYPE_CHECKING cycle, an upward import inside a function,
-    a relative import and the testbed reaching up is caught, naming each offending import."""
+    a relative import, the testbed reaching up and the core's commands importing an optional part
+    are caught, naming each offending import; the testbed's own commands may use the core's."""
     package = tmp_path / "shopsimrl"
     (package / "testbed").mkdir(parents=True)
     (package / "runner").mkdir()
+    (package / "research").mkdir()
     files = {
         "__init__.py": "",
-        "cli.py": "import shopsimrl.testbed.up\n",
+        "cli.py": "import shopsimrl.testbed.up\ndef load():\n    from shopsimrl.research import compare\n",
+        "research/__init__.py": "",
+        "testbed/cli.py": "from shopsimrl.cli import load\nimport shopsimrl.testbed.up\n",
         "schemas.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from shopsimrl.traces import x\n",
         "traces.py": "from shopsimrl import schemas\n",
         "model.py": "def call():\n    from shopsimrl.episode import run\n",
@@ -314,5 +352,10 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
     problems = "\n".join(layer_problems(edges))
     assert "shopsimrl/model.py:2: shopsimrl.model imports shopsimrl.episode (function): upward" in problems
     assert "shopsimrl/testbed/up.py:1: shopsimrl.testbed.up imports shopsimrl.runner.scheduler" in problems
-    assert "shopsimrl/runner/scheduler.py:1: shopsimrl.runner.scheduler imports shopsimrl.testbed: only shopsimrl.cli" in problems
-    assert "shopsimrl.cli imports" not in problems
+    assert (
+        "shopsimrl/runner/scheduler.py:1: shopsimrl.runner.scheduler imports shopsimrl.testbed: only shopsimrl.testbed.cli"
+        in problems
+    )
+    assert "shopsimrl/cli.py:1: shopsimrl.cli imports shopsimrl.testbed.up: the core's commands may not import" in problems
+    assert "shopsimrl/cli.py:3: shopsimrl.cli imports shopsimrl.research (function): the core's commands may not" in problems
+    assert "shopsimrl.testbed.cli imports" not in problems

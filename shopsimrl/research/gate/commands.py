@@ -345,47 +345,6 @@ def _fit(frozen: FrozenGate, location: str) -> GateResult:
     return GateResult("complete", ExitCode.OK, spec.gate_dir, manifest, files, document["contributions"])
 
 
-# --------------------------------------------------------------------------- for the CLI
-
-
-def exit_code_for(exc: BaseException) -> ExitCode | None:
-    """The exit code of an error a gate command reports in one line; None for anything else."""
-    from shopsimrl.manifest import ManifestError
-    from shopsimrl.model import ModelConfigError
-    from shopsimrl.research.gate.drafts import DraftError
-    from shopsimrl.research.gate.fit import GateFitError
-    from shopsimrl.research.gate.spec import GateSpecError
-    from shopsimrl.research.outputs import OutputError, OutputStorageError
-    from shopsimrl.runner.local import RunStopped
-    from shopsimrl.storage.local import RunWriteError
-    from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
-    from shopsimrl.storage.reading import RunReadError
-    from shopsimrl.storage.sharded import ShardMapError
-
-    if isinstance(exc, RunStopped):
-        return exc.code
-    if isinstance(exc, FingerprintMismatchError):
-        return ExitCode.FINGERPRINT_MISMATCH
-    if isinstance(exc, RunWriteError):
-        return ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT
-    if isinstance(exc, (StoreUnavailableError, OutputStorageError)):
-        return ExitCode.RETRYABLE
-    bad_input = (
-        OutputError,
-        GateSpecError,
-        GatePlanError,
-        DraftError,
-        GateCheckError,
-        GateFitError,
-        RunReadError,
-        ManifestError,
-        ShardMapError,
-        RunLocationError,
-        ModelConfigError,
-    )
-    return ExitCode.BAD_INPUT if isinstance(exc, bad_input) else None
-
-
 def format_plan(report: PlanReport) -> str:
     baseline = report.baseline
     lines = [

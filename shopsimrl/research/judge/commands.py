@@ -19,30 +19,23 @@ from typing import Any
 
 from shopsimrl import eventloop
 from shopsimrl.exitcodes import ExitCode
-from shopsimrl.manifest import FingerprintMismatchError
-from shopsimrl.model import ModelConfigError
-from shopsimrl.research.export import ExportError, iter_judge_inputs
-from shopsimrl.research.judge.call import JudgeModelError, wait_for_judge_model
+from shopsimrl.research.export import iter_judge_inputs
+from shopsimrl.research.judge.call import wait_for_judge_model
 from shopsimrl.research.judge.config import JudgeConfig, JudgeConfigError, Rubric, load_judge_config, load_rubric
-from shopsimrl.research.judge.local import JudgeOutputError, JudgeResult, run_local_judge
+from shopsimrl.research.judge.local import JudgeResult, run_local_judge
 from shopsimrl.research.judge.sharded import (
     JudgePlan,
-    JudgePlanError,
     ReduceResult,
     judge_status,
     plan_judge,
     reduce_judge,
     run_judge_worker,
 )
-from shopsimrl.research.outputs import OutputLocationError, OutputWriteError
-from shopsimrl.research.redaction import ExportRefusedError
 from shopsimrl.runner.local_job import run_indexed
-from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
-from shopsimrl.storage.reading import Run, RunReadError, open_run
-from shopsimrl.storage.sharded import ShardMapError
+from shopsimrl.storage.objectstore import StoreUnavailableError
+from shopsimrl.storage.reading import Run, open_run
 
 __all__ = [
-    "exit_code_for",
     "format_summary",
     "judge_plan",
     "judge_reduce",
@@ -51,31 +44,6 @@ __all__ = [
     "judge_wait_ready",
     "judge_worker",
 ]
-
-_BAD_INPUT = (
-    JudgeConfigError,
-    JudgeOutputError,
-    JudgePlanError,
-    ShardMapError,
-    RunReadError,
-    RunLocationError,
-    ExportError,
-    ExportRefusedError,
-    OutputLocationError,
-    OutputWriteError,
-    ModelConfigError,
-    JudgeModelError,
-)
-
-
-def exit_code_for(exc: BaseException) -> ExitCode | None:
-    if isinstance(exc, FingerprintMismatchError):
-        return ExitCode.FINGERPRINT_MISMATCH
-    if isinstance(exc, _BAD_INPUT):
-        return ExitCode.BAD_INPUT
-    if isinstance(exc, (StoreUnavailableError, OSError)):
-        return ExitCode.RETRYABLE
-    return None
 
 
 def _load(config_path: Path) -> tuple[JudgeConfig, Rubric, Run]:
