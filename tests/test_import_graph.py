@@ -21,7 +21,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # Tools over finished runs; they read runs through the layers below, nothing below imports them.
     "research": (
         "shopsimrl.research",
-        "shopsimrl.analysis",
+        "shopsimrl.research.analysis",
         "shopsimrl.research.compare",
         "shopsimrl.research.dedup",
         "shopsimrl.research.episodes",
@@ -121,6 +121,13 @@ TESTBED = "shopsimrl.testbed"
 TESTBED_MAY_IMPORT = ("records",)
 """The testbed stands in for the services: it may use the core's records, nothing above them."""
 STARTS_THE_TESTBED = ("shopsimrl.cli",)
+SUB_DISTRIBUTIONS = ("shopsimrl.research", "shopsimrl.testbed")
+"""Packages that ship as distributions of their own (shopsimrl-research, shopsimrl-testbed): the
+core distribution (the worker image) has neither."""
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 @dataclass(frozen=True)
@@ -260,6 +267,22 @@ def layer_problems(edges: list[Import]) -> list[str]:
     return problems
 
 
+def distribution_problems(edges: list[Import]) -> list[str]:
+    """The core distribution installs without shopsimrl.research and shopsimrl.testbed, so no core
+    module imports either, but the CLI, and the CLI only inside the command that needs it (or for
+    the type checker): a module-level import would stop every command where the package is absent."""
+    problems = []
+    for edge in edges:
+        target = next((package for package in SUB_DISTRIBUTIONS if _within(edge.target, package)), None)
+        if target is None or any(_within(edge.source, package) for package in SUB_DISTRIBUTIONS):
+            continue  # an edge inside a sub-distribution, or between them: layer_problems' part
+        if LAYER_OF.get(edge.source) != "cli":
+            problems.append(f"{edge}: a core module imports {target}, a distribution of its own; only the CLI may")
+        elif edge.kind == "module":
+            problems.append(f"{edge}: at module level, so the core CLI would not start without {target}")
+    return problems
+
+
 def test_every_module_has_a_declared_layer_and_every_declared_module_exists() -> None:
     known = module_names(PACKAGE)
     core = {name for name in known if not name.startswith(TESTBED)}
@@ -284,15 +307,31 @@ def test_imports_point_down_the_layers_and_the_testbed_stays_apart() -> None:
     assert problems == [], "\n".join(problems)
 
 
+def test_the_research_layer_is_the_research_distribution() -> None:
+    """What the research layer holds ships in shopsimrl-research, nothing of it in the core."""
+    assert [m for m in LAYERS["research"] if not _within(m, "shopsimrl.research")] == []
+
+
+@pytest.mark.slow
+def test_the_core_distribution_imports_neither_research_nor_testbed() -> None:
+    _, edges = import_graph(PACKAGE)
+    assert [e for e in edges if e.source.startswith("shopsimrl.cli") and _within(e.target, "shopsimrl.research")], (
+        "the control: the CLI's commands import the research tools, and the parser sees it"
+    )
+    problems = distribution_problems(edges)
+    assert problems == [], "\n".join(problems)
+
+
 def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
     """The control: a package with a TYPE_CHECKING cycle, an upward import inside a function,
     a relative import and the testbed reaching up is caught, naming each offending import."""
     package = tmp_path / "shopsimrl"
     (package / "testbed").mkdir(parents=True)
     (package / "runner").mkdir()
+    (package / "research").mkdir()
     files = {
         "__init__.py": "",
-        "cli.py": "import shopsimrl.testbed.up\n",
+        "cli.py": "import shopsimrl.testbed.up\n\n\ndef compare():\n    import shopsimrl.research.tables\n",
         "schemas.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from shopsimrl.traces import x\n",
         "traces.py": "from shopsimrl import schemas\n",
         "model.py": "def call():\n    from shopsimrl.episode import run\n",
@@ -301,6 +340,10 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
         "testbed/up.py": "from shopsimrl.runner.scheduler import Evaluator\n",
         "runner/__init__.py": "",
         "runner/scheduler.py": "import shopsimrl.testbed\n",
+        "research/__init__.py": "",
+        "research/tables.py": "",
+        "metrics.py": "def table():\n    from shopsimrl.research.tables import steps\n",
+        "__main__.py": "import shopsimrl.research.tables\n",
     }
     for name, text in files.items():
         (package / name).write_text(text)
@@ -316,3 +359,12 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
     assert "shopsimrl/testbed/up.py:1: shopsimrl.testbed.up imports shopsimrl.runner.scheduler" in problems
     assert "shopsimrl/runner/scheduler.py:1: shopsimrl.runner.scheduler imports shopsimrl.testbed: only shopsimrl.cli" in problems
     assert "shopsimrl.cli imports" not in problems
+    boundary = "\n".join(distribution_problems(edges))
+    assert (
+        "shopsimrl/metrics.py:2: shopsimrl.metrics imports shopsimrl.research.tables (function): a core module imports "
+        "shopsimrl.research" in boundary
+    )
+    assert "shopsimrl/__main__.py:1: shopsimrl.__main__ imports shopsimrl.research.tables: at module level" in boundary
+    assert "shopsimrl/runner/scheduler.py:1: shopsimrl.runner.scheduler imports shopsimrl.testbed: a core module" in boundary
+    assert "shopsimrl/cli.py:1: shopsimrl.cli imports shopsimrl.testbed.up: at module level" in boundary
+    assert "shopsimrl/cli.py:5" not in boundary  # the CLI's command importing the research tools when called
