@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # Worker image of shopsimrl: the `shopsimrl` CLI as a worker pod runs it (worker, wait-ready,
-# reduce, status) plus the repository's configs/ at /app/configs. Nothing else: the testbed has
-# its own image (docker/testbed.Dockerfile), and the Kubernetes client comes only with
+# reduce, status) plus the repository's configs/ at /app/configs: the core distribution alone.
+# The testbed has its own image (docker/testbed.Dockerfile), the research tools stay on
+# researchers' machines, and the Kubernetes client comes only with
 # EXTRAS=kube, the reducer's image when it watches its worker Job (docs/kubernetes.md).
 #   docker build -t shopsimrl:dev .                                    (or: make image)
 #   docker build --build-arg EXTRAS=kube -t shopsimrl-kube:dev .       (or: make image-kube)
@@ -29,12 +30,13 @@ RUN --mount=type=cache,target=/root/.cache/pip \
  && /opt/venv/bin/pip install --require-hashes --only-binary=:all: --no-compile -r "requirements/worker${EXTRAS:+-$EXTRAS}.txt"
 COPY pyproject.toml README.md ./
 COPY shopsimrl ./shopsimrl
-# Without shopsimrl/testbed (its servers and a 2.6 MB catalog) setuptools packages none of it;
-# `shopsimrl testbed ...` then says which image has it. The project's own wheel is built by the
+# The core's wheel alone: setuptools packages neither shopsimrl/research nor shopsimrl/testbed
+# (distributions of their own, pyproject.toml's packages.find), so neither the testbed's servers
+# and 2.6 MB catalog nor the research tools reach the image; `shopsimrl testbed ...` and the
+# research commands then say which image or distribution has them. The wheel is built by the
 # hashed build backend without build isolation (nothing unhashed is downloaded) and installed
 # without dependencies; pip check proves the hashed layer holds all it requires.
-RUN rm -rf shopsimrl/testbed \
- && /opt/build/bin/pip wheel --no-deps --no-build-isolation --no-index --wheel-dir /tmp/dist . \
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --no-index --wheel-dir /tmp/dist . \
  && /opt/venv/bin/pip install --no-deps --no-index --no-compile /tmp/dist/shopsimrl-*.whl \
  && /opt/venv/bin/pip check \
  && /opt/venv/bin/pip uninstall --yes pip setuptools \

@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # Testbed image: the local stand-ins for smoke runs and demos, the ShopSimulator-compatible shop
-# (with its synthetic catalog) and the heuristic policy: the project with its `testbed` extra.
+# (with its synthetic catalog) and the heuristic policy: the core and shopsimrl-testbed
+# (shopsimrl/testbed/, a distribution of its own), not the research tools.
 # The chart's testbed mode runs it (testbed.image); workers never do.
 #   docker build -f docker/testbed.Dockerfile -t shopsimrl-testbed:dev .     (or: make image-testbed)
 #   docker run -p 5700:5700 shopsimrl-testbed:dev                                            # shop
@@ -14,15 +15,18 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 RUN python -m venv /opt/venv \
  && python -m venv /opt/build
-# Hashed dependencies first (docker/requirements/testbed.txt), then the source.
+# Hashed dependencies first (docker/requirements/testbed.txt: the core's and the testbed's), then
+# the source.
 COPY docker/requirements/ ./requirements/
 RUN --mount=type=cache,target=/root/.cache/pip \
     /opt/build/bin/pip install --require-hashes --only-binary=:all: --no-compile -r requirements/build.txt \
  && /opt/venv/bin/pip install --require-hashes --only-binary=:all: --no-compile -r requirements/testbed.txt
 COPY pyproject.toml README.md ./
 COPY shopsimrl ./shopsimrl
-RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --no-index --wheel-dir /tmp/dist . \
- && /opt/venv/bin/pip install --no-deps --no-index --no-compile /tmp/dist/shopsimrl-*.whl \
+# Two wheels: the core and the testbed (its pyproject.toml in shopsimrl/testbed/); setuptools
+# leaves shopsimrl/research out of the core's.
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --no-index --wheel-dir /tmp/dist . ./shopsimrl/testbed \
+ && /opt/venv/bin/pip install --no-deps --no-index --no-compile /tmp/dist/shopsimrl-*.whl /tmp/dist/shopsimrl_testbed-*.whl \
  && /opt/venv/bin/pip check \
  && /opt/venv/bin/pip uninstall --yes pip setuptools \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +

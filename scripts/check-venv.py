@@ -1,9 +1,10 @@
-"""Check that an environment holds exactly what ``pip install -e .[test]`` declares.
+"""Check that an environment holds exactly what ``make install`` declares.
 
 Run by ``.ci/run`` after the test suite (``make check-venv``) with the project venv's interpreter:
 the suite must leave ``.venv`` as ``make install`` made it. It walks the declared requirements of
-``shopsimrl[test]`` through the installed distributions' metadata (extras and markers evaluated
-here) and fails, naming each, on
+``shopsimrl[test]`` and of the distributions named by ``--with`` (``make install`` installs
+shopsimrl-research and shopsimrl-testbed from this checkout next to it) through the installed
+distributions' metadata (extras and markers evaluated here) and fails, naming each, on
 
 * an installed distribution that nothing declares (something installed into the venv by hand or
   by a test, e.g. the llama.cpp server's packages, which belong in the
@@ -88,18 +89,29 @@ def pinned(constraints: Path) -> dict[NormalizedName, str]:
 
 
 def problems(
-    dists: dict[NormalizedName, metadata.Distribution], root: str, extras: list[str], pins: dict[NormalizedName, str] | None
+    dists: dict[NormalizedName, metadata.Distribution],
+    root: str,
+    extras: list[str],
+    pins: dict[NormalizedName, str] | None,
+    others: Iterable[str] = (),
 ) -> list[str]:
+    """What is wrong with ``dists`` against ``root[extras]`` plus the distributions ``others``
+    (this repository's own, unpinned like ``root``)."""
     wanted, missing = declared_closure(root, extras, dists)
+    own = {canonicalize_name(root)}
+    for other in others:
+        also, also_missing = declared_closure(other, [], dists)
+        wanted |= also
+        missing |= also_missing
+        own.add(canonicalize_name(other))
+    what = f"{root}[{','.join(extras)}]" + "".join(f" + {other}" for other in others)
     found = []
     for name in sorted(missing):
         found.append(f"declared but not installed: {name}")
     for key in sorted(set(dists) - wanted - BOOTSTRAP):
-        found.append(
-            f"installed but not declared by {root}[{','.join(extras)}]: {dists[key].metadata['Name']} {dists[key].version}"
-        )
+        found.append(f"installed but not declared by {what}: {dists[key].metadata['Name']} {dists[key].version}")
     if pins is not None:
-        for key in sorted(wanted & set(dists) - {canonicalize_name(root)}):
+        for key in sorted(wanted & set(dists) - own):
             version = dists[key].version
             if pins.get(key) != version:
                 pin = f"pins {pins[key]}" if key in pins else "does not pin it"
@@ -114,14 +126,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project", default="shopsimrl", help="distribution whose declaration is the reference")
     parser.add_argument("--extras", default="test", help="comma-separated extras of it (default: test)")
     parser.add_argument("--constraints", type=Path, help="also require every version to be pinned by this file")
+    parser.add_argument(
+        "--with",
+        dest="others",
+        default="",
+        help="comma-separated further distributions of this repository installed next to it (make install: "
+        "shopsimrl-research,shopsimrl-testbed); their closures count as declared, they need no pin",
+    )
     args = parser.parse_args(argv)
     extras = [e for e in args.extras.split(",") if e]
-    found = problems(installed(), args.project, extras, pinned(args.constraints) if args.constraints else None)
+    others = [o for o in args.others.split(",") if o]
+    found = problems(installed(), args.project, extras, pinned(args.constraints) if args.constraints else None, others)
     where = Path(sys.prefix)
+    what = f"{args.project}[{args.extras}]" + "".join(f" + {other}" for other in others)
     if found:
         print(f"{where}: {len(found)} problem(s):", *(f"  {line}" for line in found), sep="\n", file=sys.stderr)
         return 1
-    print(f"{where}: exactly the distributions {args.project}[{args.extras}] declares, each as pinned")
+    print(f"{where}: exactly the distributions {what} declares, each as pinned")
     return 0
 
 

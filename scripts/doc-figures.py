@@ -10,9 +10,10 @@ Counted here, from the repository and the running environment (run it with .venv
   (branches merged in parallel add tests), ``--write`` makes it exact;
 * distributions, the project and its dependencies, as the declared closure of each install
   (scripts/check-venv.py's walk of the installed metadata; a venv adds pip and setuptools): the
-  development ``.venv`` (``shopsimrl[test]``), the demo's ``.venv-demo``
-  (``shopsimrl[testbed,research]``) and the worker image (no extras; its pins in
-  docker/requirements/worker.txt plus the project, which must agree).
+  development ``.venv`` (``shopsimrl[test]`` with shopsimrl-research and shopsimrl-testbed), the
+  demo's ``.venv-demo`` (``shopsimrl[testbed,research]``: the core and both sub-distributions)
+  and the worker image (the core alone; its pins in docker/requirements/worker.txt plus the
+  project, which must agree).
 
 Measured, so not here: times (the suite's, the fast tier's, installs') and sizes are figures of a
 machine at a moment, kept in docs/benchmarks.md with when and under what load. The two sizes a
@@ -36,6 +37,8 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = "shopsimrl"
+# make install's distributions next to the core's test extra (which names neither).
+SUB_DISTRIBUTIONS = ("shopsimrl-research", "shopsimrl-testbed")
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,8 @@ FIGURES = [
     Figure("README.md", r"`make\s+test` and `\.ci/run` run all (?P<n>{NUM})", "all_tests", 0.03),
     Figure("README.md", r"`test` extra \((?P<n>{NUM}) distributions", "install"),
     Figure("README.md", r"no test\s+tools \((?P<n>{NUM}) distributions", "demo"),
-    Figure("docs/benchmarks.md", r"\| `test` \(all of them \+ the test tools\) \| (?P<n>{NUM}) \|", "install"),
-    Figure("docs/benchmarks.md", r"\| `testbed,research` \| (?P<n>{NUM}) \|", "demo"),
+    Figure("docs/benchmarks.md", r"the core's `test` extra \(kube \+ the test tools\) \| (?P<n>{NUM}) \|", "install"),
+    Figure("docs/benchmarks.md", r"\| the core, `shopsimrl-testbed`, `shopsimrl-research` \| (?P<n>{NUM}) \|", "demo"),
     Figure("docs/benchmarks.md", r"\| worker venv \(`\./Dockerfile`, no extras\) \| (?P<n>{NUM}) \(", "worker"),
     Figure("docs/benchmarks.md", r"\| worker venv \(`\./Dockerfile`, no extras\) \| [\d,]+ \((?P<n>{NUM}) hashed", "worker_pins"),
     Figure("docs/kubernetes.md", r"compilers: (?P<n>{NUM}) distributions", "worker"),
@@ -82,10 +85,15 @@ def _check_venv() -> ModuleType:
 
 
 @cache
-def closure(*extras: str) -> int:
-    """Distributions ``shopsimrl[extras]`` installs, the project included (this environment must hold them)."""
+def closure(*extras: str, others: tuple[str, ...] = ()) -> int:
+    """Distributions ``shopsimrl[extras]`` and the distributions ``others`` install, the project
+    included (this environment must hold them)."""
     check_venv = _check_venv()
-    wanted, missing = check_venv.declared_closure(PROJECT, list(extras), check_venv.installed())
+    dists = check_venv.installed()
+    wanted, missing = check_venv.declared_closure(PROJECT, list(extras), dists)
+    for other in others:
+        also, also_missing = check_venv.declared_closure(other, [], dists)
+        wanted, missing = wanted | also, missing | also_missing
     if missing:
         raise SystemExit(f"{sys.prefix} lacks {sorted(missing)}: run this with the Python of `make install`'s .venv")
     return len(wanted)
@@ -124,7 +132,7 @@ def worker() -> int:
 VALUES: dict[str, Callable[[], int]] = {
     "fast_tests": lambda: collected()[0],
     "all_tests": lambda: collected()[1],
-    "install": lambda: closure("test"),
+    "install": lambda: closure("test", others=SUB_DISTRIBUTIONS),
     "demo": lambda: closure("testbed", "research"),
     "worker": worker,
     "worker_pins": lambda: pins(ROOT / "docker" / "requirements" / "worker.txt"),

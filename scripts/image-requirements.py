@@ -6,13 +6,14 @@ files, before the source is copied (a source change then reinstalls nothing), so
 downloads while building an image must match a hash recorded here. ``make install`` keeps
 using constraints.txt, which has no hashes: these files are derived from it.
 
-For each image pip's own resolver (``pip install --dry-run --report``) resolves the project with
-the image's extras against constraints.txt, wheels only; every distribution it picks must be
-pinned there at the same version, and its sha256 is the one of the wheel it picked (from the
+For each image pip's own resolver (``pip install --dry-run --report``) resolves what its builder
+installs (the core with the image's extras; for the testbed image, the core and the
+shopsimrl-testbed distribution of shopsimrl/testbed/) against constraints.txt, wheels only;
+every distribution it picks must be pinned there at the same version, and its sha256 is the one of the wheel it picked (from the
 index's hash, as pip records it). Those are the wheels pip picks for CPython 3.11 on linux
 x86_64, the images' platform, so the script refuses to run elsewhere. build.txt pins the
-project's build backend (setuptools, ``[build-system]`` of pyproject.toml) for the wheel the
-builder stage makes of the project itself.
+project's build backend (setuptools, ``[build-system]`` of pyproject.toml, the same in the
+sub-distributions' pyproject.toml) for the wheels the builder stages make of the project itself.
 
 Usage: scripts/image-requirements.py            write the files
        scripts/image-requirements.py --check    exit 1 naming each file that differs
@@ -35,14 +36,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docker" / "requirements"
 CONSTRAINTS = ROOT / "constraints.txt"
-# image file -> the project requirement its builder installs
-IMAGES = {"worker": ".", "worker-kube": ".[kube]", "testbed": ".[testbed]"}
+# image file -> the project requirements its builder installs (the project's own wheels)
+IMAGES = {"worker": (".",), "worker-kube": (".[kube]",), "testbed": (".", "./shopsimrl/testbed")}
+# This repository's distributions: built by the images from the source, never from an index.
+OWN = {"shopsimrl", "shopsimrl-research", "shopsimrl-testbed"}
+# Each distribution's pyproject.toml; their [build-system] must agree (one build.txt for all).
+PYPROJECTS = ("pyproject.toml", "shopsimrl/research/pyproject.toml", "shopsimrl/testbed/pyproject.toml")
 # The build backend of the project's own wheel; must satisfy pyproject.toml's [build-system].
 BUILD_PINS = {"setuptools": "84.0.0"}
 WHAT = {
     "worker": "the worker image (./Dockerfile): the project without extras",
     "worker-kube": "the worker image built with EXTRAS=kube (shopsimrl-kube): plus the Kubernetes client",
-    "testbed": "the testbed image (docker/testbed.Dockerfile): the project with its testbed extra",
+    "testbed": "the testbed image (docker/testbed.Dockerfile): the core and shopsimrl-testbed (shopsimrl/testbed/)",
     "build": "the builder stages' build backend, for the wheel of the project itself",
 }
 
@@ -61,8 +66,9 @@ def pins() -> dict[str, str]:
     return found
 
 
-def resolve(requirement: str, *, constraints: Path | None) -> list[tuple[str, str, str]]:
-    """(name, version, sha256) of every distribution pip would install for ``requirement``."""
+def resolve(requirements: tuple[str, ...], *, constraints: Path | None) -> list[tuple[str, str, str]]:
+    """(name, version, sha256) of every distribution pip would install for ``requirements``, the
+    project's own distributions left out."""
     python = os.environ.get("PYTHON_FOR_PIP", sys.executable)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
@@ -70,14 +76,14 @@ def resolve(requirement: str, *, constraints: Path | None) -> list[tuple[str, st
         command += ["--disable-pip-version-check", "--only-binary=:all:", "--report", str(report)]
         if constraints is not None:
             command += ["--constraint", str(constraints)]
-        done = subprocess.run([*command, requirement], cwd=ROOT, capture_output=True, text=True, check=False)
+        done = subprocess.run([*command, *requirements], cwd=ROOT, capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            sys.exit(f"image-requirements.py: pip could not resolve {requirement}:\n{done.stderr[-3000:]}")
+            sys.exit(f"image-requirements.py: pip could not resolve {' '.join(requirements)}:\n{done.stderr[-3000:]}")
         data = json.loads(report.read_text(encoding="utf-8"))
     out = []
     for item in data["install"]:
         name, version = item["metadata"]["name"], item["metadata"]["version"]
-        if canonical(name) == "shopsimrl":
+        if canonical(name) in OWN:
             continue
         hashes = item.get("download_info", {}).get("archive_info", {}).get("hashes", {})
         if "sha256" not in hashes:
@@ -107,18 +113,23 @@ def generate() -> dict[str, str]:
         )
     pinned = pins()
     files = {}
-    for image, requirement in IMAGES.items():
-        entries = resolve(requirement, constraints=CONSTRAINTS)
+    for image, requirements in IMAGES.items():
+        entries = resolve(requirements, constraints=CONSTRAINTS)
         stray = [f"{name} {version}" for name, version, _ in entries if pinned.get(name) != version]
         if stray:
             sys.exit(f"image-requirements.py: {image}: not pinned at this version in constraints.txt: {', '.join(stray)}")
         files[f"{image}.txt"] = render(image, entries)
-    backend = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["build-system"]["requires"]
+    backends = {path: tomllib.loads((ROOT / path).read_text(encoding="utf-8"))["build-system"]["requires"] for path in PYPROJECTS}
+    backend = backends["pyproject.toml"]
+    if any(other != backend for other in backends.values()):
+        sys.exit(
+            f"image-requirements.py: the distributions' [build-system] requires differ, one build.txt cannot serve them: {backends}"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         # The backend's pin, checked against [build-system]: pip fails to resolve if it does not satisfy it.
         checks = Path(tmp) / "backend.txt"
         checks.write_text("\n".join(f"{name}=={version}" for name, version in BUILD_PINS.items()) + "\n")
-        entries = resolve(" ".join(backend), constraints=checks)
+        entries = resolve(tuple(backend), constraints=checks)
     if {name for name, _, _ in entries} != set(BUILD_PINS):
         sys.exit(f"image-requirements.py: the build backend {backend} needs more than {sorted(BUILD_PINS)}: {entries}")
     files["build.txt"] = render("build", entries)

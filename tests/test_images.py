@@ -28,8 +28,9 @@ from tests.testbed_process import start_testbed, write_config
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_DOCKERFILE = ROOT / "Dockerfile"
 TESTBED_DOCKERFILE = ROOT / "docker" / "testbed.Dockerfile"
-# What a worker pod never needs: the testbed, its ASGI server, the Kubernetes client.
-NOT_FOR_WORKERS = ("shopsimrl.testbed", "starlette", "uvicorn", "kubernetes")
+# What a worker pod never needs: the testbed, the research tools, their ASGI server and tables,
+# the Kubernetes client.
+NOT_FOR_WORKERS = ("shopsimrl.testbed", "shopsimrl.research", "starlette", "uvicorn", "numpy", "pandas", "kubernetes")
 
 
 def _imported(stderr: str) -> set[str]:
@@ -180,31 +181,37 @@ def _builder_install(dockerfile: Path) -> str:
 
 @pytest.mark.slow
 def test_the_worker_image_package_has_no_testbed_and_needs_no_extra(tmp_path: Path) -> None:
-    """Build the worker's wheel the way its Dockerfile's builder stage does, and look inside."""
+    """Build the worker's wheel from what its Dockerfile copies, the whole shopsimrl/ tree, and
+    look inside: the core distribution leaves the testbed and the research tools out by itself."""
     run = _builder_install(WORKER_DOCKERFILE)
-    assert re.search(r"rm -rf shopsimrl/testbed .*pip wheel --no-deps --no-build-isolation --no-index ", run), run
-    assert "rm -rf shopsimrl/testbed" not in _builder_install(TESTBED_DOCKERFILE)
+    assert re.match(r"RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --no-index --wheel-dir /tmp/dist \. ", run), run
+    assert "rm -rf shopsimrl" not in " ".join(_runs(WORKER_DOCKERFILE))  # nothing of the source deleted to leave it out
+    assert "pip install --no-deps --no-index --no-compile /tmp/dist/shopsimrl-*.whl " in run  # the core's wheel, alone
+    testbed_run = _builder_install(TESTBED_DOCKERFILE)
+    assert "--wheel-dir /tmp/dist . ./shopsimrl/testbed " in testbed_run and "/tmp/dist/shopsimrl_testbed-*.whl" in testbed_run
     assert "requirements/testbed.txt" in " ".join(_runs(TESTBED_DOCKERFILE))
     context = tmp_path / "src"
     context.mkdir()
     for source in _copy_sources(WORKER_DOCKERFILE) - {"configs"}:
         copy = shutil.copytree if (ROOT / source).is_dir() else shutil.copy
         copy(ROOT / source, context / source)
-    shutil.rmtree(context / "shopsimrl" / "testbed")
+    assert (context / "shopsimrl" / "testbed" / "data" / "catalog.v1.json.gz").is_file()  # copied, not packaged
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path / "dist"), str(context)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    (wheel,) = (tmp_path / "dist").glob("shopsimrl-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    assert wheel.name.startswith("shopsimrl-")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         meta = email.message_from_bytes(archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
     assert "shopsimrl/runner/worker.py" in names and "shopsimrl/cli/__init__.py" in names
     assert not [n for n in names if n.startswith("shopsimrl/testbed")], "the testbed ships in the worker image"
+    assert not [n for n in names if n.startswith("shopsimrl/research")], "the research tools ship in the worker image"
     base = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
-    assert not [r for r in base if re.match(r"(starlette|uvicorn|kubernetes)\b", r)], base
-    assert {"testbed", "kube", "test"} <= set(meta.get_all("Provides-Extra"))
+    assert not [r for r in base if re.match(r"(starlette|uvicorn|kubernetes|numpy|pandas|shopsimrl-)", r)], base
+    assert {"testbed", "research", "kube", "test"} <= set(meta.get_all("Provides-Extra"))
 
 
 # --------------------------------------------------------------------------- pinned, hashed, cached
@@ -302,6 +309,7 @@ def test_the_worker_builder_stage_replayed_without_docker(tmp_path: Path) -> Non
     venv = tmp_path / "venv"
     assert not list(venv.glob("bin/pip*")), "pip left in the runtime venv"
     assert not list(venv.glob("lib/python3.11/site-packages/shopsimrl/testbed"))
+    assert not list(venv.glob("lib/python3.11/site-packages/shopsimrl/research"))
     help_text = subprocess.run([str(venv / "bin" / "shopsimrl"), "worker", "--help"], capture_output=True, text=True, timeout=120)
     assert help_text.returncode == 0 and "--succeed-once-committed" in help_text.stdout, help_text.stderr
     # What docs/benchmarks.md says of this venv: its distributions exactly, its size (du) within a quarter.

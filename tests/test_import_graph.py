@@ -34,7 +34,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # Tools over finished runs; they read runs through the layers below, nothing below imports them.
     "research": (
         "shopsimrl.research",
-        "shopsimrl.analysis",
+        "shopsimrl.research.analysis",
         "shopsimrl.research.compare",
         "shopsimrl.research.dedup",
         "shopsimrl.research.episodes",
@@ -291,6 +291,16 @@ def layer_problems(edges: list[Import]) -> list[str]:
     return problems
 
 
+def distribution_problems(edges: list[Import]) -> list[str]:
+    """The core distribution (the worker image) installs without shopsimrl-research and
+    shopsimrl-testbed, so no module outside those two packages imports either, in any form."""
+    problems = []
+    for edge in edges:
+        if _within(edge.target, OPTIONAL_PARTS) and not _within(edge.source, OPTIONAL_PARTS):
+            problems.append(f"{edge}: a core module imports a distribution of its own")
+    return problems
+
+
 def test_every_module_has_a_declared_layer_and_every_declared_module_exists() -> None:
     known = module_names(PACKAGE)
     core = {name for name in known if not name.startswith(TESTBED)}
@@ -318,6 +328,17 @@ def test_imports_point_down_the_layers_and_the_testbed_stays_apart() -> None:
     assert problems == [], "\n".join(problems)
 
 
+def test_the_research_layer_is_the_research_distribution() -> None:
+    """What the research layer holds ships in shopsimrl-research, nothing of it in the core."""
+    assert [m for m in LAYERS["research"] if not _within(m, ("shopsimrl.research",))] == []
+
+
+def test_the_core_distribution_imports_neither_research_nor_testbed() -> None:
+    _, edges = import_graph(PACKAGE)
+    problems = distribution_problems(edges)
+    assert problems == [], "\n".join(problems)
+
+
 def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
     """The control: a package with a TYPE_CHECKING cycle, an upward import inside a function,
     a relative import, the testbed reaching up and the core's commands importing an optional part
@@ -339,6 +360,8 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
         "testbed/up.py": "from shopsimrl.runner.scheduler import Evaluator\n",
         "runner/__init__.py": "",
         "runner/scheduler.py": "import shopsimrl.testbed\n",
+        "research/tables.py": "",
+        "metrics.py": "def table():\n    from shopsimrl.research.tables import steps\n",
     }
     for name, text in files.items():
         (package / name).write_text(text)
@@ -359,3 +382,8 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
     assert "shopsimrl/cli.py:1: shopsimrl.cli imports shopsimrl.testbed.up: the core's commands may not import" in problems
     assert "shopsimrl/cli.py:3: shopsimrl.cli imports shopsimrl.research (function): the core's commands may not" in problems
     assert "shopsimrl.testbed.cli imports" not in problems
+    boundary = "\n".join(distribution_problems(edges))
+    assert "shopsimrl/metrics.py:2: shopsimrl.metrics imports shopsimrl.research.tables (function): a core module" in boundary
+    assert "shopsimrl/runner/scheduler.py:1: shopsimrl.runner.scheduler imports shopsimrl.testbed: a core module" in boundary
+    assert "shopsimrl/cli.py:3: shopsimrl.cli imports shopsimrl.research (function): a core module" in boundary
+    assert "shopsimrl.testbed.cli imports" not in boundary

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "scripts" / "check-venv.py"
 CONSTRAINTS = ROOT / "constraints.txt"
+OWN = {"shopsimrl", "shopsimrl-research", "shopsimrl-testbed"}
 
 
 def _distribution(site: Path, name: str, version: str, *requires: str) -> None:
@@ -70,8 +71,10 @@ def test_a_constraints_line_that_is_no_exact_pin_is_refused(tmp_path: Path) -> N
 
 def test_constraints_pin_every_requirement_the_project_declares() -> None:
     """A new dependency without `make constraints` would install unpinned (and slowly)."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    declared = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    declared = []
+    for path in ("pyproject.toml", "shopsimrl/research/pyproject.toml", "shopsimrl/testbed/pyproject.toml"):
+        project = tomllib.loads((ROOT / path).read_text(encoding="utf-8"))["project"]
+        declared += [*project["dependencies"], *(r for extra in project.get("optional-dependencies", {}).values() for r in extra)]
     pinned = {
         canonicalize_name(Requirement(line).name): Requirement(line)
         for line in CONSTRAINTS.read_text(encoding="utf-8").splitlines()
@@ -79,9 +82,21 @@ def test_constraints_pin_every_requirement_the_project_declares() -> None:
     }
     for text in declared:
         requirement = Requirement(text)
-        if canonicalize_name(requirement.name) == "shopsimrl":
-            continue  # the dev extra names the project's own extras
+        if canonicalize_name(requirement.name) in OWN:
+            continue  # the repository's own distributions (extras and sub-distributions name them), never pinned
         pin = pinned.get(canonicalize_name(requirement.name))
         assert pin is not None, f"{requirement.name} is not in constraints.txt (make constraints)"
         (version,) = [spec.version for spec in pin.specifier if spec.operator == "=="]
         assert requirement.specifier.contains(version, prereleases=True), f"constraints.txt pins {pin}, pyproject wants {text}"
+
+
+def test_the_development_install_is_the_test_extra_and_the_two_sub_distributions() -> None:
+    """`make check-venv` on this .venv: shopsimrl-research and shopsimrl-testbed are not in the
+    test extra (it needs no index holding them); `--with` names them as installed next to it."""
+    bare = _check("--constraints", str(CONSTRAINTS))
+    assert bare.returncode == 1
+    for name in ("shopsimrl-research", "shopsimrl-testbed"):
+        assert f"installed but not declared by shopsimrl[test]: {name} 0.5.0" in bare.stderr
+    full = _check("--constraints", str(CONSTRAINTS), "--with", "shopsimrl-research,shopsimrl-testbed")
+    assert full.returncode == 0, full.stderr
+    assert "exactly the distributions shopsimrl[test] + shopsimrl-research + shopsimrl-testbed declares" in full.stdout

@@ -1,5 +1,5 @@
 """A run's episodes and steps as Arrow tables and pandas DataFrames (for notebooks, through
-:mod:`shopsimrl.analysis`), and their export to Parquet or CSV (``shopsimrl export table``).
+:mod:`shopsimrl.research.analysis`), and their export to Parquet or CSV (``shopsimrl export table``).
 
 Episodes: one row per episode, :func:`shopsimrl.research.episodes.episode_row` typed, the reward
 components (``r_*``) after the fixed columns. Steps: one row per model call (:data:`STEP_SCHEMA`),

@@ -1,4 +1,4 @@
-"""Episodes and steps as tables (``shopsimrl.analysis``) and ``shopsimrl export table``: the rows
+"""Episodes and steps as tables (``shopsimrl.research.analysis``) and ``shopsimrl export table``: the rows
 against the trace records, Parquet and CSV read back equal, steps written batch by batch."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shopsimrl import analysis
 from shopsimrl.records import EpisodeTrace, to_plain
-from shopsimrl.research import tables
+from shopsimrl.research import analysis, tables
 from shopsimrl.research.episodes import CORE_COLUMNS, episode_row
 from shopsimrl.storage.reading import open_run
 from tests.sharded.conftest import cli

@@ -1,6 +1,6 @@
-"""Runs as tables, for notebooks (needs the ``research`` extra: pandas and pyarrow).
+"""Runs as tables, for notebooks (in the shopsimrl-research distribution: pandas and pyarrow).
 
-    from shopsimrl import analysis
+    from shopsimrl.research import analysis
 
     episodes = analysis.episodes("s3://bucket/runs/ckpt-1200")   # pandas, one row per episode
     steps = analysis.steps("runs/qwen35-4b-val-base-free")        # pandas, one row per model call
