@@ -23,6 +23,11 @@ CONSTRAINTS := constraints.txt
 SUBPROJECTS := shopsimrl/research shopsimrl/testbed
 PROJECT_FILES := pyproject.toml $(addsuffix /pyproject.toml,$(SUBPROJECTS))
 EDITABLE_SUBPROJECTS := $(foreach sub,$(SUBPROJECTS),-e ./$(sub))
+# The core editable again, as a path on sys.path (setuptools' "compat" mode): each sub-distribution's
+# editable finder declares `shopsimrl` a namespace package, and the import system takes that
+# namespace before it asks the core's own editable finder, so a console script started outside the
+# checkout would import an empty `shopsimrl`. A regular package on sys.path wins over a namespace.
+CORE_ON_PATH := --no-deps --config-settings editable_mode=compat -e .
 # The llama.cpp server of the real-LLM test: an environment of its own, never .venv, cached once
 # per machine (every clone reuses the compiled wheel).
 LLM_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/shopsimrl/llm
@@ -33,6 +38,7 @@ $(STAMP): $(PROJECT_FILES) $(CONSTRAINTS)
 	@echo "install: $(VENV) with the project and its test extra, shopsimrl-research and shopsimrl-testbed (all three editable), pinned by $(CONSTRAINTS) (about 2 minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar off --constraint $(CONSTRAINTS) -e '.[test]' $(EDITABLE_SUBPROJECTS)
+	$(BIN)/pip install --progress-bar off --constraint $(CONSTRAINTS) $(CORE_ON_PATH)
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv: the project with its test extra, plus its research and testbed distributions, all editable (pinned by constraints.txt)
@@ -41,6 +47,7 @@ $(DEMO_STAMP): $(PROJECT_FILES) $(CONSTRAINTS)
 	@echo "demo-install: $(DEMO_VENV) with the project, shopsimrl-testbed and shopsimrl-research (editable), no test tools, pinned by $(CONSTRAINTS) (about 60 distributions, 0.6 GB, a minute)"
 	$(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_VENV)/bin/pip install --progress-bar off --constraint $(CONSTRAINTS) -e . -e ./shopsimrl/testbed -e ./shopsimrl/research
+	$(DEMO_VENV)/bin/pip install --progress-bar off --constraint $(CONSTRAINTS) $(CORE_ON_PATH)
 	touch $(DEMO_STAMP)
 
 demo-install: $(DEMO_STAMP)  ## the light venv of `make demo` / `make smoke` (.venv-demo: the core, the testbed and research)

@@ -100,3 +100,19 @@ def test_the_development_install_is_the_test_extra_and_the_two_sub_distributions
     full = _check("--constraints", str(CONSTRAINTS), "--with", "shopsimrl-research,shopsimrl-testbed")
     assert full.returncode == 0, full.stderr
     assert "exactly the distributions shopsimrl[test] + shopsimrl-research + shopsimrl-testbed declares" in full.stdout
+
+
+def test_the_development_install_imports_the_checkout_from_anywhere(tmp_path: Path) -> None:
+    """Started outside the checkout (no cwd on sys.path), the console script and the interpreter of
+    the development install import the checkout's regular `shopsimrl` package, its research and
+    testbed parts included, not the empty namespace package the sub-distributions' editable
+    finders declare (the Makefile's CORE_ON_PATH)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = "import shopsimrl, shopsimrl.research.cli, shopsimrl.testbed.cli; print(shopsimrl.__file__)"
+    found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(ROOT / "shopsimrl" / "__init__.py")
+    script = Path(sys.executable).with_name("shopsimrl")
+    version = subprocess.run([str(script), "--version"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.startswith("shopsimrl ")
