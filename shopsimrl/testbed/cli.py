@@ -27,9 +27,17 @@ def testbed_shop(
 def testbed_policy(
     host: str = typer.Option("127.0.0.1", help="Bind address."),
     port: int = typer.Option(8000, help="Port."),
+    token_endpoint: bool = typer.Option(
+        False,
+        "--token-endpoint",
+        help="Also serve SGLang's native POST /generate (token ids in, token ids and log-probabilities out) "
+        "with the testbed tokenizer and chat template, for training rollouts (SHOPSIM_POLICY_TOKEN_ENDPOINT=1 does the same).",
+    ),
 ) -> None:
     """Serve the heuristic policy as an OpenAI-compatible model (POST /v1/chat/completions)."""
-    import_part("shopsimrl.testbed.policy", "testbed").serve(host=host, port=port)
+    policy = import_part("shopsimrl.testbed.policy", "testbed")
+    settings = policy.PolicySettings(token_endpoint=True) if token_endpoint else None
+    policy.serve(host=host, port=port, settings=settings)
 
 
 @testbed_app.command("up")
@@ -37,6 +45,11 @@ def testbed_up(
     host: str = typer.Option("127.0.0.1", help="Bind address of both services."),
     shop_port: int = typer.Option(5700, help="Shop port."),
     policy_port: int = typer.Option(8000, help="Policy port."),
+    token_endpoint: bool = typer.Option(
+        False, "--token-endpoint", help="The policy also serves SGLang's POST /generate (see `testbed policy --help`)."
+    ),
 ) -> None:
     """Serve both testbed services until Ctrl-C."""
-    import_part("shopsimrl.testbed.up", "testbed").serve_both(host=host, shop_port=shop_port, policy_port=policy_port)
+    import_part("shopsimrl.testbed.up", "testbed").serve_both(
+        host=host, shop_port=shop_port, policy_port=policy_port, token_endpoint=token_endpoint
+    )

@@ -6,7 +6,9 @@ server instead: the runtime cannot tell it from vLLM. The decisions come from th
 accounting, latency and fault injection.
 
 Endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``stream: true``),
-``GET /v1/models``, ``GET /health``.
+``GET /v1/models``, ``GET /health``, and with ``token_endpoint`` on, SGLang's native
+``POST /generate`` over token ids (:mod:`shopsimrl.testbed.generate`, the testbed tokenizer and
+chat template of :mod:`shopsimrl.testbed.chat_tokens`), for training rollouts.
 
 Faults. Each request draws its faults from its own ``random.Random``, seeded with
 ``fault_seed``, the sha256 of the canonical request body and how many times that exact body
@@ -35,6 +37,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from shopsimrl.schemas import canonical_json, sha256_hex
+from shopsimrl.testbed.chat_tokens import TemplateParseError, TestbedChatTokenizer
+from shopsimrl.testbed.generate import (
+    GenerateRequestError,
+    abort_reply,
+    context_length_message,
+    parse_generate_request,
+    reply_text,
+    shape_reply,
+)
 from shopsimrl.testbed.heuristics import Decision, decide
 from shopsimrl.testbed.heuristics_naive import decide_naive
 from shopsimrl.testbed.judge import judge_reply
@@ -95,6 +106,13 @@ class PolicySettings(BaseSettings):
     judge_fault_rate: float = Field(0.0, ge=0, le=1)
     """Share of episodes (by episode id) the judge answers badly: half never call the tool, half
     send arguments that are not JSON until a repair message follows."""
+    token_endpoint: bool = False
+    """Serve SGLang's ``POST /generate`` (token ids in, token ids and log-probabilities out) over the
+    same policy. The injected faults apply to it too (429, 500, timeout, non-JSON, no tool call,
+    length), drawn the same way."""
+    rate_abort: float = Field(0.0, ge=0, le=1)
+    """``/generate`` only: answer with ``finish_reason.type == "abort"`` and no tokens, as SGLang does
+    for a request aborted while weights are updated (drawn per request, apart from the other faults)."""
     options_need_skill: bool = False
     """Choosing the options the user wants is a skill: the policy does it only when a skill in the
     system prompt carries ``[[testbed:choose-options]]`` (:mod:`shopsimrl.testbed.heuristics_skills`)."""
@@ -236,6 +254,7 @@ class _PolicyServer:
         self.settings = settings
         self.created = int(time.time())
         self._seen: OrderedDict[str, int] = OrderedDict()
+        self.tokenizer = TestbedChatTokenizer()
 
     def _occurrence(self, digest: str) -> int:
         count = self._seen.pop(digest, 0)
@@ -374,6 +393,59 @@ class _PolicyServer:
         # The bytes starlette's JSONResponse writes (compact, UTF-8), from orjson at a fraction of the CPU.
         return Response(orjson.dumps(_full_response(completion, response_id, call_id, model_name)), media_type="application/json")
 
+    async def generate(self, request: Request) -> Response:
+        """SGLang's ``POST /generate`` over the policy (:mod:`shopsimrl.testbed.generate`)."""
+        arrived = time.monotonic()
+        raw = await request.body()
+        try:
+            parsed = parse_generate_request(orjson.loads(raw), self.tokenizer)
+        except (GenerateRequestError, ValueError) as exc:
+            message = str(exc) if isinstance(exc, GenerateRequestError) else f"request body is not valid JSON: {exc}"
+            return JSONResponse({"error": {"message": message}}, status_code=400)
+        s = self.settings
+        digest = sha256_hex(canonical_json({"input_ids": parsed.input_ids, "params": repr(parsed)}))
+        occurrence = self._occurrence(digest)
+        rng = random.Random(f"{s.fault_seed}:{digest}:{occurrence}")
+        fault = self._draw_fault(rng)
+        delay = s.latency_ms + rng.uniform(0.0, s.latency_jitter_ms)
+        if fault in ("429", "500", "timeout"):
+            await _answer_time(arrived, delay)
+        if fault == "429":
+            return JSONResponse(
+                {"error": {"message": "injected rate limit"}}, status_code=429, headers={"Retry-After": str(s.retry_after_s)}
+            )
+        if fault == "500":
+            return JSONResponse({"error": {"message": "injected internal server error"}}, status_code=500)
+        if fault == "timeout":
+            await asyncio.sleep(s.timeout_sleep_s)
+        too_long = context_length_message(len(parsed.input_ids), parsed.max_new_tokens, s.max_model_len)
+        if too_long is not None:
+            return JSONResponse({"error": {"message": too_long}}, status_code=400)
+        if s.rate_abort and random.Random(f"{s.fault_seed}:{digest}:{occurrence}:abort").random() < s.rate_abort:
+            await _answer_time(arrived, delay)
+            return Response(orjson.dumps(abort_reply(parsed, digest, "Abort request: injected")), media_type="application/json")
+        try:
+            prompt = self.tokenizer.parse(parsed.input_ids)
+        except TemplateParseError as exc:
+            return JSONResponse(
+                {"error": {"message": f"input_ids: not a prompt of the testbed chat template: {exc}"}}, status_code=400
+            )
+        body: dict[str, Any] = {"messages": prompt.messages, "temperature": parsed.temperature, "seed": parsed.seed}
+        decision = self._decide(body, prompt.tools) if prompt.generation_prompt else None
+        decision = self._crash_search(body, prompt.tools, decision)
+        if decision is None or fault == "no_tool_call":
+            text = reply_text(None, None, None, _TEXT_ONLY_REPLY if decision is not None else _NO_TOOLS_REPLY)
+        else:
+            reasoning = decision.reasoning if s.reasoning else None
+            text = reply_text(decision.tool, decision.arguments, reasoning, None)
+        # The length fault: the reply cut halfway, as if max_new_tokens had run out there.
+        cut = len(self.tokenizer.encode(text)) // 2 if fault == "length" else None
+        answer = shape_reply(parsed, text, self.tokenizer, prompt_digest=digest, cut_to=cut)
+        await _answer_time(arrived, delay)
+        if fault == "non_json":
+            return PlainTextResponse(_NON_JSON_BODY, status_code=200)
+        return Response(orjson.dumps(answer), media_type="application/json")
+
 
 def _conversation_key(body: dict[str, Any]) -> str:
     """What the conversation says, without the ids each answer draws anew (tool-call ids differ
@@ -489,6 +561,8 @@ def create_app(settings: PolicySettings | None = None) -> Starlette:
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
     ]
+    if server.settings.token_endpoint:
+        routes.append(Route("/generate", server.generate, methods=["POST"]))
     app = Starlette(routes=routes)
     app.state.policy_settings = server.settings
     return app

@@ -7,6 +7,7 @@ import asyncio
 import uvicorn
 from starlette.applications import Starlette
 
+from shopsimrl.testbed.policy import PolicySettings
 from shopsimrl.testbed.policy import create_app as create_policy_app
 from shopsimrl.testbed.shop import create_app as create_shop_app
 
@@ -19,9 +20,9 @@ def _server(app: Starlette, host: str, port: int) -> uvicorn.Server:
     )
 
 
-def serve_both(host: str = "127.0.0.1", shop_port: int = 5700, policy_port: int = 8000) -> None:
+def serve_both(host: str = "127.0.0.1", shop_port: int = 5700, policy_port: int = 8000, *, token_endpoint: bool = False) -> None:
     shop = _server(create_shop_app(), host, shop_port)
-    policy = _server(create_policy_app(), host, policy_port)
+    policy = _server(create_policy_app(PolicySettings(token_endpoint=True) if token_endpoint else None), host, policy_port)
 
     async def main() -> None:
         tasks = [asyncio.create_task(shop.serve()), asyncio.create_task(policy.serve())]
@@ -35,6 +36,8 @@ def serve_both(host: str = "127.0.0.1", shop_port: int = 5700, policy_port: int 
                 flush=True,
             )
             print(f"policy (OpenAI-compatible):      http://{host}:{policy_port}/v1   model: shopsim-heuristic", flush=True)
+            if token_endpoint:
+                print(f"token endpoint (SGLang /generate): http://{host}:{policy_port}/generate", flush=True)
             print("Ctrl-C stops both.", flush=True)
         # uvicorn installs the signal handlers; on Ctrl-C both servers leave serve() cleanly.
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
