@@ -97,6 +97,8 @@ __all__ = [
     "ModelRequestError",
     "OpenAICompatibleChatModel",
     "OpenAICompatibleSettings",
+    "context_overflow",
+    "parse_chat_completion",
 ]
 
 PROVIDER = "openai_compatible_http"
@@ -868,6 +870,22 @@ _WINDOW = re.compile(
     r"|configured limit of|context window of)\s*(\d+)",
     re.IGNORECASE,
 )
+
+
+def parse_chat_completion(body: Any, tools: list[dict[str, Any]]) -> ModelOutput:
+    """A chat.completion body → ``ModelOutput`` with this module's protocol checks, in their order.
+    For adapters that build the body themselves (the training adapter parses token ids into one),
+    so that every adapter judges a reply the same way."""
+    return _parse(body, None, _tool_names(tools), offered=bool(tools))
+
+
+def context_overflow(body: Any, text: str) -> tuple[str, int | None] | None:
+    """(the server's message, the window it states or None) when an error answer says that the
+    prompt does not fit the context window (the texts of ``_CONTEXT_OVERFLOW``), else None."""
+    message = _context_overflow_message(body, text)
+    if message is None:
+        return None
+    return message, _stated_window(message, body)
 
 
 def _error_fields(body: Any) -> tuple[list[str], set[str]]:

@@ -67,6 +67,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.transcript",
         "shopsimrl.research.viewer",
     ),
+    # Training rollouts: the token-level model adapter, trajectories and the trainer's samples. They run
+    # the episode engine (and, later, the runner's scheduling) and nothing below imports them.
+    "training": (
+        "shopsimrl.training",
+        "shopsimrl.training.chat",
+        "shopsimrl.training.samples",
+        "shopsimrl.training.token_model",
+        "shopsimrl.training.trajectory",
+    ),
     # Running a plan: scheduling, signals, the commands around a run. It writes and reads runs
     # through the stores below it.
     "runner": (

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shopsimrl.model import _context_overflow_message
+from shopsimrl.model import context_overflow
 from shopsimrl.prompts import action_tools
 from shopsimrl.testbed.chat_tokens import END_OF_TEXT, IM_END, IM_START, ByteTokenizer, ChatTemplate, TestbedChatTokenizer
 from shopsimrl.testbed.policy import PolicySettings, create_app
@@ -211,7 +211,7 @@ async def test_generate_refuses_a_prompt_beyond_the_context_with_sglangs_text() 
     assert too_long.status_code == 400 and fits.status_code == 200
     message = too_long.json()["error"]["message"]
     assert f"maximum context length of {len(ids) + 10} tokens" in message
-    assert _context_overflow_message(too_long.json(), message) == message, "the model adapter recognises it as a context overflow"
+    assert context_overflow(too_long.json(), message) == (message, len(ids) + 10), "the model adapter recognises it"
 
 
 @pytest.mark.parametrize(

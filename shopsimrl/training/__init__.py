@@ -1,0 +1,17 @@
+"""Training rollouts with the evaluation's episode engine: exact tokens for a trainer (slime).
+
+The episode engine (:mod:`shopsimrl.episode`) is the one evaluation runs; a training rollout
+differs only in how the model is called and what comes back to the trainer:
+
+- :mod:`shopsimrl.training.chat`: what the adapter needs of a tokenizer (messages and tools →
+  prompt ids, ids → text) and the parser of a reply's text (thinking, ``<tool_call>`` blocks);
+- :mod:`shopsimrl.training.token_model`: the token-level model adapter, a ``ChatModel`` over
+  SGLang's ``POST /generate`` that keeps every call's prompt ids, sampled ids and log-probs;
+- :mod:`shopsimrl.training.trajectory`: those calls → one token-contiguous trajectory per episode,
+  forked into sibling samples where a re-rendered prompt does not extend the tokens so far;
+- :mod:`shopsimrl.training.samples`: the project's ``Sample`` record (slime's field contract) and
+  its converter to slime's ``Sample``, which imports slime only when called.
+
+Token ids, loss masks and log-probs never enter the evaluation trace: the trace of a training
+episode is the same v4 record evaluation writes.
+"""
