@@ -605,7 +605,23 @@ def test_public_surface() -> None:
         "ModelRequestError",
         "OpenAICompatibleChatModel",
         "OpenAICompatibleSettings",
+        "context_overflow",
+        "parse_chat_completion",
     ]
+
+
+def test_parse_chat_completion_applies_the_adapters_checks_in_order() -> None:
+    tools = [{"type": "function", "function": {"name": "click", "parameters": {}}}]
+    call = {"id": "c", "type": "function", "function": {"name": "click", "arguments": '{"value": "x"}'}}
+    body = {
+        "choices": [{"message": {"role": "assistant", "content": "看看", "tool_calls": [call]}, "finish_reason": "tool_calls"}]
+    }
+    assert model_module.parse_chat_completion(body, tools).protocol_error == {
+        "code": "mixed_content",
+        "message": "visible text was returned alongside the tool call",
+    }
+    cut = {"choices": [{"message": {"role": "assistant", "content": "<tool_call>"}, "finish_reason": "length"}]}
+    assert model_module.parse_chat_completion(cut, tools).policy_failure["code"] == "generation_length"  # type: ignore[index]
 
 
 # --------------------------------------------------------------------------- text that is not valid Unicode
