@@ -72,6 +72,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "training": (
         "shopsimrl.training",
         "shopsimrl.training.chat",
+        "shopsimrl.training.rollout",
         "shopsimrl.training.samples",
         "shopsimrl.training.token_model",
         "shopsimrl.training.trajectory",

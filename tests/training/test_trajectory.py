@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
+from shopsimrl.model import ModelConfigError
 from shopsimrl.prompts import action_tools
 from shopsimrl.records import EnvironmentResult, EpisodeTrace, JobRecord, Step
 from shopsimrl.records.trace import CodedMessage
 from shopsimrl.testbed.chat_tokens import TestbedChatTokenizer
 from shopsimrl.training.chat import ChatTokenizer, parse_reply
 from shopsimrl.training.samples import Sample, SampleContractError, SampleStatus, check_siblings
-from shopsimrl.training.token_model import TurnRecord
+from shopsimrl.training.token_model import TokenModelSettings, TurnRecord
 from shopsimrl.training.trajectory import build_trajectory, episode_samples, reward_of
 from tests.training.invariants import assert_episode_samples
 
@@ -248,3 +249,10 @@ def test_to_slime_fills_slimes_sample(monkeypatch: pytest.MonkeyPatch) -> None:
         assert theirs.rollout_id == 6 and theirs.prompt == "12" and theirs.metadata["from_slime"] is True
         assert theirs.reward == mine.reward and theirs is not base
     assert base.tokens == [] and base.status is StandInSample.Status.PENDING, "the sample slime handed in is not changed"
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_p", 0.9), ("top_k", 20), ("max_new_tokens", 0), ("base_url", "sglang:30000")])
+def test_settings_refuse_what_the_trainer_cannot_use(field: str, value: Any) -> None:
+    settings: dict[str, Any] = {"base_url": "http://127.0.0.1:1", field: value}
+    with pytest.raises(ModelConfigError, match=field):
+        TokenModelSettings(**settings)
