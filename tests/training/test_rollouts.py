@@ -118,3 +118,30 @@ async def test_a_model_that_keeps_failing_gives_abort_placeholders_and_releases_
         (sample,) = rollout.samples
         assert sample.status is SampleStatus.ABORTED and sample.remove_sample and sample.rollout_id == position
         assert_episode_samples(rollout.samples, rollout.turns)
+
+
+async def test_repair_turns_cut_replies_and_thinking_keep_every_sample_exact() -> None:
+    # Replies without a call get the engine's repair turn, cut replies end the episode as
+    # generation_length (TRUNCATED), and thinking the template drops forks the next call.
+    jobs = _jobs(16)
+    with _services(slots=8, reasoning=True, rate_no_tool_call=0.25, rate_length=0.1, fault_seed=11) as (shop, model_url):
+        done, free = await _roll(shop, model_url, jobs)
+    assert free == 8
+    repaired = truncated = 0
+    for rollout in done:
+        assert rollout.scored, rollout.trace.error
+        assert_episode_samples(rollout.samples, rollout.turns)
+        trajectory = rollout.trajectory
+        assert trajectory is not None
+        for position, (turn, step) in enumerate(zip(rollout.turns[:-1], rollout.trace.steps, strict=False)):
+            extended = trajectory.reused_prefix_tokens[position + 1] == len(turn.prompt_ids) + len(turn.output_ids)
+            # A plain-text reply (no thinking) is re-rendered as sampled, and its repair turn
+            # offers the same page: the next prompt extends it. A reply that thought does not.
+            thought = "<think>" in TestbedChatTokenizer().decode(turn.output_ids)
+            assert extended is not thought, (rollout.trace.episode_id, step.step_index)
+            repaired += step.protocol_error is not None and extended
+        truncated += rollout.samples[0].status is SampleStatus.TRUNCATED
+        if rollout.samples[0].status is SampleStatus.TRUNCATED:
+            assert rollout.turns[-1].finish_type == "length"
+            assert rollout.trace.steps[-1].policy_failure is not None
+    assert repaired > 0 and truncated > 0, "the seeded faults produced repair turns and cut replies"
