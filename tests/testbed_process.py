@@ -39,11 +39,23 @@ class LocalTestbed:
 
 
 @contextmanager
-def start_testbed(**knobs: str) -> Iterator[LocalTestbed]:
-    """``knobs``: SHOPSIM_* / SHOPSIM_POLICY_* variables (latency, fault rates, slots)."""
+def start_testbed(*options: str, **knobs: str) -> Iterator[LocalTestbed]:
+    """``options``: more flags of ``testbed up`` (``--token-endpoint``); ``knobs``: SHOPSIM_* /
+    SHOPSIM_POLICY_* variables (latency, fault rates, slots)."""
     shop_port, policy_port = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "shopsimrl", "testbed", "up", "--shop-port", str(shop_port), "--policy-port", str(policy_port)],
+        [
+            sys.executable,
+            "-m",
+            "shopsimrl",
+            "testbed",
+            "up",
+            "--shop-port",
+            str(shop_port),
+            "--policy-port",
+            str(policy_port),
+            *options,
+        ],
         cwd=ROOT,
         env={**os.environ, **knobs},
         stdout=subprocess.DEVNULL,

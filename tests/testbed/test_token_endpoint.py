@@ -20,6 +20,7 @@ from shopsimrl.prompts import action_tools
 from shopsimrl.testbed.chat_tokens import END_OF_TEXT, IM_END, IM_START, ByteTokenizer, ChatTemplate, TestbedChatTokenizer
 from shopsimrl.testbed.policy import PolicySettings, create_app
 from shopsimrl.testbed.serving import running_server
+from tests.testbed_process import start_testbed
 
 TOKENIZER = TestbedChatTokenizer()
 HOME_STATE = {"page_type": "search_home", "search_available": True, "actions": []}
@@ -261,3 +262,15 @@ def test_generate_over_real_http() -> None:
     body = response.json()
     assert body["output_ids"][-1] == IM_END
     assert [entry[1] for entry in body["meta_info"]["output_token_logprobs"]] == body["output_ids"]
+
+
+@pytest.mark.slow
+def test_testbed_up_serves_the_token_endpoint_when_asked() -> None:
+    ids = TOKENIZER.render(_conversation(), action_tools(HOME_STATE))
+    with start_testbed("--token-endpoint") as bed:
+        root = bed.model_url.removesuffix("/v1")
+        answer = httpx.post(f"{root}/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 256}}, timeout=10)
+    with start_testbed() as bed:
+        absent = httpx.post(f"{bed.model_url.removesuffix('/v1')}/generate", json={"input_ids": ids}, timeout=10)
+    assert answer.status_code == 200 and answer.json()["output_ids"][-1] == IM_END
+    assert absent.status_code == 404
