@@ -12,6 +12,7 @@ the session's calls (:func:`~shopsimrl.training.trajectory.episode_samples`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from shopsimrl.environment import ShopEnvironment
 from shopsimrl.episode import AgentRuntime
@@ -55,7 +56,13 @@ class TrainingRollouts:
         self.max_steps = max_steps
 
     async def run(
-        self, job: EpisodeJob, *, index: int, group_index: int | None = None, rollout_id: int | None = None
+        self,
+        job: EpisodeJob,
+        *,
+        index: int,
+        group_index: int | None = None,
+        rollout_id: int | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> EpisodeRollout:
         """Play ``job`` once. Never raises for an episode-level failure: the trace says what
         happened and the samples are the abort placeholder when the episode has no score."""
@@ -64,7 +71,9 @@ class TrainingRollouts:
             model=session, environment=self.environment, prompts=self.prompts, skills=self.skills, max_steps=self.max_steps
         )
         trace = await runtime.run(job)
-        built = episode_samples(trace, session.turns, index=index, group_index=group_index, rollout_id=rollout_id)
+        built = episode_samples(
+            trace, session.turns, index=index, group_index=group_index, rollout_id=rollout_id, metadata=metadata
+        )
         return EpisodeRollout(
             trace=trace, samples=built.samples, turns=list(session.turns), trajectory=built.trajectory, scored=built.scored
         )

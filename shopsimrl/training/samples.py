@@ -115,6 +115,28 @@ class Sample:
             "metadata": copy.deepcopy(self.metadata),
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        """The inverse of :meth:`to_dict` (a line of the training namespace); checked."""
+        try:
+            sample = cls(
+                tokens=[int(t) for t in data["tokens"]],
+                response_length=int(data["response_length"]),
+                loss_mask=[int(bit) for bit in data["loss_mask"]],
+                rollout_log_probs=[float(v) for v in data["rollout_log_probs"]],
+                reward={str(k): float(v) for k, v in data["reward"].items()},
+                status=SampleStatus(data["status"]),
+                rollout_id=int(data["rollout_id"]),
+                group_index=data.get("group_index"),
+                index=data.get("index"),
+                remove_sample=bool(data.get("remove_sample", False)),
+                metadata=dict(data.get("metadata") or {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SampleContractError(f"not a training sample record: {exc!r}") from exc
+        sample.check()
+        return sample
+
     def to_slime(self, base: Any | None = None) -> Any:
         """slime's ``Sample`` with these fields (a copy of ``base``, the sample slime handed in,
         keeps its prompt, label and the rest). Imports slime here: call it in slime's process."""
