@@ -28,6 +28,7 @@ from shopsimrl.testbed.shop import ShopSettings
 from shopsimrl.testbed.shop import create_app as create_shop_app
 from shopsimrl.training import slime_adapter
 from shopsimrl.training.config import CONFIG_ENV, config_path, load_training_config
+from shopsimrl.training.grpo import fully_scored_group_filter, normalize_grpo_advantages
 from shopsimrl.training.samples import Sample
 from shopsimrl.training.store import read_training_samples
 from tests.training.slime_contract import ContractSample, installed
@@ -137,6 +138,20 @@ async def test_generate_returns_slime_samples_per_episode_with_siblings_sharing_
                 assert got.metadata["task_id"] == base.metadata["task_id"] and got.metadata["episode_id"] == line["episode_id"]
     assert forked > 0, "the testbed's page-following tools block forks trajectories into siblings"
 
+    # slime's next steps on these groups: the filter per group, then the normaliser on the flat list.
+    filter_args = SimpleNamespace(**vars(args), reward_key="reward", rollout_top_p=1.0, rollout_top_k=-1)
+    for results in out:
+        decision = fully_scored_group_filter(filter_args, results)
+        spread = len({episode[0].reward["reward"] for episode in results}) > 1
+        assert decision.keep is spread and (decision.reason is None) is spread
+    flat = [sample for results in out for episode in results for sample in episode]
+    raw, advantages = normalize_grpo_advantages(filter_args, flat)
+    assert raw == [sample.reward["reward"] for sample in flat]
+    by_rollout: dict[int, set[float]] = {}
+    for sample, value in zip(flat, advantages, strict=True):
+        by_rollout.setdefault(sample.rollout_id, set()).add(value)
+    assert len(by_rollout) == 12 and all(len(values) == 1 for values in by_rollout.values()), "siblings share one"
+
 
 @pytest.mark.slow
 async def test_a_failing_model_gives_abort_placeholders_that_slime_removes(tmp_path: Path) -> None:
@@ -216,9 +231,9 @@ def test_a_bad_training_config_is_refused_naming_the_key(tmp_path: Path, text: s
 @pytest.mark.slow
 def test_the_adapter_imports_without_slime() -> None:
     code = (
-        "import sys, shopsimrl.training.slime_adapter as a; "
+        "import sys, shopsimrl.training.slime_adapter as a, shopsimrl.training.grpo as g; "
         "assert not any(m == 'slime' or m.startswith('slime.') for m in sys.modules), 'slime imported'; "
-        "assert a.generate"
+        "assert a.generate and g.fully_scored_group_filter and g.normalize_grpo_advantages"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
