@@ -9,7 +9,7 @@ paths resolve against the YAML file's directory::
     run:
       name: round-001            # default: the file's stem; the run directory is output_dir/name
       output_dir: ../runs/training
-      seed: 20260901             # episode seeds: sha256(seed:task:index) unless slime sends one
+      seed: 20260901             # episode seeds: sha256(seed:task:index), index = slime's sample index
       concurrency: 16            # episodes in flight in the rollout process
     tasks:
       split_file: splits/persona_splits.v1.json

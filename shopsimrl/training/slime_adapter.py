@@ -141,13 +141,12 @@ async def generate(
     index = getattr(sample, "index", None)
     if not isinstance(index, int) or isinstance(index, bool) or index < 0:
         raise ConfigError(f"slime sample has no usable index ({index!r}); the episode id is built from it")
-    group_index = getattr(sample, "group_index", None)
-    seed = sampling_params.get("sampling_seed")
+    # The episode seed is sha256(run.seed:task:index), never slime's sampling_seed: with
+    # deterministic inference slime sends the same seeds to every group (rollout_seed + position).
     rollout = await worker.rollout(
         task_id=task_id_of(sample),
         index=index,
-        group_index=group_index,
-        seed=seed if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0 else None,
+        group_index=getattr(sample, "group_index", None),
         metadata={"run_dir": str(Path(worker.config.run_dir))},
     )
     return [convert(item, sample) for item in rollout.samples]

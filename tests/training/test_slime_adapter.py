@@ -21,6 +21,8 @@ import pytest
 
 from shopsimrl.config import ConfigError
 from shopsimrl.model import ModelConfigError
+from shopsimrl.planning import episode_seed
+from shopsimrl.storage.reading import open_run
 from shopsimrl.testbed.policy import PolicySettings
 from shopsimrl.testbed.policy import create_app as create_policy_app
 from shopsimrl.testbed.serving import running_server
@@ -101,7 +103,15 @@ async def _generate_groups(args: SimpleNamespace, groups: list[list[ContractSamp
     # slime's generate_and_rm_group: every sample of a group at once, each with its own params copy.
     try:
         return [
-            list(await asyncio.gather(*(slime_adapter.generate(args, s, dict(PARAMS), evaluation=False) for s in group)))
+            list(
+                await asyncio.gather(
+                    # With deterministic inference slime adds rollout_seed + position: equal across groups.
+                    *(
+                        slime_adapter.generate(args, s, {**PARAMS, "sampling_seed": 1234 + i}, evaluation=False)
+                        for i, s in enumerate(group)
+                    )
+                )
+            )
             for group in groups
         ]
     finally:
@@ -117,6 +127,14 @@ async def test_generate_returns_slime_samples_per_episode_with_siblings_sharing_
     run_dir = load_training_config(args.shopsim_training_config).run_dir
     stored = read_training_samples(run_dir)
     assert stored.missing == [] and len(stored.records) == 12
+    # Episode seeds are the run's (seed, task, slime's index), not slime's sampling_seed.
+    config = load_training_config(args.shopsim_training_config)
+    seeds = {record.episode_id: record.job.seed for record in open_run(run_dir).records()}
+    for group in groups:
+        for base in group:
+            episode = f"task-{base.metadata['task_id']:06d}__sample-{base.index:03d}"
+            assert seeds[episode] == episode_seed(config.run.seed, base.metadata["task_id"], base.index)
+    assert len(set(seeds.values())) == 12
     forked = 0
     for group, results in zip(groups, out, strict=True):
         for base, returned in zip(group, results, strict=True):
