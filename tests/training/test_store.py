@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 
 from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
+from shopsimrl.episode import new_trace
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.transcript import read_transcript
+from shopsimrl.schemas import EpisodeJob
 from shopsimrl.storage.local import RunLockedError
 from shopsimrl.storage.reading import open_run
 from shopsimrl.testbed.policy import PolicySettings
@@ -29,8 +31,8 @@ from shopsimrl.testbed.shop import ShopSettings
 from shopsimrl.testbed.shop import create_app as create_shop_app
 from shopsimrl.training.config import load_training_config
 from shopsimrl.training.rollout import EpisodeRollout
-from shopsimrl.training.samples import Sample, SampleStatus, check_siblings
-from shopsimrl.training.store import SAMPLES_FILE, read_training_samples
+from shopsimrl.training.samples import Sample, SampleStatus, abort_sample, check_siblings
+from shopsimrl.training.store import SAMPLES_FILE, TrainingRunStore, read_training_samples
 from shopsimrl.training.worker import Sampling, TrainingWorker
 from tests.sharded.conftest import cli
 from tests.training.invariants import assert_episode_samples
@@ -208,3 +210,33 @@ async def test_a_second_process_is_refused_and_a_restart_numbers_the_next_attemp
     assert set(stored.records) == {(episode, 1), (episode, 2)}
     run = open_run(first.config.run_dir)
     assert [record.attempt for _, record in run.all_records()] == [1, 2]
+
+
+def _unscored_rollout(task_id: int, index: int) -> EpisodeRollout:
+    trace = new_trace(EpisodeJob(task_id=task_id, sample_id=index, seed=index, split="train"))
+    sample = abort_sample(rollout_id=index, group_index=0, index=index, metadata={"episode_id": trace.episode_id})
+    return EpisodeRollout(trace=trace, samples=[sample], turns=[], trajectory=None, scored=False)
+
+
+def test_a_crash_between_the_two_writes_or_inside_one_is_reported_not_hidden(tmp_path: Path) -> None:
+    store = TrainingRunStore(tmp_path / "run")
+    with store:
+        store.save(_unscored_rollout(3, 0))
+        # The process dies after the trace line of rollout 1 and inside the samples line of rollout 2.
+        lost = _unscored_rollout(3, 1)
+        lost.trace.attempt = 1
+        store.runs.save_traces([lost.trace])
+        with store.samples_path.open("ab") as handle:
+            handle.write(b'{"schema_version": "shopsimrl-training-samples-v1", "episode_id": "task-0')
+    with TrainingRunStore(tmp_path / "run") as restarted:
+        restarted.save(_unscored_rollout(3, 2))
+        restarted.save(_unscored_rollout(3, 1))  # played again: its next attempt
+    found = read_training_samples(tmp_path / "run")
+    assert found.missing == [("task-000003__sample-001", 1)]
+    assert found.bad_lines == [2], "the torn line stays a line of its own, sealed before the next append"
+    assert set(found.records) == {
+        ("task-000003__sample-000", 1),
+        ("task-000003__sample-002", 1),
+        ("task-000003__sample-001", 2),
+    }
+    assert [Sample.from_dict(s).status for line in found.records.values() for s in line["samples"]] == [SampleStatus.ABORTED] * 3
