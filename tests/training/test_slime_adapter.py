@@ -30,7 +30,7 @@ from shopsimrl.testbed.shop import ShopSettings
 from shopsimrl.testbed.shop import create_app as create_shop_app
 from shopsimrl.training import slime_adapter
 from shopsimrl.training.config import CONFIG_ENV, config_path, load_training_config
-from shopsimrl.training.grpo import fully_scored_group_filter, normalize_grpo_advantages
+from shopsimrl.training.grpo import TrainingStalledError, fully_scored_group_filter, normalize_grpo_advantages
 from shopsimrl.training.samples import Sample
 from shopsimrl.training.store import read_training_samples
 from tests.training.slime_contract import ContractSample, installed
@@ -184,6 +184,42 @@ async def test_a_failing_model_gives_abort_placeholders_that_slime_removes(tmp_p
 
 
 @pytest.mark.slow
+async def test_a_killed_shop_gives_placeholders_that_the_filter_drops_then_stops_on(tmp_path: Path) -> None:
+    # The shop serves the first group, then is stopped; the worker (and its connections) live on,
+    # as in slime's rollout process when the shop's pod dies.
+    with running_server(create_policy_app(PolicySettings(token_endpoint=True))) as model_url, installed():
+        shop_context = running_server(create_shop_app(ShopSettings(slots=4)))
+        shop = shop_context.__enter__()
+        config = _config(tmp_path, shop, extra="filter: {max_consecutive_unscored_groups: 2}\n")
+        config.write_text(config.read_text().replace("persona: true}", "persona: true, max_retries: 1}"))
+        args = SimpleNamespace(**vars(_args(config, model_url)), reward_key="reward")
+        try:
+            first = await asyncio.gather(*(slime_adapter.generate(args, s, dict(PARAMS)) for s in _group(TRAIN_IDS[0], 0, 4)))
+            shop_context.__exit__(None, None, None)
+            later = [
+                await asyncio.gather(*(slime_adapter.generate(args, s, dict(PARAMS)) for s in _group(TRAIN_IDS[g], g, 4)))
+                for g in (1, 2)
+            ]
+        finally:
+            await slime_adapter.close_workers()
+    assert all(episode[0].status is ContractSample.Status.COMPLETED for episode in first)
+    for group in later:
+        for episode in group:
+            (placeholder,) = episode
+            assert placeholder.status is ContractSample.Status.ABORTED and placeholder.remove_sample
+            assert placeholder.metadata["failure_class"] == "infrastructure"
+    first_decision = fully_scored_group_filter(args, list(first))
+    assert first_decision.reason in (None, "shopsim_zero_std_group")
+    assert fully_scored_group_filter(args, list(later[0])).reason == "shopsim_unscored_technical_group"
+    with pytest.raises(TrainingStalledError, match="2 groups in a row"):
+        fully_scored_group_filter(args, list(later[1]))
+    # Every rollout left its trace, the failed ones too.
+    stored = read_training_samples(load_training_config(config).run_dir)
+    assert stored.missing == [] and len(stored.records) == 12
+    assert sum(line["scored"] for line in stored.records.values()) == 4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "error", "words"),
     [
@@ -251,7 +287,11 @@ def test_the_adapter_imports_without_slime() -> None:
     code = (
         "import sys, shopsimrl.training.slime_adapter as a, shopsimrl.training.grpo as g; "
         "assert not any(m == 'slime' or m.startswith('slime.') for m in sys.modules), 'slime imported'; "
-        "assert a.generate and g.fully_scored_group_filter and g.normalize_grpo_advantages"
+        "import inspect; "
+        "assert inspect.iscoroutinefunction(a.generate); "
+        "assert list(inspect.signature(a.generate).parameters)[:4] == ['args', 'sample', 'sampling_params', 'evaluation']; "
+        "assert list(inspect.signature(g.fully_scored_group_filter).parameters) == ['args', 'samples', 'kwargs']; "
+        "assert list(inspect.signature(g.normalize_grpo_advantages).parameters) == ['args', 'samples']"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
