@@ -34,6 +34,7 @@ from shopsimrl.training.rollout import EpisodeRollout
 from shopsimrl.training.samples import Sample, SampleStatus, abort_sample, check_siblings
 from shopsimrl.training.store import SAMPLES_FILE, TrainingRunStore, read_training_samples
 from shopsimrl.training.worker import Sampling, TrainingWorker
+from tests.research.test_viewer import serving
 from tests.sharded.conftest import cli
 from tests.training.invariants import assert_episode_samples
 
@@ -152,6 +153,11 @@ async def test_rollouts_leave_a_run_the_research_tools_read_with_samples_beside_
     labelled = cli("labels", str(run_dir), "-o", str(tmp_path / "labels.jsonl"), env=env)
     assert labelled.returncode == 0, labelled.stderr
     assert "12 episodes" in labelled.stdout
+    with serving(str(run_dir), env) as viewer:
+        page = viewer.get("/")
+        assert page.status_code == 200 and "12 of 12 episodes" in page.text
+        episode = viewer.get(f"/episodes/{some}")
+        assert episode.status_code == 200 and some in episode.text
     table = cli("export", "table", str(run_dir), "--to", "csv", "-o", str(tmp_path / "table.csv"), env=env)
     assert table.returncode == 0, table.stderr
     assert len((tmp_path / "table.csv").read_text().strip().splitlines()) == 13
