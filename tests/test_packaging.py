@@ -142,7 +142,13 @@ def _sources(package: str) -> set[str]:
 @pytest.mark.slow
 def test_each_wheel_holds_its_own_files_only(wheels: dict[str, Path]) -> None:
     core = _names(wheels["shopsimrl"])
-    assert {"shopsimrl/__init__.py", "shopsimrl/cli.py", "shopsimrl/runner/worker.py", "shopsimrl/py.typed"} <= set(core)
+    assert {
+        "shopsimrl/__init__.py",
+        "shopsimrl/cli/__init__.py",
+        "shopsimrl/cli/errors.py",
+        "shopsimrl/runner/worker.py",
+        "shopsimrl/py.typed",
+    } <= set(core)
     assert [n for n in core if n.startswith("shopsimrl/records/schemas/") and n.endswith(".json")], "the JSON Schemas"
     assert [n for n in core if n.startswith(("shopsimrl/research/", "shopsimrl/testbed/"))] == []
     assert [n for n in core if n.startswith("shopsimrl/") and n.count("/") == 1 and n.endswith("analysis.py")] == []

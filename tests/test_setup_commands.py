@@ -28,7 +28,9 @@ def test_make_demo_without_the_development_install_builds_only_the_light_venv(tm
     installs = [line for line in lines if " install " in line]
     assert installs == [
         f"{tmp_path / 'demo'}/bin/pip install --progress-bar off --constraint constraints.txt"
-        " -e . -e ./shopsimrl/testbed -e ./shopsimrl/research"
+        " -e . -e ./shopsimrl/testbed -e ./shopsimrl/research",
+        f"{tmp_path / 'demo'}/bin/pip install --progress-bar off --constraint constraints.txt"
+        " --no-deps --config-settings editable_mode=compat -e .",
     ]
     assert lines[-1] == f"BIN={tmp_path / 'demo'}/bin scripts/testbed-run.sh configs/testbed_demo.yaml"
     assert not any("[test]" in line or "llm" in line for line in lines)

@@ -141,14 +141,26 @@ def navigate(driver: Any, element: Any, timeout: float = 60.0) -> None:
     """Click a link or submit button and wait for the page it loads. A click may return before
     the old page is gone; reading right after it could find the old page's elements (stale a
     moment later) or its old text."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
     old = driver.find_element(By.TAG_NAME, "html")
     element.click()
+
+    def old_page_gone(_: Any) -> bool:
+        # Asked while the new document replaces the old one, chromedriver may answer "Node with
+        # given id does not belong to the document" instead of a stale-element error: gone too.
+        try:
+            return bool(expected_conditions.staleness_of(old)(driver))
+        except WebDriverException as exc:
+            if "does not belong to the document" in str(exc):
+                return True
+            raise
+
     wait = WebDriverWait(driver, timeout)
-    wait.until(expected_conditions.staleness_of(old))
+    wait.until(old_page_gone)
     wait.until(lambda current: current.execute_script("return document.readyState") == "complete")
 
 
