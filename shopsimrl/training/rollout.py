@@ -63,12 +63,14 @@ class TrainingRollouts:
         group_index: int | None = None,
         rollout_id: int | None = None,
         metadata: dict[str, Any] | None = None,
+        skills: SkillProvider | None = None,
     ) -> EpisodeRollout:
         """Play ``job`` once. Never raises for an episode-level failure: the trace says what
-        happened and the samples are the abort placeholder when the episode has no score."""
+        happened and the samples are the abort placeholder when the episode has no score.
+        ``skills`` replaces the shared provider for this episode (a group's curriculum draw)."""
         session = self.model.session(f"{job.episode_id}-{index}")
         runtime = AgentRuntime(
-            model=session, environment=self.environment, prompts=self.prompts, skills=self.skills, max_steps=self.max_steps
+            model=session, environment=self.environment, prompts=self.prompts, skills=skills or self.skills, max_steps=self.max_steps
         )
         trace = await runtime.run(job)
         built = episode_samples(

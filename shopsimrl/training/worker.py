@@ -167,13 +167,14 @@ class TrainingWorker:
         group_index: int | None,
         seed: int | None = None,
         metadata: dict[str, Any] | None = None,
+        skills: SkillProvider | None = None,
     ) -> EpisodeRollout:
         """Play one episode and save it (trace, then samples) before returning it."""
         if not self._started:
             raise RuntimeError("TrainingWorker.start() was not awaited")
         job = self.job(task_id=task_id, index=index, seed=seed)
         async with self._gate:
-            rollout = await self.rollouts.run(job, index=index, group_index=group_index, metadata=metadata)
+            rollout = await self.rollouts.run(job, index=index, group_index=group_index, metadata=metadata, skills=skills)
         # Shielded: a cancelled caller must not leave the trace written without its samples line.
         await asyncio.shield(asyncio.to_thread(self.store.save, rollout))
         return rollout
