@@ -102,6 +102,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.storage.objectstore",
         "shopsimrl.storage.reading",
         "shopsimrl.storage.sharded",
+        "shopsimrl.storage.training",
     ),
     "episode": ("shopsimrl.episode",),
     "adapters": (

@@ -1,9 +1,12 @@
 """One reader for every kind of run: a local run directory (``traces.jsonl``), a sharded run at
-any location (``s3://…``, any fsspec URL, or a local directory with ``shards.json``), and run
-directories of the earlier implementation (v4 traces, with or without a manifest).
+any location (``s3://…``, any fsspec URL, or a local directory with ``shards.json``), a training
+run on an object store (``training.json``, no manifest: :mod:`~shopsimrl.storage.training`), and
+run directories of the earlier implementation (v4 traces, with or without a manifest).
 
 A sharded run is read from its committed shards (the parts a verified commit marker lists),
-as the reducer reads it: no merged file is needed. Each episode is represented by its winning
+as the reducer reads it: no merged file is needed. A training run is read from the trace parts
+its commits name, each checked against its sha256, as one shard whose episodes are the ones
+the commits list. Each episode is represented by its winning
 record (:mod:`shopsimrl.records.winner`' rule, the one both stores and the reducer apply).
 
     run = open_run("s3://bucket/runs/ckpt-1200")
@@ -34,6 +37,7 @@ from shopsimrl.storage.sharded import (
     part_lines,
     read_shard_parts,
 )
+from shopsimrl.storage.training import IDENTITY, TRACES, TrainingCommit, TrainingObjects, TrainingRunError
 
 __all__ = ["EpisodeSource", "Run", "RunReadError", "open_run"]
 
@@ -59,19 +63,24 @@ class EpisodeSource:
 
 @dataclass
 class Run:
-    """An opened run. ``kind`` is ``local`` or ``sharded``; ``manifest`` is None for traces of the
-    earlier implementation written without one."""
+    """An opened run. ``kind`` is ``local``, ``sharded`` or ``training`` (a training run on an
+    object store); ``manifest`` is None for traces of the earlier implementation written without
+    one, and for training runs (local or not)."""
 
     location: str
     """Where it was opened, credentials removed."""
-    kind: Literal["local", "sharded"]
+    kind: Literal["local", "sharded", "training"]
     manifest: RunManifest | None
     include_uncommitted: bool = False
     shard_states: dict[int, str] = field(default_factory=dict)
     """Sharded runs: per shard ``committed``, ``uncommitted`` or ``corrupt`` (filled by a read)."""
     unreadable_lines: int = 0
+    training: dict[str, Any] | None = None
+    """A training run on an object store: its ``training.json``."""
     _local: LocalRunStore | None = None
     _store: ShardedRunStore | None = None
+    _training: TrainingObjects | None = None
+    _commits: list[TrainingCommit] | None = None
     _index: dict[str, EpisodeSource] | None = None
     _part_cache: tuple[tuple[int, str], list[EpisodeTrace | None]] | None = None
 
@@ -84,8 +93,17 @@ class Run:
 
     @property
     def identity(self) -> dict[str, Any]:
-        """The summary's ``run`` block: experiment, model, checkpoint, fingerprint, split."""
-        return run_identity(self.manifest, uri=self.location)
+        """The summary's ``run`` block: experiment, model, checkpoint, fingerprint, split (a
+        training run: its name, model and split from ``training.json``; no plan, no fingerprint)."""
+        identity = run_identity(self.manifest, uri=self.location)
+        if self.training is not None:
+            model, tasks = self.training.get("model"), self.training.get("tasks")
+            identity["experiment"] = self.training.get("name")
+            if isinstance(model, dict):
+                identity["model_name"] = model.get("name")
+            if isinstance(tasks, dict):
+                identity["split"] = {**identity["split"], "name": tasks.get("split"), "task_count": tasks.get("task_count")}
+        return identity
 
     @property
     def jobs(self) -> list[EpisodeJob] | None:
@@ -183,6 +201,14 @@ class Run:
             for offset, line in _jsonl_lines(self._local.traces_path):
                 yield EpisodeSource(name, offset), line
             return
+        if self._training is not None:
+            # The commits list each part's episodes: only the parts that hold this one are read.
+            commits = [c for c in self._training_commits() if any(eid == episode_id for eid, _ in c.rollouts)]
+            for commit, data in self._committed_traces(commits):
+                lines, _ = part_lines(commit.traces.name, data)
+                for line_no, line in enumerate(line for line in (raw.strip() for raw in lines.split(b"\n")) if line):
+                    yield EpisodeSource(commit.traces.name, line_no, shard=0), line
+            return
         assert self._store is not None
         frozen = load_frozen_plan(self._store)
         shard = next((index for index, ids in enumerate(frozen.shard_map.episode_ids) if episode_id in ids), None)
@@ -269,7 +295,13 @@ class Run:
     # -- sharded runs -----------------------------------------------------------------------
 
     def _shard_parts(self) -> Iterator[tuple[int, list[tuple[str, bytes]], set[str]]]:
-        """Per shard its parts that count (held compressed) and its planned episode ids."""
+        """Per shard its parts that count (held compressed) and its planned episode ids (a
+        training run: one shard, its committed parts and the episodes they list)."""
+        if self._training is not None:
+            commits = self._training_commits()
+            held = [(commit.traces.name, data) for commit, data in self._committed_traces(commits)]
+            yield 0, held, {episode_id for commit in commits for episode_id, _ in commit.rollouts}
+            return
         assert self._store is not None
         frozen = load_frozen_plan(self._store)
         for shard in range(frozen.shard_map.count):
@@ -338,16 +370,40 @@ class Run:
     def _part_records(self, source: EpisodeSource) -> list[EpisodeTrace | None]:
         """A part's records, the last part read kept (a viewer opens neighbouring episodes).
         Safe from several threads: each call works on its own reference to the cache entry."""
-        assert self._store is not None and source.shard is not None
+        assert source.shard is not None
         key = (source.shard, source.name)
         cached = self._part_cache
         if cached is None or cached[0] != key:
-            data = self._store.read_part(source.shard, source.name)
+            data = self._read_part(source)
             if data is None:
                 raise RunReadError(f"{self.location}: part {source.name} of shard {source.shard} is gone; open the run again")
             cached = (key, list(iter_part_records(source.name, data)))
             self._part_cache = cached
         return cached[1]
+
+    def _read_part(self, source: EpisodeSource) -> bytes | None:
+        if self._training is None:
+            assert self._store is not None and source.shard is not None
+            return self._store.read_part(source.shard, source.name)
+        commits = [commit for commit in self._training_commits() if commit.traces.name == source.name]
+        return next((data for _, data in self._committed_traces(commits)), None)
+
+    def _committed_traces(self, commits: list[TrainingCommit]) -> Iterator[tuple[TrainingCommit, bytes]]:
+        """The commits' trace parts, verified; a part that does not verify is a RunReadError."""
+        assert self._training is not None
+        try:
+            yield from self._training.committed_parts(TRACES, commits)
+        except TrainingRunError as exc:
+            raise RunReadError(str(exc)) from None
+
+    def _training_commits(self) -> list[TrainingCommit]:
+        """The training run's commits, read once (a run opened again sees later ones)."""
+        assert self._training is not None
+        if self._commits is None:
+            self._commits, problems = self._training.read_commits()
+            if problems:
+                raise RunReadError(problems[0])
+        return self._commits
 
 
 def _winners(picker: WinnerPicker[tuple[P, T]], attempts: dict[str, int]) -> list[tuple[str, P, T]]:
@@ -397,16 +453,27 @@ def open_run(location: str | Path, *, include_uncommitted: bool = False) -> Run:
     text = str(location)
     shown = redact_uri(text) if "://" in text else text
     try:
-        if "://" not in text and not (Path(text) / "shards.json").exists():
+        if "://" not in text and not (Path(text) / "shards.json").exists() and not (Path(text) / IDENTITY).is_file():
             return _open_local(Path(text), shown)
         store = ShardedRunStore(text)
         manifest = store.read_manifest()
+        if manifest is None and (training := _open_training(text)) is not None:
+            return training
         load_frozen_plan(store)  # the worker's and the reducer's checks of manifest and shard map
     except RunNotPlannedError as exc:
         raise RunReadError(str(exc)) from None
-    except (ManifestError, ShardMapError, TraceFormatError, RunLocationError) as exc:
+    except (ManifestError, ShardMapError, TraceFormatError, RunLocationError, TrainingRunError) as exc:
         raise RunReadError(f"{shown}: {exc}") from None
     return Run(shown, "sharded", manifest, include_uncommitted=include_uncommitted, _store=store)
+
+
+def _open_training(location: str) -> Run | None:
+    """The training run at ``location`` (``training.json`` there), None when there is none."""
+    objects = TrainingObjects(location)
+    identity = objects.read_identity()
+    if identity is None:
+        return None
+    return Run(objects.display_uri, "training", None, training=identity, _training=objects)
 
 
 def _open_local(path: Path, shown: str) -> Run:

@@ -8,9 +8,11 @@ paths resolve against the YAML file's directory::
 
     run:
       name: round-001            # default: the file's stem; the run directory is output_dir/name
-      output_dir: ../runs/training
+      output_dir: ../runs/training   # or s3://bucket/prefix: the run as immutable parts there
       seed: 20260901             # episode seeds: sha256(seed:task:index), index = slime's sample index
       concurrency: 16            # episodes in flight in the rollout process
+      flush_rollouts: 16         # object store: rollouts per part (a local run writes each at once)
+      flush_seconds: 5.0         # object store: the longest a finished rollout waits for its part
     tasks:
       split_file: splits/persona_splits.v1.json
       split: train               # a held-out test split is refused
@@ -50,6 +52,7 @@ from shopsimrl.config import (
     format_validation_error,
     safe_name,
 )
+from shopsimrl.schemas import redact_uri
 
 __all__ = [
     "CONFIG_ARG",
@@ -72,8 +75,13 @@ class _Strict(BaseModel):
 class RunSection(_Strict):
     name: str | None = None
     output_dir: str = "../runs/training"
+    """A local directory, or an object store location (``s3://bucket/prefix``, any URL with ``://``)."""
     seed: int = Field(default=20260901, ge=0)
     concurrency: int = Field(default=16, ge=1)
+    flush_rollouts: int = Field(default=16, ge=1)
+    """Object store only: rollouts written together as one part (a local run writes each at once)."""
+    flush_seconds: float = Field(default=5.0, gt=0)
+    """Object store only: the longest a finished rollout waits for its part to be written."""
 
 
 class TrainingTasksSection(_Strict):
@@ -141,7 +149,22 @@ class TrainingConfig(_Strict):
         return name
 
     @property
+    def on_object_store(self) -> bool:
+        """``run.output_dir`` is a URL (``s3://…``): the run is written as immutable parts there."""
+        return "://" in self.run.output_dir
+
+    @property
+    def run_location(self) -> str:
+        """Where the run is: ``output_dir/name``, a local path or an object store URL."""
+        if self.on_object_store:
+            return f"{self.run.output_dir.rstrip('/')}/{self.name}"
+        return str(self.run_dir)
+
+    @property
     def run_dir(self) -> Path:
+        """The local run directory; a ConfigError when ``run.output_dir`` is an object store."""
+        if self.on_object_store:
+            raise ConfigError(f"run.output_dir {redact_uri(self.run.output_dir)} is an object store location, not a directory")
         return self.resolve(self.run.output_dir) / self.name
 
 

@@ -30,7 +30,6 @@ import asyncio
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from shopsimrl.config import ConfigError
@@ -147,6 +146,6 @@ async def generate(
         task_id=task_id_of(sample),
         index=index,
         group_index=getattr(sample, "group_index", None),
-        metadata={"run_dir": str(Path(worker.config.run_dir))},
+        metadata={"run_dir": worker.store.location},
     )
     return [convert(item, sample) for item in rollout.samples]

@@ -1,13 +1,14 @@
-"""The training rollout process: a config, a run directory, the shop's leases, the token endpoint.
+"""The training rollout process: a config, a run, the shop's leases, the token endpoint.
 
 :class:`TrainingWorker` is what slime's rollout process holds (one per process): it opens the run
-directory (:class:`~shopsimrl.training.store.TrainingRunStore`, held with a lock), starts the
-lease journal in ``<run dir>/leases/`` exactly as an evaluation run does (it first releases the
-leases a killed predecessor left, then journals every lease of this process), and plays one
-episode per call of :meth:`TrainingWorker.rollout` with at most ``run.concurrency`` in flight.
-Every rollout's trace and samples are saved before the call returns. Leases are released on every
-path: the episode engine releases an episode's lease when it ends, fails or is cancelled (slime
-cancels the rollouts it no longer needs), and :meth:`TrainingWorker.aclose` closes the journal.
+(:mod:`shopsimrl.training.store`: a local directory held with a lock, or an object store
+location), starts the lease journal in the run's ``leases/`` exactly as an evaluation run does
+(it first releases the leases a killed predecessor left, then journals every lease of this
+process), and plays one episode per call of :meth:`TrainingWorker.rollout` with at most
+``run.concurrency`` in flight. Every rollout's trace and samples are durable before the call
+returns. Leases are released on every path: the episode engine releases an episode's lease when
+it ends, fails or is cancelled (slime cancels the rollouts it no longer needs), and
+:meth:`TrainingWorker.aclose` writes what is buffered and closes the journal.
 """
 
 from __future__ import annotations
@@ -17,21 +18,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shopsimrl import __version__
 from shopsimrl.config import ConfigError
 from shopsimrl.environment import ShopSimulatorEnvironment, ShopSimulatorSettings
 from shopsimrl.planning import episode_seed
 from shopsimrl.prompts import PromptBuilder
-from shopsimrl.runner.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
+from shopsimrl.runner.lease_journal import LeaseJournal, start_lease_tracking
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.skills import NoSkills, SkillProvider, open_skill_provider
+from shopsimrl.storage.objectstore import RunLocationError
 from shopsimrl.tasks import TaskSplit, load_task_split
 from shopsimrl.training.chat import ChatTokenizer
 from shopsimrl.training.config import TrainingConfig
 from shopsimrl.training.rollout import EpisodeRollout, TrainingRollouts
-from shopsimrl.training.store import TrainingRunStore
+from shopsimrl.training.store import ObjectTrainingRunStore, RolloutStore, TrainingRunStore
 from shopsimrl.training.token_model import Sleep, TokenModel, TokenModelSettings
 
-__all__ = ["Sampling", "TrainingWorker", "tokenizer_for"]
+__all__ = ["Sampling", "TrainingWorker", "open_rollout_store", "tokenizer_for"]
 
 
 @dataclass(frozen=True)
@@ -130,14 +133,14 @@ class TrainingWorker:
         self.rollouts = TrainingRollouts(
             model=self.model, environment=self.environment, prompts=prompts, skills=skills, max_steps=config.runtime.max_steps
         )
-        self.store = TrainingRunStore(config.run_dir)
-        self.journal = LeaseJournal(DirectoryJournalStorage(self.store.leases_dir), environment_url=e.base_url)
+        self.store = open_rollout_store(config, self.split)
+        self.journal = LeaseJournal(self.store.journal_storage(), environment_url=e.base_url)
         self._gate = asyncio.Semaphore(config.run.concurrency)
         self._started = False
 
     async def start(self) -> None:
-        """Hold the run directory, release what a killed predecessor left, start the journal."""
-        self.store.acquire()
+        """Take the run, release what a killed predecessor left, start the journal."""
+        await asyncio.to_thread(self.store.acquire)
         try:
             await start_lease_tracking(
                 self.environment,
@@ -147,7 +150,7 @@ class TrainingWorker:
                 configured=self.config.environment.max_leases,
             )
         except BaseException:
-            self.store.release()
+            await self.store.aclose()
             raise
         self._started = True
 
@@ -169,21 +172,54 @@ class TrainingWorker:
         metadata: dict[str, Any] | None = None,
         skills: SkillProvider | None = None,
     ) -> EpisodeRollout:
-        """Play one episode and save it (trace, then samples) before returning it."""
+        """Play one episode and store it (trace and samples) before returning it."""
         if not self._started:
             raise RuntimeError("TrainingWorker.start() was not awaited")
         job = self.job(task_id=task_id, index=index, seed=seed)
-        async with self._gate:
-            rollout = await self.rollouts.run(job, index=index, group_index=group_index, metadata=metadata, skills=skills)
-        # Shielded: a cancelled caller must not leave the trace written without its samples line.
-        await asyncio.shield(asyncio.to_thread(self.store.save, rollout))
+        self.store.started()
+        played = False
+        try:
+            async with self._gate:
+                rollout = await self.rollouts.run(job, index=index, group_index=group_index, metadata=metadata, skills=skills)
+            played = True
+            await self.store.commit(rollout)
+        finally:
+            if not played:
+                self.store.abandoned()
         return rollout
 
     async def aclose(self) -> None:
+        """Store what is buffered, close the connections and the journal, let go of the run;
+        each step runs whatever the one before raised (the first error is raised at the end)."""
         try:
-            await self.model.aclose()
-            await self.environment.aclose()
-            await self.journal.aclose()
+            await self.store.aclose()
         finally:
-            self.store.release()
-            self._started = False
+            try:
+                await self.model.aclose()
+                await self.environment.aclose()
+                await self.journal.aclose()
+            finally:
+                self._started = False
+
+
+def open_rollout_store(config: TrainingConfig, split: TaskSplit) -> RolloutStore:
+    """The run ``run.output_dir`` names: a local directory, or an object store location (its
+    form is checked here, the store is first reached by :meth:`TrainingWorker.start`)."""
+    if not config.on_object_store:
+        return TrainingRunStore(config.run_dir)
+    identity = {
+        "name": config.name,
+        "model": {"name": config.model.name, "tokenizer": config.model.tokenizer},
+        "tasks": {"split": split.name, "split_file": split.file_name, "task_count": len(split.task_ids)},
+        "seed": config.run.seed,
+        "shopsimrl": __version__,
+    }
+    try:
+        return ObjectTrainingRunStore(
+            config.run_location,
+            identity=identity,
+            flush_rollouts=config.run.flush_rollouts,
+            flush_seconds=config.run.flush_seconds,
+        )
+    except RunLocationError as exc:
+        raise ConfigError(f"run.output_dir: {exc}") from None
