@@ -12,8 +12,8 @@ differs only in how the model is called and what comes back to the trainer:
 - :mod:`shopsimrl.training.samples`: the project's ``Sample`` record (slime's field contract) and
   its converter to slime's ``Sample``, which imports slime only when called;
 - :mod:`shopsimrl.training.config`, :mod:`~shopsimrl.training.worker`,
-  :mod:`~shopsimrl.training.store`: the training YAML, the rollout process and the run directory
-  (v4 traces, the samples beside them, the lease journal);
+  :mod:`~shopsimrl.training.store`: the training YAML, the rollout process and the run, a local
+  directory or an object store location (v4 traces, the samples beside them, the lease journal);
 - :mod:`shopsimrl.training.slime_adapter`, :mod:`~shopsimrl.training.grpo`: slime's
   custom-generate function, its dynamic-sampling filter and GRPO normaliser.
 
