@@ -54,6 +54,8 @@ from shopsimrl.config import (
 __all__ = [
     "CONFIG_ARG",
     "CONFIG_ENV",
+    "ENV_URL_VARIABLE",
+    "TOKEN_URL_VARIABLE",
     "TrainingConfig",
     "config_path",
     "load_training_config",
@@ -63,6 +65,10 @@ CONFIG_ARG = "shopsim_training_config"
 """The slime ``args`` attribute (a key of slime's ``--custom-config-path`` YAML) naming the config."""
 CONFIG_ENV = "SHOPSIMRL_TRAINING_CONFIG"
 """The environment variable naming the config when slime's args do not."""
+ENV_URL_VARIABLE = "SHOPSIMRL_ENV_BASE_URL"
+"""Overrides ``environment.base_url`` (as for evaluation): where the pod's shop is, not what it plays."""
+TOKEN_URL_VARIABLE = "SHOPSIMRL_TOKEN_ENDPOINT_URL"
+"""Overrides ``model.base_url``, the token endpoint (slime's router when neither is set)."""
 
 
 class _Strict(BaseModel):
@@ -145,8 +151,10 @@ class TrainingConfig(_Strict):
         return self.resolve(self.run.output_dir) / self.name
 
 
-def load_training_config(path: str | Path) -> TrainingConfig:
-    """Read and validate; :class:`ConfigError` naming the file and the key (or line) otherwise."""
+def load_training_config(path: str | Path, environ: dict[str, str] | None = None) -> TrainingConfig:
+    """Read and validate; :class:`ConfigError` naming the file and the key (or line) otherwise.
+    ``$SHOPSIMRL_ENV_BASE_URL`` and ``$SHOPSIMRL_TOKEN_ENDPOINT_URL`` (``environ``, default the
+    process's) replace the service addresses, checked like the file's."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -172,7 +180,20 @@ def load_training_config(path: str | Path) -> TrainingConfig:
         raise ConfigError(f"training config {path}: {exc}") from None
     if config.prompt.system_prompt is not None and config.prompt.system_prompt_file is not None:
         raise ConfigError(f"training config {path}: prompt.system_prompt and prompt.system_prompt_file are mutually exclusive")
-    return config
+    return _with_environment(config, dict(os.environ) if environ is None else environ)
+
+
+def _with_environment(config: TrainingConfig, environ: dict[str, str]) -> TrainingConfig:
+    data = config.model_dump(exclude={"source_path"})
+    for variable, section in ((ENV_URL_VARIABLE, "environment"), (TOKEN_URL_VARIABLE, "model")):
+        if environ.get(variable):
+            data[section]["base_url"] = environ[variable]
+    if data == config.model_dump(exclude={"source_path"}):
+        return config
+    try:
+        return TrainingConfig.model_validate({**data, "source_path": config.source_path})
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(f"${ENV_URL_VARIABLE} / ${TOKEN_URL_VARIABLE}", exc)) from None
 
 
 def config_path(args: Any, environ: dict[str, str] | None = None) -> Path:
