@@ -290,13 +290,17 @@ def main(
     out: str,
 ) -> None:
     """``shopsimrl testbed slime-round``: one step, its record written to ``out``, a table printed."""
+    from shopsimrl.cli.errors import BadInputError
     from shopsimrl.storage.local import atomic_write_json
     from shopsimrl.training import slime_adapter
 
     args = slime_args(
         config, samples_per_group=samples_per_group, batch_groups=batch_groups, over_sampling_groups=over_sampling_groups
     )
-    prompts = read_task_data(task_data, limit=over_sampling_groups)
+    try:
+        prompts = read_task_data(task_data, limit=over_sampling_groups)
+    except (OSError, ValueError) as exc:
+        raise BadInputError(str(exc)) from None
     params = {"temperature": temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens}
 
     async def run() -> RoundResult:
