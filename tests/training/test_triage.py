@@ -190,10 +190,10 @@ def test_a_group_closes_once_on_its_last_sample_and_never_with_a_lost_one() -> N
 
 # --------------------------------------------------------------------------- real rollouts
 
-pytestmark_slow = pytest.mark.slow
+slow = pytest.mark.slow
 
 
-@pytestmark_slow
+@slow
 async def test_an_all_wrong_group_whose_diagnostic_succeeds_is_an_internalization_deficit(tmp_path: Path) -> None:
     task, group = DEFICIT[0]
     with _services() as (shop, model_url):
@@ -234,7 +234,7 @@ async def test_an_all_wrong_group_whose_diagnostic_succeeds_is_an_internalizatio
     assert shown.returncode == 0 and "choose-options" in shown.stdout, shown.stderr
 
 
-@pytestmark_slow
+@slow
 @pytest.mark.parametrize(("retry", "with_bank", "skipped"), [(False, True, "retry_disabled"), (True, False, "no_chunks")])
 async def test_an_all_wrong_group_without_a_diagnostic_is_retry_disabled(
     tmp_path: Path, retry: bool, with_bank: bool, skipped: str
@@ -255,7 +255,7 @@ async def test_an_all_wrong_group_without_a_diagnostic_is_retry_disabled(
     assert _diagnostic_traces(worker) == [] and worker.triage.diagnostics_started == 0
 
 
-@pytestmark_slow
+@slow
 async def test_a_group_of_abort_placeholders_is_a_runtime_error_without_a_diagnostic(tmp_path: Path) -> None:
     with _services(rate_500=1.0) as (shop, model_url):
         worker = _worker(_config(tmp_path, shop, bank=_bank(tmp_path), retries=2), model_url)
@@ -272,7 +272,7 @@ async def test_a_group_of_abort_placeholders_is_a_runtime_error_without_a_diagno
     assert _diagnostic_traces(worker) == []
 
 
-@pytestmark_slow
+@slow
 async def test_samples_finishing_together_and_two_diagnostics_at_once_triage_each_group_once(tmp_path: Path) -> None:
     (task, first), (_, second) = DEFICIT
     with _services() as (shop, model_url):
@@ -344,7 +344,7 @@ def _park(worker: TrainingWorker, session_prefix: str) -> asyncio.Event:
     return parked
 
 
-@pytestmark_slow
+@slow
 async def test_a_cancelled_sample_or_diagnostic_leaves_no_triage_and_the_replay_triages(tmp_path: Path) -> None:
     (task, first), (_, second) = DEFICIT
     with _services() as (shop, model_url):
@@ -396,7 +396,7 @@ async def test_a_cancelled_sample_or_diagnostic_leaves_no_triage_and_the_replay_
     assert f"task-{task:06d}__sample-{victim:03d}" not in {t.episode_id for t in traces}
 
 
-@pytestmark_slow
+@slow
 async def test_a_restarted_rollout_process_does_not_triage_a_group_again(tmp_path: Path) -> None:
     task, group = DEFICIT[0]
     with _services() as (shop, model_url):
