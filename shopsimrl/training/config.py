@@ -2,7 +2,7 @@
 
 The sections the episode engine shares with evaluation are the experiment config's own
 (:mod:`shopsimrl.config`: ``environment``, ``runtime``, ``prompt``, ``skills``), so a key means
-the same in both files; ``run``, ``tasks``, ``model`` and ``filter`` are the training ones.
+the same in both files; ``run``, ``tasks``, ``model``, ``filter`` and ``triage`` are the training ones.
 Unknown keys are rejected with their path, numbers and flags are checked strictly, relative
 paths resolve against the YAML file's directory::
 
@@ -24,6 +24,8 @@ paths resolve against the YAML file's directory::
       tokenizer: testbed         # the chat tokenizer the prompts are rendered with
     filter:
       max_consecutive_unscored_groups: 8
+    triage:
+      full_skill_retry: true     # one diagnostic rollout with every chunk per all-wrong group
 
 Where slime finds it (:func:`config_path`): slime's ``--custom-config-path`` YAML sets each of its
 keys on slime's ``args``, so a key ``shopsim_training_config: /path/training.yaml`` there names
@@ -114,6 +116,12 @@ class FilterSection(_Strict):
     """A group whose rewards (one per rollout) spread no more than this is dropped."""
 
 
+class TriageSection(_Strict):
+    full_skill_retry: bool = True
+    """Play one diagnostic rollout with every curriculum chunk when all samples of a group failed
+    (:mod:`shopsimrl.training.triage`); false: classify such groups ``all_wrong_retry_disabled``."""
+
+
 class TrainingConfig(_Strict):
     run: RunSection = Field(default_factory=RunSection)
     tasks: TrainingTasksSection
@@ -123,6 +131,7 @@ class TrainingConfig(_Strict):
     skills: SkillsSection = Field(default_factory=SkillsSection)
     model: TrainingModelSection = Field(default_factory=TrainingModelSection)
     filter: FilterSection = Field(default_factory=FilterSection)
+    triage: TriageSection = Field(default_factory=TriageSection)
     source_path: Path | None = Field(default=None, exclude=True)
 
     @field_validator("source_path", mode="before")

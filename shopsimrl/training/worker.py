@@ -5,7 +5,10 @@ directory (:class:`~shopsimrl.training.store.TrainingRunStore`, held with a lock
 lease journal in ``<run dir>/leases/`` exactly as an evaluation run does (it first releases the
 leases a killed predecessor left, then journals every lease of this process), and plays one
 episode per call of :meth:`TrainingWorker.rollout` with at most ``run.concurrency`` in flight.
-Every rollout's trace and samples are saved before the call returns. Leases are released on every
+Every rollout's trace and samples are saved before the call returns. A rollout told its group's
+size (slime's ``n_samples_per_prompt``) joins the group's triage (:mod:`shopsimrl.training.
+triage`): the group's last sample runs the all-wrong triage before it returns, whose diagnostic
+rollout is saved in ``<run dir>/training/triage/diagnostics/``. Leases are released on every
 path: the episode engine releases an episode's lease when it ends, fails or is cancelled (slime
 cancels the rollouts it no longer needs), and :meth:`TrainingWorker.aclose` closes the journal.
 """
@@ -30,6 +33,7 @@ from shopsimrl.training.config import TrainingConfig
 from shopsimrl.training.rollout import EpisodeRollout, TrainingRollouts
 from shopsimrl.training.store import TrainingRunStore
 from shopsimrl.training.token_model import Sleep, TokenModel, TokenModelSettings
+from shopsimrl.training.triage import DIAGNOSTICS_DIR, GroupTriage, diagnostic_seed
 
 __all__ = ["Sampling", "TrainingWorker", "tokenizer_for"]
 
@@ -131,6 +135,14 @@ class TrainingWorker:
             model=self.model, environment=self.environment, prompts=prompts, skills=skills, max_steps=config.runtime.max_steps
         )
         self.store = TrainingRunStore(config.run_dir)
+        self.diagnostics = TrainingRunStore(config.run_dir / DIAGNOSTICS_DIR)
+        self.triage = GroupTriage(
+            config.run_dir,
+            run_name=config.name,
+            full_skill_retry=config.triage.full_skill_retry,
+            diagnose=self._diagnose,
+            has_chunks=lambda: not isinstance(self.full_skills(), NoSkills),
+        )
         self.journal = LeaseJournal(DirectoryJournalStorage(self.store.leases_dir), environment_url=e.base_url)
         self._gate = asyncio.Semaphore(config.run.concurrency)
         self._started = False
@@ -139,6 +151,7 @@ class TrainingWorker:
         """Hold the run directory, release what a killed predecessor left, start the journal."""
         self.store.acquire()
         try:
+            self.diagnostics.acquire()
             await start_lease_tracking(
                 self.environment,
                 self.journal,
@@ -147,9 +160,14 @@ class TrainingWorker:
                 configured=self.config.environment.max_leases,
             )
         except BaseException:
+            self.diagnostics.release()
             self.store.release()
             raise
         self._started = True
+
+    def full_skills(self) -> SkillProvider:
+        """Every curriculum chunk: the skills of a group's triage diagnostic."""
+        return self.rollouts.skills
 
     def job(self, *, task_id: int, index: int, seed: int | None = None) -> EpisodeJob:
         """The episode of slime's sample ``index`` on ``task_id``: its id is unique in the run
@@ -168,15 +186,42 @@ class TrainingWorker:
         seed: int | None = None,
         metadata: dict[str, Any] | None = None,
         skills: SkillProvider | None = None,
+        group_size: int | None = None,
     ) -> EpisodeRollout:
-        """Play one episode and save it (trace, then samples) before returning it."""
+        """Play one episode and save it (trace, then samples) before returning it. With
+        ``group_size`` (and a ``group_index``) the rollout counts in its group's triage: the
+        group's last sample triages the group before it returns."""
         if not self._started:
             raise RuntimeError("TrainingWorker.start() was not awaited")
         job = self.job(task_id=task_id, index=index, seed=seed)
+        grouped = group_size is not None and group_index is not None
+        try:
+            async with self._gate:
+                rollout = await self.rollouts.run(job, index=index, group_index=group_index, metadata=metadata, skills=skills)
+            # Shielded: a cancelled caller must not leave the trace written without its samples line.
+            await asyncio.shield(asyncio.to_thread(self.store.save, rollout))
+        except BaseException:
+            # Cancelled by slime, or failed: the group will not be whole, so it is not triaged.
+            if grouped:
+                assert group_size is not None and group_index is not None
+                self.triage.sample_lost(group_index, group_size, index)
+            raise
+        if grouped:
+            assert group_size is not None and group_index is not None
+            await self.triage.sample_finished(group_index, group_size, rollout, index=index)
+        return rollout
+
+    async def _diagnose(self, task_id: int, group_index: int) -> EpisodeRollout:
+        """The triage diagnostic of a group: its task once more with every chunk, saved in the
+        diagnostics run directory (sample number = the group index), never returned to slime."""
+        seed = diagnostic_seed(self.config.run.seed, task_id, group_index)
+        job = self.job(task_id=task_id, index=group_index, seed=seed)
+        metadata = {"triage_diagnostic": True, "triage_group": group_index}
         async with self._gate:
-            rollout = await self.rollouts.run(job, index=index, group_index=group_index, metadata=metadata, skills=skills)
-        # Shielded: a cancelled caller must not leave the trace written without its samples line.
-        await asyncio.shield(asyncio.to_thread(self.store.save, rollout))
+            rollout = await self.rollouts.run(
+                job, index=group_index, group_index=group_index, metadata=metadata, skills=self.full_skills()
+            )
+        await asyncio.shield(asyncio.to_thread(self.diagnostics.save, rollout))
         return rollout
 
     async def aclose(self) -> None:
@@ -185,5 +230,6 @@ class TrainingWorker:
             await self.environment.aclose()
             await self.journal.aclose()
         finally:
+            self.diagnostics.release()
             self.store.release()
             self._started = False
