@@ -15,7 +15,11 @@ differs only in how the model is called and what comes back to the trainer:
   :mod:`~shopsimrl.training.store`: the training YAML, the rollout process and the run, a local
   directory or an object store location (v4 traces, the samples beside them, the lease journal);
 - :mod:`shopsimrl.training.slime_adapter`, :mod:`~shopsimrl.training.grpo`: slime's
-  custom-generate function, its dynamic-sampling filter and GRPO normaliser.
+  custom-generate function, its dynamic-sampling filter and GRPO normaliser;
+- :mod:`shopsimrl.training.triage`: the all-wrong triage of a group (one diagnostic rollout with
+  every chunk, ``training/triage/group-*.json``);
+- :mod:`shopsimrl.training.metrics`: the ``rollout/shopsim/*`` figures, through slime's
+  all-samples and rollout-log hooks.
 
 Token ids, loss masks and log-probs never enter the evaluation trace: the trace of a training
 episode is the same v4 record evaluation writes.

@@ -2,7 +2,7 @@
 
 The sections the episode engine shares with evaluation are the experiment config's own
 (:mod:`shopsimrl.config`: ``environment``, ``runtime``, ``prompt``, ``skills``), so a key means
-the same in both files; ``run``, ``tasks``, ``model`` and ``filter`` are the training ones.
+the same in both files; ``run``, ``tasks``, ``model``, ``filter`` and ``triage`` are the training ones.
 Unknown keys are rejected with their path, numbers and flags are checked strictly, relative
 paths resolve against the YAML file's directory::
 
@@ -26,6 +26,8 @@ paths resolve against the YAML file's directory::
       tokenizer: testbed         # the chat tokenizer the prompts are rendered with
     filter:
       max_consecutive_unscored_groups: 8
+    triage:
+      full_skill_retry: true     # one diagnostic rollout with every chunk per all-wrong group
 
 Where slime finds it (:func:`config_path`): slime's ``--custom-config-path`` YAML sets each of its
 keys on slime's ``args``, so a key ``shopsim_training_config: /path/training.yaml`` there names
@@ -57,6 +59,8 @@ from shopsimrl.schemas import redact_uri
 __all__ = [
     "CONFIG_ARG",
     "CONFIG_ENV",
+    "ENV_URL_VARIABLE",
+    "TOKEN_URL_VARIABLE",
     "TrainingConfig",
     "config_path",
     "load_training_config",
@@ -66,6 +70,10 @@ CONFIG_ARG = "shopsim_training_config"
 """The slime ``args`` attribute (a key of slime's ``--custom-config-path`` YAML) naming the config."""
 CONFIG_ENV = "SHOPSIMRL_TRAINING_CONFIG"
 """The environment variable naming the config when slime's args do not."""
+ENV_URL_VARIABLE = "SHOPSIMRL_ENV_BASE_URL"
+"""Overrides ``environment.base_url`` (as for evaluation): where the pod's shop is, not what it plays."""
+TOKEN_URL_VARIABLE = "SHOPSIMRL_TOKEN_ENDPOINT_URL"
+"""Overrides ``model.base_url``, the token endpoint (slime's router when neither is set)."""
 
 
 class _Strict(BaseModel):
@@ -116,6 +124,12 @@ class FilterSection(_Strict):
     """A group whose rewards (one per rollout) spread no more than this is dropped."""
 
 
+class TriageSection(_Strict):
+    full_skill_retry: bool = True
+    """Play one diagnostic rollout with every curriculum chunk when all samples of a group failed
+    (:mod:`shopsimrl.training.triage`); false: classify such groups ``all_wrong_retry_disabled``."""
+
+
 class TrainingConfig(_Strict):
     run: RunSection = Field(default_factory=RunSection)
     tasks: TrainingTasksSection
@@ -125,6 +139,7 @@ class TrainingConfig(_Strict):
     skills: SkillsSection = Field(default_factory=SkillsSection)
     model: TrainingModelSection = Field(default_factory=TrainingModelSection)
     filter: FilterSection = Field(default_factory=FilterSection)
+    triage: TriageSection = Field(default_factory=TriageSection)
     source_path: Path | None = Field(default=None, exclude=True)
 
     @field_validator("source_path", mode="before")
@@ -168,8 +183,10 @@ class TrainingConfig(_Strict):
         return self.resolve(self.run.output_dir) / self.name
 
 
-def load_training_config(path: str | Path) -> TrainingConfig:
-    """Read and validate; :class:`ConfigError` naming the file and the key (or line) otherwise."""
+def load_training_config(path: str | Path, environ: dict[str, str] | None = None) -> TrainingConfig:
+    """Read and validate; :class:`ConfigError` naming the file and the key (or line) otherwise.
+    ``$SHOPSIMRL_ENV_BASE_URL`` and ``$SHOPSIMRL_TOKEN_ENDPOINT_URL`` (``environ``, default the
+    process's) replace the service addresses, checked like the file's."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -195,7 +212,20 @@ def load_training_config(path: str | Path) -> TrainingConfig:
         raise ConfigError(f"training config {path}: {exc}") from None
     if config.prompt.system_prompt is not None and config.prompt.system_prompt_file is not None:
         raise ConfigError(f"training config {path}: prompt.system_prompt and prompt.system_prompt_file are mutually exclusive")
-    return config
+    return _with_environment(config, dict(os.environ) if environ is None else environ)
+
+
+def _with_environment(config: TrainingConfig, environ: dict[str, str]) -> TrainingConfig:
+    data = config.model_dump(exclude={"source_path"})
+    for variable, section in ((ENV_URL_VARIABLE, "environment"), (TOKEN_URL_VARIABLE, "model")):
+        if environ.get(variable):
+            data[section]["base_url"] = environ[variable]
+    if data == config.model_dump(exclude={"source_path"}):
+        return config
+    try:
+        return TrainingConfig.model_validate({**data, "source_path": config.source_path})
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(f"${ENV_URL_VARIABLE} / ${TOKEN_URL_VARIABLE}", exc)) from None
 
 
 def config_path(args: Any, environ: dict[str, str] | None = None) -> Path:

@@ -19,7 +19,9 @@ what the custom-generate function returned per sample: a list of samples each, h
   start another over-sampling round when too few groups remain (slime's ``DynamicFilterOutput``).
 
 Inside slime's process the answer is slime's ``DynamicFilterOutput`` (slime wraps anything else
-as ``keep=bool(output)``); elsewhere :class:`FilterDecision`, the same three fields.
+as ``keep=bool(output)``); elsewhere :class:`FilterDecision`, the same three fields. The filter
+keeps each group's answer (:attr:`GroupFilter.decisions`, by ``group_index``) until the rollout
+metrics take them (:mod:`shopsimrl.training.metrics`), which count the drops from them.
 
 **The normaliser** (slime calls it with ``(args, samples)``, the flat list of a rollout step's
 samples, and takes ``(raw_rewards, rewards)``, one per sample): per ``group_index``, one reward per
@@ -40,6 +42,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +55,11 @@ __all__ = [
     "FilterDecision",
     "GroupFilter",
     "TrainingStalledError",
+    "flatten",
     "fully_scored_group_filter",
+    "group_filter",
     "grpo_advantages_by_rollout",
+    "is_scored",
     "normalize_grpo_advantages",
 ]
 
@@ -93,7 +99,7 @@ def _check_sampling(args: Any) -> None:
         raise ConfigError(f"--rollout-top-k must be -1, got {top_k!r}: the samples carry no top-k replay data")
 
 
-def _flat(group: Sequence[Any]) -> list[Any]:
+def flatten(group: Sequence[Any]) -> list[Any]:
     """A group as slime holds it (a sample per generate call, or a list of siblings per call), flat."""
     out: list[Any] = []
     for item in group:
@@ -116,7 +122,7 @@ def _reward(sample: Any, key: str | None) -> float | None:
     return float(reward)
 
 
-def _scored(sample: Any, key: str | None) -> bool:
+def is_scored(sample: Any, key: str | None) -> bool:
     metadata = getattr(sample, "metadata", None) or {}
     return (
         not getattr(sample, "remove_sample", False)
@@ -157,12 +163,30 @@ class GroupFilter:
     def __init__(self, settings: FilterSection | None = None) -> None:
         self.settings = settings or FilterSection()
         self.consecutive_unscored = 0
+        self.decisions: dict[int, FilterDecision] = {}
+        """``group_index`` → the answer given, until :meth:`take_decisions` (the metrics, once a step)."""
+        # slime calls the filter on its rollout loop's thread and the metrics hook on another.
+        self._lock = threading.Lock()
+
+    def take_decisions(self) -> dict[int, FilterDecision]:
+        """The answers given since the last call, by ``group_index``; forgets them."""
+        with self._lock:
+            taken, self.decisions = self.decisions, {}
+        return taken
 
     def __call__(self, args: Any, group: Sequence[Any], **kwargs: Any) -> Any:
         _check_sampling(args)
+        samples = flatten(group)
+        decision = self._decide(args, samples)
+        group_index = getattr(samples[0], "group_index", None) if samples else None
+        if isinstance(group_index, int) and not isinstance(group_index, bool):
+            with self._lock:
+                self.decisions[group_index] = decision
+        return _decision(decision.keep, decision.reason, decision.keep_when_insufficient)
+
+    def _decide(self, args: Any, samples: list[Any]) -> FilterDecision:
         key = getattr(args, "reward_key", None)
-        samples = _flat(group)
-        if not samples or not all(_scored(sample, key) for sample in samples):
+        if not samples or not all(is_scored(sample, key) for sample in samples):
             self.consecutive_unscored += 1
             limit = self.settings.max_consecutive_unscored_groups
             if self.consecutive_unscored >= limit:
@@ -170,24 +194,29 @@ class GroupFilter:
                     f"{self.consecutive_unscored} groups in a row had an unscored sample (filter.max_consecutive_unscored_groups "
                     f"is {limit}): the shop or the model keeps failing; see the run's traces for the failures"
                 )
-            return _decision(False, UNSCORED_REASON)
+            return FilterDecision(False, UNSCORED_REASON)
         self.consecutive_unscored = 0
         rewards = list(_rollout_rewards(samples, key).values())
         if max(rewards) - min(rewards) <= self.settings.reward_spread:
-            return _decision(False, ZERO_SPREAD_REASON, keep_when_insufficient=True)
-        return _decision(True)
+            return FilterDecision(False, ZERO_SPREAD_REASON, keep_when_insufficient=True)
+        return FilterDecision(True)
 
 
 _filters: dict[str, GroupFilter] = {}
 
 
-def fully_scored_group_filter(args: Any, samples: Sequence[Any], **kwargs: Any) -> Any:
-    """slime's ``--dynamic-sampling-filter-path`` function; its settings are the training config's
-    ``filter`` section (found as the custom-generate function finds the config)."""
+def group_filter(args: Any) -> GroupFilter:
+    """The process's filter of the training config slime's ``args`` name (one per config)."""
     path = str(config_path(args, dict(os.environ)).resolve())
     if path not in _filters:
         _filters[path] = GroupFilter(load_training_config(path).filter)
-    return _filters[path](args, samples, **kwargs)
+    return _filters[path]
+
+
+def fully_scored_group_filter(args: Any, samples: Sequence[Any], **kwargs: Any) -> Any:
+    """slime's ``--dynamic-sampling-filter-path`` function; its settings are the training config's
+    ``filter`` section (found as the custom-generate function finds the config)."""
+    return group_filter(args)(args, samples, **kwargs)
 
 
 def _float32(value: float) -> float:
@@ -210,11 +239,11 @@ def normalize_grpo_advantages(args: Any, samples: Sequence[Any]) -> tuple[list[f
     _check_sampling(args)
     key = getattr(args, "reward_key", None)
     scale = bool(getattr(args, "grpo_std_normalization", True))
-    flat = _flat(samples)
+    flat = flatten(samples)
     raw = [_reward(sample, key) or 0.0 for sample in flat]
     groups: dict[int, list[Any]] = {}
     for sample in flat:
-        if not _scored(sample, key):
+        if not is_scored(sample, key):
             continue
         group = getattr(sample, "group_index", None)
         if not isinstance(group, int):
@@ -226,7 +255,7 @@ def normalize_grpo_advantages(args: Any, samples: Sequence[Any]) -> tuple[list[f
             advantages[(group, rollout)] = _float32(value)
     out: list[float] = []
     for sample in flat:
-        if not _scored(sample, key):
+        if not is_scored(sample, key):
             out.append(0.0)
             continue
         out.append(advantages[(sample.group_index, _rollout_of(sample))])

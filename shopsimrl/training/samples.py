@@ -39,10 +39,52 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Sample", "SampleContractError", "SampleStatus", "abort_sample", "check_siblings"]
+__all__ = [
+    "CURRICULUM_CHUNKS",
+    "CURRICULUM_MODE",
+    "CURRICULUM_MODES",
+    "CURRICULUM_Q",
+    "CURRICULUM_RHO",
+    "CURRICULUM_STATE_ID",
+    "Sample",
+    "SampleContractError",
+    "SampleStatus",
+    "abort_sample",
+    "check_siblings",
+    "curriculum_of",
+]
 
 ABORT_TOKENS = (0, 0)
 """The placeholder's tokens: a one-id prompt and a one-id response, masked (the earlier adapter's shape)."""
+
+# The curriculum's draw for a sample's group, in ``Sample.metadata`` (every sample of a group
+# carries the same values). The curriculum writes these keys; triage and the rollout metrics
+# read them. Change them here only.
+CURRICULUM_STATE_ID = "curriculum_state_id"
+"""str: the curriculum state's ``state_id``."""
+CURRICULUM_MODE = "curriculum_mode"
+"""str: one of :data:`CURRICULUM_MODES`."""
+CURRICULUM_CHUNKS = "curriculum_chunks"
+"""list[str]: the chunk (skill) ids drawn for the group, in prompt order (empty unless ``assisted``)."""
+CURRICULUM_Q = "curriculum_q"
+"""float: the state's skill-free probability q."""
+CURRICULUM_RHO = "curriculum_rho"
+"""dict[str, float]: every chunk id of the state → its target inclusion probability rho."""
+CURRICULUM_MODES = ("skill_free", "assisted", "assisted_empty")
+
+
+def curriculum_of(metadata: Any) -> dict[str, Any] | None:
+    """The curriculum keys of a sample's metadata (``{"state_id", "mode", "chunks", "q", "rho"}``),
+    None when the sample carries no curriculum draw (no ``curriculum_mode``)."""
+    if not isinstance(metadata, dict) or metadata.get(CURRICULUM_MODE) is None:
+        return None
+    return {
+        "state_id": metadata.get(CURRICULUM_STATE_ID),
+        "mode": metadata.get(CURRICULUM_MODE),
+        "chunks": list(metadata.get(CURRICULUM_CHUNKS) or []),
+        "q": metadata.get(CURRICULUM_Q),
+        "rho": dict(metadata.get(CURRICULUM_RHO) or {}),
+    }
 
 
 class SampleStatus(enum.Enum):

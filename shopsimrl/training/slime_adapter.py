@@ -14,7 +14,10 @@ of them. This function:
    TrainingWorker` (created on the first call; the token endpoint is the config's
    ``model.base_url``, else slime's router ``http://{sglang_router_ip}:{sglang_router_port}``),
    which saves the trace and the samples in the run directory;
-3. returns the episode's samples converted to slime's ``Sample`` (copies of the one slime handed
+3. counts the sample in its group (``group_index``; ``args.n_samples_per_prompt`` samples a
+   group): the group's last sample runs the all-wrong triage (:mod:`shopsimrl.training.triage`)
+   before it returns;
+4. returns the episode's samples converted to slime's ``Sample`` (copies of the one slime handed
    in): siblings of a forked trajectory share ``rollout_id`` (slime's sample index); an episode
    without a score (shop down, lease lost, model failing after its retries) returns the abort
    placeholder (``remove_sample``, status ``ABORTED``), never a zero reward to learn from.
@@ -37,7 +40,7 @@ from shopsimrl.training.config import TrainingConfig, config_path, load_training
 from shopsimrl.training.samples import Sample
 from shopsimrl.training.worker import Sampling, TrainingWorker
 
-__all__ = ["close_workers", "generate", "task_id_of", "token_endpoint"]
+__all__ = ["close_workers", "generate", "group_size_of", "task_id_of", "token_endpoint"]
 
 
 @dataclass
@@ -80,6 +83,14 @@ def task_id_of(sample: Any) -> int:
             f"prompt {getattr(sample, 'prompt', None)!r})"
         )
     return task_id
+
+
+def group_size_of(args: Any) -> int:
+    """slime's ``n_samples_per_prompt``: the samples of one group (triage waits for all of them)."""
+    size = getattr(args, "n_samples_per_prompt", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"slime's args.n_samples_per_prompt must be a positive integer, got {size!r}")
+    return size
 
 
 def _refuse(args: Any, evaluation: bool) -> None:
@@ -135,6 +146,7 @@ async def generate(
 ) -> list[Any]:
     """slime's custom-generate function (module docstring): the samples of one episode."""
     _refuse(args, evaluation)
+    size = group_size_of(args)
     sampling = Sampling.from_slime(sampling_params)
     worker = await _worker(args, sampling)
     index = getattr(sample, "index", None)
@@ -147,5 +159,6 @@ async def generate(
         index=index,
         group_index=getattr(sample, "group_index", None),
         metadata={"run_dir": worker.store.location},
+        group_size=size,
     )
     return [convert(item, sample) for item in rollout.samples]

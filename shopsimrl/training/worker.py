@@ -6,9 +6,13 @@ location), starts the lease journal in the run's ``leases/`` exactly as an evalu
 (it first releases the leases a killed predecessor left, then journals every lease of this
 process), and plays one episode per call of :meth:`TrainingWorker.rollout` with at most
 ``run.concurrency`` in flight. Every rollout's trace and samples are durable before the call
-returns. Leases are released on every path: the episode engine releases an episode's lease when
-it ends, fails or is cancelled (slime cancels the rollouts it no longer needs), and
-:meth:`TrainingWorker.aclose` writes what is buffered and closes the journal.
+returns. A rollout told its group's size (slime's ``n_samples_per_prompt``) joins the group's
+triage (:mod:`shopsimrl.training.triage`): the group's last sample runs the all-wrong triage
+before it returns, whose diagnostic rollout is stored in the run's
+``training/triage/diagnostics/`` (a run of the same layout). Leases are released on every path:
+the episode engine releases an episode's lease when it ends, fails or is cancelled (slime cancels
+the rollouts it no longer needs), and :meth:`TrainingWorker.aclose` writes what is buffered and
+closes the journal.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from shopsimrl.training.config import TrainingConfig
 from shopsimrl.training.rollout import EpisodeRollout, TrainingRollouts
 from shopsimrl.training.store import ObjectTrainingRunStore, RolloutStore, TrainingRunStore
 from shopsimrl.training.token_model import Sleep, TokenModel, TokenModelSettings
+from shopsimrl.training.triage import DIAGNOSTICS_DIR, GroupTriage, diagnostic_seed
 
 __all__ = ["Sampling", "TrainingWorker", "open_rollout_store", "tokenizer_for"]
 
@@ -134,6 +139,14 @@ class TrainingWorker:
             model=self.model, environment=self.environment, prompts=prompts, skills=skills, max_steps=config.runtime.max_steps
         )
         self.store = open_rollout_store(config, self.split)
+        self.diagnostics = open_rollout_store(config, self.split, under=DIAGNOSTICS_DIR.as_posix())
+        self.triage = GroupTriage(
+            config.run_location,
+            run_name=config.name,
+            full_skill_retry=config.triage.full_skill_retry,
+            diagnose=self._diagnose,
+            has_chunks=lambda: not isinstance(self.full_skills(), NoSkills),
+        )
         self.journal = LeaseJournal(self.store.journal_storage(), environment_url=e.base_url)
         self._gate = asyncio.Semaphore(config.run.concurrency)
         self._started = False
@@ -142,6 +155,7 @@ class TrainingWorker:
         """Take the run, release what a killed predecessor left, start the journal."""
         await asyncio.to_thread(self.store.acquire)
         try:
+            await asyncio.to_thread(self.diagnostics.acquire)
             await start_lease_tracking(
                 self.environment,
                 self.journal,
@@ -150,9 +164,16 @@ class TrainingWorker:
                 configured=self.config.environment.max_leases,
             )
         except BaseException:
-            await self.store.aclose()
+            try:
+                await self.diagnostics.aclose()
+            finally:
+                await self.store.aclose()
             raise
         self._started = True
+
+    def full_skills(self) -> SkillProvider:
+        """Every curriculum chunk: the skills of a group's triage diagnostic."""
+        return self.rollouts.skills
 
     def job(self, *, task_id: int, index: int, seed: int | None = None) -> EpisodeJob:
         """The episode of slime's sample ``index`` on ``task_id``: its id is unique in the run
@@ -171,11 +192,15 @@ class TrainingWorker:
         seed: int | None = None,
         metadata: dict[str, Any] | None = None,
         skills: SkillProvider | None = None,
+        group_size: int | None = None,
     ) -> EpisodeRollout:
-        """Play one episode and store it (trace and samples) before returning it."""
+        """Play one episode and save it (trace, then samples) before returning it. With
+        ``group_size`` (and a ``group_index``) the rollout counts in its group's triage: the
+        group's last sample triages the group before it returns."""
         if not self._started:
             raise RuntimeError("TrainingWorker.start() was not awaited")
         job = self.job(task_id=task_id, index=index, seed=seed)
+        grouped = group_size is not None and group_index is not None
         self.store.started()
         played = False
         try:
@@ -183,16 +208,47 @@ class TrainingWorker:
                 rollout = await self.rollouts.run(job, index=index, group_index=group_index, metadata=metadata, skills=skills)
             played = True
             await self.store.commit(rollout)
-        finally:
+        except BaseException:
             if not played:
                 self.store.abandoned()
+            # Cancelled by slime, or failed: the group will not be whole, so it is not triaged.
+            if grouped:
+                assert group_size is not None and group_index is not None
+                self.triage.sample_lost(group_index, group_size, index)
+            raise
+        if grouped:
+            assert group_size is not None and group_index is not None
+            await self.triage.sample_finished(group_index, group_size, rollout, index=index)
+        return rollout
+
+    async def _diagnose(self, task_id: int, group_index: int) -> EpisodeRollout:
+        """The triage diagnostic of a group: its task once more with every chunk, saved in the
+        diagnostics run directory (sample number = the group index), never returned to slime."""
+        seed = diagnostic_seed(self.config.run.seed, task_id, group_index)
+        job = self.job(task_id=task_id, index=group_index, seed=seed)
+        metadata = {"triage_diagnostic": True, "triage_group": group_index}
+        self.diagnostics.started()
+        played = False
+        try:
+            async with self._gate:
+                rollout = await self.rollouts.run(
+                    job, index=group_index, group_index=group_index, metadata=metadata, skills=self.full_skills()
+                )
+            played = True
+            await self.diagnostics.commit(rollout)
+        finally:
+            if not played:
+                self.diagnostics.abandoned()
         return rollout
 
     async def aclose(self) -> None:
         """Store what is buffered, close the connections and the journal, let go of the run;
         each step runs whatever the one before raised (the first error is raised at the end)."""
         try:
-            await self.store.aclose()
+            try:
+                await self.store.aclose()
+            finally:
+                await self.diagnostics.aclose()
         finally:
             try:
                 await self.model.aclose()
@@ -202,24 +258,23 @@ class TrainingWorker:
                 self._started = False
 
 
-def open_rollout_store(config: TrainingConfig, split: TaskSplit) -> RolloutStore:
-    """The run ``run.output_dir`` names: a local directory, or an object store location (its
-    form is checked here, the store is first reached by :meth:`TrainingWorker.start`)."""
+def open_rollout_store(config: TrainingConfig, split: TaskSplit, *, under: str | None = None) -> RolloutStore:
+    """The run ``run.output_dir`` names (or the run ``under`` it, as the triage's diagnostics): a
+    local directory, or an object store location (its form is checked here, the store is first
+    reached by :meth:`TrainingWorker.start`)."""
     if not config.on_object_store:
-        return TrainingRunStore(config.run_dir)
+        return TrainingRunStore(config.run_dir / under if under else config.run_dir)
     identity = {
-        "name": config.name,
+        "name": config.name if under is None else f"{config.name}/{under}",
         "model": {"name": config.model.name, "tokenizer": config.model.tokenizer},
         "tasks": {"split": split.name, "split_file": split.file_name, "task_count": len(split.task_ids)},
         "seed": config.run.seed,
         "shopsimrl": __version__,
     }
+    location = f"{config.run_location}/{under}" if under else config.run_location
     try:
         return ObjectTrainingRunStore(
-            config.run_location,
-            identity=identity,
-            flush_rollouts=config.run.flush_rollouts,
-            flush_seconds=config.run.flush_seconds,
+            location, identity=identity, flush_rollouts=config.run.flush_rollouts, flush_seconds=config.run.flush_seconds
         )
     except RunLocationError as exc:
         raise ConfigError(f"run.output_dir: {exc}") from None

@@ -81,6 +81,7 @@ def _args(config: Path, model_url: str, **more: Any) -> SimpleNamespace:
         "sglang_router_port": router.port,
         "partial_rollout": False,
         "group_rm": False,
+        "n_samples_per_prompt": 4,
     }
     return SimpleNamespace(**{**values, **more})
 

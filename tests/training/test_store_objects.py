@@ -395,3 +395,56 @@ async def test_a_store_down_mid_run_fails_the_rollouts_and_keeps_them_for_a_late
     assert set(stored.records) == {(r.trace.episode_id, 1) for r in first} | {
         (f"task-{TRAIN_IDS[0]:06d}__sample-{10 + i:03d}", 1) for i in range(2)
     }, "the rollouts whose callers got the error were written at close, once the store answered again"
+
+
+async def test_a_triaged_group_on_s3_leaves_its_record_and_a_diagnostics_run_there(s3_server: S3Server, tmp_path: Path) -> None:
+    from shopsimrl.skills import NoSkills
+    from shopsimrl.training.triage import DIAGNOSTICS_DIR, INTERNALIZATION_DEFICIT, read_triage
+    from tests.training.test_triage import DEFICIT, _bank
+
+    task, group = DEFICIT[0]
+    location = f"s3://{s3_server.bucket}/training"
+    config = tmp_path / "training.yaml"
+    with _services(slots=4, options_need_skill=True) as (shop, model_url):
+        _config(tmp_path, shop, location, concurrency=4)
+        config.write_text(config.read_text() + f"skills: {{path: {json.dumps(str(_bank(tmp_path)))}}}\n")
+
+        async def play_group(worker: TrainingWorker) -> list[EpisodeRollout]:
+            await worker.start()
+            try:
+                return list(
+                    await asyncio.gather(
+                        *(
+                            worker.rollout(task_id=task, index=group * 4 + i, group_index=group, group_size=4, skills=NoSkills())
+                            for i in range(4)
+                        )
+                    )
+                )
+            finally:
+                await worker.aclose()
+
+        first = _worker(config, model_url)
+        rollouts = await play_group(first)
+        again = _worker(config, model_url)
+        await play_group(again)  # a restart plays the group again: its record stays, no second diagnostic
+        free = await _free_slots(shop)
+    assert free == 4, "every lease was released, the diagnostic's too"
+    assert all(r.samples[0].reward["r_success"] == 0.0 for r in rollouts)
+    run_location = f"{location}/round-001"
+    record = read_triage(run_location, {group})[group]
+    assert record["classification"] == INTERNALIZATION_DEFICIT and record["episode_ids"] == [
+        f"task-{task:06d}__sample-{group * 4 + i:03d}" for i in range(4)
+    ]
+    assert first.triage.diagnostics_started == 1 and again.triage.diagnostics_started == 0
+    assert again.triage.skipped["exists"] == 1
+
+    # The training run holds the group's rollouts (twice: two attempts), the diagnostics run the diagnostic.
+    training = sorted((r.episode_id, r.attempt) for _, r in open_run(run_location).all_records())
+    assert training == sorted((episode_id, attempt) for episode_id in record["episode_ids"] for attempt in (1, 2))
+    diagnostics = open_run(f"{run_location}/{DIAGNOSTICS_DIR.as_posix()}")
+    (trace,) = list(diagnostics.records())
+    assert diagnostics.kind == "training" and trace.episode_id == record["diagnostic"]["episode_id"]
+    assert trace.final is not None and trace.final.reward_detail["r_success"] == 1.0
+    assert read_training_samples(f"{run_location}/{DIAGNOSTICS_DIR.as_posix()}").missing == []
+    shown = cli("show", f"{run_location}/{DIAGNOSTICS_DIR.as_posix()}", trace.episode_id, env={**os.environ, "COLUMNS": "2000"})
+    assert shown.returncode == 0 and "choose-options" in shown.stdout, shown.stderr
