@@ -81,10 +81,10 @@ def testbed_slime_round(
 ) -> None:
     """Play one slime-shaped GRPO rollout step through the training adapter, without slime.
 
-    The stand-in of shopsimrl.testbed.slime_round: groups of samples through the custom-generate
+    The stand-in of shopsimrl.training.slime_step: groups of samples through the custom-generate
     function, the dynamic-sampling filter, the all-samples hook, the GRPO normaliser and the
     rollout-log metrics, with the functions the docs tell slime to load. Nothing is trained."""
-    import_part("shopsimrl.testbed.slime_round", "testbed").main(
+    import_part("shopsimrl.training.slime_step", "testbed").main(
         config,
         task_data=task_data,
         over_sampling_groups=over_sampling_groups,
