@@ -24,9 +24,10 @@ from shopsimrl.prompts import PromptBuilder
 from shopsimrl.runner.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.skills import NoSkills, SkillProvider, open_skill_provider
-from shopsimrl.tasks import TaskSplit, load_task_split
+from shopsimrl.tasks import TaskSplit
 from shopsimrl.training.chat import ChatTokenizer
-from shopsimrl.training.config import TrainingConfig
+from shopsimrl.training.config import TrainingConfig, training_split
+from shopsimrl.training.curriculum import CurriculumSkills, SkillCurriculum, open_curriculum
 from shopsimrl.training.rollout import EpisodeRollout, TrainingRollouts
 from shopsimrl.training.store import TrainingRunStore
 from shopsimrl.training.token_model import Sleep, TokenModel, TokenModelSettings
@@ -80,14 +81,12 @@ class TrainingWorker:
     ) -> None:
         self.config = config
         self.sampling = sampling
-        self.split: TaskSplit = load_task_split(config.resolve(config.tasks.split_file), config.tasks.split)
-        if self.split.is_test:
-            raise ConfigError(f"tasks.split {self.split.name!r} is (or overlaps) the held-out test split; training never runs it")
-        persona = config.environment.persona if config.environment.persona is not None else self.split.persona
-        if persona is None:
-            raise ConfigError(f"environment.persona is null and split {self.split.name!r} does not say; set environment.persona")
-        if self.split.persona is not None and persona != self.split.persona:
-            raise ConfigError(f"environment.persona is {persona} but split {self.split.name!r} is persona={self.split.persona}")
+        self.split: TaskSplit
+        self.split, persona = training_split(config)
+        c = config.curriculum
+        self.curriculum: SkillCurriculum | None = (
+            open_curriculum(config.resolve(c.state), config.resolve(c.skillbank)) if c else None
+        )
         self._task_ids = frozenset(self.split.task_ids)
         settings = TokenModelSettings(
             base_url=base_url,
@@ -169,15 +168,33 @@ class TrainingWorker:
         metadata: dict[str, Any] | None = None,
         skills: SkillProvider | None = None,
     ) -> EpisodeRollout:
-        """Play one episode and save it (trace, then samples) before returning it."""
+        """Play one episode and save it (trace, then samples) before returning it.
+
+        ``skills``: this episode's provider; default: with a curriculum, the draw of
+        ``group_index`` (so every sample of a group gets the same skills), else the config's. A
+        curriculum's assignment (state id, mode, chunk ids) goes into every sample's metadata as
+        ``curriculum``; the trace records it as ``provenance.skills`` and the chunks it selected."""
         if not self._started:
             raise RuntimeError("TrainingWorker.start() was not awaited")
         job = self.job(task_id=task_id, index=index, seed=seed)
+        if skills is None and self.curriculum is not None:
+            if group_index is None:
+                raise ConfigError(f"sample {index} has no group_index: the curriculum draws each group's skills by it")
+            skills = self.curriculum.skills_for(group_index)
+        if isinstance(skills, CurriculumSkills):
+            metadata = {**(metadata or {}), "curriculum": skills.assignment.to_dict()}
         async with self._gate:
             rollout = await self.rollouts.run(job, index=index, group_index=group_index, metadata=metadata, skills=skills)
         # Shielded: a cancelled caller must not leave the trace written without its samples line.
         await asyncio.shield(asyncio.to_thread(self.store.save, rollout))
         return rollout
+
+    def full_skills(self) -> SkillProvider:
+        """Every curriculum chunk as one provider (mode ``full``), for replaying a group with all
+        of them; without a curriculum, the config's skills provider."""
+        if self.curriculum is None:
+            return self.rollouts.skills
+        return self.curriculum.full_skills()
 
     async def aclose(self) -> None:
         try:
