@@ -16,6 +16,10 @@ differs only in how the model is called and what comes back to the trainer:
   (v4 traces, the samples beside them, the lease journal);
 - :mod:`shopsimrl.training.slime_adapter`, :mod:`~shopsimrl.training.grpo`: slime's
   custom-generate function, its dynamic-sampling filter and GRPO normaliser.
+- :mod:`shopsimrl.training.curriculum`: the group-consistent skill curriculum (a content-addressed
+  state built from a gate-selected bank; each group's skills drawn from slime's ``group_index``);
+- :mod:`shopsimrl.training.task_data`, :mod:`~shopsimrl.training.preflight`: slime's prompt data
+  for a split, and the offline check of a config with its inputs (``shopsimrl training check``).
 
 Token ids, loss masks and log-probs never enter the evaluation trace: the trace of a training
 episode is the same v4 record evaluation writes.

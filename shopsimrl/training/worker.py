@@ -5,6 +5,9 @@ directory (:class:`~shopsimrl.training.store.TrainingRunStore`, held with a lock
 lease journal in ``<run dir>/leases/`` exactly as an evaluation run does (it first releases the
 leases a killed predecessor left, then journals every lease of this process), and plays one
 episode per call of :meth:`TrainingWorker.rollout` with at most ``run.concurrency`` in flight.
+With ``curriculum:`` in the config, each episode's skills are the draw of its group
+(:mod:`shopsimrl.training.curriculum`), and :meth:`TrainingWorker.full_skills` hands out every
+chunk for a replay of a failed group.
 Every rollout's trace and samples are saved before the call returns. Leases are released on every
 path: the episode engine releases an episode's lease when it ends, fails or is cancelled (slime
 cancels the rollouts it no longer needs), and :meth:`TrainingWorker.aclose` closes the journal.
