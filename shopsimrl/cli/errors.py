@@ -107,6 +107,7 @@ RULES: tuple[Rule, ...] = (
     Rule("shopsimrl.storage.objectstore:StoreUnavailableError", _AGAIN),
     Rule("shopsimrl.environment:ShopEnvironmentError", _AGAIN),
     Rule("shopsimrl.research.outputs:OutputStorageError", _AGAIN),
+    Rule("shopsimrl.training.grpo:TrainingStalledError", _AGAIN),
     # Bad input: configs, splits, plans, prompts, skills, the model's settings.
     Rule("shopsimrl.config:ConfigError", _BAD),
     Rule("shopsimrl.tasks:SplitError", _BAD),

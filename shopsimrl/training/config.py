@@ -62,6 +62,8 @@ from shopsimrl.tasks import TaskSplit, load_task_split
 __all__ = [
     "CONFIG_ARG",
     "CONFIG_ENV",
+    "ENV_URL_VARIABLE",
+    "TOKEN_URL_VARIABLE",
     "CurriculumSection",
     "TrainingConfig",
     "config_path",
@@ -73,6 +75,10 @@ CONFIG_ARG = "shopsim_training_config"
 """The slime ``args`` attribute (a key of slime's ``--custom-config-path`` YAML) naming the config."""
 CONFIG_ENV = "SHOPSIMRL_TRAINING_CONFIG"
 """The environment variable naming the config when slime's args do not."""
+ENV_URL_VARIABLE = "SHOPSIMRL_ENV_BASE_URL"
+"""Overrides ``environment.base_url`` (as for evaluation): where the pod's shop is, not what it plays."""
+TOKEN_URL_VARIABLE = "SHOPSIMRL_TOKEN_ENDPOINT_URL"
+"""Overrides ``model.base_url``, the token endpoint (slime's router when neither is set)."""
 
 
 class _Strict(BaseModel):
@@ -163,8 +169,10 @@ class TrainingConfig(_Strict):
         return self.resolve(self.run.output_dir) / self.name
 
 
-def load_training_config(path: str | Path) -> TrainingConfig:
-    """Read and validate; :class:`ConfigError` naming the file and the key (or line) otherwise."""
+def load_training_config(path: str | Path, environ: dict[str, str] | None = None) -> TrainingConfig:
+    """Read and validate; :class:`ConfigError` naming the file and the key (or line) otherwise.
+    ``$SHOPSIMRL_ENV_BASE_URL`` and ``$SHOPSIMRL_TOKEN_ENDPOINT_URL`` (``environ``, default the
+    process's) replace the service addresses, checked like the file's."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -195,7 +203,20 @@ def load_training_config(path: str | Path) -> TrainingConfig:
             f"training config {path}: curriculum and skills.path are mutually exclusive (the curriculum chooses each "
             "group's skills); set skills.path: null"
         )
-    return config
+    return _with_environment(config, dict(os.environ) if environ is None else environ)
+
+
+def _with_environment(config: TrainingConfig, environ: dict[str, str]) -> TrainingConfig:
+    data = config.model_dump(exclude={"source_path"})
+    for variable, section in ((ENV_URL_VARIABLE, "environment"), (TOKEN_URL_VARIABLE, "model")):
+        if environ.get(variable):
+            data[section]["base_url"] = environ[variable]
+    if data == config.model_dump(exclude={"source_path"}):
+        return config
+    try:
+        return TrainingConfig.model_validate({**data, "source_path": config.source_path})
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(f"${ENV_URL_VARIABLE} / ${TOKEN_URL_VARIABLE}", exc)) from None
 
 
 def training_split(config: TrainingConfig) -> tuple[TaskSplit, bool]:
