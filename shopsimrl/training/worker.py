@@ -5,6 +5,9 @@ directory (:class:`~shopsimrl.training.store.TrainingRunStore`, held with a lock
 lease journal in ``<run dir>/leases/`` exactly as an evaluation run does (it first releases the
 leases a killed predecessor left, then journals every lease of this process), and plays one
 episode per call of :meth:`TrainingWorker.rollout` with at most ``run.concurrency`` in flight.
+With ``curriculum:`` in the config, each episode's skills are the draw of its group
+(:mod:`shopsimrl.training.curriculum`), and :meth:`TrainingWorker.full_skills` hands out every
+chunk for a replay of a failed group.
 Every rollout's trace and samples are saved before the call returns. A rollout told its group's
 size (slime's ``n_samples_per_prompt``) joins the group's triage (:mod:`shopsimrl.training.
 triage`): the group's last sample runs the all-wrong triage before it returns, whose diagnostic
@@ -27,9 +30,10 @@ from shopsimrl.prompts import PromptBuilder
 from shopsimrl.runner.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.skills import NoSkills, SkillProvider, open_skill_provider
-from shopsimrl.tasks import TaskSplit, load_task_split
+from shopsimrl.tasks import TaskSplit
 from shopsimrl.training.chat import ChatTokenizer
-from shopsimrl.training.config import TrainingConfig
+from shopsimrl.training.config import TrainingConfig, training_split
+from shopsimrl.training.curriculum import CurriculumSkills, SkillCurriculum, open_curriculum
 from shopsimrl.training.rollout import EpisodeRollout, TrainingRollouts
 from shopsimrl.training.store import TrainingRunStore
 from shopsimrl.training.token_model import Sleep, TokenModel, TokenModelSettings
@@ -84,14 +88,12 @@ class TrainingWorker:
     ) -> None:
         self.config = config
         self.sampling = sampling
-        self.split: TaskSplit = load_task_split(config.resolve(config.tasks.split_file), config.tasks.split)
-        if self.split.is_test:
-            raise ConfigError(f"tasks.split {self.split.name!r} is (or overlaps) the held-out test split; training never runs it")
-        persona = config.environment.persona if config.environment.persona is not None else self.split.persona
-        if persona is None:
-            raise ConfigError(f"environment.persona is null and split {self.split.name!r} does not say; set environment.persona")
-        if self.split.persona is not None and persona != self.split.persona:
-            raise ConfigError(f"environment.persona is {persona} but split {self.split.name!r} is persona={self.split.persona}")
+        self.split: TaskSplit
+        self.split, persona = training_split(config)
+        c = config.curriculum
+        self.curriculum: SkillCurriculum | None = (
+            open_curriculum(config.resolve(c.state), config.resolve(c.skillbank)) if c else None
+        )
         self._task_ids = frozenset(self.split.task_ids)
         settings = TokenModelSettings(
             base_url=base_url,
@@ -165,10 +167,6 @@ class TrainingWorker:
             raise
         self._started = True
 
-    def full_skills(self) -> SkillProvider:
-        """Every curriculum chunk: the skills of a group's triage diagnostic."""
-        return self.rollouts.skills
-
     def job(self, *, task_id: int, index: int, seed: int | None = None) -> EpisodeJob:
         """The episode of slime's sample ``index`` on ``task_id``: its id is unique in the run
         because slime's sample index is (``task-…__sample-<index>``)."""
@@ -188,12 +186,23 @@ class TrainingWorker:
         skills: SkillProvider | None = None,
         group_size: int | None = None,
     ) -> EpisodeRollout:
-        """Play one episode and save it (trace, then samples) before returning it. With
-        ``group_size`` (and a ``group_index``) the rollout counts in its group's triage: the
+        """Play one episode and save it (trace, then samples) before returning it.
+
+        ``skills``: this episode's provider; default: with a curriculum, the draw of
+        ``group_index`` (so every sample of a group gets the same skills), else the config's. A
+        curriculum's assignment (state id, mode, chunk ids) goes into every sample's metadata as
+        ``curriculum``; the trace records it as ``provenance.skills`` and the chunks it selected.
+        With ``group_size`` (and a ``group_index``) the rollout counts in its group's triage: the
         group's last sample triages the group before it returns."""
         if not self._started:
             raise RuntimeError("TrainingWorker.start() was not awaited")
         job = self.job(task_id=task_id, index=index, seed=seed)
+        if skills is None and self.curriculum is not None:
+            if group_index is None:
+                raise ConfigError(f"sample {index} has no group_index: the curriculum draws each group's skills by it")
+            skills = self.curriculum.skills_for(group_index)
+        if isinstance(skills, CurriculumSkills):
+            metadata = {**(metadata or {}), "curriculum": skills.assignment.to_dict()}
         grouped = group_size is not None and group_index is not None
         try:
             async with self._gate:
@@ -216,13 +225,21 @@ class TrainingWorker:
         diagnostics run directory (sample number = the group index), never returned to slime."""
         seed = diagnostic_seed(self.config.run.seed, task_id, group_index)
         job = self.job(task_id=task_id, index=group_index, seed=seed)
-        metadata = {"triage_diagnostic": True, "triage_group": group_index}
+        skills = self.full_skills()
+        metadata: dict[str, Any] = {"triage_diagnostic": True, "triage_group": group_index}
+        if isinstance(skills, CurriculumSkills):
+            metadata["curriculum"] = skills.assignment.to_dict()
         async with self._gate:
-            rollout = await self.rollouts.run(
-                job, index=group_index, group_index=group_index, metadata=metadata, skills=self.full_skills()
-            )
+            rollout = await self.rollouts.run(job, index=group_index, group_index=group_index, metadata=metadata, skills=skills)
         await asyncio.shield(asyncio.to_thread(self.diagnostics.save, rollout))
         return rollout
+
+    def full_skills(self) -> SkillProvider:
+        """Every curriculum chunk as one provider (mode ``full``), for replaying a group with all
+        of them; without a curriculum, the config's skills provider."""
+        if self.curriculum is None:
+            return self.rollouts.skills
+        return self.curriculum.full_skills()
 
     async def aclose(self) -> None:
         try:
