@@ -138,3 +138,47 @@ def check(
     if not task_data.is_file():
         raise BadInputError(f"--task-data {task_data}: no such file")
     _print(check_training_inputs(config, task_data=task_data))
+
+
+@training_app.command("step")
+def step(
+    config: str = typer.Argument(..., help="The training config (YAML) the adapter reads, as slime's shopsim_training_config."),
+    task_data: str = typer.Option(
+        ..., "--task-data", help="slime's prompt data (`shopsimrl training prepare-data`); one group per line."
+    ),
+    over_sampling_groups: int = typer.Option(
+        16,
+        "--over-sampling-batch-size",
+        min=1,
+        help="Groups generated (slime's --over-sampling-batch-size): the first lines of the task data.",
+    ),
+    batch_groups: int = typer.Option(
+        12, "--rollout-batch-size", min=1, help="Groups the step hands to the trainer (slime's --rollout-batch-size)."
+    ),
+    samples_per_group: int = typer.Option(
+        4, "--n-samples-per-prompt", min=1, help="Samples a group (slime's --n-samples-per-prompt)."
+    ),
+    temperature: float = typer.Option(0.6, "--rollout-temperature", help="Sampling temperature."),
+    max_new_tokens: int = typer.Option(512, "--rollout-max-response-len", min=1, help="Token limit of one model call."),
+    out: str = typer.Option(
+        ..., "--out", help="Where the step's record goes (JSON: groups, filter answers, advantages, metrics)."
+    ),
+) -> None:
+    """Play one slime-shaped GRPO rollout step through the training adapter, without slime.
+
+    The stand-in of shopsimrl.training.slime_step (for make train-demo and tests, against any token
+    endpoint and shop the config names): groups of samples through the custom-generate
+    function, the dynamic-sampling filter, the all-samples hook, the GRPO normaliser and the
+    rollout-log metrics, with the functions the docs tell slime to load. Nothing is trained."""
+    from shopsimrl.training.slime_step import main
+
+    main(
+        config,
+        task_data=task_data,
+        over_sampling_groups=over_sampling_groups,
+        batch_groups=batch_groups,
+        samples_per_group=samples_per_group,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        out=out,
+    )

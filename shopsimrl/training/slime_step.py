@@ -290,7 +290,7 @@ def main(
     max_new_tokens: int,
     out: str,
 ) -> None:
-    """``shopsimrl testbed slime-round``: one step, its record written to ``out``, a table printed."""
+    """``shopsimrl training step``: one step, its record written to ``out``, a table printed."""
     from shopsimrl.storage.local import atomic_write_json
     from shopsimrl.training import slime_adapter
 

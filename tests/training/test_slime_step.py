@@ -1,4 +1,4 @@
-"""`shopsimrl testbed slime-round`: one slime-shaped rollout step through the real command."""
+"""`shopsimrl training step`: one slime-shaped rollout step through the real command."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _round(tmp_path: Path, shop: str, model: str, *extra: str) -> subprocess.Com
         encoding="utf-8",
     )
     tasks = _task_data(tmp_path / "tasks.jsonl", TRAIN_IDS[:8])
-    command = [sys.executable, "-m", "shopsimrl", "testbed", "slime-round", str(config), "--task-data", str(tasks)]
+    command = [sys.executable, "-m", "shopsimrl", "training", "step", str(config), "--task-data", str(tasks)]
     return subprocess.run([*command, *extra], capture_output=True, text=True, timeout=300, check=False)
 
 
