@@ -3,7 +3,7 @@
 # The curriculum comes from the gate demo's selected bank (runs/gate-demo/gate, made by
 # `make gate-demo` first when missing); the testbed policy runs with the option choice behind a
 # skill (SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1), so the curriculum's draws change the rewards.
-# Steps: build the curriculum and the task data, the preflight, then `testbed slime-round`
+# Steps: build the curriculum and the task data, the preflight, then `training step`
 # (16 groups x 4 samples: adapter, filter, normaliser, triage, metrics), then the research tools
 # on the rollouts' traces. Everything lands in runs/train-demo/ (started afresh each time).
 set -euo pipefail
@@ -58,7 +58,7 @@ if ! ready; then
 fi
 
 echo "train-demo: 3/5 one rollout step: 16 groups x 4 samples, 12 groups to the trainer"
-"$BIN/shopsimrl" testbed slime-round configs/train_demo/training.yaml --task-data "$OUT/tasks.jsonl" \
+"$BIN/shopsimrl" training step configs/train_demo/training.yaml --task-data "$OUT/tasks.jsonl" \
   --over-sampling-batch-size 16 --rollout-batch-size 12 --n-samples-per-prompt 4 --out "$OUT/round-001.json"
 RUN="$OUT/round-001"
 echo "train-demo: 4/5 the rollouts' traces through the research tools"

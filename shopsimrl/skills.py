@@ -100,12 +100,13 @@ class NoSkills:
 class JsonSkillBank:
     """Global and task-scoped skills from one JSON file, loaded and validated once."""
 
-    def __init__(self, path: str | Path, max_skills: int | None = None) -> None:
+    def __init__(self, path: str | Path, max_skills: int | None = None, *, document: Any | None = None) -> None:
+        """``document``: the file's parsed JSON when the caller has read it (then ``path`` only names it)."""
         if max_skills is not None and (isinstance(max_skills, bool) or not isinstance(max_skills, int) or max_skills < 0):
             raise SkillBankError(f"max_skills must be a non-negative integer or None, got {max_skills!r}")
         self.path = Path(path)
         self.max_skills = max_skills
-        bank = _read_json(self.path)
+        bank = _read_json(self.path) if document is None else document
         self.schema_version, self.bank_version, self._entries = _parse_bank(self.path, bank)
         self._sha256 = fingerprint(bank)
 

@@ -28,6 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.cli.run",
         "shopsimrl.cli.shards",
         "shopsimrl.cli.status",
+        "shopsimrl.cli.training",
         "shopsimrl.research.cli",
         "shopsimrl.testbed.cli",
     ),
@@ -67,15 +68,26 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.transcript",
         "shopsimrl.research.viewer",
     ),
-    # Training rollouts: the token-level model adapter, trajectories and the trainer's samples. They run
-    # the episode engine (and, later, the runner's scheduling) and nothing below imports them.
+    # Training rollouts: the token-level model adapter, trajectories, the trainer's samples, slime's
+    # hooks. They run the episode engine and the runner's lease journal; nothing below imports them.
     "training": (
         "shopsimrl.training",
         "shopsimrl.training.chat",
+        "shopsimrl.training.config",
+        "shopsimrl.training.curriculum",
+        "shopsimrl.training.grpo",
+        "shopsimrl.training.metrics",
+        "shopsimrl.training.preflight",
         "shopsimrl.training.rollout",
         "shopsimrl.training.samples",
+        "shopsimrl.training.slime_adapter",
+        "shopsimrl.training.slime_step",
+        "shopsimrl.training.store",
+        "shopsimrl.training.task_data",
         "shopsimrl.training.token_model",
         "shopsimrl.training.trajectory",
+        "shopsimrl.training.triage",
+        "shopsimrl.training.worker",
     ),
     # Running a plan: scheduling, signals, the commands around a run. It writes and reads runs
     # through the stores below it.

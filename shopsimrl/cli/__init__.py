@@ -1,4 +1,4 @@
-"""``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, env, testbed;
+"""``shopsimrl`` command line: plan, run, worker, reduce, status, summarize, wait-ready, env, training, testbed;
 over finished runs (``shopsimrl/research/``): compare, report, view, show, labels, export, gate, judge.
 
 One module per command group (see :data:`COMMANDS`); every command runs under the handler of
@@ -41,6 +41,7 @@ COMMANDS: dict[str, str] = {
     "view": "shopsimrl.research.cli",
     "testbed": "shopsimrl.testbed.cli",
     "env": "shopsimrl.cli.env",
+    "training": "shopsimrl.cli.training",
     "gate": "shopsimrl.research.cli",
     "judge": "shopsimrl.research.cli",
     "export": "shopsimrl.research.cli",

@@ -115,6 +115,9 @@ RULES: tuple[Rule, ...] = (
     Rule("shopsimrl.skills:SkillBankError", _BAD),
     Rule("shopsimrl.prompts:PromptError", _BAD),
     Rule("shopsimrl.model:ModelConfigError", _BAD),
+    # Bad input to training: a curriculum state or its bank, slime's task data.
+    Rule("shopsimrl.training.curriculum:CurriculumError", _BAD),
+    Rule("shopsimrl.training.task_data:TaskDataError", _BAD),
     # Bad input: runs and records this shopsimrl cannot read, run locations, shard maps.
     Rule("shopsimrl.manifest:ManifestError", _BAD),
     Rule("shopsimrl.records:RecordVersionError", _BAD),

@@ -19,7 +19,11 @@ differs only in how the model is called and what comes back to the trainer:
 - :mod:`shopsimrl.training.triage`: the all-wrong triage of a group (one diagnostic rollout with
   every chunk, ``training/triage/group-*.json``);
 - :mod:`shopsimrl.training.metrics`: the ``rollout/shopsim/*`` figures, through slime's
-  all-samples and rollout-log hooks.
+  all-samples and rollout-log hooks;
+- :mod:`shopsimrl.training.curriculum`: the group-consistent skill curriculum (a content-addressed
+  state built from a gate-selected bank; each group's skills drawn from slime's ``group_index``);
+- :mod:`shopsimrl.training.task_data`, :mod:`~shopsimrl.training.preflight`: slime's prompt data
+  for a split, and the offline check of a config with its inputs (``shopsimrl training check``).
 
 Token ids, loss masks and log-probs never enter the evaluation trace: the trace of a training
 episode is the same v4 record evaluation writes.

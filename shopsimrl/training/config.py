@@ -28,6 +28,13 @@ paths resolve against the YAML file's directory::
       max_consecutive_unscored_groups: 8
     triage:
       full_skill_retry: true     # one diagnostic rollout with every chunk per all-wrong group
+    curriculum:                  # optional; skills.path must then be null
+      state: curricula/round-001.json   # the state `shopsimrl training build-curriculum` wrote
+      skillbank: gates/selected_skillbank.json  # the bank it was built from (digest checked)
+
+With a curriculum every group's skills are drawn from it by slime's ``group_index``
+(:mod:`shopsimrl.training.curriculum`); the worker and ``training check`` refuse a state whose
+recorded bank digest or chunks differ from ``curriculum.skillbank``.
 
 Where slime finds it (:func:`config_path`): slime's ``--custom-config-path`` YAML sets each of its
 keys on slime's ``args``, so a key ``shopsim_training_config: /path/training.yaml`` there names
@@ -55,15 +62,18 @@ from shopsimrl.config import (
     safe_name,
 )
 from shopsimrl.schemas import redact_uri
+from shopsimrl.tasks import TaskSplit, load_task_split
 
 __all__ = [
     "CONFIG_ARG",
     "CONFIG_ENV",
     "ENV_URL_VARIABLE",
     "TOKEN_URL_VARIABLE",
+    "CurriculumSection",
     "TrainingConfig",
     "config_path",
     "load_training_config",
+    "training_split",
 ]
 
 CONFIG_ARG = "shopsim_training_config"
@@ -130,6 +140,13 @@ class TriageSection(_Strict):
     (:mod:`shopsimrl.training.triage`); false: classify such groups ``all_wrong_retry_disabled``."""
 
 
+class CurriculumSection(_Strict):
+    state: str
+    """The curriculum state file (``shopsimrl training build-curriculum``)."""
+    skillbank: str
+    """The gate-selected bank the state was built from: its digest and records must match the state's."""
+
+
 class TrainingConfig(_Strict):
     run: RunSection = Field(default_factory=RunSection)
     tasks: TrainingTasksSection
@@ -140,6 +157,7 @@ class TrainingConfig(_Strict):
     model: TrainingModelSection = Field(default_factory=TrainingModelSection)
     filter: FilterSection = Field(default_factory=FilterSection)
     triage: TriageSection = Field(default_factory=TriageSection)
+    curriculum: CurriculumSection | None = None
     source_path: Path | None = Field(default=None, exclude=True)
 
     @field_validator("source_path", mode="before")
@@ -212,6 +230,11 @@ def load_training_config(path: str | Path, environ: dict[str, str] | None = None
         raise ConfigError(f"training config {path}: {exc}") from None
     if config.prompt.system_prompt is not None and config.prompt.system_prompt_file is not None:
         raise ConfigError(f"training config {path}: prompt.system_prompt and prompt.system_prompt_file are mutually exclusive")
+    if config.curriculum is not None and config.skills.path is not None:
+        raise ConfigError(
+            f"training config {path}: curriculum and skills.path are mutually exclusive (the curriculum chooses each "
+            "group's skills); set skills.path: null"
+        )
     return _with_environment(config, dict(os.environ) if environ is None else environ)
 
 
@@ -226,6 +249,21 @@ def _with_environment(config: TrainingConfig, environ: dict[str, str]) -> Traini
         return TrainingConfig.model_validate({**data, "source_path": config.source_path})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(f"${ENV_URL_VARIABLE} / ${TOKEN_URL_VARIABLE}", exc)) from None
+
+
+def training_split(config: TrainingConfig) -> tuple[TaskSplit, bool]:
+    """The split the config trains on and the persona mode of its episodes; :class:`ConfigError`
+    (or the split's own error) naming what is wrong: a held-out test split, a persona setting that
+    contradicts the split's, or none known."""
+    split = load_task_split(config.resolve(config.tasks.split_file), config.tasks.split)
+    if split.is_test:
+        raise ConfigError(f"tasks.split {split.name!r} is (or overlaps) the held-out test split; training never runs it")
+    persona = config.environment.persona if config.environment.persona is not None else split.persona
+    if persona is None:
+        raise ConfigError(f"environment.persona is null and split {split.name!r} does not say; set environment.persona")
+    if split.persona is not None and persona != split.persona:
+        raise ConfigError(f"environment.persona is {persona} but split {split.name!r} is persona={split.persona}")
+    return split, persona
 
 
 def config_path(args: Any, environ: dict[str, str] | None = None) -> Path:

@@ -51,9 +51,8 @@ on. A ratio whose denominator is 0 is left out (no figure rather than a made-up 
 ``zero_std_group_drop_rate``
 =====================================  ==========================================================
 
-The curriculum figures read the draw each sample carries in its metadata (the keys of
-:mod:`shopsimrl.training.samples`: ``curriculum_state_id``, ``curriculum_mode``,
-``curriculum_chunks``, ``curriculum_q``, ``curriculum_rho``); the triage figures read
+The curriculum figures read the draw each sample carries in its metadata (``metadata["curriculum"]``,
+read through :func:`shopsimrl.training.samples.curriculum_of`); the triage figures read
 ``<run dir>/training/triage/group-*.json`` of the step's groups (:mod:`shopsimrl.training.triage`).
 A drop is a group the filter (:mod:`shopsimrl.training.grpo`) answered "drop" that slime did not
 train on: a zero-spread group slime kept because too few groups remained is not a drop, and

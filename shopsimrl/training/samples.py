@@ -40,12 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "CURRICULUM_CHUNKS",
-    "CURRICULUM_MODE",
+    "CURRICULUM",
     "CURRICULUM_MODES",
-    "CURRICULUM_Q",
-    "CURRICULUM_RHO",
-    "CURRICULUM_STATE_ID",
     "Sample",
     "SampleContractError",
     "SampleStatus",
@@ -58,32 +54,25 @@ ABORT_TOKENS = (0, 0)
 """The placeholder's tokens: a one-id prompt and a one-id response, masked (the earlier adapter's shape)."""
 
 # The curriculum's draw for a sample's group, in ``Sample.metadata`` (every sample of a group
-# carries the same values). The curriculum writes these keys; triage and the rollout metrics
-# read them. Change them here only.
-CURRICULUM_STATE_ID = "curriculum_state_id"
-"""str: the curriculum state's ``state_id``."""
-CURRICULUM_MODE = "curriculum_mode"
-"""str: one of :data:`CURRICULUM_MODES`."""
-CURRICULUM_CHUNKS = "curriculum_chunks"
-"""list[str]: the chunk (skill) ids drawn for the group, in prompt order (empty unless ``assisted``)."""
-CURRICULUM_Q = "curriculum_q"
-"""float: the state's skill-free probability q."""
-CURRICULUM_RHO = "curriculum_rho"
-"""dict[str, float]: every chunk id of the state → its target inclusion probability rho."""
+# carries the same): ``metadata[CURRICULUM] = {"state_id", "group_key", "mode", "skill_ids",
+# "q", "rho"}`` (:meth:`shopsimrl.training.curriculum.SkillAssignment.to_dict` writes it; triage
+# and the rollout metrics read it through :func:`curriculum_of`).
+CURRICULUM = "curriculum"
 CURRICULUM_MODES = ("skill_free", "assisted", "assisted_empty")
 
 
 def curriculum_of(metadata: Any) -> dict[str, Any] | None:
-    """The curriculum keys of a sample's metadata (``{"state_id", "mode", "chunks", "q", "rho"}``),
-    None when the sample carries no curriculum draw (no ``curriculum_mode``)."""
-    if not isinstance(metadata, dict) or metadata.get(CURRICULUM_MODE) is None:
+    """A sample's curriculum draw as ``{"state_id", "mode", "chunks", "q", "rho"}``; None when the
+    sample carries none (no curriculum, or a diagnostic's ``full`` mode)."""
+    draw = metadata.get(CURRICULUM) if isinstance(metadata, dict) else None
+    if not isinstance(draw, dict) or draw.get("mode") not in CURRICULUM_MODES:
         return None
     return {
-        "state_id": metadata.get(CURRICULUM_STATE_ID),
-        "mode": metadata.get(CURRICULUM_MODE),
-        "chunks": list(metadata.get(CURRICULUM_CHUNKS) or []),
-        "q": metadata.get(CURRICULUM_Q),
-        "rho": dict(metadata.get(CURRICULUM_RHO) or {}),
+        "state_id": draw.get("state_id"),
+        "mode": draw["mode"],
+        "chunks": list(draw.get("skill_ids") or []),
+        "q": draw.get("q"),
+        "rho": dict(draw.get("rho") or {}),
     }
 
 

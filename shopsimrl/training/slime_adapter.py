@@ -13,7 +13,9 @@ of them. This function:
 2. plays the sample's task once through the process's :class:`~shopsimrl.training.worker.
    TrainingWorker` (created on the first call; the token endpoint is the config's
    ``model.base_url``, else slime's router ``http://{sglang_router_ip}:{sglang_router_port}``),
-   which saves the trace and the samples in the run directory;
+   which saves the trace and the samples in the run directory; with a curriculum in the config,
+   the episode's skills are the draw of the sample's ``group_index``, so every sample of a group
+   plays with the same skills;
 3. counts the sample in its group (``group_index``; ``args.n_samples_per_prompt`` samples a
    group): the group's last sample runs the all-wrong triage (:mod:`shopsimrl.training.triage`)
    before it returns;

@@ -5,14 +5,16 @@
 location), starts the lease journal in the run's ``leases/`` exactly as an evaluation run does
 (it first releases the leases a killed predecessor left, then journals every lease of this
 process), and plays one episode per call of :meth:`TrainingWorker.rollout` with at most
-``run.concurrency`` in flight. Every rollout's trace and samples are durable before the call
-returns. A rollout told its group's size (slime's ``n_samples_per_prompt``) joins the group's
-triage (:mod:`shopsimrl.training.triage`): the group's last sample runs the all-wrong triage
-before it returns, whose diagnostic rollout is stored in the run's
-``training/triage/diagnostics/`` (a run of the same layout). Leases are released on every path:
-the episode engine releases an episode's lease when it ends, fails or is cancelled (slime cancels
-the rollouts it no longer needs), and :meth:`TrainingWorker.aclose` writes what is buffered and
-closes the journal.
+``run.concurrency`` in flight. With ``curriculum:`` in the config, each episode's skills are the
+draw of its group (:mod:`shopsimrl.training.curriculum`), and :meth:`TrainingWorker.full_skills`
+hands out every chunk for a replay of a failed group. Every rollout's trace and samples are
+durable before the call returns. A rollout told its group's size (slime's
+``n_samples_per_prompt``) joins the group's triage (:mod:`shopsimrl.training.triage`): the
+group's last sample runs the all-wrong triage before it returns, whose diagnostic rollout is
+stored in the run's ``training/triage/diagnostics/`` (a run of the same layout). Leases are
+released on every path: the episode engine releases an episode's lease when it ends, fails or is
+cancelled (slime cancels the rollouts it no longer needs), and :meth:`TrainingWorker.aclose`
+writes what is buffered and closes the journal.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from shopsimrl.runner.lease_journal import LeaseJournal, start_lease_tracking
 from shopsimrl.schemas import EpisodeJob
 from shopsimrl.skills import NoSkills, SkillProvider, open_skill_provider
 from shopsimrl.storage.objectstore import RunLocationError
-from shopsimrl.tasks import TaskSplit, load_task_split
+from shopsimrl.tasks import TaskSplit
 from shopsimrl.training.chat import ChatTokenizer
-from shopsimrl.training.config import TrainingConfig
+from shopsimrl.training.config import TrainingConfig, training_split
+from shopsimrl.training.curriculum import CurriculumSkills, SkillCurriculum, open_curriculum
 from shopsimrl.training.rollout import EpisodeRollout, TrainingRollouts
 from shopsimrl.training.store import ObjectTrainingRunStore, RolloutStore, TrainingRunStore
 from shopsimrl.training.token_model import Sleep, TokenModel, TokenModelSettings
@@ -88,14 +91,12 @@ class TrainingWorker:
     ) -> None:
         self.config = config
         self.sampling = sampling
-        self.split: TaskSplit = load_task_split(config.resolve(config.tasks.split_file), config.tasks.split)
-        if self.split.is_test:
-            raise ConfigError(f"tasks.split {self.split.name!r} is (or overlaps) the held-out test split; training never runs it")
-        persona = config.environment.persona if config.environment.persona is not None else self.split.persona
-        if persona is None:
-            raise ConfigError(f"environment.persona is null and split {self.split.name!r} does not say; set environment.persona")
-        if self.split.persona is not None and persona != self.split.persona:
-            raise ConfigError(f"environment.persona is {persona} but split {self.split.name!r} is persona={self.split.persona}")
+        self.split: TaskSplit
+        self.split, persona = training_split(config)
+        c = config.curriculum
+        self.curriculum: SkillCurriculum | None = (
+            open_curriculum(config.resolve(c.state), config.resolve(c.skillbank)) if c else None
+        )
         self._task_ids = frozenset(self.split.task_ids)
         settings = TokenModelSettings(
             base_url=base_url,
@@ -171,10 +172,6 @@ class TrainingWorker:
             raise
         self._started = True
 
-    def full_skills(self) -> SkillProvider:
-        """Every curriculum chunk: the skills of a group's triage diagnostic."""
-        return self.rollouts.skills
-
     def job(self, *, task_id: int, index: int, seed: int | None = None) -> EpisodeJob:
         """The episode of slime's sample ``index`` on ``task_id``: its id is unique in the run
         because slime's sample index is (``task-…__sample-<index>``)."""
@@ -194,12 +191,23 @@ class TrainingWorker:
         skills: SkillProvider | None = None,
         group_size: int | None = None,
     ) -> EpisodeRollout:
-        """Play one episode and save it (trace, then samples) before returning it. With
-        ``group_size`` (and a ``group_index``) the rollout counts in its group's triage: the
+        """Play one episode and save it (trace, then samples) before returning it.
+
+        ``skills``: this episode's provider; default: with a curriculum, the draw of
+        ``group_index`` (so every sample of a group gets the same skills), else the config's. A
+        curriculum's assignment (state id, mode, chunk ids) goes into every sample's metadata as
+        ``curriculum``; the trace records it as ``provenance.skills`` and the chunks it selected.
+        With ``group_size`` (and a ``group_index``) the rollout counts in its group's triage: the
         group's last sample triages the group before it returns."""
         if not self._started:
             raise RuntimeError("TrainingWorker.start() was not awaited")
         job = self.job(task_id=task_id, index=index, seed=seed)
+        if skills is None and self.curriculum is not None:
+            if group_index is None:
+                raise ConfigError(f"sample {index} has no group_index: the curriculum draws each group's skills by it")
+            skills = self.curriculum.skills_for(group_index)
+        if isinstance(skills, CurriculumSkills):
+            metadata = {**(metadata or {}), "curriculum": skills.assignment.to_dict()}
         grouped = group_size is not None and group_index is not None
         self.store.started()
         played = False
@@ -226,13 +234,16 @@ class TrainingWorker:
         diagnostics run directory (sample number = the group index), never returned to slime."""
         seed = diagnostic_seed(self.config.run.seed, task_id, group_index)
         job = self.job(task_id=task_id, index=group_index, seed=seed)
-        metadata = {"triage_diagnostic": True, "triage_group": group_index}
+        skills = self.full_skills()
+        metadata: dict[str, Any] = {"triage_diagnostic": True, "triage_group": group_index}
+        if isinstance(skills, CurriculumSkills):
+            metadata["curriculum"] = skills.assignment.to_dict()
         self.diagnostics.started()
         played = False
         try:
             async with self._gate:
                 rollout = await self.rollouts.run(
-                    job, index=group_index, group_index=group_index, metadata=metadata, skills=self.full_skills()
+                    job, index=group_index, group_index=group_index, metadata=metadata, skills=skills
                 )
             played = True
             await self.diagnostics.commit(rollout)
@@ -240,6 +251,13 @@ class TrainingWorker:
             if not played:
                 self.diagnostics.abandoned()
         return rollout
+
+    def full_skills(self) -> SkillProvider:
+        """Every curriculum chunk as one provider (mode ``full``), for replaying a group with all
+        of them; without a curriculum, the config's skills provider."""
+        if self.curriculum is None:
+            return self.rollouts.skills
+        return self.curriculum.full_skills()
 
     async def aclose(self) -> None:
         """Store what is buffered, close the connections and the journal, let go of the run;

@@ -18,11 +18,7 @@ from shopsimrl.training import slime_adapter
 from shopsimrl.training.grpo import fully_scored_group_filter
 from shopsimrl.training.metrics import PREFIX, enrich_rollout_metrics, record_generated_rollout_groups
 from shopsimrl.training.samples import (
-    CURRICULUM_CHUNKS,
-    CURRICULUM_MODE,
-    CURRICULUM_Q,
-    CURRICULUM_RHO,
-    CURRICULUM_STATE_ID,
+    CURRICULUM,
 )
 from shopsimrl.training.store import read_training_samples
 from shopsimrl.training.triage import INTERNALIZATION_DEFICIT, PENDING_ANALYSIS, TRIAGE_SCHEMA_VERSION, triage_path
@@ -44,11 +40,7 @@ def _config(tmp_path: Path) -> Path:
 
 def _draw(mode: str, chunks: list[str]) -> dict[str, Any]:
     return {
-        CURRICULUM_STATE_ID: "0cc2608d",
-        CURRICULUM_MODE: mode,
-        CURRICULUM_CHUNKS: chunks,
-        CURRICULUM_Q: 0.2,
-        CURRICULUM_RHO: dict(RHO),
+        CURRICULUM: {"state_id": "0cc2608d", "group_key": "0", "mode": mode, "skill_ids": chunks, "q": 0.2, "rho": dict(RHO)},
     }
 
 

@@ -38,6 +38,7 @@ from shopsimrl.training.rollout import EpisodeRollout
 from shopsimrl.training.samples import Sample, SampleStatus, check_siblings
 from shopsimrl.training.store import ObjectTrainingRunStore, read_training_samples
 from shopsimrl.training.worker import Sampling, TrainingWorker
+from tests.research.test_viewer import serving
 from tests.sharded.conftest import S3_TEST_ENV, S3Server, cli
 from tests.sharded.faultproxy import FaultPlan, FaultProxy, Scripted
 from tests.training.invariants import assert_episode_samples
@@ -197,6 +198,14 @@ async def test_rollouts_on_s3_are_read_back_by_open_run_and_the_commands(s3_serv
     assert "12 episodes" in labelled.stdout
     missing = cli("show", run_location, "task-999999__sample-000", env=env)
     assert missing.returncode == 2 and "no episode" in missing.stderr
+    compared = cli("compare", run_location, run_location, "--json", str(tmp_path / "compare.json"), env=env)
+    assert compared.returncode == 0, compared.stderr
+    assert json.loads((tmp_path / "compare.json").read_text())["runs"][0]["kind"] == "legacy"  # a run without a plan
+    with serving(run_location, env) as viewer:
+        page = viewer.get("/")
+        assert page.status_code == 200 and "12 of 12 episodes" in page.text and "training run" in page.text
+        episode = viewer.get(f"/episodes/{some}")
+        assert episode.status_code == 200 and some in episode.text
 
 
 async def test_failed_and_cancelled_rollouts_release_their_leases_on_s3(s3_server: S3Server, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`shopsimrl testbed slime-round`: one slime-shaped rollout step through the real command."""
+"""`shopsimrl training step`: one slime-shaped rollout step through the real command."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _round(tmp_path: Path, shop: str, model: str, *extra: str) -> subprocess.Com
         encoding="utf-8",
     )
     tasks = _task_data(tmp_path / "tasks.jsonl", TRAIN_IDS[:8])
-    command = [sys.executable, "-m", "shopsimrl", "testbed", "slime-round", str(config), "--task-data", str(tasks)]
+    command = [sys.executable, "-m", "shopsimrl", "training", "step", str(config), "--task-data", str(tasks)]
     return subprocess.run([*command, *extra], capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -82,6 +82,14 @@ def test_a_step_filters_normalises_and_leaves_readable_traces(tmp_path: Path) ->
     episodes = {record.episode_id for record in run.records()}
     assert episodes == {s["episode_id"] for g in groups.values() for s in g["samples"]}
     assert "groups kept" in done.stdout
+    metrics = step["metrics"]
+    zero_spread_dropped = [g for g, v in groups.items() if v["reason"] == "shopsim_zero_std_group" and not v["kept"]]
+    assert metrics["rollout/shopsim/group_count"] == 8 and metrics["rollout/shopsim/trajectory_count"] == 24
+    assert metrics["rollout/shopsim/train_group_count"] == len(step["kept_groups"])
+    assert metrics["rollout/shopsim/zero_std_group_drop_count"] == len(zero_spread_dropped)
+    assert metrics["rollout/shopsim/technical_group_drop_count"] == 0 and metrics["rollout/shopsim/scored_rate"] == 1.0
+    rewards = [s["reward"]["reward"] for g in groups.values() for s in {x["rollout_id"]: x for x in g["samples"]}.values()]
+    assert metrics["rollout/shopsim/reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
 
 
 def test_a_task_data_file_too_short_is_refused_by_name(tmp_path: Path) -> None:

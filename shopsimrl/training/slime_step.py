@@ -31,6 +31,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from shopsimrl.config import ConfigError
+
 __all__ = ["ContractSample", "RoundResult", "installed", "play_round", "read_task_data"]
 
 
@@ -153,9 +155,9 @@ async def play_round(
     sampling_params: dict[str, Any],
     generate_path: str = "shopsimrl.training.slime_adapter.generate",
     filter_path: str | None = "shopsimrl.training.grpo.fully_scored_group_filter",
-    all_samples_path: str | None = None,
+    all_samples_path: str | None = "shopsimrl.training.metrics.record_generated_rollout_groups",
     reward_post_process_path: str = "shopsimrl.training.grpo.normalize_grpo_advantages",
-    log_path: str | None = None,
+    log_path: str | None = "shopsimrl.training.metrics.enrich_rollout_metrics",
     rollout_id: int = 0,
 ) -> RoundResult:
     """One rollout step over ``prompts`` (one group each); module docstring."""
@@ -209,9 +211,8 @@ async def play_round(
         raw, advantages = _function(reward_post_process_path)(args, flat)
         metrics: dict[str, Any] = {}
         if log_path:
-            answer = _function(log_path)(rollout_id, args, flat, metrics, 0.0)
-            if isinstance(answer, dict):
-                metrics = answer
+            # slime's log hook adds to slime's metric dict; True would mean "do not log it".
+            _function(log_path)(rollout_id, args, flat, metrics, 0.0)
     return RoundResult(
         groups=ordered, kept=kept, decisions=decisions, raw_rewards=list(raw), advantages=list(advantages), metrics=metrics
     )
@@ -265,7 +266,7 @@ def _record(result: RoundResult, args: SimpleNamespace) -> dict[str, Any]:
         )
     flat = [s for g in result.kept for s in _flat(next(x for x in result.groups if _flat(x)[0].group_index == g))]
     return {
-        "schema_version": "shopsimrl-testbed-slime-round-v1",
+        "schema_version": "shopsimrl-slime-step-v1",
         "args": {k: v for k, v in vars(args).items() if k != "shopsim_training_config"},
         "config": args.shopsim_training_config,
         "groups": groups,
@@ -289,8 +290,7 @@ def main(
     max_new_tokens: int,
     out: str,
 ) -> None:
-    """``shopsimrl testbed slime-round``: one step, its record written to ``out``, a table printed."""
-    from shopsimrl.cli.errors import BadInputError
+    """``shopsimrl training step``: one step, its record written to ``out``, a table printed."""
     from shopsimrl.storage.local import atomic_write_json
     from shopsimrl.training import slime_adapter
 
@@ -300,7 +300,7 @@ def main(
     try:
         prompts = read_task_data(task_data, limit=over_sampling_groups)
     except (OSError, ValueError) as exc:
-        raise BadInputError(str(exc)) from None
+        raise ConfigError(str(exc)) from None
     params = {"temperature": temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens}
 
     async def run() -> RoundResult:
