@@ -562,25 +562,32 @@ def _load_dotenv(path: Path) -> None:
         os.environ.setdefault(key, value)
 
 
-def load_experiment_config(
-    path: str | Path, *, load_dotenv: bool = True, overrides: Sequence[ConfigOverride] = ()
-) -> ExperimentConfig:
-    """The config at ``path`` with ``overrides`` (from the command line) merged in before it is validated."""
-    path = Path(path)
+def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    """The YAML mapping at the top of ``path``; :class:`ConfigError` naming ``what``, the file and
+    the line otherwise (unreadable, not UTF-8, not YAML, not a mapping)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config {path} is not UTF-8: {exc}") from exc
+        raise ConfigError(f"{what} {path} is not UTF-8: {exc}") from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+        raise ConfigError(f"{what} {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
     if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a YAML mapping at the top level")
+        raise ConfigError(f"{what} {path} must be a YAML mapping at the top level")
+    return data
+
+
+def load_experiment_config(
+    path: str | Path, *, load_dotenv: bool = True, overrides: Sequence[ConfigOverride] = ()
+) -> ExperimentConfig:
+    """The config at ``path`` with ``overrides`` (from the command line) merged in before it is validated."""
+    path = Path(path)
+    data = read_yaml_mapping(path, "config")
     _check_overrides(overrides)
     data = _apply_overrides(data, overrides, f"config {path}")
     origins = {override.key: override.origin for override in overrides}
