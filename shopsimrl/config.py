@@ -15,25 +15,38 @@ sent as Basic auth and could be echoed into traces; the model key comes from
 Relative paths are resolved against the YAML file's directory. Deployment-specific values come
 from the environment through :class:`WorkerSettings` (``SHOPSIMRL_*``), so a pod needs no edits
 of the YAML: in-cluster Service URLs, concurrency, flush cadence, the shard index.
+
+Command-line overrides (``--set KEY=VALUE`` and its short forms, :class:`ConfigOverride`) are
+merged into the YAML's mapping before it is validated, so a value set there is checked, planned
+and fingerprinted exactly as the same edit of the file would be. Precedence, lowest first: the
+YAML, the ``SHOPSIMRL_*`` variables (:meth:`ExperimentConfig.with_overrides`), the command line.
+Paths given on the command line are relative to the current directory, not to the YAML's.
 """
 
 from __future__ import annotations
 
+import copy
 import io
+import math
 import os
 import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
 from dotenv.parser import parse_stream as parse_dotenv
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shopsimrl.schemas import redact_uri
+
 __all__ = [
     "ConfigError",
+    "ConfigOverride",
     "EnvironmentSection",
     "ExperimentConfig",
     "ExperimentSection",
@@ -46,12 +59,43 @@ __all__ = [
     "check_environment_url",
     "describe_settings_error",
     "load_experiment_config",
+    "parse_set_option",
     "safe_name",
 ]
 
 
 class ConfigError(ValueError):
     """The experiment config is unreadable or invalid; the message names the file and key path."""
+
+
+@dataclass(frozen=True)
+class ConfigOverride:
+    """One value that replaces the YAML's: ``key`` dotted (``model.checkpoint_id``), ``value`` as
+    YAML would have read it, ``source`` the flag or variable it came from (``--set``,
+    ``--checkpoint``, ``SHOPSIMRL_MODEL_BASE_URL``)."""
+
+    key: str
+    value: Any
+    source: str
+
+    @property
+    def from_command_line(self) -> bool:
+        return self.source.startswith("-")
+
+    @property
+    def origin(self) -> str:
+        """Where the value came from, for a message (never the value: it may be a URL)."""
+        return f"--set {self.key}" if self.source == "--set" else self.source
+
+    def as_set_option(self) -> str:
+        """``KEY=VALUE`` that ``--set`` reads back to this key and value (for a worker process)."""
+        text = yaml.safe_dump(self.value, default_flow_style=True, width=math.inf, allow_unicode=True)
+        return f"{self.key}={text.removesuffix(chr(10) + '...' + chr(10)).rstrip(chr(10))}"
+
+    def as_record(self) -> dict[str, Any]:
+        """For ``plan`` and the manifest's ``execution.overrides``: URLs redacted."""
+        value = redact_uri(self.value) if isinstance(self.value, str) and "://" in self.value else self.value
+        return {"key": self.key, "value": value, "from": self.source}
 
 
 def safe_name(value: str) -> str:
@@ -157,6 +201,10 @@ class EnvironmentSection(_Strict):
 
 class RuntimeSection(_Strict):
     max_steps: int = Field(default=30, ge=1)
+    max_model_seconds: float | None = Field(default=None, gt=0)
+    """The episode's time limit: once its model replies together took this long (the sum of the
+    answering attempts' ``latency_ms``), no further call is made and the episode is terminated
+    (``time_limit``). Null: no limit. Semantic (fingerprinted); see docs/runtime_eval.md §2."""
     max_episode_retries: int = Field(default=2, ge=0)
     """Extra attempts per episode for infrastructure failures, counted per invocation."""
 
@@ -225,6 +273,20 @@ class ExperimentConfig(_Strict):
     model: ModelSection
     source_path: Path | None = Field(default=None, exclude=True)
     """The YAML file this config came from (never persisted)."""
+    _overrides: tuple[ConfigOverride, ...] = PrivateAttr(default=())
+    _run_dir: Path | None = PrivateAttr(default=None)
+
+    @property
+    def overrides(self) -> tuple[ConfigOverride, ...]:
+        """The values that replaced the YAML's: from the command line, then from ``SHOPSIMRL_*``."""
+        return self._overrides
+
+    def at_run_dir(self, run_dir: Path) -> ExperimentConfig:
+        """This config writing to ``run_dir`` instead of ``output_dir/name`` (``run --run DIR``;
+        not part of the plan, like ``output_dir``)."""
+        copy = self.model_copy()
+        copy._run_dir = run_dir
+        return copy
 
     @property
     def base_dir(self) -> Path:
@@ -248,18 +310,30 @@ class ExperimentConfig(_Strict):
 
     @property
     def run_dir(self) -> Path:
-        return self.resolve(self.experiment.output_dir) / self.name
+        return self._run_dir if self._run_dir is not None else self.resolve(self.experiment.output_dir) / self.name
 
     def with_overrides(self, settings: WorkerSettings) -> ExperimentConfig:
-        """Apply deployment overrides from the environment (URLs, concurrency)."""
+        """Apply deployment overrides from the environment (URLs, concurrency), except where the
+        command line set the same key: it is the more specific of the two."""
+        on_command_line = {override.key for override in self._overrides if override.from_command_line}
         update: dict[str, Any] = {}
-        if settings.model_base_url:
-            update["model"] = self.model.model_copy(update={"base_url": settings.model_base_url})
-        if settings.env_base_url:
-            update["environment"] = self.environment.model_copy(update={"base_url": settings.env_base_url})
-        if settings.concurrency:
-            update["experiment"] = self.experiment.model_copy(update={"concurrency": settings.concurrency})
-        return self.model_copy(update=update) if update else self
+        applied: list[ConfigOverride] = []
+        for key, variable, value in (
+            ("model.base_url", "SHOPSIMRL_MODEL_BASE_URL", settings.model_base_url),
+            ("environment.base_url", "SHOPSIMRL_ENV_BASE_URL", settings.env_base_url),
+            ("experiment.concurrency", "SHOPSIMRL_CONCURRENCY", settings.concurrency),
+        ):
+            if not value or key in on_command_line:
+                continue
+            section, field = key.split(".")
+            current = update.get(section, getattr(self, section))
+            update[section] = current.model_copy(update={field: value})
+            applied.append(ConfigOverride(key, value, variable))
+        if not update:
+            return self
+        copy = self.model_copy(update=update)
+        copy._overrides = (*self._overrides, *applied)
+        return copy
 
 
 class WorkerSettings(BaseSettings):
@@ -316,21 +390,139 @@ def describe_settings_error(exc: ValidationError) -> str:
     return "invalid environment variable " + "; ".join(problems)
 
 
-def format_validation_error(what: str, exc: ValidationError) -> str:
+def format_validation_error(what: str, exc: ValidationError, origins: Mapping[str, str] | None = None) -> str:
     """``invalid <what>: …``: one line for one problem; otherwise a header and one line per
-    problem, each naming its key. ``what`` names the file (``config path/to.yaml``)."""
+    problem, each naming its key. ``what`` names the file (``config path/to.yaml``); ``origins``
+    maps a dotted key set on the command line to its flag, named beside a problem at or under it."""
     problems = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"]) or "<root>"
         if error["type"] == "extra_forbidden":
-            problems.append(f"{where}: unknown key")
+            problem = f"{where}: unknown key"
         elif error["type"] == "missing":
-            problems.append(f"{where}: required key is missing")
+            problem = f"{where}: required key is missing"
         else:
-            problems.append(f"{where}: {error['msg']} (got {_mask_userinfo(repr(error.get('input')))})")
+            problem = f"{where}: {error['msg']} (got {_mask_userinfo(repr(error.get('input')))})"
+        origin = _origin_of(where, origins or {})
+        if origin is not None:
+            problem += f" [from {origin}]"
+            if error["type"] == "string_type" and origin.startswith("--set") and not isinstance(error.get("input"), (dict, list)):
+                # YAML reads 1000, 2024-01-01 or true as no string; quoting says it is one.
+                problem += f"; to give it as text, quote it: --set '{where}=\"{error.get('input')}\"'"
+        problems.append(problem)
     if len(problems) == 1:
         return f"invalid {what}: {problems[0]}"
     return "\n".join([f"invalid {what}:", *(f"  {problem}" for problem in problems)])
+
+
+def _origin_of(where: str, origins: Mapping[str, str]) -> str | None:
+    """The flag of the command-line override at ``where`` or around it (a section set whole, a key inside it)."""
+    for key, origin in origins.items():
+        if where == key or where.startswith(key + ".") or key.startswith(where + "."):
+            return origin
+    return None
+
+
+# --------------------------------------------------------------------------- command-line overrides
+
+_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+_PATH_KEYS = frozenset(
+    {"experiment.output_dir", "experiment.dotenv", "tasks.split_file", "prompt.system_prompt_file", "skills.path"}
+)
+"""Keys that hold paths: a relative one from the command line is relative to the current directory."""
+_SECRET_SEGMENT = re.compile(
+    r"(^|_)(api_?key|apikey|key|secret|password|passwd|credentials?|authorization|bearer|token|access_token|auth_token)($|_)"
+)
+"""A key that is no typed setting and whose name says it holds a secret (``extra_body.api_key``)."""
+
+
+def parse_set_option(text: str) -> ConfigOverride:
+    """``KEY=VALUE`` of ``--set``: the value read as YAML reads a scalar or a flow collection
+    (``0.7``, ``true``, ``null``, ``[1, 2]``, ``{a: 1}``), so it validates as the file would."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not _KEY.fullmatch(key):
+        raise ConfigError(
+            f"--set {text.partition('=')[0]!r}: expected KEY=VALUE with KEY a dotted config key (model.checkpoint_id=…)"
+        )
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: the value is not YAML: {getattr(exc, 'problem', None) or exc}") from None
+    return ConfigOverride(key, value, "--set")
+
+
+def _field_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds (``X`` or ``X | None``), None for a free-form value."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, _Strict):
+            return candidate
+    return None
+
+
+def _is_setting(key: str) -> bool:
+    """``key`` names a declared setting of the config (never a secret: none holds one)."""
+    model: type[BaseModel] | None = ExperimentConfig
+    for segment in key.split("."):
+        if model is None:
+            return False  # inside a free-form mapping (extra_body, tool_choice)
+        field = model.model_fields.get(segment)
+        if field is None or field.exclude:
+            return False
+        model = _field_model(field.annotation)
+    return True
+
+
+def _secret_keys(key: str, value: Any) -> list[str]:
+    """Dotted keys of ``key=value`` (a mapping value's keys included) that would carry a secret."""
+    found = []
+    if not _is_setting(key) and _SECRET_SEGMENT.search(key.rsplit(".", 1)[-1].lower().replace("-", "_")):
+        found.append(key)
+    if isinstance(value, dict):
+        for inner, item in value.items():
+            found += _secret_keys(f"{key}.{inner}", item)
+    return found
+
+
+def _check_overrides(overrides: Sequence[ConfigOverride]) -> None:
+    seen: dict[str, ConfigOverride] = {}
+    for override in overrides:
+        secret = _secret_keys(override.key, override.value)
+        if secret:
+            what = "" if secret[0] == override.key else f" ({secret[0]})"
+            raise ConfigError(
+                f"{override.origin}{what}: refused: a secret must not go on the command line (shell history, the "
+                "process list) nor into the run's manifest; put an API key in the environment variable named by "
+                "model.api_key_env (OPENAI_API_KEY unless the config names another)"
+            )
+        for key, earlier in seen.items():
+            if key == override.key or key.startswith(override.key + ".") or override.key.startswith(key + "."):
+                raise ConfigError(
+                    f"{min(key, override.key, key=len)} is set twice on the command line "
+                    f"({earlier.origin}, {override.origin}); give each key once"
+                )
+        seen[override.key] = override
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Sequence[ConfigOverride], where: str) -> dict[str, Any]:
+    """The YAML mapping with each override put at its dotted key (sections created as needed)."""
+    merged = copy.deepcopy(data)
+    for override in overrides:
+        *sections, last = override.key.split(".")
+        if override.key.split(".")[0] == "source_path":  # the loader's own field, no YAML key
+            raise ConfigError(f"{override.origin}: unknown key")
+        node = merged
+        for depth, segment in enumerate(sections):
+            child = node.setdefault(segment, {})
+            if not isinstance(child, dict):
+                above = ".".join(sections[: depth + 1])
+                raise ConfigError(f"{override.origin}: {above} is not a mapping in {where} (it is {child!r})")
+            node = child
+        value = override.value
+        if override.key in _PATH_KEYS and isinstance(value, str) and value.strip():
+            value = os.path.abspath(os.path.expanduser(value))
+        node[last] = value
+    return merged
 
 
 def _load_dotenv(path: Path) -> None:
@@ -370,34 +562,53 @@ def _load_dotenv(path: Path) -> None:
         os.environ.setdefault(key, value)
 
 
-def load_experiment_config(path: str | Path, *, load_dotenv: bool = True) -> ExperimentConfig:
-    path = Path(path)
+def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    """The YAML mapping at the top of ``path``; :class:`ConfigError` naming ``what``, the file and
+    the line otherwise (unreadable, not UTF-8, not YAML, not a mapping)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config {path} is not UTF-8: {exc}") from exc
+        raise ConfigError(f"{what} {path} is not UTF-8: {exc}") from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+        raise ConfigError(f"{what} {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
     if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a YAML mapping at the top level")
+        raise ConfigError(f"{what} {path} must be a YAML mapping at the top level")
+    return data
+
+
+def load_experiment_config(
+    path: str | Path, *, load_dotenv: bool = True, overrides: Sequence[ConfigOverride] = ()
+) -> ExperimentConfig:
+    """The config at ``path`` with ``overrides`` (from the command line) merged in before it is validated."""
+    path = Path(path)
+    data = read_yaml_mapping(path, "config")
+    _check_overrides(overrides)
+    data = _apply_overrides(data, overrides, f"config {path}")
+    origins = {override.key: override.origin for override in overrides}
     if "models" in data:
         raise ConfigError(f"config {path}: 'models' is not supported; use one model mapping under 'model' per run")
     try:
         config = ExperimentConfig.model_validate({**data, "source_path": path.resolve()})
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(f"config {path}", exc)) from None
+        raise ConfigError(format_validation_error(f"config {path}", exc, origins)) from None
+    config._overrides = tuple(overrides)
     try:
         _ = config.name  # derived on use; derive it now so a bad name stops the load, not a run
     except ConfigError as exc:
-        raise ConfigError(f"config {path}: {exc}") from None
+        origin = origins.get("experiment.name")
+        raise ConfigError(f"config {path}: {exc}" + (f" [from {origin}]" if origin else "")) from None
     if config.prompt.system_prompt is not None and config.prompt.system_prompt_file is not None:
-        raise ConfigError(f"config {path}: prompt.system_prompt and prompt.system_prompt_file are mutually exclusive")
+        named = [origins[key] for key in ("prompt.system_prompt", "prompt.system_prompt_file") if key in origins]
+        raise ConfigError(
+            f"config {path}: prompt.system_prompt and prompt.system_prompt_file are mutually exclusive"
+            + (f" [{', '.join(named)} on the command line]" if named else "")
+        )
     if load_dotenv and config.experiment.dotenv:
         _load_dotenv(config.resolve(config.experiment.dotenv))
     return config

@@ -18,14 +18,20 @@ Outcomes per model call (``steps[i]``):
   step's ``policy_failure.code`` keeps which one it was.
 
 The loop ends on ``done``; after ``max_steps`` calls without ``done`` the runtime terminates with
-``action_limit``. The lease is always released; a failed release makes the episode ``failed``.
+``action_limit``. With ``max_model_seconds`` (the time limit), before each further call the
+runtime adds up the model time spent so far (each reply's ``latency_ms``: the answering HTTP
+attempt, no retries, backoff or queueing) and, once it has reached the limit, terminates instead;
+ShopSimulator knows no time limit, so it is sent as ``action_limit`` and the trace's ``time_limit``
+says it was one. The lease is always released; a failed release makes the episode ``failed``.
 
 Additive trace keys (beyond ``shopsimrl-episode-v4``): ``failure_class`` (``null`` for a
-completed episode; see :func:`classify_failure`) and ``attempt`` (set by the scheduler).
+completed episode; see :func:`classify_failure`), ``attempt`` (set by the scheduler) and
+``time_limit`` (only on an episode the time limit ended).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from datetime import UTC, datetime
@@ -49,7 +55,17 @@ from shopsimrl.prompts import (
     canonical_action,
     protocol_feedback,
 )
-from shopsimrl.records import CodedMessage, EnvironmentResult, EpisodeTrace, ErrorInfo, JobRecord, ModelTurn, SelectedSkill, Step
+from shopsimrl.records import (
+    CodedMessage,
+    EnvironmentResult,
+    EpisodeTrace,
+    ErrorInfo,
+    JobRecord,
+    ModelTurn,
+    SelectedSkill,
+    Step,
+    TimeLimit,
+)
 from shopsimrl.records.trace import FailureClass
 from shopsimrl.schemas import EpisodeJob, ModelOutput, find_lone_surrogate, replace_lone_surrogates
 from shopsimrl.skills import SkillProvider
@@ -60,6 +76,8 @@ ACTION_PROTOCOL = "openai-function-tools-repair-v3"
 POLICY_FAILURE_CODES = ("generation_length", "context_length")
 POLICY_TERMINATION_REASON = "generation_length"
 """What a policy failure is sent to ShopSimulator as: the one reason it accepts besides action_limit."""
+TIME_LIMIT_TERMINATION_REASON = "action_limit"
+"""What the time limit is sent as: like the action limit, the agent ran out of budget before buying."""
 
 LEASE_KEYS = ("env_idx", "lease_id")
 PRIVATE_RESET_KEYS = ("private_task_instruction", "goal_options", "reason_key")
@@ -208,17 +226,26 @@ class AgentRuntime:
         prompts: PromptBuilder,
         skills: SkillProvider,
         max_steps: int = 30,
+        max_model_seconds: float | None = None,
     ) -> None:
         if max_steps < 1:
             raise ValueError("max_steps must be >= 1")
+        if max_model_seconds is not None and not max_model_seconds > 0:
+            raise ValueError("max_model_seconds must be > 0 or None")
         self.model = model
         self.environment = environment
         self.prompts = prompts
         self.skills = skills
         self.max_steps = max_steps
+        self.max_model_seconds = max_model_seconds
 
     def runtime_identity(self) -> dict[str, Any]:
-        return {"max_steps": self.max_steps, "action_protocol": ACTION_PROTOCOL}
+        """The runtime's part of the plan; the time limit only when set, so that the plans (and
+        fingerprints) of runs without one stay what they were."""
+        identity: dict[str, Any] = {"max_steps": self.max_steps, "action_protocol": ACTION_PROTOCOL}
+        if self.max_model_seconds is not None:
+            identity["max_model_seconds"] = self.max_model_seconds
+        return identity
 
     async def run(self, job: EpisodeJob) -> EpisodeTrace:
         started_at, started = _now(), time.perf_counter()
@@ -296,15 +323,34 @@ class AgentRuntime:
         conversation.append(first_user)
         observation_text: str = first_user["content"]
         state: dict[str, Any] = public.get("observation_state") or {}
+        # Milliseconds, as the trace records them, summed exactly: an audit that adds up the steps'
+        # latency_ms (ten replies of 100 ms against a 1 s limit) reaches the runtime's decision.
+        model_ms: list[float] = []
 
         for step_index in range(1, self.max_steps + 1):
+            if self.max_model_seconds is not None and math.fsum(model_ms) >= self.max_model_seconds * 1000.0:
+                # Checked before a call, as the action limit is: the call that crossed the limit
+                # was answered and acted on; no further one is made.
+                progress["stage"] = "time_limit_termination"
+                trace.time_limit = TimeLimit(
+                    max_model_seconds=self.max_model_seconds,
+                    model_seconds=round(math.fsum(model_ms) / 1000.0, 6),
+                    model_steps=len(trace.steps),
+                    sent_as=TIME_LIMIT_TERMINATION_REASON,
+                )
+                final = await episode.terminate(TIME_LIMIT_TERMINATION_REASON)
+                trace.final = _environment_result(final)
+                return
+
             progress["stage"] = f"tools_step_{step_index}"
             tools = action_tools(state)
             tool_names = [tool["function"]["name"] for tool in tools]
 
             progress["stage"] = f"model_step_{step_index}"
+            called = time.perf_counter()
             output = await self.model.generate(list(conversation), tools, seed=job.seed + step_index - 1)
             progress["agent_spoke"] = True
+            model_ms.append(_model_ms(output, time.perf_counter() - called))
             step = Step(
                 step_index=step_index,
                 observation=observation_text,
@@ -360,6 +406,15 @@ class AgentRuntime:
         progress["stage"] = "action_limit_termination"
         final = await episode.terminate("action_limit")
         trace.final = _environment_result(final)
+
+
+def _model_ms(output: ModelOutput, measured_s: float) -> float:
+    """The time limit's share of one model call: the reply's ``latency_ms`` (the answering attempt,
+    as the trace records it), or the call as measured when a custom ChatModel reports none."""
+    latency = output.latency_ms
+    if isinstance(latency, (int, float)) and not isinstance(latency, bool) and math.isfinite(latency) and latency >= 0:
+        return float(latency)
+    return measured_s * 1000.0
 
 
 def _environment_result(payload: dict[str, Any]) -> EnvironmentResult:

@@ -16,7 +16,10 @@ Two deliberate departures: a NaN or infinite value (reward, component, duration)
 like a non-numeric one, where the reference would have produced a NaN mean; and
 ``reward_sem`` (and ``success_sem``) are clustered by task: identical to the reference's
 SD/√n when every task ran once, and not shrunk by repeats that merely agree with each other
-(the reference's SE fell by √repeats for a deterministic policy).
+(the reference's SE fell by √repeats for a deterministic policy). One addition to a reference
+key: ``behavior.termination_reasons`` counts ``time_limit`` for an episode the runtime ended at its
+time limit (:func:`termination_reason`); the environment, which was sent ``action_limit``, says
+``action_limit`` in its ``final``, and a run without a time limit counts exactly as the reference.
 
 Keys added by ``shopsimrl-eval-summary-v3``:
 
@@ -99,6 +102,7 @@ __all__ = [
     "pass_hat_k",
     "student_t_quantile",
     "summarize_traces",
+    "termination_reason",
     "unfinished_view",
     "wilson_interval",
 ]
@@ -504,6 +508,15 @@ def unfinished_view(record: EpisodeTrace) -> EpisodeTrace:
 # --------------------------------------------------------------------------- accumulator
 
 
+def termination_reason(record: EpisodeTrace) -> str:
+    """How a completed episode ended: the environment's ``final.termination_reason``, except
+    ``time_limit`` for one the runtime ended at its time limit (sent to the shop as ``action_limit``)."""
+    if record.time_limit is not None:
+        return "time_limit"
+    final = record.final
+    return str(final.get("termination_reason", "unknown")) if final is not None else "unknown"
+
+
 @dataclass(slots=True)
 class StepFacts:
     """What the metrics count of one step (the summary's and the research tools' one reading)."""
@@ -678,7 +691,7 @@ class SummaryAccumulator:
                     continue
                 moments = self._components[key] = _Moments()
             moments.add(component)
-        self._terminations.add(str(final.get("termination_reason", "unknown")))
+        self._terminations.add(termination_reason(record))
         duration = record.duration_ms
         if duration is not None and duration >= 0:
             self._episode_ms.add(duration)

@@ -10,17 +10,29 @@ import typer
 from pydantic import ValidationError
 
 from shopsimrl.cli.errors import BadInputError
-from shopsimrl.config import ExperimentConfig, WorkerSettings, describe_settings_error, load_experiment_config
+from shopsimrl.config import (
+    ConfigOverride,
+    ExperimentConfig,
+    WorkerSettings,
+    describe_settings_error,
+    load_experiment_config,
+    parse_set_option,
+)
 from shopsimrl.logs import configure_logging
 
 __all__ = [
+    "CHECKPOINT",
+    "EXPERIMENT",
     "FINAL_TEST",
     "HELP_STYLE",
+    "MODEL",
     "QUIET",
     "REROLL_FAILED",
     "RETRY_FAILED",
+    "SET",
     "VERBOSE",
     "check_rerun_flags",
+    "command_line_overrides",
     "load",
     "prepare",
     "setup_logging",
@@ -48,6 +60,47 @@ REROLL_FAILED = typer.Option(
     help="Also run again the failures that are the agent's outcomes (final otherwise); each re-roll is marked and counted.",
 )
 
+SET = typer.Option(
+    None,
+    "--set",
+    metavar="KEY=VALUE",
+    help="Override a config key (dotted: model.temperature=0.7, runtime.max_steps=20); the value is read as YAML "
+    "(numbers, true/false, null, [lists], {maps}). Repeatable. Validated, planned and fingerprinted as the same edit "
+    "of the YAML; wins over SHOPSIMRL_* variables. Relative paths are relative to the current directory.",
+)
+MODEL = typer.Option(None, "--model", metavar="NAME", help="The served model to call: --set model.name=NAME (as text).")
+CHECKPOINT = typer.Option(
+    None, "--checkpoint", metavar="ID", help="The weights' identity: --set model.checkpoint_id=ID (as text)."
+)
+EXPERIMENT = typer.Option(
+    None,
+    "--experiment",
+    metavar="NAME",
+    help="The run's name (and its directory under experiment.output_dir): --set experiment.name=NAME (as text).",
+)
+
+
+def command_line_overrides(
+    sets: list[str] | None,
+    *,
+    model: str | None = None,
+    checkpoint: str | None = None,
+    experiment: str | None = None,
+    concurrency: int | None = None,
+) -> list[ConfigOverride]:
+    """``--set`` and the short forms as overrides; a short form's value is text, never read as YAML
+    (a checkpoint id ``0123`` or ``true`` stays what was typed)."""
+    overrides = [parse_set_option(text) for text in sets or ()]
+    for key, value, flag in (
+        ("model.name", model, "--model"),
+        ("model.checkpoint_id", checkpoint, "--checkpoint"),
+        ("experiment.name", experiment, "--experiment"),
+        ("experiment.concurrency", concurrency, "--concurrency"),
+    ):
+        if value is not None:
+            overrides.append(ConfigOverride(key, value, flag))
+    return overrides
+
 
 def warn(line: str) -> None:
     typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
@@ -72,8 +125,10 @@ def worker_settings() -> WorkerSettings:
         raise BadInputError(describe_settings_error(exc)) from exc  # as in setup_logging
 
 
-def load(config_path: Path) -> ExperimentConfig:
-    return load_experiment_config(config_path).with_overrides(worker_settings())
+def load(config_path: Path, overrides: list[ConfigOverride] | None = None) -> ExperimentConfig:
+    """The config with the command line's ``overrides``, then the ``SHOPSIMRL_*`` ones where the
+    command line left the key alone."""
+    return load_experiment_config(config_path, overrides=overrides or ()).with_overrides(worker_settings())
 
 
 def prepare(config: ExperimentConfig, final_test: bool) -> Any:

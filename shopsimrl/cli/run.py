@@ -13,12 +13,17 @@ import typer
 
 from shopsimrl import eventloop
 from shopsimrl.cli.common import (
+    CHECKPOINT,
+    EXPERIMENT,
     FINAL_TEST,
+    MODEL,
     QUIET,
     REROLL_FAILED,
     RETRY_FAILED,
+    SET,
     VERBOSE,
     check_rerun_flags,
+    command_line_overrides,
     load,
     prepare,
     setup_logging,
@@ -41,22 +46,30 @@ def plan(
     final_test: bool = FINAL_TEST,
     check: bool = typer.Option(False, "--check", help="Also probe the model's /models and the environment's /healthz."),
     run_uri: str | None = typer.Option(
-        None, "--run", help="Run location (dir, file://, s3://); with --shards the frozen plan is written there."
+        None,
+        "--run",
+        help="Run location: a local directory (default: experiment.output_dir/experiment.name); "
+        "with --shards also file:// or s3://, where the frozen plan is written.",
     ),
     shards: int | None = typer.Option(
         None, "--shards", min=1, help="Freeze a sharded plan: write manifest.json, jobs.jsonl and shards.json."
     ),
+    sets: list[str] | None = SET,
+    model: str | None = MODEL,
+    checkpoint: str | None = CHECKPOINT,
+    experiment: str | None = EXPERIMENT,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (for scripts) instead of a table."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
-    """Show the frozen plan (episodes, seeds, fingerprint, identities) without running anything."""
+    """Show the frozen plan (episodes, seeds, fingerprint, identities, overrides) without running anything."""
     from shopsimrl.storage.local import LocalRunStore
 
     setup_logging(quiet, verbose)
+    overrides = command_line_overrides(sets, model=model, checkpoint=checkpoint, experiment=experiment)
+    config = load(config_path, overrides)
     if run_uri is not None and shards is None:
-        raise BadInputError("--run needs --shards (a single-process run writes to the config's run directory)")
-    config = load(config_path)
+        config = config.at_run_dir(local_run_dir(run_uri))
     prepared = prepare(config, final_test)
     semantic = prepared.plan()
     plan_fp = fingerprint(semantic)
@@ -82,6 +95,7 @@ def plan(
         "episodes": len(prepared.jobs),
         "persona": prepared.persona,
         "concurrency": config.experiment.concurrency,
+        "overrides": [override.as_record() for override in config.overrides],
         "model": {"id": config.model_id, **semantic["model"]},
         "environment": semantic["environment"],
         "runtime": semantic["runtime"],
@@ -118,7 +132,18 @@ def plan(
 
 
 # The plan table: these keys as headed sections, in this order; the rest as "key  value" rows.
-_PLAN_SECTIONS = ("task_split", "model", "environment", "runtime", "prompt", "skills", "test_guard", "sharded_run", "services")
+_PLAN_SECTIONS = (
+    "overrides",
+    "task_split",
+    "model",
+    "environment",
+    "runtime",
+    "prompt",
+    "skills",
+    "test_guard",
+    "sharded_run",
+    "services",
+)
 
 
 def _format_plan(report: dict[str, Any]) -> str:
@@ -128,7 +153,11 @@ def _format_plan(report: dict[str, Any]) -> str:
     ]
     lines = _aligned(top, indent="")
     for section in _PLAN_SECTIONS:
-        if section in report:
+        if section == "overrides":
+            # Which values replaced the YAML's, and where each came from (--set, a short form, SHOPSIMRL_*).
+            rows = [(o["key"], f"{_plan_value(o['value'])}  ({o['from']})") for o in report.get("overrides") or []]
+            lines += ["", "overrides", *(_aligned(rows, indent="  ") if rows else ["  none"])]
+        elif section in report:
             lines += ["", section.replace("_", " "), *_aligned(list(flatten(report[section]).items()), indent="  ")]
     jobs = report.get("first_jobs") or []
     if jobs:
@@ -163,13 +192,22 @@ def run(
     max_episode_retries: int | None = typer.Option(
         None, min=0, help="Extra attempts per episode for infrastructure failures (default: runtime.max_episode_retries)."
     ),
-    concurrency: int | None = typer.Option(None, min=1, help="Episodes in flight (default: experiment.concurrency)."),
+    concurrency: int | None = typer.Option(
+        None, min=1, help="Episodes in flight: --set experiment.concurrency=N (not part of the plan)."
+    ),
+    sets: list[str] | None = SET,
+    model: str | None = MODEL,
+    checkpoint: str | None = CHECKPOINT,
+    experiment: str | None = EXPERIMENT,
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
     shards: int | None = typer.Option(
         None, "--shards", min=1, help="Run as N shard worker processes (like an Indexed Job), then reduce."
     ),
     run_uri: str | None = typer.Option(
-        None, "--run", help="With --shards: run location (dir, file://, s3://); default: the config's run directory."
+        None,
+        "--run",
+        help="Run location: a local directory (default: experiment.output_dir/experiment.name); "
+        "with --shards also file:// or s3://.",
     ),
     backoff_limit_per_index: int = typer.Option(2, min=0, help="With --shards: restarts of a crashed shard worker."),
     quiet: bool = QUIET,
@@ -182,20 +220,19 @@ def run(
 
     setup_logging(quiet, verbose)
     check_rerun_flags(retry_failed, reroll_failed)
+    overrides = command_line_overrides(sets, model=model, checkpoint=checkpoint, experiment=experiment, concurrency=concurrency)
     if shards is not None:
         if max_episode_retries is not None:
             raise BadInputError(
                 "--max-episode-retries applies to single-process runs; sharded workers use runtime.max_episode_retries",
             )
         run_sharded(
-            config_path, run_uri, shards, final_test, backoff_limit_per_index, concurrency, retry_failed, reroll_failed, progress
+            config_path, run_uri, shards, final_test, backoff_limit_per_index, overrides, retry_failed, reroll_failed, progress
         )
         return
+    config = load(config_path, overrides)
     if run_uri is not None:
-        raise BadInputError("--run needs --shards (a single-process run writes to the config's run directory)")
-    config = load(config_path)
-    if concurrency:
-        config = config.model_copy(update={"experiment": config.experiment.model_copy(update={"concurrency": concurrency})})
+        config = config.at_run_dir(local_run_dir(run_uri))
     prepared = prepare(config, final_test)
     structlog.contextvars.bind_contextvars(run=config.name)
     prepared.model().check_api_key()
@@ -209,6 +246,29 @@ def run(
     )
     _print_summary(summary, store.summary_path)
     _exit_for(summary)
+
+
+def local_run_dir(location: str) -> Path:
+    """``--run`` of a single-process run: a directory path or ``file:///absolute/path``; an
+    object store needs the sharded route (its create-only parts)."""
+    from urllib.parse import unquote, urlsplit
+
+    if not location.strip():
+        raise BadInputError("--run: the run location is empty")
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", location)
+    if scheme is None:
+        return Path(location).expanduser().resolve()
+    parts = urlsplit(location)
+    if scheme.group(1).lower() == "file" and parts.netloc in ("", "localhost") and parts.path.startswith("/"):
+        if parts.query or parts.fragment:
+            raise BadInputError(f"--run {location}: a run location takes no ?query or #fragment")
+        return Path(unquote(parts.path))
+    from shopsimrl.schemas import redact_uri
+
+    raise BadInputError(
+        f"--run {redact_uri(location)}: a single-process run writes to a local directory (a path or file:///absolute/path); "
+        "an object store location needs --shards N"
+    )
 
 
 def _print_summary(summary: dict[str, Any], where: Path) -> None:
@@ -268,6 +328,8 @@ def wait_ready(
     config_path: Path = typer.Option(..., "--config", envvar="SHOPSIMRL_CONFIG", help="Experiment YAML."),
     timeout: float = typer.Option(600.0, min=0, help="Give up after this many seconds."),
     interval: float = typer.Option(5.0, min=0.1, help="Seconds between probes."),
+    sets: list[str] | None = SET,
+    model: str | None = MODEL,
     require_free_slot: bool = typer.Option(
         True,
         "--require-free-slot/--no-require-free-slot",
@@ -282,7 +344,7 @@ def wait_ready(
 
     settings = worker_settings()
     setup_logging(quiet, verbose)
-    config = load(config_path)
+    config = load(config_path, command_line_overrides(sets, model=model))
     # Readiness does not depend on the split guard: probe with the test guard satisfied.
     prepared = prepare(config, final_test=_is_test_split(config))
     processes = min(settings.parallelism or settings.shards or 1, settings.shards or settings.parallelism or 1)

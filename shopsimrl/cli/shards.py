@@ -15,8 +15,10 @@ from shopsimrl.cli.common import (
     QUIET,
     REROLL_FAILED,
     RETRY_FAILED,
+    SET,
     VERBOSE,
     check_rerun_flags,
+    command_line_overrides,
     load,
     prepare,
     setup_logging,
@@ -24,6 +26,7 @@ from shopsimrl.cli.common import (
     worker_settings,
 )
 from shopsimrl.cli.errors import BadInputError, TryAgainError, import_part
+from shopsimrl.config import ConfigOverride
 from shopsimrl.exitcodes import ExitCode
 
 app = typer.Typer(rich_markup_mode=None)
@@ -52,7 +55,7 @@ def run_sharded(
     shards: int,
     final_test: bool,
     backoff_limit: int,
-    concurrency: int | None,
+    overrides: list[ConfigOverride],
     retry_failed: bool,
     reroll_failed: bool,
     progress: bool,
@@ -60,12 +63,11 @@ def run_sharded(
     from shopsimrl.runner.local_job import run_indexed
     from shopsimrl.runner.progress import ShardedRunProgress
 
-    config = load(config_path)
+    config = load(config_path, overrides)
     prepared = prepare(config, final_test)
     uri = str(config.run_dir) if run_uri is None else run_uri
     frozen, jobs_per_shard = freeze_sharded_plan(prepared, uri, shards)
     typer.echo(f"run {config.name}: {len(prepared.jobs)} episodes in {shards} shards → {frozen['run']}", err=True)
-    env = {"SHOPSIMRL_CONCURRENCY": str(concurrency)} if concurrency else {}
     with ShardedRunProgress(jobs_per_shard, enabled=progress and sys.stderr.isatty()) as bar:
         result = run_indexed(
             uri,
@@ -75,7 +77,8 @@ def run_sharded(
             final_test=final_test,
             retry_failed=retry_failed,
             reroll_failed=reroll_failed,
-            env=env,
+            # Every worker plans from the config with the same overrides (or it would exit 42).
+            settings=[override.as_set_option() for override in overrides],
             on_event=bar.on_worker_event,
             on_tick=bar.tick,
         )
@@ -169,6 +172,7 @@ def worker(
     final_test: bool = FINAL_TEST,
     retry_failed: bool = RETRY_FAILED,
     reroll_failed: bool = REROLL_FAILED,
+    sets: list[str] | None = SET,
     processes: int | None = typer.Option(
         None,
         "--processes",
@@ -208,6 +212,7 @@ def worker(
             retry_failed=retry_failed,
             reroll_failed=reroll_failed,
             settings=settings,
+            overrides=command_line_overrides(sets),
         )
     )
     if succeed_once_committed and code == ExitCode.EPISODES_FAILED:

@@ -41,6 +41,7 @@ from shopsimrl.records.trace import (
     ModelTurn,
     SelectedSkill,
     Step,
+    TimeLimit,
     ToolCallRecord,
     Usage,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "SelectedSkill",
     "ShardMarker",
     "Step",
+    "TimeLimit",
     "ToolCallRecord",
     "Usage",
     "decode_json",

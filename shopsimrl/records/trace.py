@@ -32,6 +32,7 @@ __all__ = [
     "ModelTurn",
     "SelectedSkill",
     "Step",
+    "TimeLimit",
     "ToolCallRecord",
     "Usage",
 ]
@@ -308,6 +309,19 @@ class ErrorInfo(Record):
     cleanup_errors: list[str] | None = None
 
 
+class TimeLimit(Record):
+    """Why the runtime ended an episode at its time limit (``runtime.max_model_seconds``)."""
+
+    max_model_seconds: Number = None
+    """The limit: model time per episode, in seconds."""
+    model_seconds: Number = None
+    """The model time the episode had used when it was ended: the sum of its replies' ``latency_ms``."""
+    model_steps: Count = None
+    """Model calls made (the last one crossed the limit)."""
+    sent_as: FlexStr = None
+    """The termination reason sent to the environment (``action_limit``: ShopSimulator knows no time limit)."""
+
+
 class EpisodeTrace(Record):
     """One episode attempt. ``status == "completed"`` with ``final.done`` true is a result; anything
     else is a failed attempt whose ``failure_class`` says who it is charged to."""
@@ -340,6 +354,9 @@ class EpisodeTrace(Record):
     """Only on an attempt ``--reroll-failed`` ran: the class of the outcome it replaces (additive)."""
     serialization_repaired: FlexBool = None
     """A payload held a value JSON cannot; it was made safe instead of aborting the run (additive)."""
+    time_limit: TimeLimit | None = None
+    """Only on an episode the runtime ended at its time limit: the limit and the model time used
+    (additive; ``final`` is the environment's answer to the ``action_limit`` it was sent as)."""
 
     ALWAYS_WRITTEN: ClassVar[tuple[str, ...]] = (
         "schema_version", "episode_id", "status", "job", "provenance", "started_at", "ended_at", "duration_ms",
@@ -351,7 +368,7 @@ class EpisodeTrace(Record):
     def _completed_or_failed(cls, value: Any) -> Any:
         return "completed" if value == "completed" else "failed"
 
-    @field_validator("final", "error", mode="before")
+    @field_validator("final", "error", "time_limit", mode="before")
     @classmethod
     def _object_or_none(cls, value: Any) -> Any:
         return value if isinstance(value, dict | Record) else None

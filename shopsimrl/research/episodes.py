@@ -105,7 +105,10 @@ def episode_row(record: EpisodeTrace) -> dict[str, Any]:
         "failure_class": failure_class,
         "error_type": record.error.type if record.error is not None else None,
         # As stored: the open payload's value, whatever its type (the tables type it).
-        "termination_reason": final.get("termination_reason") if completed and final is not None else None,
+        # ``time_limit`` for an episode the runtime ended at its time limit (the shop was told action_limit).
+        "termination_reason": ("time_limit" if record.time_limit is not None else final.get("termination_reason"))
+        if completed and final is not None
+        else None,
         "category": goal.get("category") or purchase.get("product_category") or None,
         "reward": reward,
         "reward_itt": None if excused else (reward if completed else 0.0) or 0.0,

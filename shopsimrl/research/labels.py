@@ -54,6 +54,7 @@ TAXONOMY: dict[str, str] = {
     "context_length": "the server refused the prompt: the conversation outgrew the context window (episode terminated)",
     "action_limit": "the episode ended at the action limit without a purchase; code environment (the shop's count) or "
     "runtime (max_steps model calls)",
+    "time_limit": "the runtime ended the episode at its time limit (runtime.max_model_seconds of model time) without a purchase",
     "infrastructure_failure": "the episode failed for an infrastructure reason (retryable: service unavailable, lease, "
     "timeout); legacy traces without failure_class are classified from the error type",
     "episode_error": "the episode failed for another reason; code = failure_class (environment_error, model_error, "
@@ -227,6 +228,16 @@ def episode_labels(record: EpisodeTrace) -> dict[str, Any]:
         label("action_limit").add(
             {"step": last_step or None, "model_steps": len(steps), "actions": row["actions"]},
             code,
+        )
+    if completed and termination == "time_limit" and record.time_limit is not None:
+        limit = record.time_limit
+        label("time_limit").add(
+            {
+                "step": last_step or None,
+                "model_steps": len(steps),
+                "model_seconds": limit.model_seconds,
+                "max_model_seconds": limit.max_model_seconds,
+            }
         )
     if not completed:
         error = record.error or ErrorInfo()

@@ -96,6 +96,7 @@ class PreparedExperiment:
             prompts=self.prompts,
             skills=self.skills,
             max_steps=self.config.runtime.max_steps,
+            max_model_seconds=self.config.runtime.max_model_seconds,
         )
 
     def plan(self) -> dict[str, Any]:
@@ -118,15 +119,24 @@ class PreparedExperiment:
                 },
                 "jobs": [job.to_dict() for job in self.jobs],
                 "environment": environment_identity,
-                "runtime": {"max_steps": self.config.runtime.max_steps, "action_protocol": ACTION_PROTOCOL},
+                "runtime": self._runtime_identity(),
                 "prompt": self.prompts.identity(),
                 "skills": self.skills.identity(),
                 "test_guard": {"held_out_split": self.split.is_test, "final_test": self.final_test},
             }
         return self._plan
 
+    def _runtime_identity(self) -> dict[str, Any]:
+        runtime: dict[str, Any] = {"max_steps": self.config.runtime.max_steps, "action_protocol": ACTION_PROTOCOL}
+        if self.config.runtime.max_model_seconds is not None:
+            # Only when set: a plan without a time limit keeps the fingerprint it always had.
+            runtime["max_model_seconds"] = self.config.runtime.max_model_seconds
+        return runtime
+
     def execution(self) -> dict[str, Any]:
-        """Settings recorded for the audit trail but never fingerprinted."""
+        """Settings recorded for the audit trail but never fingerprinted; ``overrides``: the values
+        that replaced the YAML's (command line, ``SHOPSIMRL_*``), when there are any."""
+        overrides = [override.as_record() for override in self.config.overrides]
         return {
             "concurrency": self.config.experiment.concurrency,
             "model_base_url": redact_uri(self.model_settings.base_url),
@@ -135,6 +145,7 @@ class PreparedExperiment:
             "model_max_attempts": self.model_settings.max_retries,
             "environment_timeout_s": self.environment_settings.timeout,
             "max_episode_retries": self.config.runtime.max_episode_retries,
+            **({"overrides": overrides} if overrides else {}),
         }
 
 

@@ -41,7 +41,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -103,9 +103,17 @@ class ShardedRunResult:
 
 
 def _worker_command(
-    run: str, config: Path, shards: int, final_test: bool, retry_failed: bool, reroll_failed: bool = False
+    run: str,
+    config: Path,
+    shards: int,
+    final_test: bool,
+    retry_failed: bool,
+    reroll_failed: bool = False,
+    settings: Sequence[str] = (),
 ) -> list[str]:
     command = [sys.executable, "-m", "shopsimrl", "worker", "--run", run, "--config", str(config), "--shards", str(shards)]
+    for setting in settings:
+        command += ["--set", setting]
     if final_test:
         command.append("--final-test")
     if not retry_failed:
@@ -275,11 +283,13 @@ def run_indexed(
     on_event: WorkerEventListener | None = None,
     on_tick: Callable[[], None] | None = None,
     command: list[str] | None = None,
+    settings: Sequence[str] = (),
 ) -> ShardedRunResult:
     """Run indexes 0…shards-1 as worker processes, at most ``parallelism`` at once.
 
     ``command``: another worker command line (the judge stage's workers); default ``shopsimrl
-    worker`` for ``run`` and ``config``.
+    worker`` for ``run`` and ``config``, each with a ``--set`` for every ``KEY=VALUE`` of ``settings``
+    (the coordinator's command-line overrides: the workers must plan what it froze).
 
     ``on_event(index, record)`` receives every JSON log record of the workers; ``on_tick()`` is
     called about every ``poll_interval_s`` (a progress bar redraws its clock)."""
@@ -332,7 +342,13 @@ def run_indexed(
                     # A re-roll is asked for once: a restarted index must not re-roll its re-rolls.
                     command
                     or _worker_command(
-                        run, config, shards, final_test, retry_failed, reroll_failed and not outcomes[index].restarts
+                        run,
+                        config,
+                        shards,
+                        final_test,
+                        retry_failed,
+                        reroll_failed and not outcomes[index].restarts,
+                        settings,
                     ),
                     env={**base_env, "JOB_COMPLETION_INDEX": str(index), "SHOPSIMRL_PARALLELISM": str(parallelism)},
                     stdin=subprocess.DEVNULL,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from shopsimrl import eventloop
-from shopsimrl.config import ConfigError, WorkerSettings, load_experiment_config
+from shopsimrl.config import ConfigError, ConfigOverride, WorkerSettings, load_experiment_config
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.records import EpisodeTrace, RunManifest
@@ -72,9 +72,13 @@ class WorkerOptions:
     retry_failed: bool = True
     reroll_failed: bool = False
     settings: WorkerSettings = field(default_factory=WorkerSettings)
+    overrides: Sequence[ConfigOverride] = ()
+    """``--set`` of the worker command: the same as the run's plan was frozen with."""
 
 
-def prepare_worker(config_path: Path, settings: WorkerSettings, final_test: bool) -> PreparedExperiment:
+def prepare_worker(
+    config_path: Path, settings: WorkerSettings, final_test: bool, overrides: Sequence[ConfigOverride] = ()
+) -> PreparedExperiment:
     from shopsimrl.model import ModelConfigError
     from shopsimrl.planning import PlanError
     from shopsimrl.prompts import PromptError
@@ -83,7 +87,7 @@ def prepare_worker(config_path: Path, settings: WorkerSettings, final_test: bool
     from shopsimrl.tasks import SplitError
 
     try:
-        config = load_experiment_config(config_path).with_overrides(settings)
+        config = load_experiment_config(config_path, overrides=overrides).with_overrides(settings)
         return prepare(config, final_test=final_test)
     except (ConfigError, SplitError, PlanError, SkillBankError, PromptError, ModelConfigError) as exc:
         raise WorkerStopped(ExitCode.BAD_INPUT, str(exc)) from None
@@ -166,7 +170,7 @@ def _run_worker(options: WorkerOptions) -> ExitCode:
     store = ShardedRunStore(options.run)
     writer = secrets.token_hex(4)
     structlog.contextvars.bind_contextvars(run=store.display_uri, shard=options.shard_index, writer=writer)
-    prepared = prepare_worker(options.config, settings, options.final_test)
+    prepared = prepare_worker(options.config, settings, options.final_test, options.overrides)
     try:
         prepared.model().check_api_key()
     except ModelConfigError as exc:

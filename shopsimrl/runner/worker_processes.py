@@ -137,7 +137,7 @@ def _slice_main(spec: _SliceSpec, send: Any) -> None:
     structlog.contextvars.bind_contextvars(run=store.display_uri, shard=spec.shard, writer=spec.writer)
     interrupted, written = True, []
     try:
-        prepared = prepare_worker(options.config, options.settings, options.final_test)
+        prepared = prepare_worker(options.config, options.settings, options.final_test, options.overrides)
         by_id = {job.episode_id: job for job in prepared.jobs}
         jobs = [by_id[eid] for eid in spec.episode_ids]
         settings = options.settings
