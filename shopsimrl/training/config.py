@@ -48,7 +48,6 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shopsimrl.config import (
@@ -59,6 +58,7 @@ from shopsimrl.config import (
     SkillsSection,
     _check_service_url,
     format_validation_error,
+    read_yaml_mapping,
     safe_name,
 )
 from shopsimrl.schemas import redact_uri
@@ -206,20 +206,7 @@ def load_training_config(path: str | Path, environ: dict[str, str] | None = None
     ``$SHOPSIMRL_ENV_BASE_URL`` and ``$SHOPSIMRL_TOKEN_ENDPOINT_URL`` (``environ``, default the
     process's) replace the service addresses, checked like the file's."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read training config {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"training config {path} is not UTF-8: {exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"training config {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"training config {path} must be a YAML mapping at the top level")
+    data = read_yaml_mapping(path, "training config")
     try:
         config = TrainingConfig.model_validate({**data, "source_path": path.resolve()})
     except ValidationError as exc:
