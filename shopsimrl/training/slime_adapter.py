@@ -12,8 +12,9 @@ of them. This function:
    replay data for a truncated distribution), a sample without a task id;
 2. plays the sample's task once through the process's :class:`~shopsimrl.training.worker.
    TrainingWorker` (created on the first call; the token endpoint is the config's
-   ``model.base_url``, else slime's router ``http://{sglang_router_ip}:{sglang_router_port}``),
-   which saves the trace and the samples in the run directory;
+   ``model.base_url``, else slime's router ``http://{sglang_router_ip}:{sglang_router_port}``; the
+   chat tokenizer is the config's ``model.tokenizer``, for ``hf`` without ``tokenizer_path``
+   slime's own ``--hf-checkpoint``), which saves the trace and the samples in the run directory;
 3. returns the episode's samples converted to slime's ``Sample`` (copies of the one slime handed
    in): siblings of a forked trajectory share ``rollout_id`` (slime's sample index); an episode
    without a score (shop down, lease lost, model failing after its retries) returns the abort
@@ -36,7 +37,7 @@ from typing import Any
 from shopsimrl.config import ConfigError
 from shopsimrl.training.config import TrainingConfig, config_path, load_training_config
 from shopsimrl.training.samples import Sample
-from shopsimrl.training.worker import Sampling, TrainingWorker
+from shopsimrl.training.worker import Sampling, TrainingWorker, tokenizer_for
 
 __all__ = ["close_workers", "generate", "task_id_of", "token_endpoint"]
 
@@ -107,7 +108,9 @@ async def _worker(args: Any, sampling: Sampling) -> TrainingWorker:
                     f"a sample asked for {key[0]} at {key[1]} with {key[2]} (one config and one sampling per process)"
                 )
             return held.worker
-        worker = TrainingWorker(config, base_url=key[1], sampling=sampling)
+        # Loading a real tokenizer takes a second or more: off the loop slime's other rollouts run on.
+        tokenizer = await asyncio.to_thread(tokenizer_for, config, args)
+        worker = TrainingWorker(config, base_url=key[1], sampling=sampling, tokenizer=tokenizer)
         await worker.start()
         _workers[loop] = _Held(worker, key)
         return worker
