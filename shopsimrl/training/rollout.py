@@ -70,7 +70,11 @@ class TrainingRollouts:
         ``skills`` replaces the shared provider for this episode (a group's curriculum draw)."""
         session = self.model.session(f"{job.episode_id}-{index}")
         runtime = AgentRuntime(
-            model=session, environment=self.environment, prompts=self.prompts, skills=skills or self.skills, max_steps=self.max_steps
+            model=session,
+            environment=self.environment,
+            prompts=self.prompts,
+            skills=skills or self.skills,
+            max_steps=self.max_steps,
         )
         trace = await runtime.run(job)
         built = episode_samples(
