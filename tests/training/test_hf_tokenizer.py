@@ -22,6 +22,9 @@ from shopsimrl.training.config import load_training_config
 from shopsimrl.training.hf_tokenizer import ChatTemplateError, HfChatTokenizer, chat_messages
 from shopsimrl.training.worker import tokenizer_for
 
+# Importing transformers takes over a second: every test here is in the slow tier.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SPLITS = REPO / "configs/splits/persona_splits.v1.json"
 
@@ -34,7 +37,7 @@ TEMPLATE = (
     "{% if tools %}{{ '\\n<tools>' }}{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}{{ '\\n</tools>' }}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% elif message.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + message.content }}"
-    "{% for call in message.tool_calls or [] %}{{ '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    '{% for call in message.tool_calls or [] %}{{ \'\\n<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' }}'
     "{{ call.function.arguments | tojson }}{{ '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
     "{% elif message.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
     "{% else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{% endif %}"
@@ -109,7 +112,9 @@ def test_the_model_template_renders_what_sglang_would_and_ids_decode_back(tokeni
     text = tokenizer.decode(ids)
     # content null rendered as "", the arguments string rendered as the object it spells (not a
     # JSON string inside JSON), the tools block from the template, the generation prompt last.
-    assert '<|im_start|>assistant\n\n<tool_call>\n{"name": "click", "arguments": {"value": "购买"}}\n</tool_call><|im_end|>' in text
+    assert (
+        '<|im_start|>assistant\n\n<tool_call>\n{"name": "click", "arguments": {"value": "购买"}}\n</tool_call><|im_end|>' in text
+    )
     assert '"enum": ["购买", "返回"]' in text and text.endswith("<|im_start|>assistant\n")
     assert text.startswith("<|im_start|>system\n你是购物助手。\n<tools>")
     assert tokenizer.decode(ids, skip_special_tokens=True).count("<|im_start|>") == 0
@@ -170,7 +175,6 @@ def test_a_template_that_cannot_render_names_the_tokenizer(tmp_path: Path) -> No
         tokenizer.render(CONVERSATION, TOOLS)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("blocked", "model", "words"),
     [
