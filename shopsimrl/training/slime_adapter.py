@@ -12,10 +12,11 @@ of them. This function:
    replay data for a truncated distribution), a sample without a task id;
 2. plays the sample's task once through the process's :class:`~shopsimrl.training.worker.
    TrainingWorker` (created on the first call; the token endpoint is the config's
-   ``model.base_url``, else slime's router ``http://{sglang_router_ip}:{sglang_router_port}``),
-   which saves the trace and the samples in the run directory; with a curriculum in the config,
-   the episode's skills are the draw of the sample's ``group_index``, so every sample of a group
-   plays with the same skills;
+   ``model.base_url``, else slime's router ``http://{sglang_router_ip}:{sglang_router_port}``; the
+   chat tokenizer is the config's ``model.tokenizer``, for ``hf`` without ``tokenizer_path``
+   slime's own ``--hf-checkpoint``), which saves the trace and the samples in the run directory;
+   with a curriculum in the config, the episode's skills are the draw of the sample's
+   ``group_index``, so every sample of a group plays with the same skills;
 3. counts the sample in its group (``group_index``; ``args.n_samples_per_prompt`` samples a
    group): the group's last sample runs the all-wrong triage (:mod:`shopsimrl.training.triage`)
    before it returns;
@@ -40,7 +41,7 @@ from typing import Any
 from shopsimrl.config import ConfigError
 from shopsimrl.training.config import TrainingConfig, config_path, load_training_config
 from shopsimrl.training.samples import Sample
-from shopsimrl.training.worker import Sampling, TrainingWorker
+from shopsimrl.training.worker import Sampling, TrainingWorker, tokenizer_for
 
 __all__ = ["close_workers", "generate", "group_size_of", "task_id_of", "token_endpoint"]
 
@@ -119,7 +120,9 @@ async def _worker(args: Any, sampling: Sampling) -> TrainingWorker:
                     f"a sample asked for {key[0]} at {key[1]} with {key[2]} (one config and one sampling per process)"
                 )
             return held.worker
-        worker = TrainingWorker(config, base_url=key[1], sampling=sampling)
+        # Loading a real tokenizer takes a second or more: off the loop slime's other rollouts run on.
+        tokenizer = await asyncio.to_thread(tokenizer_for, config, args)
+        worker = TrainingWorker(config, base_url=key[1], sampling=sampling, tokenizer=tokenizer)
         await worker.start()
         _workers[loop] = _Held(worker, key)
         return worker

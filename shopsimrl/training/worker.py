@@ -20,6 +20,7 @@ writes what is buffered and closes the journal.
 from __future__ import annotations
 
 import asyncio
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from shopsimrl.tasks import TaskSplit
 from shopsimrl.training.chat import ChatTokenizer
 from shopsimrl.training.config import TrainingConfig, training_split
 from shopsimrl.training.curriculum import CurriculumSkills, SkillCurriculum, open_curriculum
+from shopsimrl.training.hf_tokenizer import HfChatTokenizer
 from shopsimrl.training.rollout import EpisodeRollout, TrainingRollouts
 from shopsimrl.training.store import ObjectTrainingRunStore, RolloutStore, TrainingRunStore
 from shopsimrl.training.token_model import Sleep, TokenModel, TokenModelSettings
@@ -69,11 +71,36 @@ class Sampling:
         )
 
 
-def tokenizer_for(config: TrainingConfig) -> ChatTokenizer:
-    """The chat tokenizer ``model.tokenizer`` names."""
-    from shopsimrl.testbed.chat_tokens import TestbedChatTokenizer
-
-    return TestbedChatTokenizer()
+def tokenizer_for(config: TrainingConfig, args: Any = None) -> ChatTokenizer:
+    """The chat tokenizer ``model.tokenizer`` names: ``hf`` loads ``model.tokenizer_path`` (relative
+    to the config file), else slime's ``args.hf_checkpoint`` (the directory slime loads its own
+    tokenizer from); ``testbed`` needs the shopsimrl-testbed distribution. :class:`ConfigError`
+    naming the key otherwise."""
+    model = config.model
+    if model.tokenizer == "testbed":
+        try:
+            chat_tokens = importlib.import_module("shopsimrl.testbed.chat_tokens")
+        except ModuleNotFoundError as exc:
+            raise ConfigError(
+                f"model.tokenizer 'testbed' needs the shopsimrl-testbed distribution, which is not installed ({exc}); "
+                "install shopsimrl[testbed], or set model.tokenizer: hf for a real model"
+            ) from None
+        tokenizer: ChatTokenizer = chat_tokens.TestbedChatTokenizer()
+        return tokenizer
+    if model.tokenizer_path is not None:
+        path = config.resolve(model.tokenizer_path)
+        if not path.is_dir():
+            raise ConfigError(f"model.tokenizer_path {path} is not a directory (a Hugging Face tokenizer or checkpoint)")
+        where = str(path)
+    else:
+        checkpoint = getattr(args, "hf_checkpoint", None)
+        if not isinstance(checkpoint, str) or not checkpoint:
+            raise ConfigError(
+                "model.tokenizer is 'hf' but model.tokenizer_path is not set and there is no slime --hf-checkpoint "
+                "(args.hf_checkpoint) to take it from; set model.tokenizer_path"
+            )
+        where = checkpoint
+    return HfChatTokenizer.load(where, trust_remote_code=model.tokenizer_trust_remote_code)
 
 
 class TrainingWorker:
