@@ -76,6 +76,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.training.config",
         "shopsimrl.training.curriculum",
         "shopsimrl.training.grpo",
+        "shopsimrl.training.hf_tokenizer",
         "shopsimrl.training.metrics",
         "shopsimrl.training.preflight",
         "shopsimrl.training.rollout",

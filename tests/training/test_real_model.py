@@ -178,7 +178,11 @@ def test_smollm2_rollouts_through_the_adapter_keep_exact_tokens(
     ):
         config = _config(tmp_path, shop, proxy)
         args = SimpleNamespace(
-            shopsim_training_config=str(config), hf_checkpoint=str(smollm2_tokenizer), partial_rollout=False, group_rm=False
+            shopsim_training_config=str(config),
+            hf_checkpoint=str(smollm2_tokenizer),
+            partial_rollout=False,
+            group_rm=False,
+            n_samples_per_prompt=GROUP,
         )
         group = [ContractSample(group_index=0, index=i, prompt=str(TASK_ID), metadata={"task_id": TASK_ID}) for i in range(GROUP)]
 
