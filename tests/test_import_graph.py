@@ -107,6 +107,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "records": (
         "shopsimrl",
         "shopsimrl.config",
+        "shopsimrl.cost",
         "shopsimrl.eventloop",
         "shopsimrl.exitcodes",
         "shopsimrl.logs",

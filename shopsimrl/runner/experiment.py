@@ -126,7 +126,9 @@ class PreparedExperiment:
         return self._plan
 
     def execution(self) -> dict[str, Any]:
-        """Settings recorded for the audit trail but never fingerprinted."""
+        """Settings recorded for the audit trail but never fingerprinted; ``cost``, the prices
+        every summary of the run is priced with (only when the config has a ``cost:`` block)."""
+        prices = {} if self.config.cost is None else {"cost": self.config.cost.model_dump()}
         return {
             "concurrency": self.config.experiment.concurrency,
             "model_base_url": redact_uri(self.model_settings.base_url),
@@ -135,6 +137,7 @@ class PreparedExperiment:
             "model_max_attempts": self.model_settings.max_retries,
             "environment_timeout_s": self.environment_settings.timeout,
             "max_episode_retries": self.config.runtime.max_episode_retries,
+            **prices,
         }
 
 
