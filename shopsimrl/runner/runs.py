@@ -21,7 +21,8 @@ not the job list itself, so grouping reads no more than the listing does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -215,23 +216,40 @@ def group_runs(entries: Sequence[RunEntry]) -> list[tuple[str | None, str | None
 _RUN_MARKS = ("shards.json", "manifest.json", "traces.jsonl")
 
 
-def find_runs(store: ShardedRunStore, *, max_depth: int = MAX_DEPTH) -> Iterator[tuple[str, list[str] | None, str | None]]:
+Listing = tuple[list[str], list[str]] | str
+"""A folder's (objects, folders), or why it could not be listed."""
+
+
+def find_runs(
+    store: ShardedRunStore,
+    *,
+    max_depth: int = MAX_DEPTH,
+    map_each: Callable[[Callable[[str], Listing], list[str]], Iterable[Listing]] = map,
+) -> Iterator[tuple[str, list[str] | None, str | None]]:
     """``(path under the location, the run folder's object names, error)`` of every run under
-    ``store``, breadth first, one listing per folder; a folder that cannot be listed comes with
-    its error (and no names) instead of ending the search."""
-    pending: list[tuple[str, int]] = [("", 0)]
-    while pending:
-        rel, depth = pending.pop(0)
+    ``store``, breadth first, one listing per folder (the folders of one level listed through
+    ``map_each``: several at a time with a pool's ``map``); a folder that cannot be listed comes
+    with its error (and no names) instead of ending the search."""
+
+    def listing(rel: str) -> Listing:
         try:
-            files, folders = store.list_entries(rel)
+            return store.list_entries(rel)
         except _READ_ERRORS as exc:
-            yield rel or ".", None, _describe(exc)
-            continue
-        if any(mark in files for mark in _RUN_MARKS):
-            yield rel or ".", files, None
-            continue
-        if depth < max_depth:
-            pending.extend((f"{rel}/{name}" if rel else name, depth + 1) for name in folders if not name.startswith("."))
+            return _describe(exc)
+
+    level, depth = [""], 0
+    while level:
+        below: list[str] = []
+        for rel, found in zip(level, map_each(listing, level), strict=True):
+            if isinstance(found, str):
+                yield rel or ".", None, found
+                continue
+            files, folders = found
+            if any(mark in files for mark in _RUN_MARKS):
+                yield rel or ".", files, None
+            elif depth < max_depth:
+                below.extend(f"{rel}/{name}" if rel else name for name in folders if not name.startswith("."))
+        level, depth = below, depth + 1
 
 
 def _describe(exc: BaseException) -> str:
@@ -468,12 +486,19 @@ def list_runs(location: str, *, max_depth: int = MAX_DEPTH, now: datetime | None
     """Every run under ``location`` (a folder, ``file://`` or ``s3://`` prefix), unsorted; the
     location itself may be a run. Raises RunLocationError for a location that cannot be one."""
     root = ShardedRunStore(location)
-    entries: list[RunEntry] = []
-    for rel, files, error in find_runs(root, max_depth=max_depth):
-        if files is None:
-            entry = RunEntry(root.display_uri if rel == "." else root.beneath(rel).display_uri, rel, "unknown")
-            entry.state, entry.error = "unreadable", error
-            entries.append(entry)
-        else:
-            entries.append(read_entry(root, rel, files, now=now))
-    return entries
+    now = now or datetime.now(UTC)
+
+    def read(found: tuple[str, list[str] | None, str | None]) -> RunEntry:
+        rel, files, error = found
+        if files is not None:
+            return read_entry(root, rel, files, now=now)
+        entry = RunEntry(root.display_uri if rel == "." else root.beneath(rel).display_uri, rel, "unknown")
+        entry.state, entry.error = "unreadable", error
+        return entry
+
+    if root.local:  # local reads take microseconds: threads would only add their overhead
+        return [read(found) for found in find_runs(root, max_depth=max_depth)]
+    # On S3 the folders of a level are listed, and the runs read, several at a time (the store's
+    # read window, SHOPSIMRL_STORE_READ_CONCURRENCY): each costs a few requests, mostly round trips.
+    with ThreadPoolExecutor(root.read_concurrency, thread_name_prefix="runs-read") as pool:
+        return list(pool.map(read, list(find_runs(root, max_depth=max_depth, map_each=pool.map))))
