@@ -63,28 +63,9 @@ def runs_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     local_run(root / "other-seed", plan("sweep", "ckpt-200", seed=8), [1.0, 1.0, 1.0, 1.0], length=3)  # the dearest
     # In progress: a sharded run with one of two shards committed, a local run whose process runs now.
     sharded_run(str(root / "cluster" / "ckpt-300"), plan("sweep", "ckpt-300"), [1.0] * 4, commit=1, reduce=False)
-    running = local_run(root / "ckpt-400", plan("sweep", "ckpt-400"), [1.0, 0.0], summarize=False)
-    manifest = running.read_manifest()
-    assert manifest is not None
-    running.progress_path.write_text(
-        json.dumps(
-            {
-                "schema_version": LOCAL_PROGRESS_SCHEMA,
-                "plan_fingerprint": manifest.plan_fingerprint,
-                "process": ProcessIdentity.current().to_dict(),  # this process: alive
-                "started_at": datetime.now(UTC).isoformat(),
-                "updated_at": datetime.now(UTC).isoformat(),
-                "heartbeat_seconds": 2.0,
-                "jobs": 4,
-                "settled_before": 0,
-                "completed_before": 0,
-                "state": "running",
-                "completed": 2,
-                "failed": 1,
-            }
-        ),
-        encoding="utf-8",
-    )
+    _with_progress(local_run(root / "ckpt-400", plan("sweep", "ckpt-400"), [1.0, 0.0], summarize=False), "running", 2, 1)
+    # Finished, but its summary was never written (a full disk at the very end).
+    _with_progress(local_run(root / "lost-summary", plan("sweep", "ckpt-700"), [1.0] * 4, summarize=False), "finished", 4, 0)
     # Traces of the earlier implementation, without a manifest.
     legacy_run(root / "earlier" / "v4-run", [1.0, 0.0])
     # Unreadable: a torn manifest; a summary of another plan.
@@ -97,6 +78,32 @@ def runs_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     local_run(root / ".trash" / "old", plan("sweep", "ckpt-0"), [1.0] * 4)
     (root / "empty").mkdir()
     return root
+
+
+def _with_progress(run: Any, state: str, completed: int, failed: int) -> None:
+    """The ``progress.json`` a local run's process writes, this process as that process (alive)."""
+    manifest = run.read_manifest()
+    assert manifest is not None
+    now = datetime.now(UTC).isoformat()
+    run.progress_path.write_text(
+        json.dumps(
+            {
+                "schema_version": LOCAL_PROGRESS_SCHEMA,
+                "plan_fingerprint": manifest.plan_fingerprint,
+                "process": ProcessIdentity.current().to_dict(),
+                "started_at": now,
+                "updated_at": now,
+                "heartbeat_seconds": 2.0,
+                "jobs": 4,
+                "settled_before": 0,
+                "completed_before": 0,
+                "state": state,
+                "completed": completed,
+                "failed": failed,
+            }
+        ),
+        encoding="utf-8",
+    )
 
 
 def _by_name(entries: list[RunEntry]) -> dict[str, RunEntry]:
@@ -116,6 +123,7 @@ def test_every_run_is_listed_with_its_identity_headline_and_state(runs_folder: P
         "broken",
         "mixed-up",
         "donor",
+        "lost-summary",
     }
     best = entries["ckpt-200"]
     assert (best.kind, best.state, best.experiment, best.model, best.checkpoint, best.split) == (
@@ -153,6 +161,9 @@ def test_every_run_is_listed_with_its_identity_headline_and_state(runs_folder: P
     running = entries["ckpt-400"]
     assert (running.state, running.completed, running.failed, running.requested) == ("running", 2, 1, 4)
     assert running.detail is not None and f"pid {os.getpid()}" in running.detail
+    lost = entries["lost-summary"]
+    assert (lost.state, lost.completed, lost.score) == ("finished", 4, None)
+    assert lost.detail == "no summary.json: `shopsimrl summarize` writes it"
 
     legacy = entries["earlier/v4-run"]
     assert (legacy.kind, legacy.state, legacy.fingerprint, legacy.job_list) == ("legacy", "finished", None, None)
@@ -171,7 +182,16 @@ def test_runs_of_one_job_list_form_one_leaderboard(runs_folder: Path) -> None:
     by_key = {key: [entry.name for entry in members] for key, _, members in groups}
     seed_7 = next(key for key, label, _ in groups if label is not None and "seed 7" in label)
     # Best score first, then runs without a score (in progress, unreadable) by name.
-    assert by_key[seed_7] == ["ckpt-200", "cluster/ckpt-200", "ckpt-100", "donor", "ckpt-400", "cluster/ckpt-300", "mixed-up"]
+    assert by_key[seed_7] == [
+        "ckpt-200",
+        "cluster/ckpt-200",
+        "ckpt-100",
+        "donor",
+        "ckpt-400",
+        "cluster/ckpt-300",
+        "lost-summary",
+        "mixed-up",
+    ]
     seed_8 = next(key for key, label, _ in groups if label is not None and "seed 8" in label)
     assert by_key[seed_8] == ["other-seed"]
     # No readable plan, no job list: one group, last.
@@ -199,7 +219,7 @@ def test_any_column_sorts_and_runs_without_a_value_come_last(
 def test_listing_reads_no_trace_and_no_part(runs_folder: Path) -> None:
     with opened_files() as seen:
         entries = list_runs(str(runs_folder))
-    assert len(entries) == 10
+    assert len(entries) == 11
     opened = [path for path in seen if Path(path).is_relative_to(runs_folder)]  # not /proc (is a pid alive?)
     assert opened, "the audit hook saw no file of the runs opened"
     names = {Path(path).name for path in opened}
@@ -253,7 +273,7 @@ def test_the_command_prints_a_leaderboard_per_job_list(runs_folder: Path) -> Non
     lines = result.output.splitlines()
     # Groups in the order of their best runs: seed 8's only run scores 100.
     assert lines[0].startswith("job list ") and lines[0].endswith("split val · 4 of 400 tasks · seed 8 · repeats 1 · 1 run")
-    at = next(i for i, line in enumerate(lines) if line.endswith("split val · 4 of 400 tasks · seed 7 · repeats 1 · 7 runs"))
+    at = next(i for i, line in enumerate(lines) if line.endswith("split val · 4 of 400 tasks · seed 7 · repeats 1 · 8 runs"))
     assert lines[at + 1].split()[:4] == ["#", "run", "experiment", "model"]
     first = lines[at + 2].split()
     assert first[:5] == ["1", "ckpt-200", "sweep", "org/policy-4b", "ckpt-200"] and "75.00" in first and "USD" in first
@@ -272,7 +292,7 @@ def test_the_command_prints_json_with_every_field(runs_folder: Path) -> None:
     assert set(document["runs"][0]) == set(RunEntry("", "", "").as_dict())
     assert {group["job_list"] for group in document["groups"]} == {run["job_list"] for run in document["runs"]}
     flat = json.loads(_runs(str(runs_folder), "--json", "--no-group").output)
-    assert flat["groups"] == [] and len(flat["runs"]) == 10
+    assert flat["groups"] == [] and len(flat["runs"]) == 11
 
 
 @pytest.mark.parametrize(

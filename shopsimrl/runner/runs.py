@@ -459,8 +459,11 @@ def _local_state(
             entry.completed = view["completed"]
             entry.failed = view["settled"] - view["completed"]
             entry.coverage = entry.completed / entry.requested if entry.requested else None
-            if summary is not None:
-                entry.detail = ((entry.detail + "; ") if entry.detail else "") + "headline from an earlier summary"
+            note = (
+                "headline from an earlier summary" if summary is not None else "no summary.json: `shopsimrl summarize` writes it"
+            )
+            if summary is not None or entry.state == "finished":
+                entry.detail = f"{entry.detail}; {note}" if entry.detail else note
         return
     if summary is not None:
         entry.state = "finished"
