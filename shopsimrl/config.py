@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from dotenv.parser import parse_stream as parse_dotenv
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -47,6 +47,7 @@ from shopsimrl.schemas import redact_uri
 __all__ = [
     "ConfigError",
     "ConfigOverride",
+    "CostSection",
     "EnvironmentSection",
     "ExperimentConfig",
     "ExperimentSection",
@@ -263,6 +264,37 @@ class ModelSection(_Strict):
         return value
 
 
+# --------------------------------------------------------------------------- cost (prices)
+
+
+class CostSection(_Strict):
+    """Prices that turn a run's tokens and accelerator time into money (``cost:``). Execution
+    only: recorded in the manifest's ``execution.cost`` when the run is created and never
+    fingerprinted (prices change no episode). Every summary of the run prices from that record
+    (docs/runtime_eval.md §5, "Cost")."""
+
+    currency: str = Field(default="USD", min_length=1, max_length=16)
+    """A label printed beside amounts; nothing is converted."""
+    prompt_per_million: float | None = Field(default=None, ge=0)
+    """Price per million prompt tokens, as the model server reports ``usage.prompt_tokens``."""
+    completion_per_million: float | None = Field(default=None, ge=0)
+    """Price per million completion tokens (``usage.completion_tokens``; reasoning tokens are
+    part of them on OpenAI-compatible servers)."""
+    accelerators: float | None = Field(default=None, gt=0)
+    """Accelerators (GPUs) the model server runs on; a fraction for a slice (MIG). Set: the
+    summary reports accelerator hours."""
+    server_share: float = Field(default=1.0, gt=0, le=1)
+    """This run's share of the model server (e.g. 1/3 when three runs use it at once)."""
+    accelerator_per_hour: float | None = Field(default=None, ge=0)
+    """Price of one accelerator for one hour (needs ``accelerators``)."""
+
+    @model_validator(mode="after")
+    def _accelerators_for_a_price(self) -> CostSection:
+        if self.accelerator_per_hour is not None and self.accelerators is None:
+            raise ValueError("cost.accelerator_per_hour needs cost.accelerators (how many the model server runs on)")
+        return self
+
+
 class ExperimentConfig(_Strict):
     experiment: ExperimentSection = Field(default_factory=ExperimentSection)
     tasks: TasksSection
@@ -271,6 +303,8 @@ class ExperimentConfig(_Strict):
     prompt: PromptSection = Field(default_factory=PromptSection)
     skills: SkillsSection = Field(default_factory=SkillsSection)
     model: ModelSection
+    cost: CostSection | None = None
+    """Prices for the summary's money and accelerator hours; null: tokens and times only."""
     source_path: Path | None = Field(default=None, exclude=True)
     """The YAML file this config came from (never persisted)."""
     _overrides: tuple[ConfigOverride, ...] = PrivateAttr(default=())

@@ -57,6 +57,15 @@ key                               meaning
 ``throughput.episodes_per_hour``  completed / (latest ``ended_at`` − earliest
                                   ``started_at``), over every record and superseded attempt;
                                   null when the span is unknown or not positive
+``throughput.span_seconds``       that span (latest ``ended_at`` − earliest ``started_at``)
+``throughput.active_seconds``     wall seconds with an episode in flight: the union of every
+                                  record's span, pauses up to 60 s bridged
+                                  (:class:`shopsimrl.cost.ActiveTime`)
+``cost.tokens_all_attempts``      tokens summed over every record: failed episodes,
+                                  superseded attempts and duplicates too (what was spent)
+``cost.pricing``, ``cost.money``, the run's recorded prices, accelerator hours (active hours
+``cost.accelerator_hours``        × accelerators × server share) and money per item and in
+                                  total (:mod:`shopsimrl.cost`); null without prices
 ``failure_classes``               counter of ``failure_class`` over failed records
                                   (``"unknown"`` when absent, as in legacy traces)
 ``run``                           added by the caller, not here: the run's identity
@@ -88,7 +97,8 @@ from functools import lru_cache
 from statistics import NormalDist
 from typing import Any
 
-from shopsimrl.records import EpisodeTrace, ErrorInfo, JobRecord, Step, read_trace
+from shopsimrl.cost import ActiveTime, cost_block, read_pricing
+from shopsimrl.records import EpisodeTrace, ErrorInfo, JobRecord, ModelTurn, Step, read_trace
 from shopsimrl.records.trace import EXCUSED_FAILURE_CLASSES
 from shopsimrl.schemas import SUMMARY_SCHEMA_VERSION
 
@@ -97,6 +107,7 @@ __all__ = [
     "ClusteredEstimate",
     "SummaryAccumulator",
     "clustered_mean",
+    "format_money",
     "format_summary_table",
     "pass_at_k",
     "pass_hat_k",
@@ -502,6 +513,12 @@ def unfinished_view(record: EpisodeTrace) -> EpisodeTrace:
         ended_at=record.ended_at,
         failure_class=record.failure_class,
         error=ErrorInfo(type=record.error.type if record.error is not None else None),
+        # The tokens it spent: each step's usage only (a few numbers, not its observations).
+        steps=[
+            Step(step_index=step.step_index, model=ModelTurn(usage=step.model.usage))
+            for step in record.steps
+            if step.model.usage is not None
+        ],
     )
 
 
@@ -569,9 +586,16 @@ class SummaryAccumulator:
 
     ``requested_episode_ids``: the planned episodes. Records outside it are only counted under
     ``counts.not_in_plan``. ``requested``: the planned count when the ids are not at hand.
+    ``execution``: the manifest's execution block, whose ``cost`` prices the run (none: no money).
     """
 
-    def __init__(self, *, requested_episode_ids: Collection[str] | None = None, requested: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        requested_episode_ids: Collection[str] | None = None,
+        requested: int | None = None,
+        execution: Mapping[str, Any] | None = None,
+    ) -> None:
         self._plan_ids: frozenset[str] | None = None
         if requested_episode_ids is not None:
             if isinstance(requested_episode_ids, str):
@@ -619,6 +643,11 @@ class SummaryAccumulator:
         self._outcomes_superseded: set[str] = set()
         self._excused_winners: set[str] = set()
         self._policy_codes = _BoundedCounter()
+        # Cost: tokens of every record read (failed and superseded ones too) and the wall time
+        # with an episode in flight; prices from the manifest.
+        self._tokens_all: dict[str, int] = {}
+        self._active = ActiveTime()
+        self._pricing, self._pricing_note = read_pricing(execution)
 
     # ------------------------------------------------------------------ input
 
@@ -643,9 +672,11 @@ class SummaryAccumulator:
             return
         self._records += 1
         self._note_span(record)
+        self._active.add_times(record.started_at, record.ended_at)
         tasks = self._tasks
         final = record.final
         if not record.completed or final is None:
+            self._add_spent_tokens(record)
             self._errors.add((record.error.type if record.error is not None else None) or "unknown")
             failure_class = record.failure_class
             self._failure_classes.add(failure_class or "unknown")
@@ -711,6 +742,7 @@ class SummaryAccumulator:
         self._invalid_actions += facts.invalid_action
         for key, count in facts.tokens.items():
             self._tokens[key] = self._tokens.get(key, 0) + count
+            self._tokens_all[key] = self._tokens_all.get(key, 0) + count
         if facts.latency_ms is not None:
             self._step_latency.add(facts.latency_ms)
         if facts.retries:
@@ -726,8 +758,33 @@ class SummaryAccumulator:
         if self._in_plan(record):
             self._superseded += 1
             self._note_span(record)
+            self._active.add_times(record.started_at, record.ended_at)
+            self._add_spent_tokens(record)
             if record.failed_as_outcome:
                 self._outcomes_superseded.add(record.episode_id)
+
+    def note_duplicate(self, record: EpisodeTrace) -> None:
+        """Count a further completed record of an episode that already has one (a replaced pod
+        ran it again): only what it spent, its tokens and its time, never its outcome."""
+        if self._in_plan(record):
+            self._active.add_times(record.started_at, record.ended_at)
+            self._add_spent_tokens(record)
+
+    def _add_spent_tokens(self, record: EpisodeTrace) -> None:
+        """The tokens of a record that is not a counted completed episode (those count theirs
+        step by step in ``_add_step``)."""
+        for step in record.steps:
+            usage = step.model.usage
+            if usage is None:
+                continue
+            for key, count in (
+                ("prompt_tokens", usage.prompt_tokens),
+                ("completion_tokens", usage.completion_tokens),
+                ("total_tokens", usage.total_tokens),
+                ("reasoning_tokens", usage.reasoning_tokens),
+            ):
+                if count is not None:
+                    self._tokens_all[key] = self._tokens_all.get(key, 0) + count
 
     # ------------------------------------------------------------------ output
 
@@ -765,11 +822,18 @@ class SummaryAccumulator:
         }
 
         steps = self._steps
-        span_hours = None
+        span_hours = span_seconds = None
         if self._first_start is not None and self._last_end is not None:
-            seconds = (self._last_end - self._first_start).total_seconds()
-            span_hours = seconds / 3600.0 if seconds > 0 else None
+            span_seconds = (self._last_end - self._first_start).total_seconds()
+            span_hours = span_seconds / 3600.0 if span_seconds > 0 else None
         latency = self._step_latency
+        active_seconds = self._active.seconds()
+        spent = {key: self._tokens_all[key] for key in (*_TOKEN_KEYS, "reasoning_tokens") if key in self._tokens_all}
+        cost = cost_block(spent, active_seconds, self._pricing, self._pricing_note)
+        if self._active.bridged_over_limit_s:
+            cost["notes"].append(
+                f"active time includes {self._active.bridged_over_limit_s:.0f} s of pauses joined to keep its span list bounded"
+            )
 
         return {
             "schema_version": SUMMARY_SCHEMA_VERSION,
@@ -836,6 +900,7 @@ class SummaryAccumulator:
             "cost": {
                 "duration_ms_mean": self._episode_ms.stats.mean(),
                 "tokens": {key: self._tokens[key] for key in (*_TOKEN_KEYS, "reasoning_tokens") if key in self._tokens},
+                **cost,
             },
             "errors": self._errors.as_dict(),
             "latency": {
@@ -850,6 +915,8 @@ class SummaryAccumulator:
             },
             "throughput": {
                 "episodes_per_hour": _finite(completed / span_hours) if span_hours else None,
+                "span_seconds": span_seconds,
+                "active_seconds": active_seconds,
             },
             "failure_classes": self._failure_classes.as_dict(),
         }
@@ -985,11 +1052,20 @@ _TABLE_ROWS = (
     ),
     ("cost", "episode mean {cost.duration_ms_mean:.0f} ms · tokens {cost.tokens:kv}"),
     (
+        "spent",
+        "tokens (every attempt) {cost.tokens_all_attempts:kv} · accelerator hours {cost.accelerator_hours:.4f}"
+        " · money {cost.money:money}",
+    ),
+    (
         "retries",
         "model calls {retries.model_calls_retried} (+{retries.model_retry_attempts} attempts)"
         " · episodes {retries.episodes_retried} · superseded {retries.superseded_attempts}",
     ),
-    ("throughput", "{throughput.episodes_per_hour:.1f} episodes/h"),
+    (
+        "throughput",
+        "{throughput.episodes_per_hour:.1f} episodes/h · active {throughput.active_seconds:.1f} s"
+        " of {throughput.span_seconds:.1f} s from first start to last end",
+    ),
     ("errors", "{errors:kv}"),
     ("failures", "{failure_classes:kv}"),
 )
@@ -1017,6 +1093,8 @@ class _TableFormatter(string.Formatter):
                 return "–"
             inner = format_spec[2:]
             return f"[{self.format_field(value[0], inner)}, {self.format_field(value[1], inner)}]"
+        if format_spec == "money":
+            return format_money(value)
         if format_spec == "kv":
             if not isinstance(value, Mapping) or not value:
                 return "–"
@@ -1043,6 +1121,22 @@ class _TableFormatter(string.Formatter):
         return format(value, format_spec or ".4f")
 
 
+def format_money(money: Any) -> str:
+    """A summary's ``cost.money``: the total with its currency, then each priced item; a dash
+    without prices, ``unknown`` where a priced amount could not be computed."""
+    if not isinstance(money, Mapping):
+        return "–"
+    currency = str(money.get("currency") or "")
+
+    def amount(value: Any) -> str:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "unknown"
+        return f"{value:.2f}" if abs(value) >= 1 else f"{value:.4f}"  # cents hide a small run's cost
+
+    items = [f"{key.removesuffix('_tokens')} {amount(value)}" for key, value in money.items() if key not in ("currency", "total")]
+    return f"{amount(money.get('total'))} {currency}".strip() + (f" ({', '.join(items)})" if items else "")
+
+
 def format_summary_table(summary: Mapping[str, Any]) -> str:
     """A compact plain-text table of a summary (v2 summaries without the v3 keys work too)."""
     formatter = _TableFormatter()
@@ -1052,6 +1146,10 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
     notes = summary.get("intervals", {}).get("notes") if isinstance(summary.get("intervals"), Mapping) else None
     if isinstance(notes, Mapping):
         lines += [f"{'note'.ljust(width)}  {name} interval: {text}" for name, text in notes.items()]
+    cost = summary.get("cost")
+    cost_notes = cost.get("notes") if isinstance(cost, Mapping) else None
+    if isinstance(cost_notes, list):
+        lines += [f"{'note'.ljust(width)}  cost: {text}" for text in cost_notes]
     per_task = summary.get("per_task")
     pass_notes = per_task.get("pass_k_notes") if isinstance(per_task, Mapping) else None
     if isinstance(pass_notes, Mapping):

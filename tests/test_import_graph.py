@@ -26,6 +26,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.cli.env",
         "shopsimrl.cli.errors",
         "shopsimrl.cli.run",
+        "shopsimrl.cli.runs",
         "shopsimrl.cli.shards",
         "shopsimrl.cli.status",
         "shopsimrl.cli.training",
@@ -102,6 +103,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.runner.local_job",
         "shopsimrl.runner.progress",
         "shopsimrl.runner.reduce",
+        "shopsimrl.runner.runs",
         "shopsimrl.runner.scheduler",
         "shopsimrl.runner.status",
         "shopsimrl.runner.worker",
@@ -131,6 +133,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "records": (
         "shopsimrl",
         "shopsimrl.config",
+        "shopsimrl.cost",
         "shopsimrl.eventloop",
         "shopsimrl.exitcodes",
         "shopsimrl.logs",

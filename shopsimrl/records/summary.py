@@ -3,20 +3,26 @@
 v3 is the earlier implementation's v2 key set plus intervals, intent to treat, latency
 percentiles, retry statistics and the run's identity; a v2 summary of the earlier implementation
 is read through the same model (the v3 blocks are then empty).
+
+Later additions inside v3's open blocks (``cost.tokens_all_attempts``, ``cost.pricing``,
+``cost.accelerator_hours``, ``cost.money``, ``throughput.active_seconds`` and
+``throughput.span_seconds``) keep the version: every reader of v3 reads them (the blocks took any
+keys from the start), and a summary written before them reads them as absent.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field
+from pydantic import Field, PlainValidator
 
-from shopsimrl.records._base import FlexStr, Record
+from shopsimrl.records._base import FlexStr, Number, Object, OptObject, Record
 
 __all__ = [
     "SUMMARY_SCHEMA_VERSION",
     "SUMMARY_SCHEMA_VERSIONS",
     "Behavior",
+    "Cost",
     "Counts",
     "EvalSummary",
     "IntentToTreat",
@@ -28,6 +34,14 @@ __all__ = [
 
 SUMMARY_SCHEMA_VERSION: Final = "shopsimrl-eval-summary-v3"
 SUMMARY_SCHEMA_VERSIONS = ("shopsimrl-eval-summary-v2", SUMMARY_SCHEMA_VERSION)
+
+
+def _texts(value: Any) -> list[str]:
+    return [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
+
+
+Texts = Annotated[list[str], PlainValidator(_texts, json_schema_input_type=list[str])]
+"""A list of strings (anything else in it dropped; [] for anything that is not a list)."""
 
 Interval = list[float] | None
 """``[low, high]``, or None where there is no interval (a note says why)."""
@@ -116,6 +130,26 @@ class Behavior(Record):
     termination_reasons: dict[str, int] = Field(default_factory=dict)
 
 
+class Cost(Record):
+    """What the run spent (docs/runtime_eval.md §5, "Cost"); the keys after ``tokens`` are absent
+    from summaries written before them."""
+
+    duration_ms_mean: Number = None
+    tokens: Object = Field(default_factory=dict)
+    """Summed ``usage`` tokens of completed episodes (the reference's key)."""
+    tokens_all_attempts: Object = Field(default_factory=dict)
+    """Summed ``usage`` tokens of every record: failed episodes, superseded attempts, duplicates."""
+    pricing: OptObject = None
+    """The prices used (the manifest's ``execution.cost``), null without any."""
+    accelerator_hours: Number = None
+    """Active wall hours × accelerators × the model server's share; null without ``accelerators``."""
+    money: OptObject = None
+    """``currency``, an amount per priced item (``prompt_tokens``, ``completion_tokens``,
+    ``accelerator``) and ``total`` (null when a priced item is unknown); null without prices."""
+    notes: Texts = Field(default_factory=list)
+    """Why an amount is unknown or approximate."""
+
+
 class RunIdentity(Record):
     """Which run the numbers belong to (no credentials in ``uri``)."""
 
@@ -141,8 +175,7 @@ class EvalSummary(Record):
     per_task: PerTask = Field(default_factory=PerTask)
     reward_components: dict[str, float | None] = Field(default_factory=dict)
     behavior: Behavior = Field(default_factory=Behavior)
-    cost: dict[str, Any] = Field(default_factory=dict)
-    """``duration_ms_mean`` and summed ``tokens``."""
+    cost: Cost = Field(default_factory=Cost)
     errors: dict[str, int] = Field(default_factory=dict)
     latency: dict[str, Any] = Field(default_factory=dict)
     """``model_step_ms.{p50,p95,mean,count}``, ``episode_ms.{p50,p95}``."""

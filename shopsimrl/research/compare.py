@@ -110,10 +110,22 @@ def load_run(location: str) -> LoadedRun:
     """Open and read a run (raises :class:`shopsimrl.storage.reading.RunReadError`)."""
     run: Run = open_run(location)
     jobs = run.jobs
-    accumulator = SummaryAccumulator(requested_episode_ids=[job.episode_id for job in jobs] if jobs is not None else None)
+    accumulator = SummaryAccumulator(
+        requested_episode_ids=[job.episode_id for job in jobs] if jobs is not None else None,
+        execution=run.manifest.execution if run.manifest is not None else None,
+    )
     rows: dict[str, dict[str, Any]] = {}
     labelled: dict[str, dict[str, Any]] = {}
-    for record in run.records():
+    # Every record, as summary.json counts them: the winners make the rows; the others add what
+    # they spent (tokens, time). A completed record that does not win is a duplicate, which the
+    # reducer counts apart from superseded attempts (a local run's summary does not).
+    for is_winner, record in run.all_records():
+        if not is_winner:
+            if run.kind == "sharded" and record.completed:
+                accumulator.note_duplicate(record)
+            else:
+                accumulator.note_superseded_attempt(record)
+            continue
         accumulator.add(record)
         row, labels = _slim(record)
         rows[row["episode_id"]] = row

@@ -31,6 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from shopsimrl.manifest import flatten
+from shopsimrl.metrics import format_money
 from shopsimrl.research.compare import (
     MIN_SLICE_PAIRS,
     NO_SPREAD_FOOTNOTE,
@@ -492,11 +493,48 @@ def _runs_section(runs: Sequence[LoadedRun], labels: list[str]) -> str:
         "a failed one counting 0 (infrastructure failures excused). The completed-only means are conditional on "
         "completing: a run that fails on hard tasks looks better there.</p>"
         + headline
+        + _cost_table(runs, labels)
         + _labels_table(runs, labels)
         + "<details><summary>Plan of each run (differing keys highlighted)</summary>"
         + plan_note
         + plan
         + "</details></section>"
+    )
+
+
+def _cost_table(runs: Sequence[LoadedRun], labels: list[str]) -> str:
+    """Tokens spent, wall time and money per run: what each run cost, apart from how it scored."""
+    rows = []
+    for run, label in zip(runs, labels, strict=True):
+        cost, throughput = run.summary["cost"], run.summary["throughput"]
+        spent = cost.get("tokens_all_attempts") or {}
+        active, span = throughput.get("active_seconds"), throughput.get("span_seconds")
+        hours = cost.get("accelerator_hours")
+        rows.append(
+            [
+                _e(label),
+                _e(spent.get("prompt_tokens")),
+                _e(spent.get("completion_tokens")),
+                _e("–" if active is None else f"{active / 3600:.2f} h"),
+                _e("–" if span is None else f"{span / 3600:.2f} h"),
+                _e("–" if hours is None else f"{hours:.3f}"),
+                _e(format_money(cost.get("money"))),
+            ]
+        )
+    notes = [
+        f"{label}: {note}" for run, label in zip(runs, labels, strict=True) for note in run.summary["cost"].get("notes") or []
+    ]
+    return (
+        "<h3>Cost and time</h3>"
+        + '<p class="note">Tokens over every attempt (failed and superseded ones too), as the model server reported them. '
+        "Active: wall time with an episode in flight (pauses up to a minute bridged); span: first start to last end. "
+        "Accelerator hours: active hours × accelerators × the model server's share; money from the prices recorded "
+        "in the run's manifest (<code>cost:</code> in its config); a dash where none were set.</p>"
+        + _html_table(
+            ["run", "prompt tokens", "completion tokens", "active", "span", "accelerator hours", "money"],
+            rows,
+        )
+        + "".join(f'<p class="note">{_e(note)}</p>' for note in notes)
     )
 
 

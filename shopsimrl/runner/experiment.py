@@ -135,8 +135,10 @@ class PreparedExperiment:
 
     def execution(self) -> dict[str, Any]:
         """Settings recorded for the audit trail but never fingerprinted; ``overrides``: the values
-        that replaced the YAML's (command line, ``SHOPSIMRL_*``), when there are any."""
+        that replaced the YAML's (command line, ``SHOPSIMRL_*``), when there are any; ``cost``, the
+        prices every summary of the run is priced with (only when the config has a ``cost:`` block)."""
         overrides = [override.as_record() for override in self.config.overrides]
+        prices = {} if self.config.cost is None else {"cost": self.config.cost.model_dump()}
         return {
             "concurrency": self.config.experiment.concurrency,
             "model_base_url": redact_uri(self.model_settings.base_url),
@@ -146,6 +148,7 @@ class PreparedExperiment:
             "environment_timeout_s": self.environment_settings.timeout,
             "max_episode_retries": self.config.runtime.max_episode_retries,
             **({"overrides": overrides} if overrides else {}),
+            **prices,
         }
 
 

@@ -18,7 +18,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from shopsimrl import eventloop
+from shopsimrl.cost import unapplied_prices
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, run_identity
 from shopsimrl.metrics import SummaryAccumulator
@@ -33,6 +36,8 @@ if TYPE_CHECKING:
     from shopsimrl.runner.scheduler import Evaluator
 
 __all__ = ["RunStopped", "run_local", "summarize_local"]
+
+log = structlog.get_logger("shopsimrl.runner.local")
 
 
 class RunStopped(Exception):
@@ -74,6 +79,8 @@ def run_local(
             if not config.experiment.resume and store.read_manifest() is not None:
                 raise RunStopped(ExitCode.BAD_INPUT, f"{config.run_dir} already holds a run and experiment.resume is false")
             manifest = store.freeze_plan(prepared.plan(), prepared.execution())
+            if (unapplied := unapplied_prices(manifest.execution, prepared.execution())) is not None:
+                log.warning("prices_not_applied", detail=unapplied)
         except FingerprintMismatchError as exc:
             raise RunStopped(ExitCode.FINGERPRINT_MISMATCH, str(exc)) from None
         except ManifestError as exc:
@@ -193,7 +200,9 @@ def summarize_local(
     """The summary of the run directory's winning records, written to summary.json (raises
     :class:`RunWriteError` when it cannot be written)."""
     accumulator = SummaryAccumulator(
-        requested_episode_ids=set(requested_ids) if requested_ids is not None else None, requested=requested
+        requested_episode_ids=set(requested_ids) if requested_ids is not None else None,
+        requested=requested,
+        execution=manifest.execution if manifest is not None else None,
     )
     index = store.load_index()
     for is_winner, record in store.iter_records(index):

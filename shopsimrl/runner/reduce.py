@@ -74,6 +74,7 @@ def _tally(
             if offer.verdict is Verdict.DUPLICATE:
                 result.duplicates += 1
                 rerun.add(episode_id)
+                accumulator.note_duplicate(record)
             elif offer.verdict is Verdict.COMPLETED:
                 accumulator.add(record)
                 result.completed += 1
@@ -133,7 +134,7 @@ def reduce_run(
     ``missing_why``: what the scheduler knows about a shard, put before what the store shows)."""
     plan = load_frozen_plan(store)
     plan_fp, shard_map = plan.fingerprint, plan.shard_map
-    accumulator = SummaryAccumulator(requested=shard_map.jobs)
+    accumulator = SummaryAccumulator(requested=shard_map.jobs, execution=plan.execution())
     not_in_plan_sample: list[str] = []
     results = [
         _reduce_shard(store, i, shard_map, plan_fp, accumulator, not_in_plan_sample, include_uncommitted)

@@ -24,7 +24,7 @@ from shopsimrl.schemas import episode_id_for
 from shopsimrl.storage.local import LocalRunStore
 from shopsimrl.storage.sharded import ShardedRunStore, ShardListing, load_frozen_plan
 
-__all__ = ["is_local_run", "lease_status", "local_status", "shard_status"]
+__all__ = ["is_local_run", "lease_status", "local_status", "progress_view", "shard_status"]
 
 
 _STALE_BEATS = 3
@@ -188,7 +188,7 @@ def local_status(run_dir: str | Path, *, now: datetime | None = None) -> dict[st
     }
     progress = read_progress_file(store.progress_path)
     if progress is not None and progress.get("plan_fingerprint") == fingerprint:
-        report.update(_progress_view(progress, now))
+        report.update(progress_view(progress, now))
     else:
         report.update(_traces_view(store, manifest))
     journals = read_journals(DirectoryJournalStorage(store.run_dir / "leases"))
@@ -200,7 +200,8 @@ def local_status(run_dir: str | Path, *, now: datetime | None = None) -> dict[st
     return report
 
 
-def _progress_view(progress: dict[str, Any], now: datetime) -> dict[str, Any]:
+def progress_view(progress: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """A local run's state and counts from its ``progress.json`` (whether its process still runs)."""
     state = str(progress.get("state") or "running")
     age = _age_seconds(progress.get("updated_at"), now)
     interval = progress.get("heartbeat_seconds")

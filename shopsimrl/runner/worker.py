@@ -28,6 +28,7 @@ import structlog
 
 from shopsimrl import eventloop
 from shopsimrl.config import ConfigError, ConfigOverride, WorkerSettings, load_experiment_config
+from shopsimrl.cost import unapplied_prices
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.records import EpisodeTrace, RunManifest
@@ -100,6 +101,8 @@ def plan_run(prepared: Any, store: ShardedRunStore, shards: int | None) -> tuple
     plan = prepared.plan()
     execution = {**prepared.execution(), "run": store.display_uri}
     manifest = store.freeze_plan(plan, execution)
+    if (unapplied := unapplied_prices(manifest.execution, execution)) is not None:
+        log.warning("prices_not_applied", detail=unapplied)
     if shards is None:
         shard_map = store.read_shard_map()
         if shard_map is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import errno
 import itertools
 import json
@@ -31,7 +32,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import orjson
@@ -422,6 +423,20 @@ class ObjectStore:
 
         return self._call(f"read {rel} in", read)
 
+    def read_head(self, rel: str, size: int) -> bytes | None:
+        """The object's first ``size`` bytes (one ranged GET on S3), or None when it does not exist."""
+        path = self.path(rel)
+
+        def read() -> bytes | None:
+            try:
+                return bytes(self.fs.cat_file(path, start=0, end=size))
+            except FileNotFoundError as exc:
+                if (missing := self._missing_bucket(exc)) is not None:
+                    raise missing from exc
+                return None
+
+        return self._call(f"read {rel} in", read)
+
     def read_many(self, rels: Iterable[str]) -> Iterator[tuple[str, bytes | None]]:
         """``(rel, read_bytes(rel))`` for each object, in the order given, fetched up to
         :attr:`read_concurrency` at a time.
@@ -479,6 +494,38 @@ class ObjectStore:
             return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") != "directory")
 
         return self._call(f"list {rel} in", ls)
+
+    def list_entries(self, rel: str = "") -> tuple[list[str], list[str]]:
+        """Base names of the objects and of the folders (common prefixes) directly under ``rel``,
+        each sorted; both empty when it does not exist. One listing request on S3."""
+        path = self.path(rel) if rel else self.root
+
+        def ls() -> tuple[list[str], list[str]]:
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError as exc:
+                if (missing := self._missing_bucket(exc)) is not None:
+                    raise missing from exc
+                return [], []
+            files: list[str] = []
+            folders: list[str] = []
+            for entry in entries:
+                name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+                if entry["name"].rstrip("/") == path.rstrip("/"):
+                    continue  # some stores list the folder itself
+                (folders if entry.get("type") == "directory" else files).append(name)
+            return sorted(files), sorted(folders)
+
+        return self._call(f"list {rel or 'the top of'} in", ls)
+
+    def beneath(self, rel: str) -> Self:
+        """The same kind of store at ``rel`` under this one, sharing its file system (and so its
+        connections): no new S3 client per run when many are read."""
+        store = copy.copy(self)
+        store.uri = f"{self.uri}/{rel}"
+        store.display_uri = redact_uri(store.uri)
+        store.root = self.path(rel)
+        return store
 
     def create(self, rel: str, data: bytes, *, read_back: bool = True) -> bool:
         """Write ``data`` unless the object exists. True: written (or an identical copy was

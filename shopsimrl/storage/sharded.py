@@ -720,6 +720,19 @@ class FrozenPlan:
     shard_map: ShardMap
     identity: RunManifest | dict[str, Any]
     """The manifest, or its head (what the summary's ``run`` block needs)."""
+    manifest_data: bytes = field(default=b"", repr=False)
+
+    def execution(self) -> dict[str, Any]:
+        """The manifest's ``execution`` block (the prices the summary uses), {} without one.
+        Parsed on demand: it follows the job list, which the fast path above never parses."""
+        if isinstance(self.identity, RunManifest):
+            return dict(self.identity.execution)
+        try:
+            document = orjson.loads(self.manifest_data)
+        except orjson.JSONDecodeError:
+            return {}
+        execution = document.get("execution") if isinstance(document, dict) else None
+        return execution if isinstance(execution, dict) else {}
 
 
 def load_frozen_plan(store: ShardedRunStore) -> FrozenPlan:
@@ -744,7 +757,7 @@ def load_frozen_plan(store: ShardedRunStore) -> FrozenPlan:
         and head.get("plan_fingerprint") == shard_map.plan_fingerprint
         and shard_map.matches_frozen_plan(sha256_hex(data))
     ):
-        return FrozenPlan(shard_map.plan_fingerprint, shard_map, head)
+        return FrozenPlan(shard_map.plan_fingerprint, shard_map, head, data)
     manifest = store.parse_manifest(data)
     plan_fp = manifest.plan_fingerprint
     try:
@@ -752,7 +765,7 @@ def load_frozen_plan(store: ShardedRunStore) -> FrozenPlan:
     except TraceFormatError as exc:
         raise ManifestError(f"{store.display_uri}/manifest.json: {exc}") from None
     check_shard_map(shard_map, jobs, plan_fp, store.display_uri)
-    return FrozenPlan(plan_fp, shard_map, head or manifest)
+    return FrozenPlan(plan_fp, shard_map, head or manifest, data)
 
 
 # --------------------------------------------------------------------------- committed output

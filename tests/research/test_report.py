@@ -83,7 +83,12 @@ def test_a_checkpoint_sweep_report_renders_every_plot(
     browser.execute_script("arguments[0].scrollIntoView()", forest)
     screenshot(browser, "report-sweep-forest")
     # The paired table shows the naive run's loss, with its interval, as compare prints it.
-    table = browser.find_elements("css selector", "section table")[4].text  # after identity, headline, labels, plan
+    tables = browser.find_elements("css selector", "section table")
+    # What each run spent, apart from its score: tokens of every attempt and its active time.
+    cost = tables[2].text.splitlines()
+    assert cost[0].startswith("run prompt tokens completion tokens active span"), cost
+    assert all(re.match(r"^[ABC]: research \d+ \d+ \d+\.\d\d h \d+\.\d\d h – –$", row) for row in cost[1:]), cost
+    table = tables[5].text  # after identity, headline, cost, labels, plan
     assert re.search(r"^reward \(ITT\) 24 0\.\d{3} 0\.\d{3} -0\.\d{3} \[-0\.\d{3}, -0\.\d{3}\]", table.splitlines()[1]), table
 
 

@@ -85,12 +85,20 @@ class FaultProxy:
     transferred: Counter[tuple[str, str]] = field(default_factory=Counter)
     """Body bytes per (method, object key) of the requests forwarded and answered: what a PUT
     sent, what a GET read (a listing's key is its bucket with ``?list``)."""
-    forwarded: Counter[str] = field(default_factory=Counter)
-    """Requests forwarded and answered, per method."""
+    requests: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """Requests per (method, object key) forwarded and answered, keyed as ``transferred``."""
 
     hold: str | None = None
     """While set: hold every request whose path matches this pattern (see ``held``)."""
     held: list[HeldRequest] = field(default_factory=list)
+
+    @property
+    def forwarded(self) -> Counter[str]:
+        """Requests forwarded and answered, per method."""
+        counts: Counter[str] = Counter()
+        for (method, _key), count in self.requests.items():
+            counts[method] += count
+        return counts
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.plan.seed)
@@ -229,7 +237,7 @@ class FaultProxy:
                         out.append(key + b": " + value)
                 key = target.split("?", 1)[0].lstrip("/") + ("?list" if "list-type=" in target or target.endswith("?") else "")
                 self.transferred[(method, key)] += len(body) if method == "PUT" else len(payload) if method == "GET" else 0
-                self.forwarded[method] += 1
+                self.requests[(method, key)] += 1
                 length = response.headers.get("content-length") if method == "HEAD" else str(len(payload))
                 if length is not None:
                     out.append(f"Content-Length: {length}".encode())
