@@ -142,7 +142,7 @@ def main() -> None:
             print(f"  open_run read {count} records back in {seconds:.2f} s")
 
             proxy.transferred.clear()
-            proxy.forwarded.clear()
+            proxy.requests.clear()
             wall, waits = asyncio.run(
                 _round(_config(directory, shop, "s3://bench/runs", args.concurrency), model, args.rollouts, args.per_group)
             )
