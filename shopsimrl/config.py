@@ -327,8 +327,7 @@ class ExperimentConfig(_Strict):
         return self.source_path.parent if self.source_path else Path.cwd()
 
     def resolve(self, value: str) -> Path:
-        path = Path(os.path.expanduser(value))
-        return path if path.is_absolute() else (self.base_dir / path).resolve()
+        return resolve_path(self.base_dir, value)
 
     @property
     def name(self) -> str:
@@ -594,6 +593,12 @@ def _load_dotenv(path: Path) -> None:
         values[binding.key] = binding.value
     for key, value in values.items():
         os.environ.setdefault(key, value)
+
+
+def resolve_path(base_dir: Path, value: str) -> Path:
+    """A path from a config file: ``~`` expanded, relative to the file's directory (``base_dir``)."""
+    path = Path(os.path.expanduser(value))
+    return path if path.is_absolute() else (base_dir / path).resolve()
 
 
 def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:

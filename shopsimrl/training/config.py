@@ -60,6 +60,7 @@ from shopsimrl.config import (
     _check_service_url,
     format_validation_error,
     read_yaml_mapping,
+    resolve_path,
     safe_name,
 )
 from shopsimrl.schemas import redact_uri
@@ -185,8 +186,7 @@ class TrainingConfig(_Strict):
         return self.source_path.parent if self.source_path else Path.cwd()
 
     def resolve(self, value: str) -> Path:
-        path = Path(os.path.expanduser(value))
-        return path if path.is_absolute() else (self.base_dir / path).resolve()
+        return resolve_path(self.base_dir, value)
 
     @property
     def name(self) -> str:
