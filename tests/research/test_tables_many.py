@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -27,7 +28,9 @@ from shopsimrl.research.outputs import OutputError
 from shopsimrl.runner.runs import list_runs
 from shopsimrl.storage.reading import Run, RunReadError, open_run
 from tests.run_index_fixtures import legacy_run, local_run, plan, sharded_run
+from tests.sharded.conftest import cli
 
+from .conftest import ResearchRuns, run_location
 from .synthetic import sharded_copy
 
 RUN_COLUMNS = ["run_location", "run_experiment", "run_model", "run_checkpoint", "run_fingerprint", "run_split"]
@@ -353,3 +356,32 @@ def test_export_table_strict_exits_2_naming_the_run(sweep: Path, tmp_path: Path)
     assert result.exit_code == 2, result.output
     assert f"{sweep / 'broken'} holds no traces.jsonl" in result.stderr and "Traceback" not in result.output
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- testbed runs
+
+
+@pytest.mark.slow
+def test_testbed_runs_local_and_on_s3_as_one_table_through_the_command(
+    research_runs: ResearchRuns, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The same plan run by the real CLI against the testbed, locally and as 4 shards on moto: one
+    table of both, told apart by location only (same plan, same fingerprint), written by the
+    command in a subprocess."""
+    location, env = run_location(research_runs, "sharded")
+    out = tmp_path / "steps.parquet"
+    done = cli(
+        "export", "table", str(research_runs.local), location, "--to", "parquet", "--level", "steps", "-o", str(out), env=env
+    )
+    assert done.returncode == 0, done.stderr
+    back = pq.read_table(out)
+    expected = {str(research_runs.local): analysis.steps_table(research_runs.local), location: analysis.steps_table(location)}
+    assert done.stdout.strip() == f"wrote {sum(t.num_rows for t in expected.values())} step rows of 2 runs to {out}"
+    for where, alone in expected.items():
+        mine = back.filter(pc.equal(back.column("run_location"), where))
+        assert mine.select(alone.column_names).equals(alone) and alone.num_rows > research_runs.episodes
+    runs = json.loads(pq.read_metadata(out).metadata[b"shopsimrl.runs"])
+    assert [(run["location"], run["kind"]) for run in runs] == [(str(research_runs.local), "local"), (location, "sharded")]
+    assert runs[0]["fingerprint"] == runs[1]["fingerprint"] == open_run(research_runs.local).identity["plan_fingerprint"]
+    assert len(set(back.column("run_fingerprint").to_pylist())) == 1 and None not in back.column("run_model").to_pylist()
+    assert research_runs.env["AWS_SECRET_ACCESS_KEY"].encode() not in out.read_bytes()
