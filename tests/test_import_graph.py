@@ -64,6 +64,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.paired_stats",
         "shopsimrl.research.redaction",
         "shopsimrl.research.report",
+        "shopsimrl.research.runset",
         "shopsimrl.research.tables",
         "shopsimrl.research.training",
         "shopsimrl.research.transcript",

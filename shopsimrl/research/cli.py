@@ -565,18 +565,47 @@ class TableLevel(StrEnum):
 
 @export_app.command("table")
 def export_table(
-    run_location: str = RUN_ARGUMENT,
+    run_locations: list[str] = typer.Argument(
+        ...,
+        metavar="RUN_OR_LOCATION...",
+        help="A run (a local run directory, a sharded run, v4 traces), or a folder or s3:// prefix holding runs "
+        "(found as `shopsimrl runs` finds them); several: one table, each row with its run's identity columns.",
+    ),
     to: TableFormat = typer.Option(..., "--to", help="File format."),
     level: TableLevel = typer.Option(TableLevel.episodes, "--level", help="One row per episode, or one per step (model call)."),
     output: Path = typer.Option(..., "-o", "--output", help="The file to write (replaced whole at the end)."),
+    identity: bool = typer.Option(
+        False, "--identity", help="Add the run's identity columns (run_location, run_experiment, …) to a single run's rows too."
+    ),
+    strict: bool = typer.Option(
+        False,
+        "--strict",
+        help="Several runs: fail (exit 2) on a run that cannot be read, instead of leaving it out with a warning.",
+    ),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
-    """Write a run's episodes or steps as Parquet or CSV, streamed in row batches."""
+    """Write a run's episodes or steps as Parquet or CSV, streamed in row batches; or those of
+    several runs (a location holding runs, or several runs given) as one table whose rows carry
+    their run's identity. A Parquet file lists the runs in its key/value metadata (shopsimrl.runs)."""
     tables = import_part("shopsimrl.research.tables", "research")
-    from shopsimrl.storage.reading import open_run
+    from shopsimrl.research.runset import RunSet, SkippedRun, resolve
 
     setup_logging(quiet, verbose)
+    source = resolve(run_locations[0] if len(run_locations) == 1 else run_locations)
+    skipped: list[SkippedRun] = []
+
+    def warn(run: SkippedRun) -> None:
+        skipped.append(run)
+        typer.echo(f"warning: left out a run that cannot be read: {run.error}", err=True)
+
     with _output("-o/--output:"):
-        rows = tables.export_table(open_run(run_location), output, to=to.value, level=level.value)
-    typer.echo(f"wrote {rows} {level.value[:-1]} rows to {output}")
+        rows = tables.export_table(
+            source, output, to=to.value, level=level.value, identity=identity or None, strict=strict, on_skip=warn
+        )
+    if isinstance(source, RunSet):
+        read = len(source) - len(skipped)
+        left_out = f" ({len(skipped)} left out: see the warnings)" if skipped else ""
+        typer.echo(f"wrote {rows} {level.value[:-1]} rows of {read} runs to {output}{left_out}")
+    else:
+        typer.echo(f"wrote {rows} {level.value[:-1]} rows to {output}")

@@ -5,17 +5,25 @@ Episodes: one row per episode, :func:`shopsimrl.research.episodes.episode_row` t
 components (``r_*``) after the fixed columns. Steps: one row per model call (:data:`STEP_SCHEMA`),
 read with the summary's own step reading (:func:`shopsimrl.metrics.step_facts`).
 
+Many runs (:mod:`shopsimrl.research.runset`): every reader also takes a location holding several
+runs, a list of runs or a :class:`~shopsimrl.research.runset.RunSet`; each row then starts with
+its run's identity columns (:data:`~shopsimrl.research.runset.RUN_COLUMNS`). A single run's
+tables keep their columns (``identity=True`` adds the run's). Every table's schema metadata, and
+every Parquet export's key/value metadata, lists the runs read (``shopsimrl.runs``) and those
+left out (``shopsimrl.skipped_runs``).
+
 Memory: records stream from the run (:meth:`Run.records`) and become Arrow row batches of
 ``batch_rows`` rows. A steps export writes each batch as it is full, so it never holds the steps
-table; the episodes table (a few MB for 40,000 episodes) is written once it is complete, because
-which ``r_*`` columns it has is known only then.
+table, and over many runs holds one run's reader at a time; the episodes table (a few MB for
+40,000 episodes) is written once it is complete, because which ``r_*`` columns it has is known
+only then.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -30,8 +38,20 @@ from shopsimrl.metrics import step_facts
 from shopsimrl.records import CodedMessage, EpisodeTrace, ToolCallRecord
 from shopsimrl.research.episodes import episode_row
 from shopsimrl.research.outputs import OutputError, check_output_location, replacing
+from shopsimrl.research.runset import (
+    RUN_COLUMNS,
+    RunIdentity,
+    RunSet,
+    RunsLike,
+    SkippedRun,
+    Skips,
+    metadata,
+    open_member,
+    resolve,
+    runs_metadata,
+)
 from shopsimrl.schemas import escape_lone_surrogates
-from shopsimrl.storage.reading import Run, open_run
+from shopsimrl.storage.reading import Run, RunReadError
 
 __all__ = [
     "EPISODE_TYPES",
@@ -130,10 +150,32 @@ ExportError = OutputError
 
 
 RunLike = Run | str | Path
+"""One run: opened, or its location."""
+OnSkip = Callable[[SkippedRun], None] | None
 
 
-def _opened(run: RunLike) -> Run:
-    return run if isinstance(run, Run) else open_run(run)
+def _identity_wanted(identity: bool | None) -> None:
+    """A multi-run read: its rows need their run's columns to be told apart."""
+    if identity is False:
+        raise ValueError("identity=False: the rows of several runs need their run's identity columns")
+
+
+def _run_arrays(identity: RunIdentity, rows: int) -> list[pa.Array]:
+    return [
+        pa.nulls(rows, pa.string()) if value is None else pa.repeat(pa.scalar(value, pa.string()), rows)
+        for value in identity.columns().values()
+    ]
+
+
+def _identified(table: pa.Table, identity: RunIdentity) -> pa.Table:
+    """``table`` with the run's identity columns first."""
+    schema = pa.schema([*RUN_COLUMNS, *table.schema])
+    return pa.Table.from_arrays([*_run_arrays(identity, table.num_rows), *table.columns], schema=schema)
+
+
+def _identified_batch(batch: pa.RecordBatch, identity: RunIdentity) -> pa.RecordBatch:
+    schema = pa.schema([*RUN_COLUMNS, *batch.schema])
+    return pa.RecordBatch.from_arrays([*_run_arrays(identity, batch.num_rows), *batch.columns], schema=schema)
 
 
 # --------------------------------------------------------------------------- value coercion
@@ -212,11 +254,47 @@ def _episode_batch(rows: list[_Compact]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
-def episodes_table(run: RunLike, *, batch_rows: int = BATCH_ROWS) -> pa.Table:
+def episodes_table(
+    runs: RunsLike,
+    *,
+    batch_rows: int = BATCH_ROWS,
+    identity: bool | None = None,
+    strict: bool = False,
+    on_skip: OnSkip = None,
+) -> pa.Table:
     """One row per episode (its winning record), in the run's reading order: the fixed columns
     of ``episode_row`` in order, then the reward components ``r_*`` (null where an episode has
-    none: not completed). One pass over the run (:meth:`Run.winner_views`)."""
-    rows = _opened(run).winner_views(_compact_row)
+    none: not completed). One pass over the run (:meth:`Run.winner_views`).
+
+    Several runs (a location holding runs, a list, a RunSet): their tables one after the other,
+    each row starting with its run's identity columns, the ``r_*`` columns those of every run
+    (null where a run has none). A run that cannot be read is skipped (``on_skip``, by default a
+    warning) or, ``strict``, fails the read. ``identity=True`` adds the identity columns to a
+    single run's table too. The schema metadata lists the runs read and those skipped."""
+    source = resolve(runs)
+    if isinstance(source, Run):
+        table = _run_episodes(source, batch_rows)
+        own = RunIdentity.of_run(source)
+        if identity:
+            table = _identified(table, own)
+        return table.replace_schema_metadata(metadata([(own, table.num_rows)], []))
+    _identity_wanted(identity)
+    skips = Skips(strict, on_skip)
+    parts: list[pa.Table] = []
+    read: list[tuple[RunIdentity, int]] = []
+    for own, table in source.each(lambda run: _run_episodes(run, batch_rows), skips):
+        parts.append(_identified(table, own))
+        read.append((own, table.num_rows))
+    if not read:
+        raise skips.none_read(len(source))
+    combined = pa.concat_tables(parts, promote_options="default")
+    components = sorted(name for name in combined.column_names if name not in EPISODE_TYPES and name not in RUN_COLUMNS.names)
+    combined = combined.select([*RUN_COLUMNS.names, *EPISODE_TYPES, *components]).combine_chunks()
+    return combined.replace_schema_metadata(metadata(read, skips.skipped))
+
+
+def _run_episodes(run: Run, batch_rows: int) -> pa.Table:
+    rows = run.winner_views(_compact_row)
     batches = [_episode_batch(rows[start : start + batch_rows]) for start in range(0, len(rows), batch_rows)] or [
         _episode_batch([])
     ]
@@ -288,10 +366,78 @@ def step_rows(record: EpisodeTrace) -> Iterator[dict[str, Any]]:
             page = _map(environment.observation_state).get("page_type")
 
 
-def step_batches(run: RunLike, *, batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
+def step_batches(
+    runs: RunsLike,
+    *,
+    batch_rows: int = BATCH_ROWS,
+    identity: bool | None = None,
+    strict: bool = False,
+    on_skip: OnSkip = None,
+) -> Iterator[pa.RecordBatch]:
     """The steps of every episode as record batches of at most ``batch_rows`` rows
-    (:data:`STEP_SCHEMA`), streamed: only one batch and the run reader's current part are held."""
-    return _batches((row for record in _opened(run).records() for row in step_rows(record)), batch_rows)
+    (:data:`STEP_SCHEMA`), streamed: only one batch and the run reader's current part are held.
+
+    Several runs: run after run, each opened only when its turn comes (one run's reader held at
+    a time), a batch never spanning two runs, each row starting with its run's identity columns
+    (:data:`~shopsimrl.research.runset.RUN_COLUMNS`). A run that cannot be read is skipped (or,
+    ``strict``, fails the read) as in :func:`episodes_table`; one that fails after some of its
+    batches were handed out fails the read."""
+    return _StepStream(runs, batch_rows, identity, Skips(strict, on_skip)).batches
+
+
+class _StepStream:
+    """The step batches of one run or several, and once they are all read, which runs gave how
+    many rows (the table's metadata)."""
+
+    def __init__(self, runs: RunsLike, batch_rows: int, identity: bool | None, skips: Skips) -> None:
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+        source = resolve(runs)  # now: a bad location fails the call, not the first batch
+        self.skips = skips
+        self.read: list[tuple[RunIdentity, int]] = []
+        self.schema = STEP_SCHEMA
+        if isinstance(source, Run):
+            own = RunIdentity.of_run(source)
+            if identity:
+                self.schema = pa.schema([*RUN_COLUMNS, *STEP_SCHEMA])
+            self.batches = self._one(source, own, bool(identity), batch_rows)
+        else:
+            _identity_wanted(identity)
+            self.schema = pa.schema([*RUN_COLUMNS, *STEP_SCHEMA])
+            self.batches = self._many(source, batch_rows)
+
+    def _one(self, run: Run, own: RunIdentity, identity: bool, batch_rows: int) -> Iterator[pa.RecordBatch]:
+        rows = 0
+        for batch in _run_step_batches(run, batch_rows):
+            rows += batch.num_rows
+            yield _identified_batch(batch, own) if identity else batch
+        self.read.append((own, rows))
+
+    def _many(self, runs: RunSet, batch_rows: int) -> Iterator[pa.RecordBatch]:
+        for member in runs.members:
+            rows, handed = 0, False
+            try:
+                # The run's reader lives in this loop's generator only: gone before the next opens.
+                for batch in _run_step_batches(open_member(member), batch_rows):
+                    rows += batch.num_rows
+                    handed = True
+                    yield _identified_batch(batch, member.identity)
+            except ValueError as exc:
+                if handed:  # its rows are out already: leaving the run out now would hide that
+                    raise RunReadError(f"{member.identity.location}: {exc} (after {rows} of its step rows were read)") from exc
+                self.skips.refuse(member, exc)
+                continue
+            self.read.append((member.identity, rows))
+        if not self.read:
+            raise self.skips.none_read(len(runs))
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return metadata(self.read, self.skips.skipped)
+
+
+def _run_step_batches(run: Run, batch_rows: int) -> Iterator[pa.RecordBatch]:
+    return _batches((row for record in run.records() for row in step_rows(record)), batch_rows)
 
 
 def _batches(rows: Iterable[dict[str, Any]], batch_rows: int) -> Iterator[pa.RecordBatch]:
@@ -307,10 +453,13 @@ def _batches(rows: Iterable[dict[str, Any]], batch_rows: int) -> Iterator[pa.Rec
         yield pa.RecordBatch.from_pylist(pending, schema=STEP_SCHEMA)
 
 
-def steps_table(run: RunLike) -> pa.Table:
-    """Every step of the run as one table (:data:`STEP_SCHEMA`); see :func:`step_batches` to
-    stream a large run instead."""
-    return pa.Table.from_batches(list(step_batches(run)), schema=STEP_SCHEMA)
+def steps_table(runs: RunsLike, *, identity: bool | None = None, strict: bool = False, on_skip: OnSkip = None) -> pa.Table:
+    """Every step of the run as one table (:data:`STEP_SCHEMA`; several runs: with their identity
+    columns first, as :func:`step_batches`); see :func:`step_batches` to stream a large run
+    instead. The schema metadata lists the runs read and those skipped."""
+    stream = _StepStream(runs, BATCH_ROWS, identity, Skips(strict, on_skip))
+    table = pa.Table.from_batches(list(stream.batches), schema=stream.schema)
+    return table.replace_schema_metadata(stream.metadata)
 
 
 # --------------------------------------------------------------------------- pandas
@@ -327,60 +476,80 @@ def _pandas_type(kind: pa.DataType) -> Any:
 
 
 def to_frame(table: pa.Table) -> pd.DataFrame:
-    """An Arrow table of this module as a DataFrame, integer and boolean columns nullable."""
-    return table.to_pandas(types_mapper=_pandas_type)
+    """An Arrow table of this module as a DataFrame, integer and boolean columns nullable; the
+    runs it holds (and those skipped) as ``frame.attrs["runs"]`` and ``["skipped_runs"]``."""
+    frame = table.to_pandas(types_mapper=_pandas_type)
+    if table.schema.metadata:
+        frame.attrs.update(runs_metadata(table))
+    return frame
 
 
-def episodes(run: RunLike) -> pd.DataFrame:
+def episodes(runs: RunsLike, *, identity: bool | None = None, strict: bool = False, on_skip: OnSkip = None) -> pd.DataFrame:
     """:func:`episodes_table` as a DataFrame (nullable Int64/boolean columns)."""
-    return to_frame(episodes_table(run))
+    return to_frame(episodes_table(runs, identity=identity, strict=strict, on_skip=on_skip))
 
 
-def steps(run: RunLike) -> pd.DataFrame:
+def steps(runs: RunsLike, *, identity: bool | None = None, strict: bool = False, on_skip: OnSkip = None) -> pd.DataFrame:
     """:func:`steps_table` as a DataFrame (nullable Int64/boolean columns)."""
-    return to_frame(steps_table(run))
+    return to_frame(steps_table(runs, identity=identity, strict=strict, on_skip=on_skip))
 
 
 # --------------------------------------------------------------------------- export
 
 
 def export_table(
-    run: RunLike,
+    runs: RunsLike,
     path: str | os.PathLike[str],
     *,
     to: Literal["parquet", "csv"],
     level: Literal["episodes", "steps"],
     batch_rows: int = BATCH_ROWS,
+    identity: bool | None = None,
+    strict: bool = False,
+    on_skip: OnSkip = None,
 ) -> int:
-    """Write the episodes or steps table of ``run`` to ``path``; returns the rows written.
+    """Write the episodes or steps table of ``runs`` (one run or several, as the readers take
+    them) to ``path``; returns the rows written. A Parquet file carries the runs read and those
+    skipped as key/value metadata (``shopsimrl.runs``, ``shopsimrl.skipped_runs``: JSON lists,
+    :func:`~shopsimrl.research.runset.runs_metadata` reads them back); a CSV file the columns only.
 
-    The research tools' one output rule (:mod:`shopsimrl.research.outputs`): never into the run,
+    The research tools' one output rule (:mod:`shopsimrl.research.outputs`): never into a run read,
     missing folders created, the file whole or not at all (a temporary file beside ``path``,
     renamed at the end). Raises the errors of that module."""
     target = Path(path)
-    opened = _opened(run)
-    check_output_location(opened, target)
+    source = resolve(runs)
+    check_output_location(source if isinstance(source, Run) else _local_locations(source), target)
     with replacing(target) as out:
         if level == "episodes":
-            table = episodes_table(opened, batch_rows=batch_rows)
+            table = episodes_table(source, batch_rows=batch_rows, identity=identity, strict=strict, on_skip=on_skip)
             rows = int(table.num_rows)
             if to == "parquet":
                 pq.write_table(table, out, row_group_size=batch_rows)
             else:
                 pa_csv.write_csv(table, out)
         else:
-            rows = _write_steps(opened, out, to, batch_rows)
+            rows = _write_steps(_StepStream(source, batch_rows, identity, Skips(strict, on_skip)), out, to)
     return rows
 
 
-def _write_steps(run: RunLike, out: IO[bytes], to: Literal["parquet", "csv"], batch_rows: int) -> int:
+def _local_locations(runs: RunSet) -> list[Run | str]:
+    """What the output rule checks: each run's own location (a local path, ``file://`` removed)."""
+    return [member.source if isinstance(member.source, Run | str) else member.identity.location for member in runs.members]
+
+
+def _write_steps(stream: _StepStream, out: IO[bytes], to: Literal["parquet", "csv"]) -> int:
     rows = 0
     writer: pq.ParquetWriter | pa_csv.CSVWriter
-    writer = pq.ParquetWriter(out, STEP_SCHEMA) if to == "parquet" else pa_csv.CSVWriter(out, STEP_SCHEMA)
+    # The runs and their rows are known only at the end, so they go into the footer's key/value
+    # metadata then; without the Arrow schema stored at the start (which would carry metadata of
+    # its own, fixed before the first row) pyarrow reads that metadata as the schema's.
+    writer = pq.ParquetWriter(out, stream.schema, store_schema=False) if to == "parquet" else pa_csv.CSVWriter(out, stream.schema)
     with writer:
-        for batch in step_batches(run, batch_rows=batch_rows):
+        for batch in stream.batches:
             writer.write_batch(batch)
             rows += int(batch.num_rows)
+        if isinstance(writer, pq.ParquetWriter):
+            writer.add_key_value_metadata(stream.metadata)
     return rows
 
 
