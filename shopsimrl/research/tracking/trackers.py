@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -31,6 +32,12 @@ _MLFLOW_BATCH = 100
 """Parameters (and tags) per ``log_batch`` call: the REST API's limit."""
 _MLFLOW_PARAM_CHARS = 6000
 _WANDB_TAG_CHARS = 64
+_MLFLOW_NAME = re.compile(r"[^A-Za-z0-9_\-. :/]")
+"""What MLflow refuses in a metric, parameter or tag name (one such name fails a whole batch)."""
+
+
+def _mlflow_name(name: str) -> str:
+    return _MLFLOW_NAME.sub("_", name)
 
 
 def _artifact_name(name: str) -> str:
@@ -160,10 +167,13 @@ class MlflowTracker:
             else:
                 experiment_id = experiment.experiment_id
             self._experiment_id = str(experiment_id)
-            tags = {**run.tags, **dict.fromkeys(settings.tags, "true"), "shopsimrl.kind": run.kind}
+            tags = {
+                _mlflow_name(k): v
+                for k, v in {**run.tags, **dict.fromkeys(settings.tags, "true"), "shopsimrl.kind": run.kind}.items()
+            }
             created = client.create_run(experiment_id, run_name=run.name, tags=tags)
             self._client, self._run_id = client, created.info.run_id
-            params = [Param(key, value[:_MLFLOW_PARAM_CHARS]) for key, value in flat_params(run.identity)]
+            params = [Param(_mlflow_name(key), value[:_MLFLOW_PARAM_CHARS]) for key, value in flat_params(run.identity)]
             for start in range(0, len(params), _MLFLOW_BATCH):
                 client.log_batch(self._run_id, params=params[start : start + _MLFLOW_BATCH])
 
@@ -171,7 +181,7 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, step or 0) for key, value in scalars.items()]
+        metrics = [Metric(_mlflow_name(key), value, now, step or 0) for key, value in scalars.items()]
         with self._quiet():
             for start in range(0, len(metrics), _MLFLOW_BATCH):
                 self._client.log_batch(self._run_id, metrics=metrics[start : start + _MLFLOW_BATCH])
