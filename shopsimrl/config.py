@@ -394,7 +394,9 @@ class TrackingSection(_Strict):
                 "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)",
             )
         if redact_uri(value) != value:
-            raise PydanticCustomError("tracking_uri", "must not carry a credential in its ?query; MLflow reads it from MLFLOW_TRACKING_TOKEN")
+            raise PydanticCustomError(
+                "tracking_uri", "must not carry a credential in its ?query; MLflow reads it from MLFLOW_TRACKING_TOKEN"
+            )
         return value
 
     def with_trackers(self, names: Sequence[str]) -> TrackingSection:
