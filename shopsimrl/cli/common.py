@@ -172,7 +172,27 @@ def tracking_settings(names: Sequence[str] | None, config: ExperimentConfig | No
         return None
     if config is not None and settings.dir is not None:
         settings = settings.model_copy(update={"dir": str(config.resolve(settings.dir))})
+    _warn_missing_trackers(settings)
     return settings
+
+
+def _warn_missing_trackers(settings: TrackingSection) -> None:
+    """Say before a run, not only after it, that a tracker asked for is not installed (the run goes on)."""
+    from importlib.util import find_spec
+
+    def found(module: str) -> bool:
+        try:
+            return find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package missing; a module set to None
+            return False
+
+    research = found("shopsimrl.research.tracking")
+    missing = [name for name in settings.backends if not research or not found(name)]
+    if missing:
+        warn(
+            f"{', '.join(missing)} not installed: this will not be tracked there (pip install 'shopsimrl[tracking]'); "
+            "the run goes on"
+        )
 
 
 def track_summary(location: str, summary: Mapping[str, Any], settings: TrackingSection | None) -> None:

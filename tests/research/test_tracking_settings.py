@@ -78,6 +78,16 @@ def test_track_adds_to_the_block_and_its_dir_is_relative_to_the_yaml(tmp_path: P
         tracking_settings(["neptune"])
 
 
+def test_a_tracker_not_installed_is_said_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    settings = tracking_settings(["wandb", "mlflow"])
+    assert settings is not None and settings.backends == ["wandb", "mlflow"]  # the run goes on, tracked where it can be
+    err = capsys.readouterr().err
+    assert "warning: wandb not installed" in err and "shopsimrl[tracking]" in err and "mlflow" not in err
+
+
 def test_the_redactor_removes_url_credentials_and_secret_environment_values() -> None:
     redact = Redactor(
         {"OPENAI_API_KEY": "sk-abcdef123456", "WANDB_API_KEY": "0123456789abcdef", "SHORT_TOKEN": "abc", "HOME": "/home/me"}
