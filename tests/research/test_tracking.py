@@ -268,15 +268,19 @@ def test_refused_credentials_are_reported_without_the_key(
 
 
 def test_a_tracker_failing_midway_ends_alone(tmp_path: Path, wandb_home: Path) -> None:
+    import wandb
+
     wandb_dir = tmp_path / "wandb-runs"
     with start_mlflow_server(tmp_path / "mlflow") as server:
         settings = TrackingSection(backends=["wandb", "mlflow"], mode="offline", dir=str(wandb_dir), tracking_uri=server.uri)
         with Tracking(settings, TrackedRun("midway", "evaluation", {"experiment": "midway"})) as tracked:
             assert tracked.active
-            server.process.terminate()  # the MLflow server goes after the run started on it
-            server.process.wait(timeout=20)
+            server.stop()  # the MLflow server goes after the run started on it
             tracked.log_scalars({"itt/score": 50.0})
             tracked.log_table("episodes", ["episode_id", "reward"], [["e1", 0.5], ["e2", None]])
+    # A finished run's file is closed by W&B's service process after finish() returns; a command
+    # ends its process (wandb's exit hook waits for that), here the service is stopped to wait.
+    wandb.teardown()
     wandb_outcome, mlflow_outcome = tracked.outcomes
     assert wandb_outcome.ok and not mlflow_outcome.ok
     assert mlflow_outcome.error is not None and mlflow_outcome.error.startswith("log scalars failed")

@@ -12,9 +12,12 @@ artifacts from the staged copies the artifact records name (their MD5 checked).
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
+import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -143,6 +146,26 @@ class MlflowServer:
     artifacts: Path
     process: subprocess.Popen[bytes]
 
+    def stop(self) -> None:
+        """End the server and its uvicorn worker (its own process group), and wait until its port
+        refuses connections: after this, a request to it fails for sure."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=20)
+        port = int(self.uri.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) != 0:
+                    return
+            assert time.monotonic() < deadline, f"{self.uri} still accepts connections"
+            time.sleep(0.1)
+
 
 @contextmanager
 def start_mlflow_server(root: Path) -> Iterator[MlflowServer]:
@@ -165,6 +188,7 @@ def start_mlflow_server(root: Path) -> Iterator[MlflowServer]:
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # the server and its uvicorn worker end together (MlflowServer.stop)
     )
     server = MlflowServer(f"http://127.0.0.1:{port}", store, artifacts, process)
     try:
@@ -182,12 +206,7 @@ def start_mlflow_server(root: Path) -> Iterator[MlflowServer]:
             time.sleep(0.2)
         yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=20)
+        server.stop()
         log.close()
 
 
