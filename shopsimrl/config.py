@@ -45,6 +45,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from shopsimrl.schemas import redact_uri
 
 __all__ = [
+    "TRACKERS",
     "ConfigError",
     "ConfigOverride",
     "CostSection",
@@ -56,6 +57,8 @@ __all__ = [
     "RuntimeSection",
     "SkillsSection",
     "TasksSection",
+    "TrackerName",
+    "TrackingSection",
     "WorkerSettings",
     "check_environment_url",
     "describe_settings_error",
@@ -148,6 +151,14 @@ def check_environment_url(url: str) -> None:
 def _mask_userinfo(text: str) -> str:
     """``scheme://user:pass@host`` → ``scheme://host`` inside any text (for echoing bad input)."""
     return re.sub(r"://[^\s'\"]*@", "://", text)
+
+
+def _shown_input(value: Any) -> str:
+    """A bad value as an error message repeats it: a URL without credentials (``user:password@``,
+    a ``?token=`` query value), so a secret typed in the wrong place is not echoed."""
+    if isinstance(value, str) and "://" in value:
+        value = redact_uri(value)
+    return _mask_userinfo(repr(value))
 
 
 class _Strict(BaseModel):
@@ -295,6 +306,104 @@ class CostSection(_Strict):
         return self
 
 
+# --------------------------------------------------------------------------- tracking (experiment trackers)
+
+TrackerName = Literal["wandb", "mlflow"]
+TRACKERS: tuple[TrackerName, ...] = get_args(TrackerName)
+_TRACKER_NAME = re.compile(r"[^/\\#?%:]{1,128}")
+"""A W&B project or entity name (neither may hold ``/ \\ # ? % :``), also an MLflow experiment's."""
+
+
+class TrackingSection(_Strict):
+    """Experiment trackers a run's results go to (``tracking:``; ``--track`` adds one): W&B and
+    MLflow, through the research tools' ``tracking`` extra (``shopsimrl[tracking]``). Execution
+    only: never fingerprinted, never in the manifest. A tracker that fails (not installed,
+    network, authentication) is reported and never changes the run's exit code. Credentials come
+    from the trackers' own environment variables (``WANDB_API_KEY``, ``MLFLOW_TRACKING_TOKEN``,
+    ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``), never from this block (docs/tracking.md)."""
+
+    backends: list[TrackerName] = Field(default_factory=list)
+    """Which trackers: ``wandb``, ``mlflow``; empty: none unless ``--track`` names one."""
+    project: str | None = None
+    """The W&B project and the MLflow experiment; null: ``WANDB_PROJECT`` / ``MLFLOW_EXPERIMENT_NAME``, else ``shopsimrl``."""
+    entity: str | None = None
+    """The W&B entity (team or user); null: ``WANDB_ENTITY`` or the account's default. MLflow has none."""
+    mode: Literal["online", "offline"] | None = None
+    """W&B: ``offline`` writes the run under ``dir`` only (``wandb sync`` uploads it later); null: ``WANDB_MODE``, else online."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags of the tracker's run (W&B tags; MLflow tags with the value ``true``), up to 64 characters each."""
+    tracking_uri: str | None = None
+    """The MLflow tracking server (``http(s)://host:port``) or store (``file:``, ``sqlite:``, ``databricks``); null:
+    ``MLFLOW_TRACKING_URI``, else MLflow's default. No ``user:password@``: MLflow reads credentials from its variables."""
+    dir: str | None = None
+    """W&B's local directory (an offline run lands in ``dir/wandb/``); relative to the YAML; null: ``WANDB_DIR``, else the current directory."""
+    name: str | None = None
+    """The tracker run's name; null: the experiment name."""
+    episodes: bool = True
+    """Log the table of episodes (one row per episode)."""
+    report: bool = True
+    """Log the HTML report (``shopsimrl report``) as an artifact."""
+    max_episode_rows: int = Field(default=10_000, ge=0)
+    """Rows of the episode table at most (W&B's table limit); a larger run logs its first rows and says so."""
+    timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    """How long a tracker may wait on its server per call (W&B's init timeout, MLflow's request timeout; two retries)."""
+
+    @field_validator("backends")
+    @classmethod
+    def _once_each(cls, value: list[TrackerName]) -> list[TrackerName]:
+        return list(dict.fromkeys(value))
+
+    @field_validator("project", "entity")
+    @classmethod
+    def _tracker_name(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or not _TRACKER_NAME.fullmatch(value)):
+            raise ValueError("must be 1 to 128 characters without / \\ # ? % :")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _run_name(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be a non-blank string or null")
+        return value
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: list[str]) -> list[str]:
+        for tag in value:
+            if not tag.strip() or len(tag) > 64:
+                raise ValueError(f"tag {tag!r}: a tag has 1 to 64 characters")
+        return list(dict.fromkeys(value))
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _tracking_uri(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError("must be a non-blank URI or null")
+        try:
+            parts = urlsplit(value)
+        except ValueError:
+            raise PydanticCustomError("tracking_uri", "is not a valid URI") from None
+        if "@" in parts.netloc:
+            # The message never repeats the URI: a password in it must not reach the terminal.
+            raise PydanticCustomError(
+                "tracking_uri",
+                "must not contain user:password@ credentials; MLflow reads them from MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)",
+            )
+        if redact_uri(value) != value:
+            raise PydanticCustomError(
+                "tracking_uri", "must not carry a credential in its ?query; MLflow reads it from MLFLOW_TRACKING_TOKEN"
+            )
+        return value
+
+    def with_trackers(self, names: Sequence[str]) -> TrackingSection:
+        """These settings with ``names`` (``--track``) added to the trackers."""
+        return self.model_copy(update={"backends": list(dict.fromkeys([*self.backends, *names]))})
+
+
 class ExperimentConfig(_Strict):
     experiment: ExperimentSection = Field(default_factory=ExperimentSection)
     tasks: TasksSection
@@ -305,6 +414,8 @@ class ExperimentConfig(_Strict):
     model: ModelSection
     cost: CostSection | None = None
     """Prices for the summary's money and accelerator hours; null: tokens and times only."""
+    tracking: TrackingSection | None = None
+    """Experiment trackers the results go to (W&B, MLflow); null: none unless ``--track`` names one."""
     source_path: Path | None = Field(default=None, exclude=True)
     """The YAML file this config came from (never persisted)."""
     _overrides: tuple[ConfigOverride, ...] = PrivateAttr(default=())
@@ -419,7 +530,7 @@ def describe_settings_error(exc: ValidationError) -> str:
             name = "SHOPSIMRL_SHARD_INDEX or JOB_COMPLETION_INDEX"
         else:
             name = field if field.isupper() else f"SHOPSIMRL_{field.upper()}"
-        problems.append(f"{name}: {error['msg']} (got {_mask_userinfo(repr(error.get('input')))})")
+        problems.append(f"{name}: {error['msg']} (got {_shown_input(error.get('input'))})")
     return "invalid environment variable " + "; ".join(problems)
 
 
@@ -435,7 +546,7 @@ def format_validation_error(what: str, exc: ValidationError, origins: Mapping[st
         elif error["type"] == "missing":
             problem = f"{where}: required key is missing"
         else:
-            problem = f"{where}: {error['msg']} (got {_mask_userinfo(repr(error.get('input')))})"
+            problem = f"{where}: {error['msg']} (got {_shown_input(error.get('input'))})"
         origin = _origin_of(where, origins or {})
         if origin is not None:
             problem += f" [from {origin}]"
@@ -460,7 +571,7 @@ def _origin_of(where: str, origins: Mapping[str, str]) -> str | None:
 
 _KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 _PATH_KEYS = frozenset(
-    {"experiment.output_dir", "experiment.dotenv", "tasks.split_file", "prompt.system_prompt_file", "skills.path"}
+    {"experiment.output_dir", "experiment.dotenv", "tasks.split_file", "prompt.system_prompt_file", "skills.path", "tracking.dir"}
 )
 """Keys that hold paths: a relative one from the command line is relative to the current directory."""
 _SECRET_SEGMENT = re.compile(

@@ -34,7 +34,7 @@ PYPROJECTS = {
 SUBS = {"shopsimrl-research": "research", "shopsimrl-testbed": "testbed"}
 REQUIREMENTS = ROOT / "docker" / "requirements"
 # What only the research tools or the testbed need: never in the core's closure.
-NOT_IN_THE_CORE = ("numpy", "pandas", "pyarrow", "matplotlib", "starlette", "uvicorn")
+NOT_IN_THE_CORE = ("numpy", "pandas", "pyarrow", "matplotlib", "starlette", "uvicorn", "wandb", "mlflow")
 
 
 def _project(name: str) -> dict:  # type: ignore[type-arg]
@@ -284,11 +284,13 @@ def test_the_core_and_research_run_the_research_tools_without_the_testbed(wheels
         str(wheels["shopsimrl"]),
         str(wheels["shopsimrl-research"]),
     )
-    look_for = ["shopsimrl.testbed", "httptools"]
+    # The trackers are the research tools' `tracking` extra: not installed here, their module imports all the same.
+    look_for = ["shopsimrl.testbed", "httptools", "wandb", "mlflow"]
     imports = [
         "shopsimrl.research.analysis",
         "shopsimrl.research.compare",
         "shopsimrl.research.report",
+        "shopsimrl.research.tracking",
         "shopsimrl.research.viewer",
     ]
     seen = _probe(python, tmp_path, look_for, imports)

@@ -3,6 +3,8 @@ loading and preparing an experiment config."""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +13,10 @@ from pydantic import ValidationError
 
 from shopsimrl.cli.errors import BadInputError
 from shopsimrl.config import (
+    TRACKERS,
     ConfigOverride,
     ExperimentConfig,
+    TrackingSection,
     WorkerSettings,
     describe_settings_error,
     load_experiment_config,
@@ -30,12 +34,16 @@ __all__ = [
     "REROLL_FAILED",
     "RETRY_FAILED",
     "SET",
+    "TRACK",
     "VERBOSE",
     "check_rerun_flags",
     "command_line_overrides",
     "load",
     "prepare",
     "setup_logging",
+    "track_summary",
+    "track_with",
+    "tracking_settings",
     "warn",
     "worker_settings",
 ]
@@ -77,6 +85,15 @@ EXPERIMENT = typer.Option(
     "--experiment",
     metavar="NAME",
     help="The run's name (and its directory under experiment.output_dir): --set experiment.name=NAME (as text).",
+)
+
+TRACK = typer.Option(
+    None,
+    "--track",
+    metavar="TRACKER",
+    help="Also log the results to an experiment tracker: wandb or mlflow (repeatable). Settings: the config's "
+    "tracking: block, else the trackers' own variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, …). "
+    "Needs shopsimrl[tracking]; a tracker that fails is reported and never changes the exit code.",
 )
 
 
@@ -140,3 +157,68 @@ def prepare(config: ExperimentConfig, final_test: bool) -> Any:
 def check_rerun_flags(retry_failed: bool, reroll_failed: bool) -> None:
     if reroll_failed and not retry_failed:
         raise BadInputError("--reroll-failed and --no-retry-failed contradict each other")
+
+
+def tracking_settings(names: Sequence[str] | None, config: ExperimentConfig | None = None) -> TrackingSection | None:
+    """The trackers of this invocation: the config's ``tracking:`` block (its ``dir`` relative to
+    the YAML) with the ``--track`` names added; None when no tracker is asked for. Checked before
+    anything runs, so a misspelt tracker costs no run."""
+    for name in names or ():
+        if name not in TRACKERS:
+            raise BadInputError(f"--track {name}: unknown tracker; choose from {', '.join(TRACKERS)}")
+    block = config.tracking if config is not None and config.tracking is not None else TrackingSection()
+    settings = block.with_trackers(list(names or ()))
+    if not settings.backends:
+        return None
+    if config is not None and settings.dir is not None:
+        settings = settings.model_copy(update={"dir": str(config.resolve(settings.dir))})
+    _warn_missing_trackers(settings)
+    return settings
+
+
+def _warn_missing_trackers(settings: TrackingSection) -> None:
+    """Say before a run, not only after it, that a tracker asked for is not installed (the run goes on)."""
+    from importlib.util import find_spec
+
+    def found(module: str) -> bool:
+        try:
+            return find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package missing; a module set to None
+            return False
+
+    research = found("shopsimrl.research.tracking")
+    missing = [name for name in settings.backends if not research or not found(name)]
+    if missing:
+        warn(
+            f"{', '.join(missing)} not installed: this will not be tracked there (pip install 'shopsimrl[tracking]'); "
+            "the run goes on"
+        )
+
+
+def track_summary(location: str, summary: Mapping[str, Any], settings: TrackingSection | None) -> None:
+    """Log a written summary and its run to the trackers (``track_evaluation``)."""
+    track_with(settings, lambda tracking: tracking.track_evaluation(location, summary, settings))
+
+
+def track_with(settings: TrackingSection | None, call: Callable[[Any], Any]) -> None:
+    """``call(shopsimrl.research.tracking)`` when a tracker is asked for: the module is loaded by
+    name (an optional part), and whatever happens only lines go to stderr, never an exception or
+    another exit code. ``call`` returns the trackers' outcomes."""
+    if settings is None:
+        return
+    try:
+        tracking = importlib.import_module("shopsimrl.research.tracking")
+    except ImportError as exc:
+        warn(
+            f"not tracked in {', '.join(settings.backends)}: the trackers need shopsimrl-research and its tracking extra "
+            f"(pip install 'shopsimrl[tracking]'; missing: {exc.name or exc}); the results are unaffected"
+        )
+        return
+    try:
+        outcomes = call(tracking)
+    except Exception as exc:  # the tracking module guards each tracker; this is the last line of defence
+        warn(f"not tracked: {type(exc).__name__}: {tracking.Redactor().text(str(exc))}; the results are unaffected")
+        return
+    for outcome in outcomes:
+        if outcome.ok:  # a failure is already logged (tracker_failed), once
+            typer.echo(outcome.line(), err=True)

@@ -21,12 +21,15 @@ from shopsimrl.cli.common import (
     REROLL_FAILED,
     RETRY_FAILED,
     SET,
+    TRACK,
     VERBOSE,
     check_rerun_flags,
     command_line_overrides,
     load,
     prepare,
     setup_logging,
+    track_summary,
+    tracking_settings,
     warn,
     worker_settings,
 )
@@ -210,6 +213,7 @@ def run(
         "with --shards also file:// or s3://.",
     ),
     backoff_limit_per_index: int = typer.Option(2, min=0, help="With --shards: restarts of a crashed shard worker."),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
@@ -227,12 +231,22 @@ def run(
                 "--max-episode-retries applies to single-process runs; sharded workers use runtime.max_episode_retries",
             )
         run_sharded(
-            config_path, run_uri, shards, final_test, backoff_limit_per_index, overrides, retry_failed, reroll_failed, progress
+            config_path,
+            run_uri,
+            shards,
+            final_test,
+            backoff_limit_per_index,
+            overrides,
+            retry_failed,
+            reroll_failed,
+            progress,
+            track,
         )
         return
     config = load(config_path, overrides)
     if run_uri is not None:
         config = config.at_run_dir(local_run_dir(run_uri))
+    tracking = tracking_settings(track, config)
     prepared = prepare(config, final_test)
     structlog.contextvars.bind_contextvars(run=config.name)
     prepared.model().check_api_key()
@@ -245,6 +259,7 @@ def run(
         announce=lambda line: typer.echo(line, err=True),
     )
     _print_summary(summary, store.summary_path)
+    track_summary(str(store.run_dir), summary, tracking)
     _exit_for(summary)
 
 
@@ -289,6 +304,7 @@ def _exit_for(summary: dict[str, Any]) -> None:
 def summarize(
     run_dir_arg: str = typer.Argument(..., metavar="RUN_DIR", help="A local run directory (manifest.json + traces.jsonl)."),
     requested: int | None = typer.Option(None, help="Requested episode count when the run has no manifest."),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
@@ -297,6 +313,7 @@ def summarize(
     from shopsimrl.storage.local import LocalRunStore, RunWriteError
 
     setup_logging(quiet, verbose)
+    tracking = tracking_settings(track)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", run_dir_arg):
         raise BadInputError(
             f"{run_dir_arg} is a run location URI; summarize reads a local run directory "
@@ -321,6 +338,7 @@ def summarize(
     with context(RunWriteError, suffix=f"; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it"):
         summary = summarize_local(store, manifest, requested_ids, requested)
     _print_summary(summary, store.summary_path)
+    track_summary(str(store.run_dir), summary, tracking)
 
 
 @app.command("wait-ready")

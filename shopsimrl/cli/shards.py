@@ -16,17 +16,20 @@ from shopsimrl.cli.common import (
     REROLL_FAILED,
     RETRY_FAILED,
     SET,
+    TRACK,
     VERBOSE,
     check_rerun_flags,
     command_line_overrides,
     load,
     prepare,
     setup_logging,
+    track_summary,
+    tracking_settings,
     warn,
     worker_settings,
 )
 from shopsimrl.cli.errors import BadInputError, TryAgainError, import_part
-from shopsimrl.config import ConfigOverride
+from shopsimrl.config import ConfigOverride, TrackingSection
 from shopsimrl.exitcodes import ExitCode
 
 app = typer.Typer(rich_markup_mode=None)
@@ -59,11 +62,13 @@ def run_sharded(
     retry_failed: bool,
     reroll_failed: bool,
     progress: bool,
+    track: list[str] | None = None,
 ) -> None:
     from shopsimrl.runner.local_job import run_indexed
     from shopsimrl.runner.progress import ShardedRunProgress
 
     config = load(config_path, overrides)
+    tracking = tracking_settings(track, config)
     prepared = prepare(config, final_test)
     uri = str(config.run_dir) if run_uri is None else run_uri
     frozen, jobs_per_shard = freeze_sharded_plan(prepared, uri, shards)
@@ -91,7 +96,7 @@ def run_sharded(
             )
     if result.exit_code in (ExitCode.FINGERPRINT_MISMATCH, ExitCode.BAD_INPUT) or result.interrupted:
         raise typer.Exit(int(result.exit_code))
-    code = reduce_and_report(uri, wait=False, timeout=0.0, include_uncommitted=False)
+    code = reduce_and_report(uri, wait=False, timeout=0.0, include_uncommitted=False, tracking=tracking)
     raise typer.Exit(int(max(code, result.exit_code, key=_severity)))
 
 
@@ -114,6 +119,7 @@ def reduce_and_report(
     partial_on_timeout: bool = False,
     worker_job: str | None = None,
     namespace: str | None = None,
+    tracking: TrackingSection | None = None,
 ) -> ExitCode:
     from shopsimrl.metrics import format_summary_table
     from shopsimrl.runner.reduce import reduce_run, wait_for_markers
@@ -148,6 +154,7 @@ def reduce_and_report(
     for missing in (summary.get("incomplete") or {}).get("missing_shards", [])[:20]:
         typer.secho(f"  shard {missing['shard']} missing: {missing['why']}", fg=typer.colors.YELLOW, err=True)
     typer.echo(f"summary: {store.display_uri}/summary.json")
+    track_summary(uri, summary, tracking)
     counts = summary.get("counts", {})
     incomplete = report["uncommitted"] or report["corrupt"] or counts.get("failed") or counts.get("missing")
     return ExitCode.EPISODES_FAILED if incomplete else ExitCode.OK
@@ -240,11 +247,13 @@ def reduce(
         help="With --wait: the Kubernetes worker Job of this run; stop waiting (partial summary, exit 1) once its failed indexes cover every uncommitted shard or it has finished.",
     ),
     namespace: str | None = typer.Option(None, "--namespace", help="Namespace of --worker-job (default: default)."),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Merge committed shards into summary.json: de-duplicated by episode_id, checksums verified."""
     setup_logging(quiet, verbose)
+    tracking = tracking_settings(track)
     if (partial_on_timeout or worker_job) and not wait:
         raise BadInputError("--partial-on-timeout and --worker-job need --wait")
     code = reduce_and_report(
@@ -255,5 +264,6 @@ def reduce(
         partial_on_timeout=partial_on_timeout,
         worker_job=worker_job,
         namespace=namespace,
+        tracking=tracking,
     )
     raise typer.Exit(int(code))

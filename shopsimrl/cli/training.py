@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-from shopsimrl.cli.common import HELP_STYLE, QUIET, VERBOSE, setup_logging
+from shopsimrl.cli.common import HELP_STYLE, QUIET, TRACK, VERBOSE, setup_logging, track_with, tracking_settings
 from shopsimrl.cli.errors import BadInputError
 
 app = typer.Typer(rich_markup_mode=None)
@@ -163,6 +163,10 @@ def step(
     out: str = typer.Option(
         ..., "--out", help="Where the step's record goes (JSON: groups, filter answers, advantages, metrics)."
     ),
+    track: list[str] | None = TRACK,
+    track_step: int | None = typer.Option(
+        None, "--track-step", min=0, help="With --track: the round's number, the x of the trackers' curves (default: the next)."
+    ),
 ) -> None:
     """Play one slime-shaped GRPO rollout step through the training adapter, without slime.
 
@@ -172,6 +176,7 @@ def step(
     rollout-log metrics, with the functions the docs tell slime to load. Nothing is trained."""
     from shopsimrl.training.slime_step import main
 
+    tracking = tracking_settings(track)
     main(
         config,
         task_data=task_data,
@@ -182,3 +187,6 @@ def step(
         max_new_tokens=max_new_tokens,
         out=out,
     )
+    if tracking is not None:
+        record = json.loads(Path(out).read_text(encoding="utf-8"))
+        track_with(tracking, lambda trackers: trackers.track_training_step(tracking, record, Path(out), step=track_step))

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import typer
 from typer.core import TyperGroup
 
-from shopsimrl.cli.common import HELP_STYLE, QUIET, VERBOSE, setup_logging, worker_settings
+from shopsimrl.cli.common import HELP_STYLE, QUIET, TRACK, VERBOSE, setup_logging, track_with, tracking_settings, worker_settings
 from shopsimrl.cli.errors import READ_FAILED, BadInputError, TryAgainError, context, import_part
 from shopsimrl.cli.shards import reduce_and_report
 from shopsimrl.exitcodes import ExitCode
@@ -164,16 +164,18 @@ def gate_run(
     ),
     run_uri: str | None = typer.Option(None, "--run", help="With --shards: the masked run's location (dir or s3://)."),
     backoff_limit_per_index: int = typer.Option(2, min=0, help="With --shards: restarts of a crashed shard worker."),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Plan, run the masked rollouts here (resumable) and fit. Exit 1: the gate is incomplete.
 
     With --shards N --run URI: plan them as a sharded run, run N workers as `run --shards` does
-    (resumable the same way), reduce, then fit."""
+    (resumable the same way), reduce, then fit. --track: the fit's figures to W&B or MLflow."""
+    tracking = tracking_settings(track)
     if shards is not None or run_uri is not None:
         setup_logging(quiet, verbose)
-        _gate_run_sharded(gate_config, shards, run_uri, backoff_limit_per_index, progress, worker_settings())
+        _gate_run_sharded(gate_config, shards, run_uri, backoff_limit_per_index, progress, worker_settings(), tracking)
         return
     result = _gate_command(
         quiet,
@@ -183,11 +185,22 @@ def gate_run(
         ),
         lambda gate, result: gate.format_result(result),
     )
+    _track_gate(tracking, result)
     raise typer.Exit(int(result.code))
 
 
+def _track_gate(tracking: Any, result: Any) -> None:
+    track_with(tracking, lambda trackers: trackers.track_gate(tracking, result))
+
+
 def _gate_run_sharded(
-    gate_config: Path, shards: int | None, run_uri: str | None, backoff_limit: int, progress: bool, settings: Any
+    gate_config: Path,
+    shards: int | None,
+    run_uri: str | None,
+    backoff_limit: int,
+    progress: bool,
+    settings: Any,
+    tracking: Any = None,
 ) -> None:
     from shopsimrl.runner.local_job import run_indexed
     from shopsimrl.runner.progress import ShardedRunProgress
@@ -215,6 +228,7 @@ def _gate_run_sharded(
         raise typer.Exit(int(reduced))
     result = _gate_call(lambda gate: gate.fit_gate(gate_config, settings=settings))
     typer.echo(_gate_call(lambda gate: gate.format_result(result)))
+    _track_gate(tracking, result)
     raise typer.Exit(int(result.code))
 
 
@@ -224,18 +238,21 @@ def gate_fit(
     masked_run: str | None = typer.Option(
         None, "--masked-run", help="The masked run (dir or URI); default: where `gate plan` put it."
     ),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Fit the contributions from the bare and the masked run, offline. Exit 1: the gate is incomplete.
 
     A gate directory of the earlier implementation is refitted into its refit/ directory."""
+    tracking = tracking_settings(track)
     result = _gate_command(
         quiet,
         verbose,
         lambda gate, settings: gate.fit_gate(gate_config, masked_run=masked_run, settings=settings),
         lambda gate, result: gate.format_result(result),
     )
+    _track_gate(tracking, result)
     raise typer.Exit(int(result.code))
 
 
@@ -278,12 +295,17 @@ def judge_run(
     shards: int | None = typer.Option(None, "--shards", min=1, help="Judge as N shards (local Indexed Job), then reduce."),
     out: str | None = typer.Option(None, "--out", help="With --shards: the judge location (a directory or an s3:// URI)."),
     parallelism: int | None = typer.Option(None, "--parallelism", min=1, help="With --shards: workers at once (default N)."),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
-    """Judge the selected episodes (resumable). Exit 1: some episodes are not judged yet (rerun)."""
+    """Judge the selected episodes (resumable). Exit 1: some episodes are not judged yet (rerun).
+    --track: the judge summary's figures to W&B or MLflow."""
     setup_logging(quiet, verbose)
-    _judge_report(_judge_call(lambda judge: judge.judge_run(judge_config, shards=shards, out=out, parallelism=parallelism)))
+    tracking = tracking_settings(track)
+    result = _judge_call(lambda judge: judge.judge_run(judge_config, shards=shards, out=out, parallelism=parallelism))
+    track_with(tracking, lambda trackers: trackers.track_judge(tracking, result, judge_config))
+    _judge_report(result)
 
 
 @judge_app.command("plan")
