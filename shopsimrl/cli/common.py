@@ -92,7 +92,7 @@ TRACK = typer.Option(
     "--track",
     metavar="TRACKER",
     help="Also log the results to an experiment tracker: wandb or mlflow (repeatable). Settings: the config's "
-    "tracking: block, else the trackers' own variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, …). "
+    "tracking: block, else the trackers' own variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI and the rest). "
     "Needs shopsimrl[tracking]; a tracker that fails is reported and never changes the exit code.",
 )
 
