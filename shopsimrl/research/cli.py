@@ -597,7 +597,7 @@ def export_table(
     level: TableLevel = typer.Option(TableLevel.episodes, "--level", help="One row per episode, or one per step (model call)."),
     output: Path = typer.Option(..., "-o", "--output", help="The file to write (replaced whole at the end)."),
     identity: bool = typer.Option(
-        False, "--identity", help="Add the run's identity columns (run_location, run_experiment and the rest) to a single run's rows too."
+        False, "--identity", help="Add the run's identity columns (run_location, run_experiment, ...) to a single run's rows too."
     ),
     strict: bool = typer.Option(
         False,
