@@ -356,18 +356,23 @@ def _chunk(record: Any, fail: Any) -> CurriculumChunk:
 def load_curriculum(path: str | Path) -> SkillCurriculum:
     """Read and check a state file (module docstring); :class:`CurriculumError` naming it otherwise."""
     path = Path(path)
+    document = _read_json(path, "curriculum state")
+    return SkillCurriculum.from_document(document, where=f"curriculum state {path}")
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """A JSON file (NaN and Infinity refused); :class:`CurriculumError` naming ``what`` and the file."""
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise CurriculumError(f"cannot read curriculum state {path}: {exc.strerror or exc}") from exc
+        raise CurriculumError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
-        raise CurriculumError(f"curriculum state {path} is not valid UTF-8 (byte offset {exc.start})") from exc
+        raise CurriculumError(f"{what} {path} is not valid UTF-8 (byte offset {exc.start})") from exc
     try:
-        document = json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=_refuse_constant)
     except ValueError as exc:
         where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-        raise CurriculumError(f"curriculum state {path} is not valid JSON{where}: {exc}") from None
-    return SkillCurriculum.from_document(document, where=f"curriculum state {path}")
+        raise CurriculumError(f"{what} {path} is not valid JSON{where}: {exc}") from None
 
 
 def _refuse_constant(name: str) -> Any:
@@ -388,17 +393,7 @@ class _Bank:
 def _read_bank(path: Path) -> _Bank:
     """The bank's enabled records as written (no ``selection_scope`` added) and its digest, checked
     by the skill bank reader so a bank evaluation refuses is refused here too."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise CurriculumError(f"cannot read skill bank {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise CurriculumError(f"skill bank {path} is not valid UTF-8 (byte offset {exc.start})") from exc
-    try:
-        document = json.loads(text, parse_constant=_refuse_constant)
-    except ValueError as exc:
-        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-        raise CurriculumError(f"skill bank {path} is not valid JSON{where}: {exc}") from None
+    document = _read_json(path, "skill bank")
     try:
         bank = JsonSkillBank(path, document=document)
     except SkillBankError as exc:
