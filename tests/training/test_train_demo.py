@@ -51,8 +51,11 @@ def test_the_train_demo_plays_a_step_and_leaves_what_it_says(tmp_path: Path) -> 
     for group in step["groups"]:
         assert len({tuple(s["skills"]) for s in group["samples"]}) == 1
     run = out / "round-001"
-    triaged = sorted(p.name for p in (run / "training/triage").glob("group-*.json"))
-    assert triaged == [f"group-{g['group_index']:09d}.json" for g in sorted(step["groups"], key=lambda g: g["group_index"])]
+    triaged = {p.name for p in (run / "training/triage").glob("group-*.json")}
+    # Every group the step collected was triaged; a group that finished while slime cancelled the
+    # rest may be triaged without being collected, so the files can name a few more of the 16.
+    assert {f"group-{g['group_index']:09d}.json" for g in step["groups"]} <= triaged
+    assert triaged <= {f"group-{g:09d}.json" for g in range(16)}
     episodes = {record.episode_id for record in open_run(str(run)).records()}
     assert {s["episode_id"] for g in step["groups"] for s in g["samples"]} <= episodes
     assert "wrong_or_missing_options" in done.stdout and "train-demo: 5/5" in done.stdout
