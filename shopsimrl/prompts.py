@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from shopsimrl.schemas import Skill, fingerprint
+from shopsimrl.schemas import Skill, fingerprint, read_utf8_file
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -116,12 +116,7 @@ class PromptBuilder:
             raise PromptConfigError("system_prompt and system_prompt_file are mutually exclusive; set only one")
         if system_prompt_file is not None:
             path = Path(system_prompt_file)
-            try:
-                text = path.read_bytes().decode("utf-8")
-            except OSError as exc:
-                raise PromptConfigError(f"cannot read system_prompt_file {path}: {exc.strerror or exc}") from exc
-            except UnicodeDecodeError as exc:
-                raise PromptConfigError(f"system_prompt_file {path} is not valid UTF-8 (byte offset {exc.start})") from exc
+            text = read_utf8_file(path, "system_prompt_file", PromptConfigError)
             if not text.strip():
                 raise PromptConfigError(f"system_prompt_file {path} is empty")
             return cls(text, source="file")

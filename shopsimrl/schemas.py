@@ -14,7 +14,9 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -43,6 +45,8 @@ __all__ = [
     "json_safe",
     "parse_json",
     "parse_json_exact",
+    "read_json_file",
+    "read_utf8_file",
     "redact_uri",
     "replace_lone_surrogates",
     "sha256_hex",
@@ -135,6 +139,29 @@ def parse_json_exact(data: bytes | str) -> Any:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def read_utf8_file(path: Path, what: str, error: Callable[[str], Exception]) -> str:
+    """The text of ``path``; ``error(message)`` raised naming ``what`` and the file when it cannot
+    be read or is not UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} {path} is not valid UTF-8 (byte offset {exc.start})") from None
+
+
+def read_json_file(path: Path, what: str, error: Callable[[str], Exception]) -> Any:
+    """The JSON document in ``path`` (NaN and Infinity refused, as :func:`parse_json_exact`);
+    ``error(message)`` raised naming ``what``, the file, and the line and column of bad JSON."""
+    text = read_utf8_file(path, what, error)
+    try:
+        return parse_json_exact(text)
+    except ValueError as exc:
+        at = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise error(f"{what} {path} is not valid JSON{at}: {message}") from None
 
 
 def join_surrogate_pairs(value: Any) -> Any:

@@ -29,12 +29,11 @@ name either kind of file: :func:`open_skill_provider` tells them apart by ``sche
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
 
-from shopsimrl.schemas import Skill, fingerprint
+from shopsimrl.schemas import Skill, fingerprint, read_json_file
 
 __all__ = [
     "ASSIGNMENTS_SCHEMA_VERSION",
@@ -189,16 +188,7 @@ def open_skill_provider(path: str | Path, *, max_skills: int | None = None) -> S
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise SkillBankError(f"cannot read skill bank {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise SkillBankError(f"skill bank {path} is not valid UTF-8 (byte offset {exc.start})") from exc
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SkillBankError(f"skill bank {path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+    return read_json_file(path, "skill bank", SkillBankError)
 
 
 def _parse_bank(path: Path, bank: Any) -> tuple[str, str, list[tuple[Skill, frozenset[int] | None]]]:

@@ -171,10 +171,19 @@ def test_bad_banks_name_the_file_and_field(tmp_path: Path, bank: Any, message: s
 def test_invalid_json_reports_line_and_column(tmp_path: Path) -> None:
     path = tmp_path / "broken.json"
     path.write_text('{\n  "skills": [\n    {"skill_id": "a",}\n  ]\n}\n', encoding="utf-8")
-    with pytest.raises(SkillBankError, match=r"broken\.json: invalid JSON at line 3 column 22"):
+    with pytest.raises(SkillBankError, match=r"broken\.json is not valid JSON at line 3 column 22"):
         JsonSkillBank(path)
     with pytest.raises(SkillBankError, match=r"missing\.json"):
         JsonSkillBank(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_bank_refuses_nan_and_infinity(tmp_path: Path, constant: str) -> None:
+    # The curriculum reads the same bank; both refuse what is not JSON, with the same words.
+    path = tmp_path / "bank.json"
+    path.write_text('{"skills": [{"skill_id": "a", "content": "x", "weight": ' + constant + "}]}", encoding="utf-8")
+    with pytest.raises(SkillBankError, match=rf"bank\.json is not valid JSON: {constant} is not JSON"):
+        JsonSkillBank(path)
 
 
 # --------------------------------------------------------------------------- assigned skills

@@ -48,7 +48,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from shopsimrl.schemas import Skill, fingerprint
+from shopsimrl.schemas import Skill, fingerprint, read_json_file
 from shopsimrl.skills import JsonSkillBank, SkillBankError, check_public_context
 from shopsimrl.storage.local import RunWriteError
 
@@ -361,22 +361,7 @@ def load_curriculum(path: str | Path) -> SkillCurriculum:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    """A JSON file (NaN and Infinity refused); :class:`CurriculumError` naming ``what`` and the file."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise CurriculumError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise CurriculumError(f"{what} {path} is not valid UTF-8 (byte offset {exc.start})") from exc
-    try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except ValueError as exc:
-        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-        raise CurriculumError(f"{what} {path} is not valid JSON{where}: {exc}") from None
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+    return read_json_file(path, what, CurriculumError)
 
 
 # --------------------------------------------------------------------------- building

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from shopsimrl.schemas import parse_json_exact, read_utf8_file
 from shopsimrl.storage.local import RunWriteError
 from shopsimrl.tasks import TaskSplit, load_task_split
 
@@ -108,14 +109,7 @@ def check_task_data(path: str | Path, split: TaskSplit) -> TaskDataSummary:
     """The file holds every task id of ``split`` exactly once, each line in the schema of the
     module docstring; :class:`TaskDataError` naming the file, the line and the field otherwise."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise TaskDataError(f"cannot read task data {path}: {exc.strerror or exc}") from exc
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TaskDataError(f"task data {path} is not valid UTF-8 (byte offset {exc.start})") from None
+    text = read_utf8_file(path, "task data", TaskDataError)
     wanted = set(split.task_ids)
     seen: dict[int, int] = {}
     lines = text.split("\n")
@@ -124,9 +118,10 @@ def check_task_data(path: str | Path, split: TaskSplit) -> TaskDataSummary:
     for number, line in enumerate(lines, start=1):
         where = f"task data {path} line {number}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TaskDataError(f"{where}: not a JSON object ({exc.msg} at column {exc.colno})") from None
+            record = parse_json_exact(line)
+        except ValueError as exc:
+            problem = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise TaskDataError(f"{where}: not a JSON object ({problem})") from None
         if not isinstance(record, dict) or set(record) != _LINE_KEYS:
             raise TaskDataError(f"{where}: must be an object with exactly the keys {sorted(_LINE_KEYS)}")
         metadata = record["metadata"]
@@ -155,4 +150,6 @@ def check_task_data(path: str | Path, split: TaskSplit) -> TaskDataSummary:
             f"task data {path} lacks {len(missing)} of the {len(wanted)} tasks of split {split.name!r} ({shown}); "
             f"write it again with `shopsimrl training prepare-data`"
         )
-    return TaskDataSummary(path=path.resolve(), split=split, records=len(seen), sha256=hashlib.sha256(data).hexdigest())
+    return TaskDataSummary(
+        path=path.resolve(), split=split, records=len(seen), sha256=hashlib.sha256(text.encode("utf-8")).hexdigest()
+    )

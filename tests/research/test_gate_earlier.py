@@ -225,7 +225,7 @@ def _flip_first_mask(document: dict[str, Any]) -> None:
         ),
         (
             lambda e: (e["gate_dir"] / "mask_assignments.json").write_text('{"schema_version": '),
-            "mask_assignments.json: invalid JSON at line 1",
+            "mask_assignments.json is not valid JSON at line 1",
         ),
         (
             lambda e: _edit_json(

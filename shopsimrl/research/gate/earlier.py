@@ -20,7 +20,6 @@ are, and the refit's manifest says whether its coefficients reproduce the earlie
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import replace
@@ -41,7 +40,7 @@ from shopsimrl.research.gate.freeze import (
 )
 from shopsimrl.research.gate.masks import MASK_PROBABILITY, gate_a_assignments
 from shopsimrl.research.gate.spec import GateSpec
-from shopsimrl.schemas import EpisodeJob
+from shopsimrl.schemas import EpisodeJob, read_json_file
 from shopsimrl.storage.reading import open_run
 
 __all__ = ["REFIT_DIR", "EarlierGateError", "compare_with_earlier", "is_earlier_gate", "load_earlier_gate"]
@@ -66,18 +65,9 @@ def is_earlier_gate(gate_dir: Path) -> bool:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise EarlierGateError(f"{path}: missing; an earlier gate directory holds {what}") from None
-    except OSError as exc:
-        raise EarlierGateError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise EarlierGateError(f"{path} is not UTF-8 (byte offset {exc.start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise EarlierGateError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if not path.exists():
+        raise EarlierGateError(f"{path}: missing; an earlier gate directory holds {what}")
+    return read_json_file(path, what, EarlierGateError)
 
 
 def _integer(row: dict[str, Any], key: str, where: str) -> int:
