@@ -462,6 +462,21 @@ def test_test_split_needs_the_explicit_final_test_flag(helm: Helm) -> None:
     assert worker_args(**{"run.finalTest": "true", "config.tasks.split": "test"})[-1] == "--final-test"
 
 
+def test_run_overrides_reach_the_readiness_check_and_every_worker(helm: Helm, tmp_path: Path) -> None:
+    overrides = ["model.checkpoint_id=ckpt-200", "model.temperature=0.6"]
+    values = tmp_path / "overrides.yaml"
+    values.write_text(yaml.safe_dump({"run": {"overrides": overrides}}), encoding="utf-8")
+    job = only(helm.render(CHART / "ci" / "testbed-smoke-values.yaml", values), "Job", "job-worker.yaml")
+    pod = job["spec"]["template"]["spec"]
+    expected = ["--set", overrides[0], "--set", overrides[1]]
+    for args in (container(pod, "worker")["args"], pod["initContainers"][0]["args"]):
+        start = args.index("--set")
+        assert args[start : start + 4] == expected
+    values.write_text(yaml.safe_dump({"run": {"overrides": ["checkpoint ckpt-200"]}}), encoding="utf-8")
+    proc = helm.template(CHART / "ci" / "testbed-smoke-values.yaml", values, check=False)
+    assert proc.returncode != 0 and "overrides" in proc.stderr
+
+
 def test_readiness_init_container_is_bounded(matrix: dict[str, list[Doc]]) -> None:
     job = only(matrix["testbed-smoke-values.yaml"], "Job", "job-worker.yaml")
     pod = job["spec"]["template"]["spec"]

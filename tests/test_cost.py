@@ -4,6 +4,7 @@ in the summary, priced from the manifest's ``execution.cost``; prices are no par
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -249,3 +250,27 @@ def test_bad_prices_are_refused_naming_the_key(tmp_path: Path, block: str, named
     with pytest.raises(ConfigError, match=r"exp\.yaml") as caught:
         load_experiment_config(_config(tmp_path, block + "\n"))
     assert named in str(caught.value)
+
+
+def test_plan_shows_the_prices_apart_from_the_plan(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from shopsimrl.cli import app
+
+    config = _config(tmp_path, "cost: {prompt_per_million: 0.5, accelerators: 1, accelerator_per_hour: 2}\n")
+    shown = CliRunner().invoke(app, ["plan", str(config), "--json"], prog_name="shopsimrl")
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.stdout)
+    assert report["cost"] == {
+        "currency": "USD",
+        "prompt_per_million": 0.5,
+        "accelerators": 1.0,
+        "server_share": 1.0,
+        "accelerator_per_hour": 2.0,
+    }
+    (tmp_path / "bare").mkdir()
+    bare_config = _config(tmp_path / "bare")
+    bare = json.loads(CliRunner().invoke(app, ["plan", str(bare_config), "--json"], prog_name="shopsimrl").stdout)
+    assert "cost" not in bare and bare["plan_fingerprint"] == report["plan_fingerprint"]
+    table = CliRunner().invoke(app, ["plan", str(config)], prog_name="shopsimrl").output
+    assert "\ncost\n" in table and "prompt_per_million" in table, table

@@ -111,8 +111,21 @@ def test_short_forms_are_text_and_equal_their_set(tmp_path: Path) -> None:
         for text in ("model.name=m-2", "model.checkpoint_id='0123'", "experiment.name='true'", "experiment.concurrency=9")
     ]
     assert plan_bytes(config) == plan_bytes(load_experiment_config(base, overrides=quoted))
-    assert [o.source for o in config.overrides] == ["--model", "--checkpoint", "--experiment", "--concurrency"]
+    assert [o.source for o in config.overrides] == ["--model", "--checkpoint", "--experiment", "--concurrency", "--model"]
     assert config.run_dir.name == "true"  # --experiment names the run directory, as experiment.name does
+
+
+def test_model_short_form_relabels_the_run(tmp_path: Path) -> None:
+    labelled = {**BASE, "model": {**BASE["model"], "id": "base-label"}}
+    base = write(tmp_path / "base.yaml", labelled)
+    config = load_experiment_config(base, overrides=command_line_overrides(None, model="grpo-round-3"))
+    assert config.model_id == "grpo-round-3"
+    # The same as editing the YAML: the new name, no id.
+    yaml_edit = {**labelled, "model": {k: v for k, v in labelled["model"].items() if k != "id"} | {"name": "grpo-round-3"}}
+    assert plan_bytes(config) == plan_bytes(load_experiment_config(write(tmp_path / "edit.yaml", yaml_edit)))
+    # An id given on the command line is kept.
+    kept = load_experiment_config(base, overrides=command_line_overrides(["model.id=r3"], model="grpo-round-3"))
+    assert (kept.model.name, kept.model_id) == ("grpo-round-3", "r3")
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,13 @@ SET = typer.Option(
     "(numbers, true/false, null, [lists], {maps}). Repeatable. Validated, planned and fingerprinted as the same edit "
     "of the YAML; wins over SHOPSIMRL_* variables. Relative paths are relative to the current directory.",
 )
-MODEL = typer.Option(None, "--model", metavar="NAME", help="The served model to call: --set model.name=NAME (as text).")
+MODEL = typer.Option(
+    None,
+    "--model",
+    metavar="NAME",
+    help="The served model to call: --set model.name=NAME (as text), and model.id=null unless --set gives model.id, "
+    "so the run is labelled with the model it calls.",
+)
 CHECKPOINT = typer.Option(
     None, "--checkpoint", metavar="ID", help="The weights' identity: --set model.checkpoint_id=ID (as text)."
 )
@@ -116,6 +122,10 @@ def command_line_overrides(
     ):
         if value is not None:
             overrides.append(ConfigOverride(key, value, flag))
+    if model is not None and not any(override.key == "model.id" for override in overrides):
+        # model.id labels the run (its name, the leaderboard): a label the config gave another
+        # model would name this run after it.
+        overrides.append(ConfigOverride("model.id", None, "--model"))
     return overrides
 
 

@@ -107,6 +107,9 @@ def plan(
         "test_guard": semantic["test_guard"],
         "first_jobs": [{**job.to_dict(), "episode_id": job.episode_id} for job in prepared.jobs[:5]],
     }
+    if config.cost is not None:
+        # Execution only (not fingerprinted); a run keeps the prices it was created with.
+        report["cost"] = config.cost.model_dump(exclude_none=True)
     missing_key = prepared.model_settings.api_key_env
     if missing_key:
         from shopsimrl.model import ModelConfigError
@@ -144,6 +147,7 @@ _PLAN_SECTIONS = (
     "prompt",
     "skills",
     "test_guard",
+    "cost",
     "sharded_run",
     "services",
 )

@@ -116,6 +116,10 @@ template:
           # Other shards hold slots legitimately, and the worker releases a dead predecessor's
           # leases (its lease journal) only once it runs: a busy shop is not "not ready" here.
           - --no-require-free-slot
+          {{- range .Values.run.overrides }}
+          - --set
+          - {{ . | quote }}
+          {{- end }}
           {{- end }}
         env:
           {{- include "shopsimrl.readinessEnv" . | nindent 10 }}
@@ -144,6 +148,10 @@ template:
           - $(SHOPSIMRL_RUN)
           - --config
           - $(SHOPSIMRL_CONFIG)
+          {{- range .Values.run.overrides }}
+          - --set
+          - {{ . | quote }}
+          {{- end }}
           {{- if .Values.run.finalTest }}
           - --final-test
           {{- end }}
