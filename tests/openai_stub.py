@@ -2,14 +2,17 @@
 
 Each test queues canned replies (status, headers, JSON or raw body, SSE chunks, a stream that
 breaks mid-way); every request received is recorded. ``POST .../chat/completions`` pops the
-next reply (an empty queue answers 599 so a test that under-scripts fails loudly);
-``GET .../models`` lists ``served_models``.
+next reply (an empty queue answers 599 so a test that under-scripts fails loudly, unless a
+``responder`` is set: a function of the request, sync or async, that scripts the reply from what
+was asked); ``GET .../models`` lists ``served_models``.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,11 +55,14 @@ class OpenAIStub:
         self.replies: deque[Reply] = deque()
         self.requests: list[Received] = []
         self.served_models = ["stub-model"]
+        self.responder: Callable[[Received], Any] | None = None
+        """Answers a completion request when no canned reply is queued (returns a Reply)."""
 
     def reset(self) -> None:
         self.replies.clear()
         self.requests.clear()
         self.served_models = ["stub-model"]
+        self.responder = None
 
     def queue(self, *replies: Reply) -> None:
         self.replies.extend(replies)
@@ -88,7 +94,14 @@ class OpenAIStub:
             data = {"object": "list", "data": [{"id": m, "object": "model"} for m in self.served_models]}
             await _send(send, Reply(json=data))
         elif scope["method"] == "POST" and scope["path"].endswith("/chat/completions"):
-            reply = self.replies.popleft() if self.replies else Reply(status=599, body="no canned reply queued")
+            if self.replies:
+                reply = self.replies.popleft()
+            elif self.responder is not None:
+                reply = self.responder(self.requests[-1])
+                if inspect.isawaitable(reply):
+                    reply = await reply
+            else:
+                reply = Reply(status=599, body="no canned reply queued")
             await _send(send, reply)
         else:
             await _send(send, Reply(status=404, json={"error": {"message": "not found"}}))

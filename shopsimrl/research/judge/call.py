@@ -34,20 +34,25 @@ from shopsimrl.retry import Attempt, Backoff, retry_async
 from shopsimrl.schemas import ModelOutput, json_bytes, redact_uri
 
 __all__ = [
+    "FATAL_STATUS",
     "JUDGE_OUTPUT_VERSION",
+    "NOT_THE_API",
     "STATUSES",
     "JudgeModelError",
+    "generate_reply",
     "judge_episode",
     "judge_model",
     "judged",
     "model_identity",
+    "raw_answer",
+    "usage_of",
     "wait_for_judge_model",
 ]
 
 JUDGE_OUTPUT_VERSION = "shopsimrl-judge-output-v1"
 STATUSES = ("ok", "unparseable", "error")
 _USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
-_FATAL_STATUS = frozenset({401, 403, 404})
+FATAL_STATUS = frozenset({401, 403, 404})
 """A wrong key, model name or URL: every episode would fail alike, so the stage stops (exit 2)."""
 
 
@@ -177,7 +182,7 @@ def _problem(output: ModelOutput, rubric: Rubric) -> tuple[str | None, dict[str,
     return None, arguments
 
 
-def _raw(output: ModelOutput) -> dict[str, Any]:
+def raw_answer(output: ModelOutput) -> dict[str, Any]:
     return {
         "content": output.content,
         "tool_calls": [{"name": call.name, "arguments": call.raw_arguments} for call in output.tool_calls],
@@ -187,7 +192,7 @@ def _raw(output: ModelOutput) -> dict[str, Any]:
     }
 
 
-def _usage(output: ModelOutput) -> dict[str, int]:
+def usage_of(output: ModelOutput) -> dict[str, int]:
     usage = output.usage or {}
     return {key: int(usage[key]) for key in _USAGE_KEYS if isinstance(usage.get(key), int)}
 
@@ -202,13 +207,16 @@ def _excerpt(output: ModelOutput, settings: OpenAICompatibleSettings) -> str:
     return " ".join(text.split())[:160]
 
 
-async def _generate(model: OpenAICompatibleChatModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelOutput:
+async def generate_reply(
+    model: OpenAICompatibleChatModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]], seed: int | None = None
+) -> ModelOutput:
     """``model.generate``, made again while the reply is not the API's JSON; raises
-    :class:`ModelRequestError` when every attempt got such a reply."""
+    :class:`ModelRequestError` when every attempt got such a reply. Public: every research
+    stage that makes a forced tool call (the skill builder too) needs the same guard."""
     s = model.settings
 
     async def attempt(current: Attempt) -> ModelOutput:
-        output = await model.generate(messages, tools)
+        output = await model.generate(messages, tools, seed)
         problem = output.protocol_error or {}
         if problem.get("code") in NOT_THE_API:
             raise _NotTheApi(f"{problem.get('code')}: {problem.get('message')}: {_excerpt(output, s)!r}")
@@ -260,15 +268,21 @@ async def judge_episode(
     status, verdict, error = "unparseable", None, None
     for number in range(1, max_repairs + 2):
         try:
-            output = await _generate(model, messages, [tool or rubric.tool()])
+            output = await generate_reply(model, messages, [tool or rubric.tool()])
         except ModelRequestError as exc:
-            if exc.status_code in _FATAL_STATUS:
+            if exc.status_code in FATAL_STATUS:
                 raise JudgeModelError(f"the judge model refused the request: {exc}") from None
             status, error = "error", {"type": type(exc).__name__, "message": str(exc)[:500], "status_code": exc.status_code}
             break
         problem, verdict = _problem(output, rubric)
         attempts.append(
-            {"attempt": number, "raw": _raw(output), "error": problem, "usage": _usage(output), "latency_ms": output.latency_ms}
+            {
+                "attempt": number,
+                "raw": raw_answer(output),
+                "error": problem,
+                "usage": usage_of(output),
+                "latency_ms": output.latency_ms,
+            }
         )
         if problem is None:
             status = "ok"
