@@ -486,3 +486,104 @@ def test_kill_9_mid_run_then_resume_loses_nothing_and_redoes_nothing(tmp_path: P
     assert after[:2] == before  # nothing lost
     assert sorted(r["episode_id"] for r in after) == [f"task-{n:06d}__sample-000" for n in range(1, 6)]
     assert summary["status"] == "complete" and summary["cards"]["eligible"] == 5
+
+
+# --------------------------------------------------------------------------- consolidator
+
+
+def evidence_card(n: int, *, eligible: bool = True, episode: int = 1) -> dict[str, Any]:
+    return {
+        "card_id": f"success-task-{episode:06d}__sample-000-{n:02d}",
+        "channel": "success",
+        "episode_id": f"task-{episode:06d}__sample-000",
+        "placeholder": False,
+        "eligible": eligible,
+        "card": good_card(),
+    }
+
+
+def cluster(*card_ids: str, procedure: str = "先补全规格再购买") -> dict[str, Any]:
+    return {
+        "workflow_stage": "变体与价格",
+        "mechanism": "规格补全后才满足要求",
+        "applicable_when": "详情页有未选规格",
+        "procedure": [procedure],
+        "verification": "规格全部已选",
+        "common_failure": "漏选规格",
+        "evidence_card_ids": list(card_ids),
+    }
+
+
+def clusters_reply(clusters: list[dict[str, Any]], evidence_only: list[str]) -> Reply:
+    arguments = orjson.dumps({"clusters": clusters, "evidence_only_card_ids": evidence_only}).decode()
+    return Reply(json=completion(tool_calls=[tool_call("submit_clusters", arguments)]))
+
+
+def batch_card_ids(request: Received) -> list[str]:
+    return [card["card_id"] for card in orjson.loads(request.json["messages"][1]["content"])["cards"]]
+
+
+def all_but_last_clustered(request: Received) -> Reply:
+    ids = batch_card_ids(request)
+    return clusters_reply([cluster(*ids[:-1])], ids[-1:])
+
+
+@pytest.mark.slow
+def test_consolidator_batches_eligible_cards_and_resumes_by_fingerprint(tmp_path: Path, stub: tuple[OpenAIStub, str]) -> None:
+    from shopsimrl.research.skills.consolidate import BATCHES_NAME, ConsolidatorConfig, run_consolidation
+
+    server, url = stub
+    cards = [evidence_card(n, episode=n // 10 + 1) for n in range(45)] + [evidence_card(90, eligible=False)]
+    config = ConsolidatorConfig(model=settings(url), concurrency=1)
+    server.responder = all_but_last_clustered
+    summary = run_consolidation(cards, tmp_path, config)
+    assert [len(batch_card_ids(r)) for r in server.completions] == [40, 5]  # the ineligible card is left out
+    assert summary["status"] == "complete"
+    assert summary["batches"]["total"] == 2 and summary["clusters"] == 2 and summary["evidence_only_cards"] == 2
+    records = _lines(tmp_path / BATCHES_NAME)
+    assert [r["batch_id"] for r in records] == ["success-batch-001", "success-batch-002"]
+    assert records[1]["clusters"][0]["cluster_id"] == "success-batch-002-cluster-01"
+    assert server.completions[0].json["messages"][1]["content"].count('"max_clusters":12') == 1
+    assert '"max_clusters":5' in server.completions[1].json["messages"][1]["content"]  # min(12, cards)
+
+    server.reset()
+    server.responder = all_but_last_clustered
+    assert run_consolidation(cards, tmp_path, config)["batches"]["consolidated_now"] == 0
+    assert server.completions == []
+
+
+@pytest.mark.slow
+def test_consolidator_contract_every_card_once_and_the_firewall(tmp_path: Path, stub: tuple[OpenAIStub, str]) -> None:
+    from shopsimrl.research.skills.consolidate import ConsolidatorConfig, run_consolidation
+
+    server, url = stub
+    cards = [evidence_card(n) for n in range(1, 4)]
+    a, b, c = (card["card_id"] for card in cards)
+    traces = {"task-000001__sample-000": leaky_trace()}
+    server.queue(
+        clusters_reply([cluster(a, b)], []),  # c is missing
+        clusters_reply([cluster(a, b)], [b, c]),  # b twice
+        clusters_reply([cluster(a, b, procedure="直接买光明店的")], [c]),  # copies a brand
+        clusters_reply([cluster(a, "success-other-01")], [b, c]),  # a card of no batch
+        clusters_reply([cluster(a, b)], [c]),
+    )
+    config = ConsolidatorConfig(model=settings(url), concurrency=1, attempts=5)
+    summary = run_consolidation(cards, tmp_path, config, traces)
+    assert summary["status"] == "complete" and summary["clusters"] == 1
+    repairs = [r.json["messages"][-1]["content"] for r in server.completions[1:]]
+    assert f"card ids in no cluster and not evidence-only: {c}" in repairs[0]
+    assert f"card ids given more than once: {b}" in repairs[1]
+    assert "$.clusters[0]: the firewall refuses it (copies_instance_brand)" in repairs[2]
+    assert "card ids not in this batch: success-other-01" in repairs[3]
+
+    # Attempts exhausted: the batch is recorded as invalid and tried again by the next run.
+    server.reset()
+    server.responder = lambda request: clusters_reply([], [])
+    out = tmp_path / "again"
+    failed = run_consolidation(cards, out, ConsolidatorConfig(model=settings(url), concurrency=1))
+    assert failed["status"] == "incomplete" and failed["batches"]["failed_batch_ids"] == ["success-batch-001"]
+    assert len(server.completions) == 3
+    server.reset()
+    server.responder = lambda request: clusters_reply([cluster(a, b, c)], [])
+    assert run_consolidation(cards, out, ConsolidatorConfig(model=settings(url), concurrency=1))["status"] == "complete"
+    assert len(server.completions) == 1

@@ -59,10 +59,14 @@ __all__ = [
     "AnalystConfig",
     "SkillInputError",
     "analyst_identity",
+    "append_record",
+    "cut_torn_tail",
     "input_fingerprint",
     "latest_traces",
+    "plain_settings",
     "read_analyses",
     "run_success_analysis",
+    "settings_identity",
 ]
 
 log = structlog.get_logger("shopsimrl.research.skills")
@@ -95,18 +99,17 @@ def success_tool(config: AnalystConfig) -> dict[str, Any]:
     return tool(SUCCESS_TOOL, SUCCESS_TOOL_DESCRIPTION, SuccessCards, cards=config.max_cards)
 
 
-def _plain(value: Any) -> Any:
+def plain_settings(value: Any) -> Any:
     """Settings hold read-only mappings; identities are plain JSON."""
     if isinstance(value, Mapping):
-        return {str(key): _plain(item) for key, item in value.items()}
+        return {str(key): plain_settings(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
+        return [plain_settings(item) for item in value]
     return value
 
 
-def analyst_identity(config: AnalystConfig) -> dict[str, Any]:
-    """The analyst model as records name it (no credentials); part of the fingerprint."""
-    m = config.model
+def settings_identity(m: OpenAICompatibleSettings, seed: int) -> dict[str, Any]:
+    """A model as records name it (no credentials); part of every input fingerprint."""
     return {
         "model": m.model,
         "base_url": redact_uri(m.base_url),
@@ -115,10 +118,14 @@ def analyst_identity(config: AnalystConfig) -> dict[str, Any]:
         "top_p": m.top_p,
         "max_tokens": m.max_tokens,
         "send_seed": m.send_seed,
-        "tool_choice": _plain(m.tool_choice),
-        "extra_body": _plain(m.extra_body),
-        "seed": config.seed,
+        "tool_choice": plain_settings(m.tool_choice),
+        "extra_body": plain_settings(m.extra_body),
+        "seed": seed,
     }
+
+
+def analyst_identity(config: AnalystConfig) -> dict[str, Any]:
+    return settings_identity(config.model, config.seed)
 
 
 def trace_sha256(trace: EpisodeTrace) -> str:
@@ -167,7 +174,7 @@ def latest_traces(path: Path, *, expected: int | None = None) -> list[EpisodeTra
     return list(latest.values())
 
 
-def _cut_torn_tail(path: Path) -> bool:
+def cut_torn_tail(path: Path) -> bool:
     """Cut a last line a killed writer left without its newline; whether one was cut."""
     if not path.exists():
         return False
@@ -275,7 +282,7 @@ async def analyse_success(
     return True, {**common, "status": "ok", "empty": cards[0]["placeholder"], "cards": cards}
 
 
-def _append(handle: int, record: dict[str, Any]) -> None:
+def append_record(handle: int, record: dict[str, Any]) -> None:
     # One write per record on an O_APPEND descriptor, then fsync: a kill leaves at most a torn last line.
     os.write(handle, json_bytes(record) + b"\n")
     os.fsync(handle)
@@ -294,10 +301,10 @@ async def _analyse_all(
         async with slots:
             ok, record = await analyse_success(model, trace, config, input_fp)
             if ok:
-                _append(analyses, record)
+                append_record(analyses, record)
                 done += 1
             else:
-                _append(errors, record)
+                append_record(errors, record)
                 failed += 1
                 log.warning("success_analysis_failed", episode_id=trace.episode_id, error=record.get("error"))
 
@@ -315,7 +322,7 @@ def run_success_analysis(traces: Iterable[EpisodeTrace], output_dir: Path, confi
     output_dir.mkdir(parents=True, exist_ok=True)
     analyses_path, errors_path = output_dir / ANALYSES_NAME, output_dir / ERRORS_NAME
     for path in (analyses_path, errors_path):
-        if _cut_torn_tail(path):
+        if cut_torn_tail(path):
             log.warning("torn_last_line_cut", path=str(path))
     existing = read_analyses(analyses_path)
     successes = [trace for trace in traces if _r_success(trace) == 1]

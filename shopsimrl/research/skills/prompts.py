@@ -1,11 +1,11 @@
-"""The analysts' system prompts (this project's wording). Their sha256 is part of every input
+"""The skill builder's system prompts (this project's wording). Their sha256 is part of every input
 fingerprint: editing a prompt makes a resumed stage analyse again."""
 
 from __future__ import annotations
 
 from shopsimrl.schemas import sha256_hex
 
-__all__ = ["SUCCESS_ANALYST_PROMPT", "prompt_sha256"]
+__all__ = ["CONSOLIDATOR_PROMPT", "SUCCESS_ANALYST_PROMPT", "prompt_sha256"]
 
 SUCCESS_ANALYST_PROMPT = """\
 You are the Success Analyst of a skill builder for a Chinese online-shopping agent.
@@ -39,3 +39,24 @@ Rules:
 
 def prompt_sha256(prompt: str) -> str:
     return sha256_hex(prompt)
+
+
+CONSOLIDATOR_PROMPT = """\
+You are the Consolidator of a skill builder for a Chinese online-shopping agent.
+
+You receive one batch of evidence cards of one channel as JSON ({channel, max_clusters, cards}),
+each with its card_id. Group the cards that describe the same mechanism, at the same stage of
+the shopping workflow, under the same conditions of applicability, into clusters. For each
+cluster write: workflow_stage, mechanism, applicable_when, procedure (ordered steps),
+verification (how the agent checks it worked), common_failure (what goes wrong without it), and
+evidence_card_ids (the cards it rests on).
+
+Rules:
+- Write every human-readable field in Chinese (简体中文).
+- Every card_id of the batch appears exactly once: in one cluster's evidence_card_ids, or in
+  evidence_only_card_ids (a card too specific to generalise, or one whose lesson conflicts with
+  others and the conflict cannot be resolved from the evidence).
+- max_clusters is a ceiling, not a target: fewer, well-supported clusters are better.
+- Never name a product, brand, product id, task id or exact option value; generalise.
+- Answer only by calling the function submit_clusters exactly once.
+"""
