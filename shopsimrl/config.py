@@ -253,6 +253,9 @@ class ModelSection(_Strict):
     """Send assistant turns without text as ``content: ""`` (llama.cpp rejects ``null``)."""
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     """Model calls one process has in flight; default: the episode concurrency."""
+    adaptive_concurrency: bool = True
+    """Start below that ceiling and adapt to the server's load (shopsimrl.inflight); false: keep
+    every permitted call in flight. Scheduling only: not part of the plan."""
 
     @field_validator("name")
     @classmethod

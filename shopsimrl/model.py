@@ -69,12 +69,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
-from shopsimrl.httpclient import HttpService, Response, Timeout, TransportError
+from shopsimrl.httpclient import HttpService, ReadTimeout, Response, Timeout, TransportError, WriteTimeout
+from shopsimrl.inflight import AdaptiveLimit
 from shopsimrl.logs import brief
 from shopsimrl.retry import Attempt, Backoff, retry_async
 from shopsimrl.schemas import (
@@ -157,10 +158,14 @@ class _ContextOverflow(Exception):
 class _Retryable(Exception):
     """One attempt failed in a way that another attempt may fix."""
 
-    def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, status: int | None = None, retry_after: float | None = None, overload: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        self.overload = overload
+        """The server is saying it has too much to do (429, 503, no answer in time)."""
 
 
 # --------------------------------------------------------------------------- protocol and settings
@@ -302,12 +307,15 @@ class OpenAICompatibleChatModel:
         *,
         http: HttpService | None = None,
         sleep: Sleep = asyncio.sleep,
+        limit: AdaptiveLimit | None = None,
     ) -> None:
         if not isinstance(settings, OpenAICompatibleSettings):
             raise ModelConfigError(f"settings must be OpenAICompatibleSettings, got {type(settings).__name__}")
         self.settings = settings
         self._base_url = settings.base_url.rstrip("/")
         self._sleep = sleep
+        self.limit = limit
+        """Requests in flight at the server, adapting to its load (None: no limit here)."""
         self._http_service = http
         self._owns_http = http is None
         self._closed = False
@@ -467,22 +475,37 @@ class OpenAICompatibleChatModel:
                 "backoff_ms": 0.0,
             }
             attempts.append(record)
+            permit = await self.limit.acquire() if self.limit is not None else None
+            sent = time.perf_counter()  # a wait for the limit is not the server's latency
+            signal: Literal["ok", "overload", "other"] = "other"
+            overload: _Retryable | None = None
             try:
                 if s.stream:
                     status, body, raw = await self._stream_attempt(client, url, payload, headers)
                 else:
                     status, body, raw = await self._plain_attempt(client, url, payload, headers)
+                signal = "ok"
             except _Retryable as exc:
-                record.update(latency_ms=_ms_since(current.started), status=exc.status, error=self._redact(str(exc)))
+                record.update(latency_ms=_ms_since(sent), status=exc.status, error=self._redact(str(exc)))
+                if exc.overload:
+                    signal, overload = "overload", exc
                 raise
             except ModelRequestError as exc:
-                record.update(latency_ms=_ms_since(current.started), status=exc.status_code, error=str(exc))
+                record.update(latency_ms=_ms_since(sent), status=exc.status_code, error=str(exc))
                 exc.attempts = attempts
                 raise
             except _ContextOverflow as exc:
-                record.update(latency_ms=_ms_since(current.started), status=exc.status, error=self._redact(str(exc)))
+                record.update(latency_ms=_ms_since(sent), status=exc.status, error=self._redact(str(exc)))
                 return self._context_length_failure(exc, url, attempts)
-            record.update(latency_ms=_ms_since(current.started), status=status)
+            finally:
+                if self.limit is not None and permit is not None:
+                    self.limit.release(
+                        permit,
+                        signal,
+                        status=overload.status if overload else None,
+                        retry_after=overload.retry_after if overload else None,
+                    )
+            record.update(latency_ms=_ms_since(sent), status=status)
             output = _parse(body, raw, allowed, offered=bool(tools))
             output.latency_ms = record["latency_ms"]
             output.attempt_count = current.number
@@ -563,7 +586,10 @@ class OpenAICompatibleChatModel:
                 return _ContextOverflow(overflow[:ERROR_BODY_CHARS], status=status, body=body, excerpt=text[:ERROR_BODY_CHARS])
         if status in RETRYABLE_STATUSES or 500 <= status <= 599:
             return _Retryable(
-                f"HTTP {status}: {excerpt}", status=status, retry_after=_retry_after(response.headers.get("retry-after"))
+                f"HTTP {status}: {excerpt}",
+                status=status,
+                retry_after=_retry_after(response.headers.get("retry-after")),
+                overload=status in (429, 503),
             )
         return ModelRequestError(
             f"non-retryable model HTTP {status} from POST {redact_uri(url)}: {excerpt}", status_code=status, attempts=[]
@@ -575,7 +601,7 @@ class OpenAICompatibleChatModel:
         try:
             response = await client.request("POST", url, content=payload, headers=headers, timeout=self._timeout())
         except TransportError as exc:
-            raise _Retryable(_describe(exc)) from None
+            raise _Retryable(_describe(exc), overload=isinstance(exc, (ReadTimeout, WriteTimeout))) from None
         if not response.is_success:
             raise self._status_error(url, response, response.text)
         return response.status_code, *_decode_json(response.content)
@@ -598,7 +624,7 @@ class OpenAICompatibleChatModel:
                         break
                 return response.status_code, assembler.finish(), None
         except TransportError as exc:
-            raise _Retryable(_describe(exc)) from None
+            raise _Retryable(_describe(exc), overload=isinstance(exc, (ReadTimeout, WriteTimeout))) from None
 
 
 # --------------------------------------------------------------------------- streaming

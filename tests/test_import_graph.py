@@ -137,6 +137,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "adapters": (
         "shopsimrl.environment",
         "shopsimrl.httpclient",
+        "shopsimrl.inflight",
         "shopsimrl.model",
         "shopsimrl.prompts",
         "shopsimrl.retry",

@@ -98,6 +98,7 @@ def plan(
         "episodes": len(prepared.jobs),
         "persona": prepared.persona,
         "concurrency": config.experiment.concurrency,
+        "model_in_flight": _in_flight_line(config),
         "overrides": [override.as_record() for override in config.overrides],
         "model": {"id": config.model_id, **semantic["model"]},
         "environment": semantic["environment"],
@@ -135,6 +136,15 @@ def plan(
         warn(warning)
     if check and not report["services"]["ready"]:
         raise typer.Exit(int(ExitCode.RETRYABLE))
+
+
+def _in_flight_line(config: ExperimentConfig) -> str:
+    from shopsimrl.inflight import START_LIMIT
+
+    ceiling = config.model.max_concurrent_requests or config.experiment.concurrency
+    if not config.model.adaptive_concurrency:
+        return f"fixed at {ceiling} per process"
+    return f"adaptive: from {min(START_LIMIT, ceiling)} up to {ceiling} per process"
 
 
 # The plan table: these keys as headed sections, in this order; the rest as "key  value" rows.

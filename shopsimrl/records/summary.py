@@ -183,3 +183,6 @@ class EvalSummary(Record):
     throughput: dict[str, float | None] = Field(default_factory=dict)
     failure_classes: dict[str, int] = Field(default_factory=dict)
     run: RunIdentity | None = None
+    model_inflight: dict[str, Any] | None = None
+    """The adaptive model in-flight limit over the run's invocations (shopsimrl.inflight); local
+    runs with ``model.adaptive_concurrency`` only (a sharded worker logs its own)."""

@@ -16,9 +16,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from shopsimrl.schemas import EpisodeJob
+import structlog
+
+from shopsimrl.inflight import AdaptiveLimit
+from shopsimrl.schemas import EpisodeJob, redact_uri
 from shopsimrl.stopping import GracefulStop
 from shopsimrl.storage.base import TraceWriter
 
@@ -26,6 +30,8 @@ if TYPE_CHECKING:
     from shopsimrl.runner.experiment import PreparedExperiment
     from shopsimrl.runner.lease_journal import JournalStorage
     from shopsimrl.runner.scheduler import Evaluator
+
+_log = structlog.get_logger("shopsimrl.runner")
 
 __all__ = ["AsyncClosable", "Driven", "EvaluationHooks", "Resume", "drive", "evaluate"]
 
@@ -118,6 +124,10 @@ class EvaluationHooks:
     def ended(self, state: str) -> None:
         """The evaluation ended: ``finished``, ``interrupted`` or ``stopped`` (it raised)."""
 
+    def model_inflight(self, record: dict[str, Any]) -> None:
+        """The adaptive in-flight limit's history of this invocation (``shopsimrl.inflight``)."""
+        _log.info("model_inflight", **record)
+
 
 async def evaluate(
     prepared: PreparedExperiment,
@@ -142,10 +152,13 @@ async def evaluate(
 
     hooks = hooks or EvaluationHooks()
     config = prepared.config
-    model = prepared.model()
+    ceiling = config.model.max_concurrent_requests or config.experiment.concurrency
+    limit = AdaptiveLimit(ceiling) if config.model.adaptive_concurrency else None
+    model = prepared.model(limit)
     environment = prepared.environment()
     journal = LeaseJournal(journal_storage, environment_url=prepared.environment_settings.base_url, writer=journal_writer)
-    limited = ConcurrencyLimitedModel(model, config.model.max_concurrent_requests or config.experiment.concurrency)
+    limited = ConcurrencyLimitedModel(model, ceiling)
+    began = datetime.now(UTC).isoformat()
     grace = config.environment.cleanup_grace_seconds
 
     async def run() -> None:
@@ -182,6 +195,16 @@ async def evaluate(
             raise
         finally:
             hooks.ended(state)
+            if limit is not None and limit.requests:  # a resume with nothing to run changes nothing
+                hooks.model_inflight(
+                    {
+                        "started_at": began,
+                        "ended_at": datetime.now(UTC).isoformat(),
+                        "state": state,
+                        "model_base_url": redact_uri(prepared.model_settings.base_url),
+                        **limit.snapshot(),
+                    }
+                )
 
     driven = await drive(
         run(),

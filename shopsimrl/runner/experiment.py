@@ -21,6 +21,7 @@ from shopsimrl.environment import (
     lease_budget,
 )
 from shopsimrl.episode import ACTION_PROTOCOL, AgentRuntime
+from shopsimrl.inflight import AdaptiveLimit
 from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.planning import EvaluationPlan, build_jobs
 from shopsimrl.prompts import PromptBuilder
@@ -83,8 +84,8 @@ class PreparedExperiment:
     final_test: bool = False
     _plan: dict[str, Any] | None = field(default=None, repr=False)
 
-    def model(self) -> OpenAICompatibleChatModel:
-        return OpenAICompatibleChatModel(self.model_settings)
+    def model(self, limit: AdaptiveLimit | None = None) -> OpenAICompatibleChatModel:
+        return OpenAICompatibleChatModel(self.model_settings, limit=limit)
 
     def environment(self) -> ShopSimulatorEnvironment:
         return ShopSimulatorEnvironment(self.environment_settings)

@@ -23,6 +23,7 @@ import structlog
 from shopsimrl import eventloop
 from shopsimrl.cost import unapplied_prices
 from shopsimrl.exitcodes import ExitCode
+from shopsimrl.inflight import model_inflight_block
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, run_identity
 from shopsimrl.metrics import SummaryAccumulator
 from shopsimrl.records import RecordVersionError, RunManifest
@@ -187,6 +188,13 @@ class _LocalHooks(EvaluationHooks):
             await asyncio.sleep(0.05)
         await self.progress.beat()
 
+    def model_inflight(self, record: dict[str, Any]) -> None:
+        super().model_inflight(record)
+        try:
+            self.store.append_model_inflight(record)
+        except RunWriteError as exc:  # a history line lost costs no episode
+            log.warning("model_inflight_not_saved", error=str(exc))
+
     def ended(self, state: str) -> None:
         if self.progress is not None:
             self.progress.write(state)
@@ -213,6 +221,9 @@ def summarize_local(
     summary = accumulator.result()
     summary.setdefault("counts", {})["unreadable_lines"] = index.bad_lines
     summary["run"] = run_identity(manifest, uri=str(store.run_dir.resolve()))
+    inflight = model_inflight_block(store.read_model_inflight())
+    if inflight is not None:
+        summary["model_inflight"] = inflight
     previous = store.read_summary()
     if previous is not None and _same_but_created_at(summary, previous):
         return previous  # nothing changed (a resume with nothing to run): the file and its created_at stay

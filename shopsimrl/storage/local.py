@@ -139,6 +139,8 @@ class LocalRunStore:
         self.traces_path = self.run_dir / "traces.jsonl"
         self.summary_path = self.run_dir / "summary.json"
         self.progress_path = self.run_dir / "progress.json"
+        self.inflight_path = self.run_dir / "model_inflight.jsonl"
+        """One line per invocation: the adaptive model in-flight limit's history (shopsimrl.inflight)."""
         self._lock_handle: Any = None
 
     @property
@@ -256,6 +258,32 @@ class LocalRunStore:
                 continue
             state = index.episodes.get(record.episode_id)
             yield (state is not None and state.offset == offset), record
+
+    # -- model in-flight history ------------------------------------------------------------
+
+    def append_model_inflight(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
+        try:
+            with self.inflight_path.open("a", encoding="utf-8") as handle:
+                handle.write(line)
+        except OSError as exc:
+            raise RunWriteError(self.inflight_path, exc) from exc
+
+    def read_model_inflight(self) -> list[dict[str, Any]]:
+        """The invocations' records; a torn or foreign line (a kill mid-write) is skipped."""
+        try:
+            text = self.inflight_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return []
+        records = []
+        for line in text.splitlines():
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                records.append(value)
+        return records
 
     # -- summary ----------------------------------------------------------------------------
 

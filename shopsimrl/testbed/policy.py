@@ -113,6 +113,11 @@ class PolicySettings(BaseSettings):
     rate_abort: float = Field(0.0, ge=0, le=1)
     """``/generate`` only: answer with ``finish_reason.type == "abort"`` and no tokens, as SGLang does
     for a request aborted while weights are updated (drawn per request, apart from the other faults)."""
+    max_inflight: int | None = Field(None, ge=1)
+    """Chat completions answered at once; one more gets HTTP 429 with ``Retry-After:
+    overload_retry_after_s``, as a server whose queue is full does (None: no limit). Counts a
+    streamed answer until its response starts."""
+    overload_retry_after_s: int = Field(1, ge=0)
     options_need_skill: bool = False
     """Choosing the options the user wants is a skill: the policy does it only when a skill in the
     system prompt carries ``[[testbed:choose-options]]`` (:mod:`shopsimrl.testbed.heuristics_skills`)."""
@@ -255,6 +260,7 @@ class _PolicyServer:
         self.created = int(time.time())
         self._seen: OrderedDict[str, int] = OrderedDict()
         self.tokenizer = TestbedChatTokenizer()
+        self.inflight = 0
 
     def _occurrence(self, digest: str) -> int:
         count = self._seen.pop(digest, 0)
@@ -332,6 +338,19 @@ class _PolicyServer:
         return JSONResponse({"object": "list", "data": [model, judge]})
 
     async def chat_completions(self, request: Request) -> Response:
+        s = self.settings
+        if s.max_inflight is None:
+            return await self._chat_completions(request)
+        if self.inflight >= s.max_inflight:
+            retry_after = {"Retry-After": str(s.overload_retry_after_s)}
+            return _error(429, f"server busy: {self.inflight} requests in progress", "RateLimitError", None, **retry_after)
+        self.inflight += 1
+        try:
+            return await self._chat_completions(request)
+        finally:
+            self.inflight -= 1
+
+    async def _chat_completions(self, request: Request) -> Response:
         arrived = time.monotonic()
         raw = await request.body()
         try:
