@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shopsimrl.schemas import sha256_hex
 
-__all__ = ["CONSOLIDATOR_PROMPT", "SUCCESS_ANALYST_PROMPT", "prompt_sha256"]
+__all__ = ["COMPILER_PROMPT", "CONSOLIDATOR_PROMPT", "SUCCESS_ANALYST_PROMPT", "prompt_sha256"]
 
 SUCCESS_ANALYST_PROMPT = """\
 You are the Success Analyst of a skill builder for a Chinese online-shopping agent.
@@ -59,4 +59,30 @@ Rules:
 - max_clusters is a ceiling, not a target: fewer, well-supported clusters are better.
 - Never name a product, brand, product id, task id or exact option value; generalise.
 - Answer only by calling the function submit_clusters exactly once.
+"""
+
+
+COMPILER_PROMPT = """\
+You are the Compiler of a skill builder for a Chinese online-shopping agent.
+
+You receive the clusters the Consolidator made from evidence of successful and failed
+trajectories, as JSON ({validation_dimension_cap, clusters}), each with its cluster_id. Compile
+them into one skill: a skill_title and at most validation_dimension_cap chunks. Each chunk is one
+atomic, separately testable piece of advice (a later gate measures every chunk on its own):
+title, workflow_stage, applicable_when, procedure (ordered steps), verification, common_failure,
+and evidence_cluster_ids (the clusters it rests on).
+
+Order the chunks along the shopping workflow: the search query, the task's constraints, the
+shopper's persona, inspecting a product, the variant and its price, then backtracking and the
+purchase.
+
+Rules:
+- Write every human-readable field in Chinese (简体中文); a chunk title may also carry a short
+  English key phrase.
+- Every cluster_id appears exactly once: in one chunk's evidence_cluster_ids, or in
+  evidence_only_cluster_ids (too specific, or in a conflict you could not resolve; say which
+  conflicts you resolved, and how, in conflicts_resolved).
+- validation_dimension_cap is a ceiling, not a target.
+- Never name a product, brand, product id, task id or exact option value; generalise.
+- Answer only by calling the function submit_initial_skill exactly once.
 """
