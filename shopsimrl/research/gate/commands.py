@@ -26,7 +26,7 @@ from shopsimrl.config import WorkerSettings
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, plan_diff
 from shopsimrl.research.gate.checks import GateCheckError, normalised, pair_observations, read_strict
-from shopsimrl.research.gate.earlier import compare_with_earlier, is_earlier_gate, load_earlier_gate
+from shopsimrl.research.gate.earlier import compare_with_earlier, is_earlier_gate, load_earlier_gate, recorded_drops
 from shopsimrl.research.gate.fit import fit_paired_delta_ols
 from shopsimrl.research.gate.freeze import (
     ESTIMATOR,
@@ -213,10 +213,16 @@ def fit_gate(
     implementation is refitted from its own files into ``refit/`` (see :mod:`.earlier`)."""
     spec = load_gate_spec(gate_config, failed_episodes=failed_episodes, max_dropped_share=max_dropped_share)
     if is_earlier_gate(spec.gate_dir):
+        if recorded_drops(spec.gate_dir):
+            # The earlier fit dropped failed pairs: the refit drops the same ones (checked below,
+            # dropped_episodes_agree) whatever the policy, or it could never reproduce that fit.
+            spec = replace(spec, failed_episodes="drop", max_dropped_share=1.0)
         earlier, location = load_earlier_gate(spec, masked_run)
         result = _fit(earlier, location)
         if result.status == "complete":
-            result.manifest["earlier_fit"] = compare_with_earlier(spec.gate_dir, result.rows)
+            result.manifest["earlier_fit"] = compare_with_earlier(
+                spec.gate_dir, result.rows, result.manifest["summary"].get("dropped_episode_ids")
+            )
             atomic_write_json(result.files["manifest"], result.manifest)
         return result
     frozen = freeze(spec, settings)
@@ -440,7 +446,8 @@ def format_result(result: GateResult) -> str:
             verdict = "reproduced" if earlier["reproduced"] else "NOT reproduced"
             lines.append(
                 f"earlier fit ({earlier['file']}): {verdict}, largest coefficient difference "
-                f"{earlier['max_abs_coefficient_difference']:.3g}, statuses {'agree' if earlier['statuses_agree'] else 'differ'}"
+                f"{earlier['max_abs_coefficient_difference']:.3g}, statuses {'agree' if earlier['statuses_agree'] else 'differ'}, "
+                f"dropped episodes {'agree' if earlier['dropped_episodes_agree'] else 'differ'}"
             )
     elif summary.get("dropped_share_exceeded"):
         lines.append(
