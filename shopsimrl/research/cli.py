@@ -115,6 +115,13 @@ gate_app = typer.Typer(help="Skill gates: paired val rollouts that measure what 
 app.add_typer(gate_app, name="gate")
 GATE_CONFIG = typer.Argument(..., metavar="GATE.yaml", help="Gate config (a gate_a or an online_gate section).")
 
+FAILED_EPISODES = typer.Option(
+    None, "--failed-episodes", metavar="refuse|drop", help="Failed masked episodes: refuse (default) or drop their pairs."
+)
+MAX_DROPPED_SHARE = typer.Option(
+    None, "--max-dropped-share", help="With drop: the largest share of pairs dropped (default 0.02)."
+)
+
 
 def _gate_call(call: Any) -> Any:
     """Run one gate step (its errors are the table's, in shopsimrl/cli/errors.py)."""
@@ -141,6 +148,8 @@ def gate_plan(
     helm_values: Path | None = typer.Option(
         None, "--helm-values", help="With --shards and --run: write the Helm chart's values for the masked run."
     ),
+    failed_episodes: str | None = FAILED_EPISODES,
+    max_dropped_share: float | None = MAX_DROPPED_SHARE,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
@@ -149,7 +158,13 @@ def gate_plan(
         quiet,
         verbose,
         lambda gate, settings: gate.plan_gate(
-            gate_config, shards=shards, run=run_uri, settings=settings, helm_values=helm_values
+            gate_config,
+            shards=shards,
+            run=run_uri,
+            settings=settings,
+            helm_values=helm_values,
+            failed_episodes=failed_episodes,
+            max_dropped_share=max_dropped_share,
         ),
         lambda gate, report: gate.format_plan(report),
     )
@@ -164,6 +179,8 @@ def gate_run(
     ),
     run_uri: str | None = typer.Option(None, "--run", help="With --shards: the masked run's location (dir or s3://)."),
     backoff_limit_per_index: int = typer.Option(2, min=0, help="With --shards: restarts of a crashed shard worker."),
+    failed_episodes: str | None = FAILED_EPISODES,
+    max_dropped_share: float | None = MAX_DROPPED_SHARE,
     track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
@@ -173,15 +190,20 @@ def gate_run(
     With --shards N --run URI: plan them as a sharded run, run N workers as `run --shards` does
     (resumable the same way), reduce, then fit. --track: the fit's figures to W&B or MLflow."""
     tracking = tracking_settings(track)
+    drops = {"failed_episodes": failed_episodes, "max_dropped_share": max_dropped_share}
     if shards is not None or run_uri is not None:
         setup_logging(quiet, verbose)
-        _gate_run_sharded(gate_config, shards, run_uri, backoff_limit_per_index, progress, worker_settings(), tracking)
+        _gate_run_sharded(gate_config, shards, run_uri, backoff_limit_per_index, progress, worker_settings(), tracking, drops)
         return
     result = _gate_command(
         quiet,
         verbose,
         lambda gate, settings: gate.run_gate(
-            gate_config, settings=settings, show_progress=progress, announce=lambda line: typer.echo(line, err=True)
+            gate_config,
+            settings=settings,
+            show_progress=progress,
+            announce=lambda line: typer.echo(line, err=True),
+            **drops,
         ),
         lambda gate, result: gate.format_result(result),
     )
@@ -201,13 +223,15 @@ def _gate_run_sharded(
     progress: bool,
     settings: Any,
     tracking: Any = None,
+    drops: dict[str, Any] | None = None,
 ) -> None:
     from shopsimrl.runner.local_job import run_indexed
     from shopsimrl.runner.progress import ShardedRunProgress
 
     if shards is None or run_uri is None:
         raise BadInputError("--shards and --run go together: a sharded masked run needs a location (a dir or s3://…)")
-    report = _gate_call(lambda gate: gate.plan_gate(gate_config, shards=shards, run=run_uri, settings=settings))
+    drops = drops or {}
+    report = _gate_call(lambda gate: gate.plan_gate(gate_config, shards=shards, run=run_uri, settings=settings, **drops))
     typer.echo(
         f"gate {report.gate_dir.name}: {report.episodes} masked rollouts in {shards} shards → {report.masked_run}", err=True
     )
@@ -226,7 +250,7 @@ def _gate_run_sharded(
     reduced = reduce_and_report(run_uri, wait=False, timeout=0.0, include_uncommitted=False)
     if reduced not in (ExitCode.OK, ExitCode.EPISODES_FAILED):
         raise typer.Exit(int(reduced))
-    result = _gate_call(lambda gate: gate.fit_gate(gate_config, settings=settings))
+    result = _gate_call(lambda gate: gate.fit_gate(gate_config, settings=settings, **drops))
     typer.echo(_gate_call(lambda gate: gate.format_result(result)))
     _track_gate(tracking, result)
     raise typer.Exit(int(result.code))
@@ -238,6 +262,8 @@ def gate_fit(
     masked_run: str | None = typer.Option(
         None, "--masked-run", help="The masked run (dir or URI); default: where `gate plan` put it."
     ),
+    failed_episodes: str | None = FAILED_EPISODES,
+    max_dropped_share: float | None = MAX_DROPPED_SHARE,
     track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
@@ -249,7 +275,13 @@ def gate_fit(
     result = _gate_command(
         quiet,
         verbose,
-        lambda gate, settings: gate.fit_gate(gate_config, masked_run=masked_run, settings=settings),
+        lambda gate, settings: gate.fit_gate(
+            gate_config,
+            masked_run=masked_run,
+            settings=settings,
+            failed_episodes=failed_episodes,
+            max_dropped_share=max_dropped_share,
+        ),
         lambda gate, result: gate.format_result(result),
     )
     _track_gate(tracking, result)

@@ -195,6 +195,52 @@ def test_an_incomplete_gate_selects_nothing_and_a_rerun_runs_only_the_failed_epi
     assert json.loads((gate_dir / "gate_a_manifest.json").read_text(encoding="utf-8"))["status"] == "complete"
 
 
+def test_failed_episodes_drop_records_the_drops_and_the_cap_refuses(
+    tmp_path: Path, basic: dict[str, Any], research_runs: ResearchRuns, faulty_testbed: LocalTestbed
+) -> None:
+    config = yaml.safe_load(research_config(research_runs).read_text(encoding="utf-8"))
+    config["model"]["max_retries"] = 1
+    config["runtime"]["max_episode_retries"] = 0
+    experiment = tmp_path / "no-retries.yaml"
+    experiment.write_text(yaml.safe_dump(config), encoding="utf-8")
+    spec = write_gate(tmp_path / "gate.yaml", **{**basic, "experiment_config": str(experiment), "failed_episodes": "drop"})
+    gate_dir = tmp_path / "gate"
+
+    # Drop, with the default cap of 2 %: one failure in 24 pairs is already over it.
+    capped = gate("run", str(spec), "--no-progress", env=faulty_testbed.env())
+    assert capped.returncode == 1, capped.stderr[-2000:]
+    manifest = json.loads((gate_dir / "gate_a_manifest.json").read_text(encoding="utf-8"))
+    summary = manifest["summary"]
+    failed = summary["failed"]
+    assert manifest["status"] == "incomplete" and 0 < failed < 24
+    assert summary["requested_observations"] == 24 and summary["dropped_observations"] == failed
+    assert summary["dropped_share_exceeded"] is True and summary["max_dropped_share"] == 0.02
+    assert "over max_dropped_share 0.02" in capped.stdout and f"{failed}/24 pairs failed" in capped.stdout
+    assert not (gate_dir / "contributions.json").exists()
+
+    # Refuse (the flag wins over the file): the message points at the option.
+    refused = gate("fit", str(spec), "--failed-episodes", "refuse")
+    assert refused.returncode == 1 and "failed_episodes: drop" in refused.stdout
+    assert "requested_observations" not in json.loads((gate_dir / "gate_a_manifest.json").read_text(encoding="utf-8"))["summary"]
+
+    assert_bad_input(gate("fit", str(spec), "--max-dropped-share", "1.5"), "--max-dropped-share must be between 0 and 1")
+    assert_bad_input(gate("fit", str(spec), "--failed-episodes", "skip"), "--failed-episodes must be refuse or drop")
+
+    # A cap the failures fit under: the pairs are dropped and recorded, the fit uses the rest.
+    dropped = gate("fit", str(spec), "--max-dropped-share", "1")
+    assert dropped.returncode == 0, dropped.stderr[-2000:]
+    manifest = json.loads((gate_dir / "gate_a_manifest.json").read_text(encoding="utf-8"))
+    ids = manifest["summary"]["dropped_episode_ids"]
+    assert manifest["status"] == "complete" and len(ids) == failed and ids == sorted(ids)
+    assert manifest["config"]["failed_episodes"] == "drop" and manifest["config"]["max_dropped_share"] == 1.0
+    contributions = json.loads((gate_dir / "contributions.json").read_text(encoding="utf-8"))
+    assert contributions["dropped_episode_ids"] == ids
+    assert contributions["requested_observations"] == 24 and contributions["dropped_observations"] == failed
+    assert contributions["observations"] == 24 - failed and len(contributions["observations_table"]) == 24 - failed
+    assert not set(ids) & {row["episode_id"] for row in contributions["observations_table"]}
+    assert f"dropped {failed}/24 pairs" in dropped.stdout
+
+
 # --------------------------------------------------------------------------- the online gate
 
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
@@ -79,9 +80,20 @@ def trace(
 
 @pytest.fixture
 def earlier(tmp_path: Path) -> dict[str, Path]:
+    return build_earlier(tmp_path, TASKS)
+
+
+def noise(task_id: int) -> float:
+    """A dyadic, task-dependent residual: the fit is not exact, so which rows enter it shows."""
+    return ((task_id * 7) % 5 - 2) / 64
+
+
+def build_earlier(tmp_path: Path, tasks: range, *, failed: tuple[int, ...] = (), noisy: bool = False) -> dict[str, Path]:
+    """An earlier Gate A directory over ``tasks``; the masked episodes of ``failed`` ended failed
+    (the d020cbb gate then dropped them and recorded ``dropped_episode_ids``)."""
     template = json.loads((FIXTURES / "legacy_v4_traces.jsonl").read_text(encoding="utf-8").splitlines()[0])
     provenance = template["provenance"]
-    jobs = [{"task_id": t, "sample_id": 0, "seed": episode_seed(20260830, t, 0), "split": "val"} for t in TASKS]
+    jobs = [{"task_id": t, "sample_id": 0, "seed": episode_seed(20260830, t, 0), "split": "val"} for t in tasks]
     base_plan = {
         "pipeline_version": "shopsimrl-v0.4",
         "model_id": "qwen35-4b",
@@ -92,7 +104,7 @@ def earlier(tmp_path: Path) -> dict[str, Path]:
         "runtime": {**provenance["runtime"], "concurrency": 32},
         "prompt": provenance["prompt"],
     }
-    bare_rewards = {t: (0.5 if t % 2 else 0.25) for t in TASKS}
+    bare_rewards = {t: (0.5 if t % 2 else 0.25) for t in tasks}
     bare_dir = tmp_path / "runs" / "val-bare"
     bare_records = [trace(template, job, bare_rewards[job["task_id"]], [], {"provider": "none"}) for job in jobs]
     write_run(bare_dir, {**base_plan, "experiment": "val-bare", "skills": {"provider": "none"}}, bare_records)
@@ -123,7 +135,12 @@ def earlier(tmp_path: Path) -> dict[str, Path]:
             if s["skill_id"] in included
         ]
         reward = bare_rewards[job["task_id"]] + sum(EFFECTS[c] for c in included)
-        masked_records.append(trace(template, job, reward, shown, assigned))
+        reward += noise(job["task_id"]) if noisy else 0.0
+        record = trace(template, job, reward, shown, assigned)
+        if job["task_id"] in failed:
+            record |= {"status": "failed", "error": {"type": "ModelError", "message": "HTTP 500"}}
+            record["final"]["done"] = False
+        masked_records.append(record)
     gate_dir = tmp_path / "runs" / "gate-a"
     masked_plan = {
         **base_plan,
@@ -171,7 +188,7 @@ def earlier(tmp_path: Path) -> dict[str, Path]:
         ),
         encoding="utf-8",
     )
-    return {"gate_yaml": gate_yaml, "gate_dir": gate_dir, "bare_dir": bare_dir}
+    return {"gate_yaml": gate_yaml, "gate_dir": gate_dir, "bare_dir": bare_dir, "masks": gate_dir / "mask_assignments.json"}
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -280,3 +297,47 @@ def test_a_masked_rollout_shown_other_chunks_than_its_mask_is_refused(earlier: d
     traces.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     fitted = cli("gate", "fit", str(earlier["gate_yaml"]))
     assert fitted.returncode == 2 and "its frozen mask assigns" in fitted.stderr, fitted.stderr[-2000:]
+
+
+def test_an_earlier_gate_that_dropped_failed_episodes_is_refit_with_the_same_drops(tmp_path: Path) -> None:
+    failed = (17, 160, 333)
+    built = build_earlier(tmp_path, range(3, 403), failed=failed, noisy=True)
+    gate_dir = built["gate_dir"]
+    rows = json.loads(built["masks"].read_text(encoding="utf-8"))["assignments"]
+    kept = [row for row in rows if row["task_id"] not in failed]
+    # The earlier fit, computed here independently: OLS on the kept pairs' deltas.
+    design = np.array([row["mask"] for row in kept], dtype=float)
+    deltas = np.array([sum(EFFECTS[c] for c in row["included_chunk_ids"]) + noise(row["task_id"]) for row in kept], dtype=float)
+    beta = np.linalg.lstsq(design, deltas, rcond=None)[0]
+    assert beta[0] > 0 > beta[1]
+    dropped_ids = sorted(f"task-{t:06d}__sample-000" for t in failed)
+    earlier_fit = {
+        "schema_version": "shopsimrl-chunk-contributions-v2",
+        "observations": len(kept),
+        "requested_observations": len(rows),
+        "dropped_episode_ids": dropped_ids,
+        "contributions": [
+            {"chunk_id": "options", "draft_order": 1, "coefficient": float(beta[0]), "rank": 1, "status": "selected"},
+            {"chunk_id": "quiet", "draft_order": 2, "coefficient": float(beta[1]), "rank": None, "status": "non_positive"},
+        ],
+    }
+    (gate_dir / "contributions.json").write_text(json.dumps(earlier_fit), encoding="utf-8")
+
+    fitted = cli("gate", "fit", str(built["gate_yaml"]))
+    assert fitted.returncode == 0, fitted.stderr[-3000:]
+    assert "reproduced" in fitted.stdout and "dropped episodes agree" in fitted.stdout
+    refit = gate_dir / "refit"
+    document = json.loads((refit / "contributions.json").read_text(encoding="utf-8"))
+    coefficients = {row["chunk_id"]: row["coefficient"] for row in document["contributions"]}
+    assert abs(coefficients["options"] - beta[0]) <= 1e-12 and abs(coefficients["quiet"] - beta[1]) <= 1e-12
+    assert document["dropped_episode_ids"] == dropped_ids
+    assert (document["requested_observations"], document["dropped_observations"], document["observations"]) == (400, 3, 397)
+    manifest = json.loads((refit / "gate_a_manifest.json").read_text(encoding="utf-8"))
+    assert manifest["earlier_fit"]["dropped_episodes_agree"] is True and manifest["earlier_fit"]["reproduced"] is True
+
+    # Recorded drops that are not the failed episodes: the refit says so.
+    earlier_fit["dropped_episode_ids"] = dropped_ids[:2]
+    (gate_dir / "contributions.json").write_text(json.dumps(earlier_fit), encoding="utf-8")
+    differing = cli("gate", "fit", str(built["gate_yaml"]))
+    assert differing.returncode == 0, differing.stderr[-3000:]
+    assert "NOT reproduced" in differing.stdout and "dropped episodes differ" in differing.stdout

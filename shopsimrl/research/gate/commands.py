@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -26,7 +26,7 @@ from shopsimrl.config import WorkerSettings
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, plan_diff
 from shopsimrl.research.gate.checks import GateCheckError, normalised, pair_observations, read_strict
-from shopsimrl.research.gate.earlier import compare_with_earlier, is_earlier_gate, load_earlier_gate
+from shopsimrl.research.gate.earlier import compare_with_earlier, is_earlier_gate, load_earlier_gate, recorded_drops
 from shopsimrl.research.gate.fit import fit_paired_delta_ols
 from shopsimrl.research.gate.freeze import (
     ESTIMATOR,
@@ -123,6 +123,8 @@ def plan_gate(
     run: str | None = None,
     settings: WorkerSettings | None = None,
     helm_values: Path | None = None,
+    failed_episodes: str | None = None,
+    max_dropped_share: float | None = None,
 ) -> PlanReport:
     """Freeze the gate; with ``shards`` and ``run``, freeze the sharded masked run too, and with
     ``helm_values`` write the chart's values for it (config, split and assignments inline)."""
@@ -138,7 +140,7 @@ def plan_gate(
         raise GatePlanError(
             f"--helm-values needs --run in object storage (s3://…), not {run}: the release's pods cannot reach a local directory"
         )
-    spec = load_gate_spec(gate_config)
+    spec = load_gate_spec(gate_config, failed_episodes=failed_episodes, max_dropped_share=max_dropped_share)
     _refuse_earlier(spec.gate_dir)
     frozen = freeze(spec, settings)
     location = run or str(spec.gate_dir)
@@ -175,10 +177,12 @@ def run_gate(
     settings: WorkerSettings | None = None,
     show_progress: bool = True,
     announce: Callable[[str], None] = lambda line: None,
+    failed_episodes: str | None = None,
+    max_dropped_share: float | None = None,
 ) -> GateResult:
     """Plan, run the masked rollouts in this process (into the gate directory), fit. Raises
     :class:`~shopsimrl.runner.local.RunStopped` when the rollouts stop early (exit 3 to resume)."""
-    spec = load_gate_spec(gate_config)
+    spec = load_gate_spec(gate_config, failed_episodes=failed_episodes, max_dropped_share=max_dropped_share)
     _refuse_earlier(spec.gate_dir)
     frozen = freeze(spec, settings)
     location = str(spec.gate_dir)
@@ -197,15 +201,28 @@ def run_gate(
     return _fit(frozen, location)
 
 
-def fit_gate(gate_config: Path, *, masked_run: str | None = None, settings: WorkerSettings | None = None) -> GateResult:
+def fit_gate(
+    gate_config: Path,
+    *,
+    masked_run: str | None = None,
+    settings: WorkerSettings | None = None,
+    failed_episodes: str | None = None,
+    max_dropped_share: float | None = None,
+) -> GateResult:
     """Fit from the bare run and the masked run, offline. A gate directory of the earlier
     implementation is refitted from its own files into ``refit/`` (see :mod:`.earlier`)."""
-    spec = load_gate_spec(gate_config)
+    spec = load_gate_spec(gate_config, failed_episodes=failed_episodes, max_dropped_share=max_dropped_share)
     if is_earlier_gate(spec.gate_dir):
+        if recorded_drops(spec.gate_dir):
+            # The earlier fit dropped failed pairs: the refit drops the same ones (checked below,
+            # dropped_episodes_agree) whatever the policy, or it could never reproduce that fit.
+            spec = replace(spec, failed_episodes="drop", max_dropped_share=1.0)
         earlier, location = load_earlier_gate(spec, masked_run)
         result = _fit(earlier, location)
         if result.status == "complete":
-            result.manifest["earlier_fit"] = compare_with_earlier(spec.gate_dir, result.rows)
+            result.manifest["earlier_fit"] = compare_with_earlier(
+                spec.gate_dir, result.rows, result.manifest["summary"].get("dropped_episode_ids")
+            )
             atomic_write_json(result.files["manifest"], result.manifest)
         return result
     frozen = freeze(spec, settings)
@@ -319,19 +336,44 @@ def _fit(frozen: FrozenGate, location: str) -> GateResult:
         "shard_states": dict(run.shard_states) or None,
     }
     manifest_path = spec.gate_dir / spec.manifest_name
-    if read.unfinished or missing:
+    dropped: list[str] = []
+    if spec.failed_episodes == "drop" and read.unfinished and not missing:
+        # Only failures are dropped: a missing record is a run not yet finished, not an outcome.
+        dropped = sorted(read.unfinished)
+        share = len(dropped) / len(expected)
+        summary |= {
+            "requested_observations": len(expected),
+            "dropped_observations": len(dropped),
+            "dropped_episode_ids": dropped,
+            "max_dropped_share": spec.max_dropped_share,
+        }
+        if share > spec.max_dropped_share:
+            summary["dropped_share_exceeded"] = True
+            dropped = []
+    if (read.unfinished and not dropped) or missing:
         manifest = _manifest(frozen, location, "incomplete", summary, read.observations.values())
         removed = remove_outputs(spec.gate_dir)
         if removed:
             manifest["removed_stale_outputs"] = removed
         atomic_write_json(manifest_path, manifest)
         return GateResult("incomplete", ExitCode.EPISODES_FAILED, spec.gate_dir, manifest, {"manifest": manifest_path})
-    pairs = pair_observations(
-        frozen.assignments, read.observations, frozen.baseline.observations, split=frozen.split, send_seed=frozen.send_seed
-    )
+    if dropped:
+        kept = [a for a in frozen.assignments if a.job.episode_id not in read.unfinished]
+        kept_ids = {a.job.episode_id for a in kept}
+        frozen = replace(frozen, assignments=kept)
+        baseline = {key: value for key, value in frozen.baseline.observations.items() if key in kept_ids}
+    else:
+        baseline = dict(frozen.baseline.observations)
+    pairs = pair_observations(frozen.assignments, read.observations, baseline, split=frozen.split, send_seed=frozen.send_seed)
     metrics = ["reward", *sorted(m for m in pairs.outcomes if m != "reward")]
     fits = {metric: fit_paired_delta_ols(pairs.masks, pairs.outcomes[metric]) for metric in metrics}
     document = contributions(frozen, pairs, fits)
+    if spec.failed_episodes == "drop":
+        document |= {
+            "requested_observations": len(expected),
+            "dropped_observations": len(dropped),
+            "dropped_episode_ids": dropped,
+        }
     manifest = _manifest(frozen, location, "complete", summary, read.observations.values())
     manifest["output"] = write_outputs(frozen, document)
     atomic_write_json(manifest_path, manifest)
@@ -384,6 +426,11 @@ def format_result(result: GateResult) -> str:
         f"gate {result.status}: {summary['completed']}/{summary['episodes']} masked rollouts completed, "
         f"{summary['failed']} failed, {summary['missing']} missing"
     ]
+    if result.status == "complete" and summary.get("dropped_observations"):
+        lines.append(
+            f"dropped {summary['dropped_observations']}/{summary['requested_observations']} pairs whose masked episode failed "
+            f"(failed_episodes: drop): {summary['dropped_episode_ids']}"
+        )
     if result.rows:
         lines.append(f"{'chunk':<28} {'coef':>8} {'SE':>7} {'95% CI':>19} {'rank':>4}  status")
         for row in result.rows:
@@ -399,10 +446,20 @@ def format_result(result: GateResult) -> str:
             verdict = "reproduced" if earlier["reproduced"] else "NOT reproduced"
             lines.append(
                 f"earlier fit ({earlier['file']}): {verdict}, largest coefficient difference "
-                f"{earlier['max_abs_coefficient_difference']:.3g}, statuses {'agree' if earlier['statuses_agree'] else 'differ'}"
+                f"{earlier['max_abs_coefficient_difference']:.3g}, statuses {'agree' if earlier['statuses_agree'] else 'differ'}, "
+                f"dropped episodes {'agree' if earlier['dropped_episodes_agree'] else 'differ'}"
             )
+    elif summary.get("dropped_share_exceeded"):
+        lines.append(
+            f"no contributions or selection written: {summary['dropped_observations']}/{summary['requested_observations']} "
+            f"pairs failed, a dropped share of {summary['dropped_observations'] / summary['requested_observations']:.4f} "
+            f"over max_dropped_share {summary['max_dropped_share']}; rerun the failed masked rollouts, then fit again"
+        )
     else:
-        lines.append("no contributions or selection written: rerun the failed or missing masked rollouts, then fit again")
+        lines.append(
+            "no contributions or selection written: rerun the failed or missing masked rollouts, then fit again "
+            "(or, with failed_episodes: drop, fit without the failed pairs)"
+        )
     for name, path in result.files.items():
         lines.append(f"{name + ':':<24} {path}")
     return "\n".join(lines)

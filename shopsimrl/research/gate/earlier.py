@@ -43,7 +43,14 @@ from shopsimrl.research.gate.spec import GateSpec
 from shopsimrl.schemas import EpisodeJob, read_json_file
 from shopsimrl.storage.reading import open_run
 
-__all__ = ["REFIT_DIR", "EarlierGateError", "compare_with_earlier", "is_earlier_gate", "load_earlier_gate"]
+__all__ = [
+    "REFIT_DIR",
+    "EarlierGateError",
+    "compare_with_earlier",
+    "is_earlier_gate",
+    "load_earlier_gate",
+    "recorded_drops",
+]
 
 REFIT_DIR: Final = "refit"
 CONTRIBUTIONS_FILE: Final = "contributions.json"
@@ -198,9 +205,25 @@ def load_earlier_gate(spec: GateSpec, masked_run: str | None = None) -> tuple[Fr
     return frozen, location
 
 
-def compare_with_earlier(gate_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """How the refit's reward coefficients and statuses compare with the earlier ``contributions.json``
-    (rows ``chunk_id``, ``coefficient``, ``status``); None when there is no such file."""
+def recorded_drops(gate_dir: Path) -> list[str]:
+    """The episodes the earlier fit dropped (``dropped_episode_ids`` of its ``contributions.json``;
+    empty when the file or the key is absent: the earlier versions that refused failures)."""
+    path = gate_dir / CONTRIBUTIONS_FILE
+    if not path.exists():
+        return []
+    document = _read_json(path, "the earlier fit")
+    dropped = document.get("dropped_episode_ids") if isinstance(document, dict) else None
+    if dropped is None:
+        return []
+    if not isinstance(dropped, list) or not all(isinstance(item, str) and item for item in dropped):
+        raise EarlierGateError(f"{path}: dropped_episode_ids must be a list of episode ids")
+    return sorted(dropped)
+
+
+def compare_with_earlier(gate_dir: Path, rows: list[dict[str, Any]], dropped: list[str] | None = None) -> dict[str, Any] | None:
+    """How the refit's reward coefficients, statuses and dropped episodes compare with the earlier
+    ``contributions.json`` (rows ``chunk_id``, ``coefficient``, ``status``; ``dropped_episode_ids``);
+    None when there is no such file."""
     path = gate_dir / CONTRIBUTIONS_FILE
     if not path.exists():
         return None
@@ -223,9 +246,11 @@ def compare_with_earlier(gate_dir: Path, rows: list[dict[str, Any]]) -> dict[str
         differences.append(abs(float(coefficient) - row["coefficient"]))
         statuses_agree = statuses_agree and before.get("status") == row["status"]
     largest = max(differences)
+    drops_agree = recorded_drops(gate_dir) == sorted(dropped or [])
     return {
         "file": f"../{CONTRIBUTIONS_FILE}",
         "max_abs_coefficient_difference": largest,
         "statuses_agree": statuses_agree,
-        "reproduced": largest <= _AGREEMENT and statuses_agree,
+        "dropped_episodes_agree": drops_agree,
+        "reproduced": largest <= _AGREEMENT and statuses_agree and drops_agree,
     }

@@ -13,6 +13,8 @@ errors here, naming their path)::
       mask_seed: 20260901
       mask_probability: 0.5                   # the only value allowed
       active_skill_budget: 2                  # default: the draft's
+      failed_episodes: refuse                 # or drop (see docs/paired_validation.md)
+      max_dropped_share: 0.02                 # with drop: the most pairs that may be dropped
 
     online_gate:                              # the online gate: a candidate pool
       name: trace2skill-online-gate
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -54,6 +56,8 @@ class _Common(_Strict):
     experiment_config: str
     bare_run_dir: str
     mask_seed: int = 20260901
+    failed_episodes: Literal["refuse", "drop"] = "refuse"
+    max_dropped_share: float = Field(default=0.02, ge=0.0, le=1.0)
 
     @field_validator("output_dir", "experiment_config", "bare_run_dir")
     @classmethod
@@ -107,6 +111,10 @@ class GateSpec:
     candidate_pool_path: Path | None = None
     raw: dict[str, Any] | None = None
     """The gate's section as written (recorded in the gate manifest)."""
+    failed_episodes: Literal["refuse", "drop"] = "refuse"
+    """refuse: a failed masked episode leaves the gate incomplete; drop: its pair is left out."""
+    max_dropped_share: float = 0.02
+    """With drop: the largest share of pairs that may be dropped before the gate is refused."""
 
     @property
     def manifest_name(self) -> str:
@@ -122,7 +130,33 @@ def _location(base: Path, value: str) -> str:
     return value if "://" in value else str(_resolve(base, value))
 
 
-def load_gate_spec(path: str | Path) -> GateSpec:
+FAILED_EPISODE_POLICIES: Final = ("refuse", "drop")
+
+
+def _overridden(source: Path, data: dict[str, Any], failed_episodes: str | None, max_dropped_share: float | None) -> None:
+    """Apply the command line's --failed-episodes / --max-dropped-share to the section in place
+    (the flags win over the file); validated by the same model as the file's keys."""
+    if failed_episodes is None and max_dropped_share is None:
+        return
+    for key in ("gate_a", "online_gate"):
+        section = data.get(key)
+        if isinstance(section, dict):
+            if failed_episodes is not None:
+                if failed_episodes not in FAILED_EPISODE_POLICIES:
+                    raise GateSpecError(
+                        f"--failed-episodes must be refuse or drop, not {failed_episodes!r} (overrides {key}.failed_episodes of {source})"
+                    )
+                section["failed_episodes"] = failed_episodes
+            if max_dropped_share is not None:
+                if not (0.0 <= max_dropped_share <= 1.0):
+                    raise GateSpecError(
+                        f"--max-dropped-share must be between 0 and 1, not {max_dropped_share} "
+                        f"(overrides {key}.max_dropped_share of {source})"
+                    )
+                section["max_dropped_share"] = float(max_dropped_share)
+
+
+def load_gate_spec(path: str | Path, *, failed_episodes: str | None = None, max_dropped_share: float | None = None) -> GateSpec:
     source = Path(path)
     try:
         data = yaml.safe_load(source.read_text(encoding="utf-8"))
@@ -136,6 +170,7 @@ def load_gate_spec(path: str | Path) -> GateSpec:
         raise GateSpecError(f"gate config {source} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
     if not isinstance(data, dict):
         raise GateSpecError(f"gate config {source} must be a mapping with a 'gate_a' or an 'online_gate' section")
+    _overridden(source, data, failed_episodes, max_dropped_share)
     try:
         parsed = _GateFile.model_validate(data)
     except ValidationError as exc:
@@ -155,6 +190,8 @@ def load_gate_spec(path: str | Path) -> GateSpec:
         "bare_run": _location(base, section.bare_run_dir),
         "mask_seed": section.mask_seed,
         "raw": section.model_dump(),
+        "failed_episodes": section.failed_episodes,
+        "max_dropped_share": section.max_dropped_share,
     }
     if isinstance(section, _GateA):
         draft = _resolve(base, section.draft_path)
