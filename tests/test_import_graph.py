@@ -69,6 +69,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.skills.analyst",
         "shopsimrl.research.skills.cards",
         "shopsimrl.research.skills.compact",
+        "shopsimrl.research.skills.build",
         "shopsimrl.research.skills.compile",
         "shopsimrl.research.skills.consolidate",
         "shopsimrl.research.skills.firewall",

@@ -45,6 +45,7 @@ COMMANDS: dict[str, str] = {
     "training": "shopsimrl.cli.training",
     "gate": "shopsimrl.research.cli",
     "judge": "shopsimrl.research.cli",
+    "skills": "shopsimrl.research.cli",
     "export": "shopsimrl.research.cli",
 }
 # Parts installed apart, or not at all (the worker image has neither): never imported statically

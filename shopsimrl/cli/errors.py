@@ -142,6 +142,7 @@ RULES: tuple[Rule, ...] = (
     Rule("shopsimrl.research.judge.local:JudgeOutputError", _BAD),
     Rule("shopsimrl.research.judge.sharded:JudgePlanError", _BAD),
     Rule("shopsimrl.research.judge.call:JudgeModelError", _BAD),
+    Rule("shopsimrl.research.skills.analyst:SkillInputError", _BAD),
     # Any other I/O error once a command is under way (reading a run, writing an output): the
     # storage or the disk failed; safe to retry once it is back.
     Rule("builtins:OSError", _AGAIN),

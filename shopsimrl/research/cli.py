@@ -663,3 +663,25 @@ def export_table(
         typer.echo(f"wrote {rows} {level.value[:-1]} rows of {read} runs to {output}{left_out}")
     else:
         typer.echo(f"wrote {rows} {level.value[:-1]} rows to {output}")
+
+
+# --------------------------------------------------------------------------- skills
+
+skills_app = typer.Typer(help="The skill builder: skill chunks from a frozen train run's traces, for the gates.", **HELP_STYLE)
+app.add_typer(skills_app, name="skills")
+
+
+@skills_app.command("build")
+def skills_build(
+    skills_config: Path = typer.Argument(..., metavar="SKILLS.yaml", help="Traces, output folder, analyst and compiler models."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Analyse the successful trajectories, consolidate the cards, compile the Gate A draft
+    (resumable: each stage skips what its input fingerprint says is done). Exit 1: a stage is
+    not complete (rerun)."""
+    setup_logging(quiet, verbose)
+    build = import_part("shopsimrl.research.skills.build", "research")
+    result = build.build_skills(build.load_skills_config(skills_config))
+    typer.echo(build.format_build(result))
+    raise typer.Exit(int(ExitCode.OK if result.complete else ExitCode.EPISODES_FAILED))
