@@ -4,15 +4,18 @@ signal, and a real run against a testbed policy server that refuses for load."""
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from shopsimrl.inflight import MAX_HOLD_S, PROBE_ROUNDS, AdaptiveLimit, model_inflight_block
+from shopsimrl.model import _retry_after
 from tests.testbed_process import ROOT, start_testbed, write_config
 
 
@@ -116,6 +119,22 @@ def test_retry_after_pauses_new_requests_capped() -> None:
 
     asyncio.run(long_pause())
     assert capped.held_s == MAX_HOLD_S
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [(None, None), ("", None), ("7", 7.0), (" 1.5 ", 1.5), ("-3", 0.0), ("inf", None), ("nan", None), ("soon", None)],
+)
+def test_retry_after_header_in_seconds(header: str | None, expected: float | None) -> None:
+    assert _retry_after(header) == expected
+
+
+def test_retry_after_header_as_an_http_date() -> None:
+    """A date is relative to now: one in the past means no wait, one ahead means the time left."""
+    assert _retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
+    ahead = email.utils.format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)
+    waited = _retry_after(ahead)
+    assert waited is not None and 3000 < waited <= 3600
 
 
 def test_the_summary_block_sums_invocations() -> None:
