@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from shopsimrl.cli.common import HELP_STYLE, QUIET, VERBOSE, prepare, setup_logging
+from shopsimrl.cli.common import HELP_STYLE, QUIET, VERBOSE, prepare, setup_logging, worker_settings
 from shopsimrl.cli.errors import BadInputError
 from shopsimrl.exitcodes import ExitCode
 
@@ -44,7 +44,8 @@ def evalset(
 
     # Every config is checked before anything runs: a typo in the last member costs no run.
     try:
-        configs = [the_set.member_config(member) for member in the_set.members]
+        settings = worker_settings()
+        configs = [the_set.member_config(member, settings) for member in the_set.members]
     except ConfigError as exc:
         raise BadInputError(str(exc)) from None
     worst = ExitCode.OK

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from shopsimrl.config import ConfigError, ConfigOverride, ExperimentConfig, load_experiment_config
+from shopsimrl.config import ConfigError, ConfigOverride, ExperimentConfig, WorkerSettings, load_experiment_config
 
 __all__ = ["EvalSet", "EvalSetError", "Member", "load_evalset", "member_state"]
 
@@ -25,8 +25,11 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _TOP = {"location", "config", "set", "concurrency", "tracking", "members"}
 _MEMBER = {"name", "config", "set", "model", "checkpoint", "experiment"}
 # The short forms, as `run` spells them (shopsimrl.cli.common.command_line_overrides).
-_SHORT = {"model": ("model.name", "--model"), "checkpoint": ("model.checkpoint_id", "--checkpoint"),
-          "experiment": ("experiment.name", "--experiment")}
+_SHORT = {
+    "model": ("model.name", "--model"),
+    "checkpoint": ("model.checkpoint_id", "--checkpoint"),
+    "experiment": ("experiment.name", "--experiment"),
+}
 
 
 class EvalSetError(ConfigError):
@@ -52,8 +55,9 @@ class EvalSet:
     def run_dir(self, member: Member) -> Path:
         return self.location / member.name
 
-    def member_config(self, member: Member) -> ExperimentConfig:
-        """The member's config with its overrides, at its own run folder."""
+    def member_config(self, member: Member, settings: WorkerSettings | None = None) -> ExperimentConfig:
+        """The member's config with its overrides, then ``settings`` (``SHOPSIMRL_*``) where
+        they leave a key alone, as ``run`` loads it; at the member's own run folder."""
         overrides = list(member.overrides)
         if self.concurrency is not None:  # not part of the plan: the fingerprint stays `run`'s
             overrides.append(ConfigOverride("experiment.concurrency", self.concurrency, "--concurrency"))
@@ -61,6 +65,8 @@ class EvalSet:
             config = load_experiment_config(member.config, overrides=overrides)
         except ConfigError as exc:
             raise EvalSetError(f"{self.path}:{member.line}: member {member.name!r}: {exc}") from None
+        if settings is not None:
+            config = config.with_overrides(settings)
         return config.at_run_dir(self.run_dir(member))
 
 
