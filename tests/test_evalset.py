@@ -106,3 +106,11 @@ def test_releasing_a_slot_never_held_is_an_error() -> None:
         pool.release(index)
     with pytest.raises(ValueError):
         SlotPool(total=0)
+
+
+def test_the_example_set_loads() -> None:
+    path = Path(__file__).resolve().parent.parent / "configs/evalset_testbed.yaml"
+    the_set = load_evalset(path)
+    configs = [the_set.member_config(member) for member in the_set.members]
+    assert [config.model.checkpoint_id for config in configs] == ["round-1", "round-2", "round-3"]
+    assert len({config.run_dir for config in configs}) == 3

@@ -76,6 +76,7 @@ def test_a_set_interrupted_by_sigint_resumes_every_member_without_redoing_episod
 
         resumed = shopsimrl(bed.env(), "evalset", str(set_path), "--no-progress")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert all(name in resumed.stdout for name in ("round-1", "round-2", "round-3"))  # the leaderboard
         assert trace_ids(location / "round-1") == first_done  # nothing of a finished member reruns
         second_after = trace_ids(location / "round-2")
         assert second_after[: len(second_before)] == second_before

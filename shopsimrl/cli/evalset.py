@@ -23,10 +23,13 @@ def evalset(
     status: bool = typer.Option(False, "--status", help="Print each member's state; run nothing."),
     as_json: bool = typer.Option(False, "--json", help="With --status: JSON lines."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
+    report: bool = typer.Option(True, "--report/--no-report", help="End with the runs leaderboard of the set."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
-    """Run (or resume) every member of an eval set, one run per member."""
+    """Run (or resume) every member of an eval set: one run per member under the set's
+    location, each with its own frozen plan; then the runs leaderboard. Ctrl-C exits 3 and the
+    same command resumes; a member whose plan changed since it froze exits 42 naming it."""
     from shopsimrl.config import ConfigError
     from shopsimrl.runner.evalset import load_evalset, member_state
 
@@ -59,8 +62,11 @@ def evalset(
             raise RunStopped(exc.code, f"member {member.name!r}: {exc}") from None
         if summary.get("failed"):
             worst = ExitCode.EPISODES_FAILED
-    for member in the_set.members:
-        state = member_state(the_set, member)
-        typer.echo(f"{member.name:<24} {state['state']:<8} {state['run']}")
+    if report:
+        from shopsimrl.cli.runs import runs as leaderboard
+
+        leaderboard(
+            str(the_set.location), sort="score", ascending=None, group=True, depth=1, as_json=False, quiet=quiet, verbose=verbose
+        )
     if worst:
         raise typer.Exit(int(worst))
