@@ -108,6 +108,9 @@ def test_a_set_interrupted_by_sigint_resumes_every_member_without_redoing_episod
         assert fingerprints[0] == fingerprints[1]
 
         # An edit that changes a member's plan after it froze is refused naming the member.
-        set_path.write_text(SET.replace("checkpoint: ck-2}", "checkpoint: ck-2b}"), encoding="utf-8")
+        # Checked before any member runs: a new fourth member is not started.
+        edited = SET.replace("checkpoint: ck-2}", "checkpoint: ck-2b}") + "  - {name: round-4, checkpoint: ck-4}\n"
+        set_path.write_text(edited, encoding="utf-8")
         changed = shopsimrl(bed.env(), "evalset", str(set_path), "--no-progress")
         assert changed.returncode == 42 and "round-2" in changed.stderr, changed.stderr[-2000:]
+        assert not (location / "round-4").exists()

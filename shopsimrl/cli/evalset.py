@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -51,10 +52,14 @@ def evalset(
         configs = [the_set.member_config(member, settings) for member in the_set.members]
     except ConfigError as exc:
         raise BadInputError(str(exc)) from None
+    # Every member's frozen plan is checked before any runs: a member edited since it froze
+    # stops the set at once (exit 42 naming it), not after the members before it have run.
+    prepared_members = [prepare(config, False) for config in configs]
+    for member, prepared in zip(the_set.members, prepared_members, strict=True):
+        _check_frozen_plan(member.name, prepared)
     worst = ExitCode.OK
-    for index, (member, config) in enumerate(zip(the_set.members, configs, strict=True), start=1):
+    for index, (member, prepared) in enumerate(zip(the_set.members, prepared_members, strict=True), start=1):
         typer.echo(f"[{index}/{len(configs)}] {member.name}: {the_set.run_dir(member)}", err=True)
-        prepared = prepare(config, False)
         prepared.model().check_api_key()
         try:
             _, summary = run_local(prepared, show_progress=progress, announce=lambda line: typer.echo(line, err=True))
@@ -70,3 +75,22 @@ def evalset(
         )
     if worst:
         raise typer.Exit(int(worst))
+
+
+def _check_frozen_plan(name: str, prepared: Any) -> None:
+    """Exit 42 naming member ``name`` when its run folder froze another plan."""
+    from shopsimrl.manifest import ManifestError
+    from shopsimrl.runner.local import RunStopped
+    from shopsimrl.schemas import fingerprint
+    from shopsimrl.storage.local import LocalRunStore
+
+    try:
+        existing = LocalRunStore(prepared.config.run_dir).read_manifest()
+    except (ManifestError, OSError, ValueError) as exc:
+        raise RunStopped(ExitCode.BAD_INPUT, f"member {name!r}: {exc}") from None
+    if existing is not None and existing.plan_fingerprint != fingerprint(prepared.plan()):
+        raise RunStopped(
+            ExitCode.FINGERPRINT_MISMATCH,
+            f"member {name!r}: {prepared.config.run_dir} froze another plan ({existing.plan_fingerprint[:12]}); "
+            "undo the change or give the member a new name",
+        )
