@@ -24,6 +24,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.cli",
         "shopsimrl.cli.common",
         "shopsimrl.cli.env",
+        "shopsimrl.cli.evalset",
         "shopsimrl.cli.errors",
         "shopsimrl.cli.run",
         "shopsimrl.cli.runs",
@@ -112,6 +113,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runner": (
         "shopsimrl.runner",
         "shopsimrl.runner.driver",
+        "shopsimrl.runner.evalset",
         "shopsimrl.runner.experiment",
         "shopsimrl.runner.kube",
         "shopsimrl.runner.lease_journal",
@@ -121,6 +123,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.runner.reduce",
         "shopsimrl.runner.runs",
         "shopsimrl.runner.scheduler",
+        "shopsimrl.runner.slots",
         "shopsimrl.runner.status",
         "shopsimrl.runner.worker",
         "shopsimrl.runner.worker_processes",

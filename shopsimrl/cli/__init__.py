@@ -1,4 +1,4 @@
-"""``shopsimrl`` command line: plan, run, worker, reduce, status, runs, summarize, wait-ready, env, training, testbed;
+"""``shopsimrl`` command line: plan, run, worker, reduce, status, runs, evalset, summarize, wait-ready, env, training, testbed;
 over finished runs (``shopsimrl/research/``): compare, report, view, show, labels, export, gate, judge.
 
 One module per command group (see :data:`COMMANDS`); every command runs under the handler of
@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "reduce": "shopsimrl.cli.shards",
     "status": "shopsimrl.cli.status",
     "runs": "shopsimrl.cli.runs",
+    "evalset": "shopsimrl.cli.evalset",
     "wait-ready": "shopsimrl.cli.run",
     "compare": "shopsimrl.research.cli",
     "report": "shopsimrl.research.cli",

@@ -1,0 +1,96 @@
+"""``shopsimrl evalset SET.yaml``: several checkpoints or configs run as one set, one run each
+under the set's location (see :mod:`shopsimrl.runner.evalset`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from shopsimrl.cli.common import HELP_STYLE, QUIET, VERBOSE, prepare, setup_logging, worker_settings
+from shopsimrl.cli.errors import BadInputError
+from shopsimrl.exitcodes import ExitCode
+
+__all__ = ["app"]
+
+app = typer.Typer(**HELP_STYLE)
+
+
+@app.command("evalset")
+def evalset(
+    set_path: Path = typer.Argument(..., metavar="SET", help="Eval set YAML: location, members."),
+    status: bool = typer.Option(False, "--status", help="Print each member's state; run nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --status: JSON lines."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
+    report: bool = typer.Option(True, "--report/--no-report", help="End with the runs leaderboard of the set."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Run (or resume) every member of an eval set: one run per member under the set's
+    location, each with its own frozen plan; then the runs leaderboard. Ctrl-C exits 3 and the
+    same command resumes; a member whose plan changed since it froze exits 42 naming it."""
+    from shopsimrl.config import ConfigError
+    from shopsimrl.runner.evalset import load_evalset, member_state
+
+    setup_logging(quiet, verbose)
+    try:
+        the_set = load_evalset(set_path)
+    except ConfigError as exc:
+        raise BadInputError(str(exc)) from None
+    if status:
+        for member in the_set.members:
+            state = member_state(the_set, member)
+            typer.echo(json.dumps(state) if as_json else f"{member.name:<24} {state['state']:<8} {state['run']}")
+        return
+    from shopsimrl.runner.local import RunStopped, run_local
+
+    # Every config is checked before anything runs: a typo in the last member costs no run.
+    try:
+        settings = worker_settings()
+        configs = [the_set.member_config(member, settings) for member in the_set.members]
+    except ConfigError as exc:
+        raise BadInputError(str(exc)) from None
+    # Every member's frozen plan is checked before any runs: a member edited since it froze
+    # stops the set at once (exit 42 naming it), not after the members before it have run.
+    prepared_members = [prepare(config, False) for config in configs]
+    for member, prepared in zip(the_set.members, prepared_members, strict=True):
+        _check_frozen_plan(member.name, prepared)
+    worst = ExitCode.OK
+    for index, (member, prepared) in enumerate(zip(the_set.members, prepared_members, strict=True), start=1):
+        typer.echo(f"[{index}/{len(configs)}] {member.name}: {the_set.run_dir(member)}", err=True)
+        prepared.model().check_api_key()
+        try:
+            _, summary = run_local(prepared, show_progress=progress, announce=lambda line: typer.echo(line, err=True))
+        except RunStopped as exc:
+            raise RunStopped(exc.code, f"member {member.name!r}: {exc}") from None
+        if summary.get("failed"):
+            worst = ExitCode.EPISODES_FAILED
+    if report:
+        from shopsimrl.cli.runs import runs as leaderboard
+
+        leaderboard(
+            str(the_set.location), sort="score", ascending=None, group=True, depth=1, as_json=False, quiet=quiet, verbose=verbose
+        )
+    if worst:
+        raise typer.Exit(int(worst))
+
+
+def _check_frozen_plan(name: str, prepared: Any) -> None:
+    """Exit 42 naming member ``name`` when its run folder froze another plan."""
+    from shopsimrl.manifest import ManifestError
+    from shopsimrl.runner.local import RunStopped
+    from shopsimrl.schemas import fingerprint
+    from shopsimrl.storage.local import LocalRunStore
+
+    try:
+        existing = LocalRunStore(prepared.config.run_dir).read_manifest()
+    except (ManifestError, OSError, ValueError) as exc:
+        raise RunStopped(ExitCode.BAD_INPUT, f"member {name!r}: {exc}") from None
+    if existing is not None and existing.plan_fingerprint != fingerprint(prepared.plan()):
+        raise RunStopped(
+            ExitCode.FINGERPRINT_MISMATCH,
+            f"member {name!r}: {prepared.config.run_dir} froze another plan ({existing.plan_fingerprint[:12]}); "
+            "undo the change or give the member a new name",
+        )
