@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from shopsimrl.testbed.serving import running_server
+from tests.openai_stub import OpenAIStub
 from tests.sharded.conftest import S3_TEST_ENV, Backend, _make_bucket, cli, moto_endpoint, testbed, worker_env, write_config
 from tests.testbed_process import LocalTestbed, start_testbed
 
@@ -221,3 +223,18 @@ def run_location(runs: ResearchRuns, kind: str) -> tuple[str, dict[str, str]]:
     if kind == "sharded":
         env.update(runs.env)
     return str(getattr(runs, kind)), env
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[OpenAIStub, str]]:
+    """The OpenAI-compatible stub over real HTTP, one per test module: (stub, its /v1 URL)."""
+    stub = OpenAIStub()
+    with running_server(stub) as url:
+        yield stub, url + "/v1"
+
+
+@pytest.fixture
+def stub(served: tuple[OpenAIStub, str]) -> tuple[OpenAIStub, str]:
+    """``served``, its queue, responder and recorded requests cleared."""
+    served[0].reset()
+    return served

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,6 @@ from shopsimrl.research.skills.firewall import (
     forced_no_proposal_reasons,
 )
 from shopsimrl.research.skills.structured import structured_call
-from shopsimrl.testbed.serving import running_server
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 
 REPO = Path(__file__).resolve().parents[2]
@@ -231,19 +229,6 @@ def test_tool_schemas_are_self_contained_and_validation_names_the_field() -> Non
 
 
 # --------------------------------------------------------------------------- against the HTTP stub
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[OpenAIStub, str]]:
-    stub = OpenAIStub()
-    with running_server(stub) as url:
-        yield stub, url + "/v1"
-
-
-@pytest.fixture
-def stub(served: tuple[OpenAIStub, str]) -> tuple[OpenAIStub, str]:
-    served[0].reset()
-    return served
 
 
 def settings(url: str) -> OpenAICompatibleSettings:
@@ -574,7 +559,7 @@ def test_consolidator_contract_every_card_once_and_the_firewall(tmp_path: Path, 
     assert f"card ids in no cluster and not evidence-only: {c}" in repairs[0]
     assert f"card ids given more than once: {b}" in repairs[1]
     assert "$.clusters[0]: the firewall refuses it (copies_instance_brand)" in repairs[2]
-    assert "card ids not in this batch: success-other-01" in repairs[3]
+    assert "card ids not among those given: success-other-01" in repairs[3]
 
     # Attempts exhausted: the batch is recorded as invalid and tried again by the next run.
     server.reset()

@@ -3,7 +3,6 @@ out (read back by the gate's own draft reader), the contract repaired, resume by
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from shopsimrl.research.skills.compile import (
     render_chunk,
 )
 from shopsimrl.research.skills.consolidate import BATCHES_NAME
-from shopsimrl.testbed.serving import running_server
 from tests.openai_stub import OpenAIStub, Reply, completion, tool_call
 
 
@@ -81,19 +79,6 @@ def write_batches(directory: Path, clusters_per_batch: list[int]) -> list[str]:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / BATCHES_NAME).write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
     return ids
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[OpenAIStub, str]]:
-    stub = OpenAIStub()
-    with running_server(stub) as url:
-        yield stub, url + "/v1"
-
-
-@pytest.fixture
-def stub(served: tuple[OpenAIStub, str]) -> tuple[OpenAIStub, str]:
-    served[0].reset()
-    return served
 
 
 def config(url: str, **limits: Any) -> CompilerConfig:
@@ -150,7 +135,7 @@ def test_the_draft_the_compiler_writes_is_the_draft_gate_a_reads(tmp_path: Path,
     assert manifest["status"] == "complete" and manifest["attempts"] == 3
     repairs = [request.json["messages"][-1]["content"] for request in server.completions[1:]]
     assert f"cluster ids in no chunk and not evidence-only: {c}, {d}" in repairs[0]
-    assert "cluster ids that do not exist: success-batch-009-cluster-01" in repairs[1]
+    assert "cluster ids not among those given: success-batch-009-cluster-01" in repairs[1]
     invalid = [orjson.loads(line) for line in (tmp_path / INVALID_ATTEMPTS_NAME).read_bytes().splitlines()]
     assert [row["attempt"] for row in invalid] == [1, 2]
     sent = orjson.loads(server.completions[0].json["messages"][1]["content"])

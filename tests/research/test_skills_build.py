@@ -4,7 +4,6 @@ nothing; a bad config names its key (exit 2)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -13,7 +12,6 @@ from typer.testing import CliRunner
 
 from shopsimrl.cli import app
 from shopsimrl.research.gate.drafts import load_gate_a_draft
-from shopsimrl.testbed.serving import running_server
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 from tests.research.test_skill_builder import good_card, numbered, write_traces
 
@@ -52,13 +50,6 @@ def answer(request: Received) -> Reply:
         }
         arguments = {"skill_title": "购物技能", "chunks": [chunk]}
     return Reply(json=completion(tool_calls=[tool_call(name, orjson.dumps(arguments).decode())]))
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[OpenAIStub, str]]:
-    stub = OpenAIStub()
-    with running_server(stub) as url:
-        yield stub, url + "/v1"
 
 
 def write_config(tmp_path: Path, url: str, expected: int = 4, extra: str = "") -> Path:

@@ -32,6 +32,7 @@ __all__ = [
     "SkillChunk",
     "SuccessCard",
     "SuccessCards",
+    "accounted_once",
     "placeholder_card",
     "success_card_id",
     "tool",
@@ -211,6 +212,21 @@ def validate_arguments(model: type[M], arguments: Any, **limits: int) -> tuple[M
         if len(items) > count:
             return None, f"$.{field}: {len(items)} items, at most {count} allowed"
     return value, None
+
+
+def accounted_once(expected: list[str], cited: list[str], kind: str, grouped_in: str, left_out: str) -> str | None:
+    """The contract that every id of ``expected`` is cited exactly once (in a group or left out
+    on purpose): None, or the first problem naming the ids (``kind``: ``card``, ``cluster``)."""
+    unknown = sorted(set(cited) - set(expected))
+    if unknown:
+        return f"$: {kind} ids not among those given: {', '.join(unknown)}"
+    twice = sorted({item for item in cited if cited.count(item) > 1})
+    if twice:
+        return f"$: {kind} ids given more than once: {', '.join(twice)}"
+    missing = [item for item in expected if item not in cited]
+    if missing:
+        return f"$: {kind} ids in no {grouped_in} and not {left_out}: {', '.join(missing)}"
+    return None
 
 
 def success_card_id(episode_id: str, number: int) -> str:

@@ -41,7 +41,7 @@ from shopsimrl.config import safe_name
 from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.research.outputs import replacing
 from shopsimrl.research.skills.analyst import PIPELINE_VERSION, SEED, SkillInputError, append_record, settings_identity
-from shopsimrl.research.skills.cards import INITIAL_SKILL_TOOL, InitialSkill, SkillChunk, tool, validate_arguments
+from shopsimrl.research.skills.cards import INITIAL_SKILL_TOOL, InitialSkill, SkillChunk, accounted_once, tool, validate_arguments
 from shopsimrl.research.skills.consolidate import BATCHES_NAME, read_batches
 from shopsimrl.research.skills.firewall import card_text, firewall_findings
 from shopsimrl.research.skills.prompts import COMPILER_PROMPT, prompt_sha256
@@ -166,15 +166,9 @@ def _validator(ids: list[str], cap: int) -> Any:
         if value is None:
             return None, problem
         cited = [cid for chunk in value.chunks for cid in chunk.evidence_cluster_ids] + value.evidence_only_cluster_ids
-        unknown = sorted(set(cited) - set(ids))
-        if unknown:
-            return None, f"$: cluster ids that do not exist: {', '.join(unknown)}"
-        twice = sorted({cid for cid in cited if cited.count(cid) > 1})
-        if twice:
-            return None, f"$: cluster ids given more than once: {', '.join(twice)}"
-        missing = [cid for cid in ids if cid not in cited]
-        if missing:
-            return None, f"$: cluster ids in no chunk and not evidence-only: {', '.join(missing)}"
+        problem = accounted_once(ids, cited, "cluster", "chunk", "evidence-only")
+        if problem is not None:
+            return None, problem
         for n, chunk in enumerate(value.chunks):
             findings = firewall_findings(card_text(chunk.model_dump(exclude={"evidence_cluster_ids"})))
             if findings:

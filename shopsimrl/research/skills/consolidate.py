@@ -37,7 +37,7 @@ from shopsimrl.research.skills.analyst import (
     cut_torn_tail,
     settings_identity,
 )
-from shopsimrl.research.skills.cards import CLUSTERS_TOOL, Clusters, tool, validate_arguments
+from shopsimrl.research.skills.cards import CLUSTERS_TOOL, Clusters, accounted_once, tool, validate_arguments
 from shopsimrl.research.skills.firewall import card_text, firewall_findings
 from shopsimrl.research.skills.prompts import CONSOLIDATOR_PROMPT, prompt_sha256
 from shopsimrl.research.skills.structured import ATTEMPTS, structured_call
@@ -148,15 +148,9 @@ def _validator(cards: list[dict[str, Any]], limit: int, traces: Mapping[str, Epi
             return None, problem
         cited = [card_id for cluster in value.clusters for card_id in cluster.evidence_card_ids]
         cited += value.evidence_only_card_ids
-        unknown = sorted(set(cited) - set(ids))
-        if unknown:
-            return None, f"$: card ids not in this batch: {', '.join(unknown)}"
-        twice = sorted({card_id for card_id in cited if cited.count(card_id) > 1})
-        if twice:
-            return None, f"$: card ids given more than once: {', '.join(twice)}"
-        missing = [card_id for card_id in ids if card_id not in cited]
-        if missing:
-            return None, f"$: card ids in no cluster and not evidence-only: {', '.join(missing)}"
+        problem = accounted_once(ids, cited, "card", "cluster", "evidence-only")
+        if problem is not None:
+            return None, problem
         for n, cluster in enumerate(value.clusters):
             text = card_text(cluster.model_dump(exclude={"evidence_card_ids"}))
             sources = sorted({str(episodes[card_id]) for card_id in cluster.evidence_card_ids})
