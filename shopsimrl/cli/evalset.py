@@ -28,13 +28,14 @@ def evalset(
     helm_values: Path | None = typer.Option(
         None, "--helm-values", metavar="DIR", help="Write DIR/<member>.yaml for the chart; run nothing."
     ),
-    shards: int = typer.Option(1, "--shards", min=1, help="With --helm-values: worker pods per release."),
+    shards: int = typer.Option(1, "--shards", min=1, metavar="N", help="With --helm-values: worker pods per release."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Run (or resume) every member of an eval set: one run per member under the set's
     location, each with its own frozen plan; then the runs leaderboard. Ctrl-C exits 3 and the
-    same command resumes; a member whose plan changed since it froze exits 42 naming it."""
+    same command resumes; a member whose plan changed since it froze exits 42 naming it.
+    --helm-values: one Helm release per member instead (docs/research.md)."""
     from shopsimrl.config import ConfigError
     from shopsimrl.runner.evalset import load_evalset, member_state
 
