@@ -25,16 +25,26 @@ def evalset(
     as_json: bool = typer.Option(False, "--json", help="With --status: JSON lines."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
     report: bool = typer.Option(True, "--report/--no-report", help="End with the runs leaderboard of the set."),
+    helm_values: Path | None = typer.Option(
+        None, "--helm-values", metavar="DIR", help="Write DIR/<member>.yaml for the chart; run nothing."
+    ),
+    shards: int = typer.Option(1, "--shards", min=1, metavar="N", help="With --helm-values: worker pods per release."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Run (or resume) every member of an eval set: one run per member under the set's
     location, each with its own frozen plan; then the runs leaderboard. Ctrl-C exits 3 and the
-    same command resumes; a member whose plan changed since it froze exits 42 naming it."""
+    same command resumes; a member whose plan changed since it froze exits 42 naming it.
+    --helm-values: one Helm release per member instead (docs/research.md)."""
     from shopsimrl.config import ConfigError
     from shopsimrl.runner.evalset import load_evalset, member_state
 
     setup_logging(quiet, verbose)
+    if helm_values is not None:
+        from shopsimrl.cli.evalset_extras import print_helm_values
+
+        print_helm_values(set_path, helm_values, shards)
+        return
     try:
         the_set = load_evalset(set_path)
     except ConfigError as exc:
@@ -54,6 +64,9 @@ def evalset(
         raise BadInputError(str(exc)) from None
     # Every member's frozen plan is checked before any runs: a member edited since it froze
     # stops the set at once (exit 42 naming it), not after the members before it have run.
+    from shopsimrl.cli.evalset_extras import set_tracking, track_member
+
+    tracking = set_tracking(the_set)
     prepared_members = [prepare(config, False) for config in configs]
     for member, prepared in zip(the_set.members, prepared_members, strict=True):
         _check_frozen_plan(member.name, prepared)
@@ -65,6 +78,7 @@ def evalset(
             _, summary = run_local(prepared, show_progress=progress, announce=lambda line: typer.echo(line, err=True))
         except RunStopped as exc:
             raise RunStopped(exc.code, f"member {member.name!r}: {exc}") from None
+        track_member(tracking, the_set, member, summary)
         if summary.get("failed"):
             worst = ExitCode.EPISODES_FAILED
     if report:

@@ -85,8 +85,9 @@ def _sets(value: Any, where: str) -> list[ConfigOverride]:
     return [ConfigOverride(key, item, "--set") for key, item in value.items()]
 
 
-def load_evalset(path: Path) -> EvalSet:
-    """SET.yaml read and checked; :class:`EvalSetError` naming ``file:line`` and the field."""
+def load_evalset(path: Path, *, remote: bool = False) -> EvalSet:
+    """SET.yaml read and checked; :class:`EvalSetError` naming ``file:line`` and the field.
+    ``remote``: an object-storage location is accepted (for the Helm route, which runs nothing)."""
     try:
         text = path.read_text(encoding="utf-8")
         root = yaml.compose(text)
@@ -112,7 +113,7 @@ def load_evalset(path: Path) -> EvalSet:
     location = data.get("location")
     if not isinstance(location, str) or not location:
         raise EvalSetError(f"{at('location')}: a folder is required")
-    if "://" in location and not location.startswith("file://"):
+    if "://" in location and not location.startswith("file://") and not remote:
         raise EvalSetError(
             f"{at('location')}: {location.split('://')[0]}:// is not run by the set itself; "
             "render one Helm release per member with --helm-values instead (docs/research.md)"
