@@ -32,7 +32,7 @@ CORE_ON_PATH := --no-deps --config-settings editable_mode=compat -e .
 # per machine (every clone reuses the compiled wheel).
 LLM_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/shopsimrl/llm
 
-.PHONY: install demo-install wheels test test-fast doc-figures test-plan lint llm-server browser check-venv constraints demo demo-s3 gate-demo train-demo judge-demo smoke smoke-llm bench reduce status clean
+.PHONY: install demo-install wheels test test-fast doc-figures test-plan lint llm-server browser check-venv constraints demo demo-s3 gate-demo train-demo judge-demo smoke skills-demo smoke-llm bench reduce status clean
 
 $(STAMP): $(PROJECT_FILES) $(CONSTRAINTS)
 	@echo "install: $(VENV) with the project and its test extra, shopsimrl-research and shopsimrl-testbed (all three editable), pinned by $(CONSTRAINTS) (about 2 minutes)"
@@ -121,6 +121,9 @@ demo-s3: $(STAMP)  ## the demo sharded 4 ways into s3://shopsimrl/demo on a loca
 
 gate-demo: $(STAMP)  ## a skill gate end to end on the testbed: bare val run, Gate A over 3 chunks, the fit (runs/gate-demo/)
 	BIN=$(BIN) scripts/gate-demo.sh
+
+skills-demo: $(STAMP)  ## skills from traces on the testbed: train run, skills build (testbed analyst), Gate A (runs/skills-demo/)
+	BIN=$(BIN) scripts/skills-demo.sh
 
 train-demo: $(STAMP)  ## one GRPO-shaped rollout step through the slime adapter on the testbed, curriculum from the gate demo (runs/train-demo/)
 	BIN=$(BIN) scripts/train-demo.sh

@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from shopsimrl.schemas import canonical_json, sha256_hex
+from shopsimrl.testbed.analyst import analyst_reply
 from shopsimrl.testbed.chat_tokens import TemplateParseError, TestbedChatTokenizer
 from shopsimrl.testbed.generate import (
     GenerateRequestError,
@@ -103,6 +104,9 @@ class PolicySettings(BaseSettings):
     judge_model_id: str = Field("shopsim-judge", min_length=1)
     """Requests naming this model are answered by the deterministic judge
     (:mod:`shopsimrl.testbed.judge`), not the shopping policy."""
+    analyst_model_id: str = Field("shopsim-analyst", min_length=1)
+    """Requests naming this model are answered by the deterministic skill analyst
+    (:mod:`shopsimrl.testbed.analyst`): success cards, clusters and the compiled skill."""
     judge_fault_rate: float = Field(0.0, ge=0, le=1)
     """Share of episodes (by episode id) the judge answers badly: half never call the tool, half
     send arguments that are not JSON until a repair message follows."""
@@ -321,6 +325,31 @@ class _PolicyServer:
             }
         )
 
+    def _analyst(self, body: dict[str, Any]) -> Response:
+        """The deterministic analyst's answer (non-streamed, like the judge's)."""
+        if body.get("stream"):
+            return _error(400, "the testbed analyst does not stream", "BadRequestError", "stream")
+        tools = [tool for tool in body.get("tools") or [] if isinstance(tool, dict)]
+        content, name, arguments = analyst_reply(body["messages"], tools, body.get("tool_choice"))
+        digest = sha256_hex(canonical_json(body))  # plain JSON from orjson.loads
+        message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": []}
+        if name is not None:
+            call = {"name": name, "arguments": arguments}
+            message["tool_calls"] = [{"id": "chatcmpl-tool-" + digest[:32], "type": "function", "function": call}]
+        prompt = _tokens(len(canonical_json(body["messages"])))
+        completion = _tokens(len(content or "") + len(arguments or ""))
+        finish = "tool_calls" if name is not None else "stop"
+        return JSONResponse(
+            {
+                "id": "chatcmpl-" + digest[:32],
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.settings.analyst_model_id,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None}],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            }
+        )
+
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
@@ -335,7 +364,8 @@ class _PolicyServer:
             "max_model_len": self.settings.max_model_len,
         }
         judge = {**model, "id": self.settings.judge_model_id, "root": self.settings.judge_model_id}
-        return JSONResponse({"object": "list", "data": [model, judge]})
+        analyst = {**model, "id": self.settings.analyst_model_id, "root": self.settings.analyst_model_id}
+        return JSONResponse({"object": "list", "data": [model, judge, analyst]})
 
     async def chat_completions(self, request: Request) -> Response:
         s = self.settings
@@ -365,6 +395,10 @@ class _PolicyServer:
             verdict = self._judge(body)
             await _answer_time(arrived, s.latency_ms)
             return verdict
+        if model == s.analyst_model_id:
+            answer = self._analyst(body)
+            await _answer_time(arrived, s.latency_ms)
+            return answer
         # Like vLLM, an omitted model means the served one.
         if s.strict_model and model is not None and model != s.model_id:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")

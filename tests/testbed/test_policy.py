@@ -537,7 +537,11 @@ def test_chat_completion_has_the_vllm_shape(served: httpx.Client) -> None:
 
 def test_models_health_and_request_errors(served: httpx.Client) -> None:
     models = served.get("/v1/models").json()
-    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["shopsim-heuristic", "shopsim-judge"]
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [
+        "shopsim-heuristic",
+        "shopsim-judge",
+        "shopsim-analyst",
+    ]
     assert served.get("/health").status_code == 200
     wrong = served.post("/v1/chat/completions", json={**body_for(Conversation(), []), "model": "gpt-x"})
     assert wrong.status_code == 404 and "gpt-x" in wrong.json()["error"]["message"]

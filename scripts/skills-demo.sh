@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# `make skills-demo`: traces → draft → Gate A on the local testbed. Starts the testbed with the
+# policy's option choice behind a skill (SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1), makes a train run
+# (configs/skills_demo/train.yaml → runs/skills-demo/train), builds the skill from its traces with
+# the testbed's deterministic analyst (configs/skills_demo/skills.yaml → runs/skills-demo/draft),
+# makes the bare val run and runs Gate A over the built draft (→ runs/skills-demo/bare, gate),
+# prints the figures and stops the services whatever happens. Running it again resumes each step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+SHOP_PORT=${SHOP_PORT:-$(free_port)}
+POLICY_PORT=${POLICY_PORT:-$(free_port)}
+LOG=$(mktemp -t shopsimrl-skills-demo.XXXXXX.log)
+
+SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1 "$BIN/shopsimrl" testbed up --shop-port "$SHOP_PORT" --policy-port "$POLICY_PORT" >"$LOG" 2>&1 &
+TESTBED_PID=$!
+stop() { kill "$TESTBED_PID" 2>/dev/null || true; wait "$TESTBED_PID" 2>/dev/null || true; }
+trap stop EXIT
+
+export SHOPSIMRL_MODEL_BASE_URL="http://127.0.0.1:$POLICY_PORT/v1"
+export SHOPSIMRL_ENV_BASE_URL="http://127.0.0.1:$SHOP_PORT"
+if ! "$BIN/shopsimrl" wait-ready --config configs/skills_demo/train.yaml --timeout 90 --interval 0.5; then
+  echo "testbed did not become ready; its log:" >&2; cat "$LOG" >&2; exit 3
+fi
+echo "skills-demo: 1/4 the train run (no skills) → runs/skills-demo/train"
+"$BIN/shopsimrl" run configs/skills_demo/train.yaml --no-progress -q | tail -n 2
+echo "skills-demo: 2/4 skills build with the testbed analyst (shopsim-analyst) → runs/skills-demo/draft"
+# The analyst is the policy server under another model name; its port is this run's. The copy
+# sits at the same depth as configs/skills_demo/, so its relative paths resolve the same. A draft
+# an earlier run completed is kept: the analyst's address is part of every stage's fingerprint, so
+# building again on a new port would make a new draft and the gate would refuse to resume.
+mkdir -p runs/skills-demo
+if "$BIN/python" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1])).get("status") != "complete")' \
+  runs/skills-demo/draft/trace2skill_manifest.json 2>/dev/null; then
+  echo "draft          complete in an earlier run: kept (runs/skills-demo/draft)"
+else
+  sed "s#http://127.0.0.1:8000/v1#$SHOPSIMRL_MODEL_BASE_URL#" configs/skills_demo/skills.yaml >runs/skills-demo/skills.yaml
+  "$BIN/shopsimrl" skills build runs/skills-demo/skills.yaml -q
+fi
+echo "skills-demo: 3/4 the bare val run (no skills) → runs/skills-demo/bare"
+"$BIN/shopsimrl" run configs/skills_demo/bare.yaml --no-progress -q | tail -n 2
+echo "skills-demo: 4/4 Gate A over the built draft → runs/skills-demo/gate"
+"$BIN/shopsimrl" gate run configs/skills_demo/gate.yaml --no-progress -q
+"$BIN/python" scripts/skills-demo-figures.py runs/skills-demo
