@@ -27,17 +27,11 @@ echo "skills-demo: 1/4 the train run (no skills) → runs/skills-demo/train"
 "$BIN/shopsimrl" run configs/skills_demo/train.yaml --no-progress -q | tail -n 2
 echo "skills-demo: 2/4 skills build with the testbed analyst (shopsim-analyst) → runs/skills-demo/draft"
 # The analyst is the policy server under another model name; its port is this run's. The copy
-# sits at the same depth as configs/skills_demo/, so its relative paths resolve the same. A draft
-# an earlier run completed is kept: the analyst's address is part of every stage's fingerprint, so
-# building again on a new port would make a new draft and the gate would refuse to resume.
+# sits at the same depth as configs/skills_demo/, so its relative paths resolve the same. The
+# URL is no part of any stage's fingerprint: run again on new ports, every stage is reused.
 mkdir -p runs/skills-demo
-if "$BIN/python" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1])).get("status") != "complete")' \
-  runs/skills-demo/draft/trace2skill_manifest.json 2>/dev/null; then
-  echo "draft          complete in an earlier run: kept (runs/skills-demo/draft)"
-else
-  sed "s#http://127.0.0.1:8000/v1#$SHOPSIMRL_MODEL_BASE_URL#" configs/skills_demo/skills.yaml >runs/skills-demo/skills.yaml
-  "$BIN/shopsimrl" skills build runs/skills-demo/skills.yaml -q
-fi
+sed "s#http://127.0.0.1:8000/v1#$SHOPSIMRL_MODEL_BASE_URL#" configs/skills_demo/skills.yaml >runs/skills-demo/skills.yaml
+"$BIN/shopsimrl" skills build runs/skills-demo/skills.yaml -q
 echo "skills-demo: 3/4 the bare val run (no skills) → runs/skills-demo/bare"
 "$BIN/shopsimrl" run configs/skills_demo/bare.yaml --no-progress -q | tail -n 2
 echo "skills-demo: 4/4 Gate A over the built draft → runs/skills-demo/gate"

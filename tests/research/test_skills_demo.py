@@ -62,12 +62,14 @@ def test_skills_demo_builds_a_draft_whose_chunks_gate_a_signs_as_known(tmp_path:
     assert fit["selected_chunk_ids"] == ["choose-requested-options"]
     assert "choose-requested-options" in result.stdout and "clusters" in result.stdout
 
-    # Run again (the testbed on new ports): every step resumes, the draft is kept, the same fit.
+    # Run again (the testbed on new ports): every step resumes (the analyst's URL is no part of
+    # a fingerprint, so nothing is asked again), the same draft, the same fit.
     again = subprocess.run(
         ["bash", str(tmp_path / "scripts" / "skills-demo.sh")], capture_output=True, text=True, env=env, timeout=600
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     said = again.stdout + again.stderr
-    assert "kept" in said and "60 already completed" in said
+    assert "(0 now)" in said and "60 already completed" in said
+    assert json.loads((root / "draft" / "initial_skill_draft.json").read_text(encoding="utf-8")) == draft
     refit = json.loads((root / "gate" / "contributions.json").read_text(encoding="utf-8"))
     assert [r["coefficient"] for r in refit["contributions"]] == [r["coefficient"] for r in fit["contributions"]]

@@ -46,7 +46,7 @@ from shopsimrl.research.skills.compact import compact_trace
 from shopsimrl.research.skills.firewall import card_text, firewall_findings
 from shopsimrl.research.skills.prompts import SUCCESS_ANALYST_PROMPT, prompt_sha256
 from shopsimrl.research.skills.structured import ATTEMPTS, structured_call
-from shopsimrl.schemas import fingerprint, json_bytes, parse_json_exact, redact_uri, sha256_hex
+from shopsimrl.schemas import fingerprint, json_bytes, parse_json_exact, sha256_hex
 
 __all__ = [
     "ANALYSES_NAME",
@@ -109,10 +109,10 @@ def plain_settings(value: Any) -> Any:
 
 
 def settings_identity(m: OpenAICompatibleSettings, seed: int) -> dict[str, Any]:
-    """A model as records name it (no credentials); part of every input fingerprint."""
+    """A model as records name it; part of every input fingerprint. Where the server is reached
+    (its URL) is transport: it does not change what the model answers, so it is left out."""
     return {
         "model": m.model,
-        "base_url": redact_uri(m.base_url),
         "checkpoint_id": m.checkpoint_id,
         "temperature": m.temperature,
         "top_p": m.top_p,
