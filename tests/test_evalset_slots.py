@@ -107,3 +107,17 @@ async def test_a_cancelled_waiter_gives_its_turn_back() -> None:
     shared.release(first)
     await asyncio.wait_for(other, timeout=10)  # the slot went to the member still waiting
     assert shared.pool.busy == 1
+
+
+async def test_a_waiter_cancelled_just_before_a_release_is_skipped() -> None:
+    shared = SharedSlots(SlotPool(1))
+    first, second = shared.add(), shared.add()
+    await shared.acquire(first)
+    waiter = asyncio.ensure_future(shared.acquire(first))
+    other = asyncio.ensure_future(shared.acquire(second))
+    await asyncio.sleep(0)
+    waiter.cancel()  # its future is cancelled now; its task unwinds only on the next turn
+    shared.release(first)
+    await asyncio.wait_for(other, timeout=10)
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert shared.pool.busy == 1 and shared.pool.done(first)

@@ -81,7 +81,8 @@ def _drive(prepared: PreparedExperiment, evaluations: list[Evaluation]) -> bool:
     except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
         return True
     except OSError as exc:
-        raise RunStopped(ExitCode.RETRYABLE, f"cannot persist traces in {prepared.config.run_dir}: {exc}") from None
+        where = f" in {prepared.config.run_dir}" if len(evaluations) == 1 else ""
+        raise RunStopped(ExitCode.RETRYABLE, f"cannot persist traces{where}: {exc}") from None
 
 
 def run_local_together(

@@ -118,9 +118,9 @@ class SharedSlots:
         try:
             await granted
         except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():
+            if not granted.cancelled():
                 self.release(index)  # granted as it was cancelled: the slot goes to the next
-            else:
+            elif granted in self._waiters[index]:  # not yet dropped by _dispatch
                 self._waiters[index].remove(granted)
                 self.pool.withdraw(index)
             raise
@@ -130,6 +130,11 @@ class SharedSlots:
         self._dispatch()
 
     def _dispatch(self) -> None:
+        # A waiter cancelled since (its task not yet unwound) must not be handed a slot.
+        for index, waiters in enumerate(self._waiters):
+            for cancelled in [waiter for waiter in waiters if waiter.cancelled()]:
+                waiters.remove(cancelled)
+                self.pool.withdraw(index)
         while (index := self.pool.acquire()) is not None:
             self._waiters[index].popleft().set_result(None)
 
