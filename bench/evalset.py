@@ -54,7 +54,7 @@ def spans(run_dirs: list[Path]) -> list[tuple[datetime, datetime]]:
     return found
 
 
-def measure(name: str, run_dirs: list[Path], slots: int, process_s: float) -> dict[str, object]:
+def measure(name: str, run_dirs: list[Path], slots: int, process_s: float | None) -> dict[str, object]:
     episodes = spans(run_dirs)
     window = (max(end for _, end in episodes) - min(start for start, _ in episodes)).total_seconds()
     busy = sum((end - start).total_seconds() for start, end in episodes)
@@ -116,7 +116,7 @@ def main() -> None:
             base = write_config(Path(scratch), args.episodes, args.slots)
             apart = Path(scratch) / "apart"
             process_s = sum(shopsimrl(env, "run", str(base), "--checkpoint", name, "--run", str(apart / name)) for name in names)
-            rows = [measure(f"run {name}", [apart / name], args.slots, 0.0) for name in names]
+            rows = [measure(f"run {name}", [apart / name], args.slots, None) for name in names]
             rows.append(measure("runs in a row", [apart / name for name in names], args.slots, process_s))
             set_path = Path(scratch) / "set.yaml"
             set_path.write_text(
@@ -138,7 +138,7 @@ def main() -> None:
     for row in rows:
         print(
             f"{row['way']:<17}{row['completed']:>10}{row['window_s']:>10.1f}{row['busy_slot_s']:>13.1f}"
-            f"{row['efficiency']:>6.2f}{row['process_s']:>11.1f}"
+            f"{row['efficiency']:>6.2f}{'' if row['process_s'] is None else format(row['process_s'], '.1f'):>11}"
         )
     apart_row, together_row = rows[-2:]
     print(
