@@ -131,12 +131,12 @@ class SharedSlots:
 
     def _dispatch(self) -> None:
         # A waiter cancelled since (its task not yet unwound) must not be handed a slot.
-        for index, waiters in enumerate(self._waiters):
+        for member, waiters in enumerate(self._waiters):
             for cancelled in [waiter for waiter in waiters if waiter.cancelled()]:
                 waiters.remove(cancelled)
-                self.pool.withdraw(index)
-        while (index := self.pool.acquire()) is not None:
-            self._waiters[index].popleft().set_result(None)
+                self.pool.withdraw(member)
+        while (granted := self.pool.acquire()) is not None:
+            self._waiters[granted].popleft().set_result(None)
 
 
 @dataclass(frozen=True)
