@@ -1,5 +1,6 @@
 """`shopsimrl evalset` end to end on the real testbed: three members (three checkpoints standing
-in for rounds), interrupted with SIGINT and resumed, `--status`, fingerprints equal to `run`'s."""
+in for rounds) sharing the set's slots, interrupted with SIGINT and resumed, `--status`,
+fingerprints equal to `run`'s; a member with fewer episodes than slots leaves the rest to the next."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -33,17 +35,21 @@ def shopsimrl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[st
     )
 
 
-def trace_ids(run_dir: Path) -> list[str]:
+def traces(run_dir: Path) -> list[dict]:
     path = run_dir / "traces.jsonl"
     if not path.exists():
         return []
-    ids = []
+    records = []
     for line in path.read_bytes().split(b"\n"):
         try:
-            ids.append(json.loads(line)["episode_id"])
-        except (ValueError, KeyError):
+            records.append(json.loads(line))
+        except ValueError:
             continue  # a line torn by the interruption
-    return ids
+    return records
+
+
+def trace_ids(run_dir: Path) -> list[str]:
+    return [record["episode_id"] for record in traces(run_dir) if "episode_id" in record]
 
 
 def test_a_set_interrupted_by_sigint_resumes_every_member_without_redoing_episodes(tmp_path: Path) -> None:
@@ -61,27 +67,26 @@ def test_a_set_interrupted_by_sigint_resumes_every_member_without_redoing_episod
             text=True,
         )
         deadline = time.monotonic() + 120
-        # Interrupt inside the second member: the first is done, the third not started.
+        # Interrupt once the second member has saved an episode: the members run at once, so
+        # each may have some episodes saved and some not.
         while time.monotonic() < deadline and not trace_ids(location / "round-2"):
             time.sleep(0.02)
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=60)
         assert process.returncode == 3, stderr[-2000:]
-        assert "round-2" in stderr
+        assert "interrupted" in stderr
         status = shopsimrl(bed.env(), "evalset", str(set_path), "--status", "--json")
         states = {row["member"]: row["state"] for row in map(json.loads, status.stdout.splitlines())}
-        assert states["round-1"] == "done" and states["round-3"] == "pending", status.stdout
-        first_done = trace_ids(location / "round-1")
-        second_before = trace_ids(location / "round-2")
+        assert states["round-2"] == "started", status.stdout
+        before = {name: trace_ids(location / name) for name in ("round-1", "round-2", "round-3")}
 
         resumed = shopsimrl(bed.env(), "evalset", str(set_path), "--no-progress")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert all(name in resumed.stdout for name in ("round-1", "round-2", "round-3"))  # the leaderboard
-        assert trace_ids(location / "round-1") == first_done  # nothing of a finished member reruns
-        second_after = trace_ids(location / "round-2")
-        assert second_after[: len(second_before)] == second_before
-        assert len(set(second_after)) == len(second_after)  # no episode done twice
         for name in ("round-1", "round-2", "round-3"):
+            after = trace_ids(location / name)
+            assert after[: len(before[name])] == before[name]  # what was saved stays
+            assert len(set(after)) == len(after)  # no episode done twice
             summary = json.loads((location / name / "summary.json").read_text())
             assert summary["counts"]["completed"] == 4
 
@@ -114,3 +119,25 @@ def test_a_set_interrupted_by_sigint_resumes_every_member_without_redoing_episod
         changed = shopsimrl(bed.env(), "evalset", str(set_path), "--no-progress")
         assert changed.returncode == 42 and "round-2" in changed.stderr, changed.stderr[-2000:]
         assert not (location / "round-4").exists()
+
+
+def test_the_next_member_fills_the_slots_a_member_with_few_episodes_leaves(tmp_path: Path) -> None:
+    write_config(tmp_path, name="base", sample_size=6)
+    set_path = tmp_path / "set.yaml"
+    # Member 1 has 1 episode and the set 3 slots: members one after another would start member
+    # 2 only once member 1's episode had ended.
+    set_path.write_text(
+        "location: sets/fill\nconfig: base.yaml\nset: {runtime.max_steps: 20}\nconcurrency: 3\nmembers:\n"
+        "  - {name: small, set: {tasks.sample_size: 1}}\n"
+        "  - {name: large}\n",
+        encoding="utf-8",
+    )
+    location = tmp_path / "sets/fill"
+    with start_testbed(SHOPSIM_POLICY_LATENCY_MS="40") as bed:
+        done = shopsimrl(bed.env(), "evalset", str(set_path), "--no-progress", "--no-report")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (small,) = traces(location / "small")
+    large = traces(location / "large")
+    assert len(large) == 6
+    small_ended = datetime.fromisoformat(small["ended_at"])
+    assert min(datetime.fromisoformat(record["started_at"]) for record in large) < small_ended

@@ -23,7 +23,7 @@ def evalset(
     set_path: Path = typer.Argument(..., metavar="SET", help="Eval set YAML: location, members."),
     status: bool = typer.Option(False, "--status", help="Print each member's state; run nothing."),
     as_json: bool = typer.Option(False, "--json", help="With --status: JSON lines."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a live progress bar."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Live progress bar of the first member."),
     report: bool = typer.Option(True, "--report/--no-report", help="End with the runs leaderboard of the set."),
     helm_values: Path | None = typer.Option(
         None, "--helm-values", metavar="DIR", help="Write DIR/<member>.yaml for the chart; run nothing."
@@ -33,8 +33,9 @@ def evalset(
     verbose: bool = VERBOSE,
 ) -> None:
     """Run (or resume) every member of an eval set: one run per member under the set's
-    location, each with its own frozen plan; then the runs leaderboard. Ctrl-C exits 3 and the
-    same command resumes; a member whose plan changed since it froze exits 42 naming it.
+    location, each with its own frozen plan, all at once sharing the set's slots (the
+    earliest member first); then the runs leaderboard. Ctrl-C exits 3 and the same command
+    resumes; a member whose plan changed since it froze exits 42 naming it.
     --helm-values: one Helm release per member instead (docs/research.md)."""
     from shopsimrl.config import ConfigError
     from shopsimrl.runner.evalset import load_evalset, member_state
@@ -54,7 +55,7 @@ def evalset(
             state = member_state(the_set, member)
             typer.echo(json.dumps(state) if as_json else f"{member.name:<24} {state['state']:<8} {state['run']}")
         return
-    from shopsimrl.runner.local import RunStopped, run_local
+    from shopsimrl.runner.local import LocalRun, run_local_together
 
     # Every config is checked before anything runs: a typo in the last member costs no run.
     try:
@@ -62,25 +63,31 @@ def evalset(
         configs = [the_set.member_config(member, settings) for member in the_set.members]
     except ConfigError as exc:
         raise BadInputError(str(exc)) from None
-    # Every member's frozen plan is checked before any runs: a member edited since it froze
-    # stops the set at once (exit 42 naming it), not after the members before it have run.
     from shopsimrl.cli.evalset_extras import set_tracking, track_member
 
     tracking = set_tracking(the_set)
+    # Every member's frozen plan is checked before any runs: a member edited since it froze
+    # stops the set at once (exit 42 naming it), not after the members before it have run.
     prepared_members = [prepare(config, False) for config in configs]
     for member, prepared in zip(the_set.members, prepared_members, strict=True):
         _check_frozen_plan(member.name, prepared)
-    worst = ExitCode.OK
-    for index, (member, prepared) in enumerate(zip(the_set.members, prepared_members, strict=True), start=1):
-        typer.echo(f"[{index}/{len(configs)}] {member.name}: {the_set.run_dir(member)}", err=True)
+    for prepared in prepared_members:
         prepared.model().check_api_key()
-        try:
-            _, summary = run_local(prepared, show_progress=progress, announce=lambda line: typer.echo(line, err=True))
-        except RunStopped as exc:
-            raise RunStopped(exc.code, f"member {member.name!r}: {exc}") from None
+    concurrency = the_set.concurrency or max(prepared.config.experiment.concurrency for prepared in prepared_members)
+    for index, member in enumerate(the_set.members, start=1):
+        typer.echo(f"[{index}/{len(configs)}] {member.name}: {the_set.run_dir(member)}", err=True)
+    runs = [
+        LocalRun(prepared, name=f"member {member.name!r}")
+        for member, prepared in zip(the_set.members, prepared_members, strict=True)
+    ]
+    # All members run at once on one event loop, sharing `concurrency` slots (the earliest
+    # member first), so the next member fills the slots a draining one frees.
+    summaries = run_local_together(
+        runs, concurrency=concurrency, show_progress=progress, announce=lambda line: typer.echo(line, err=True)
+    )
+    for member, summary in zip(the_set.members, summaries, strict=True):
         track_member(tracking, the_set, member, summary)
-        if summary.get("failed"):
-            worst = ExitCode.EPISODES_FAILED
+    worst = ExitCode.EPISODES_FAILED if any(summary.get("failed") for summary in summaries) else ExitCode.OK
     if report:
         from shopsimrl.cli.runs import runs as leaderboard
 

@@ -29,11 +29,21 @@ from shopsimrl.storage.base import TraceWriter
 if TYPE_CHECKING:
     from shopsimrl.runner.experiment import PreparedExperiment
     from shopsimrl.runner.lease_journal import JournalStorage
-    from shopsimrl.runner.scheduler import Evaluator
+    from shopsimrl.runner.scheduler import EpisodeSlot, Evaluator
 
 _log = structlog.get_logger("shopsimrl.runner")
 
-__all__ = ["AsyncClosable", "Driven", "EvaluationHooks", "Resume", "drive", "evaluate"]
+__all__ = [
+    "AsyncClosable",
+    "Driven",
+    "Evaluation",
+    "EvaluationHooks",
+    "Resume",
+    "drive",
+    "evaluate",
+    "evaluate_together",
+    "evaluation",
+]
 
 T = TypeVar("T")
 
@@ -129,7 +139,19 @@ class EvaluationHooks:
         _log.info("model_inflight", **record)
 
 
-async def evaluate(
+@dataclass
+class Evaluation:
+    """One prepared evaluation not yet driven: :func:`evaluate` drives one, :func:`evaluate_together`
+    several on one loop (the members of an eval set)."""
+
+    work: Callable[[], Coroutine[Any, Any, None]]
+    save: Callable[[], None]
+    closing: list[AsyncClosable]
+    background: Sequence[Callable[[], Awaitable[None]]]
+    grace: float
+
+
+def evaluation(
     prepared: PreparedExperiment,
     jobs: Sequence[EpisodeJob],
     resume: Resume,
@@ -142,11 +164,10 @@ async def evaluate(
     retry_failed: bool = True,
     reroll_failed: bool = False,
     hooks: EvaluationHooks | None = None,
-) -> bool:
-    """Run the episodes of ``jobs`` that ``resume`` leaves to run, saving each attempt through
-    ``writer``; True when a signal stopped them (every lease released, what finished saved).
-
-    ``processes``: how many event loops (of all workers running at once) share the shop's slots."""
+    slot: EpisodeSlot | None = None,
+) -> Evaluation:
+    """The evaluation :func:`evaluate` drives; ``slot``: a slot shared with other evaluations,
+    taken before each episode starts (none: only ``experiment.concurrency`` bounds it)."""
     from shopsimrl.runner.lease_journal import LeaseJournal, start_lease_tracking
     from shopsimrl.runner.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
 
@@ -159,7 +180,6 @@ async def evaluate(
     journal = LeaseJournal(journal_storage, environment_url=prepared.environment_settings.base_url, writer=journal_writer)
     limited = ConcurrencyLimitedModel(model, ceiling)
     began = datetime.now(UTC).isoformat()
-    grace = config.environment.cleanup_grace_seconds
 
     async def run() -> None:
         await start_lease_tracking(
@@ -176,6 +196,7 @@ async def evaluate(
             max_episode_retries=max_episode_retries,
             retry_failed=retry_failed,
             reroll_failed=reroll_failed,
+            slot=slot,
         )
         pending = evaluator.pending(
             list(jobs), resume.completed, resume.prior_attempts, EvaluationOutcome(), resume.final_failures
@@ -206,11 +227,75 @@ async def evaluate(
                     }
                 )
 
+    return Evaluation(
+        run, writer.flush, [model, environment, journal], hooks.background(), config.environment.cleanup_grace_seconds
+    )
+
+
+async def evaluate(
+    prepared: PreparedExperiment,
+    jobs: Sequence[EpisodeJob],
+    resume: Resume,
+    writer: TraceWriter,
+    journal_storage: JournalStorage,
+    *,
+    journal_writer: str | None = None,
+    processes: int = 1,
+    max_episode_retries: int,
+    retry_failed: bool = True,
+    reroll_failed: bool = False,
+    hooks: EvaluationHooks | None = None,
+) -> bool:
+    """Run the episodes of ``jobs`` that ``resume`` leaves to run, saving each attempt through
+    ``writer``; True when a signal stopped them (every lease released, what finished saved).
+
+    ``processes``: how many event loops (of all workers running at once) share the shop's slots."""
+    one = evaluation(
+        prepared,
+        jobs,
+        resume,
+        writer,
+        journal_storage,
+        journal_writer=journal_writer,
+        processes=processes,
+        max_episode_retries=max_episode_retries,
+        retry_failed=retry_failed,
+        reroll_failed=reroll_failed,
+        hooks=hooks,
+    )
+    return await evaluate_together([one])
+
+
+async def evaluate_together(evaluations: Sequence[Evaluation]) -> bool:
+    """Drive ``evaluations`` on this loop at once, under one SIGTERM/SIGINT handler: a signal
+    stops them all, each saving what finished and releasing its leases. True when a signal
+    stopped them."""
+
+    async def work() -> None:
+        tasks = [asyncio.ensure_future(each.work()) for each in evaluations]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # one that raised stops the others; each unwinds (releases its leases)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def save() -> None:
+        errors = []
+        for each in evaluations:
+            try:
+                each.save()
+            except Exception as exc:  # the other members' finished episodes are still saved
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    grace = max(each.grace for each in evaluations)
     driven = await drive(
-        run(),
+        evaluations[0].work() if len(evaluations) == 1 else work(),
         cleanup=f"saving finished episodes and releasing leases (up to {grace:g} s)",
-        save=writer.flush,
-        closing=[model, environment, journal],
-        background=hooks.background(),
+        save=save,
+        closing=[resource for each in evaluations for resource in each.closing],
+        background=[start for each in evaluations for start in each.background],
     )
     return driven.interrupted

@@ -16,7 +16,7 @@ import json
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
@@ -27,18 +27,20 @@ from shopsimrl.inflight import model_inflight_block
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, run_identity
 from shopsimrl.metrics import SummaryAccumulator
 from shopsimrl.records import RecordVersionError, RunManifest
-from shopsimrl.runner.driver import EvaluationHooks, Resume, evaluate
+from shopsimrl.runner.driver import Evaluation, EvaluationHooks, Resume, evaluate_together, evaluation
 from shopsimrl.runner.lease_journal import DirectoryJournalStorage
 from shopsimrl.runner.progress import ProgressFile, RunProgress
 from shopsimrl.storage.local import LocalRunStore, RunLockedError, RunWriteError
 
 if TYPE_CHECKING:
     from shopsimrl.runner.experiment import PreparedExperiment
-    from shopsimrl.runner.scheduler import Evaluator
+    from shopsimrl.runner.scheduler import EpisodeSlot, Evaluator
 
-__all__ = ["RunStopped", "run_local", "summarize_local"]
+__all__ = ["LocalRun", "RunStopped", "run_local", "run_local_together", "summarize_local"]
 
 log = structlog.get_logger("shopsimrl.runner.local")
+
+T = TypeVar("T")
 
 
 class RunStopped(Exception):
@@ -63,24 +65,100 @@ def run_local(
 
     ``announce`` receives the one line that says what is to run; ``show_progress``: a live bar
     when stderr is a terminal."""
-    config = prepared.config
-    store = LocalRunStore(config.run_dir)
+    run = LocalRun(prepared, retry_failed=retry_failed, reroll_failed=reroll_failed)
     try:
-        store.acquire()
-    except RunLockedError as exc:
-        raise RunStopped(ExitCode.RETRYABLE, str(exc)) from None
-    except OSError as exc:  # the directory cannot exist there (a file in the way, no permission) or the disk failed
-        unusable = isinstance(exc, (PermissionError, FileExistsError, FileNotFoundError, NotADirectoryError))
-        raise RunStopped(
-            ExitCode.BAD_INPUT if unusable else ExitCode.RETRYABLE,
-            f"experiment.output_dir: cannot create the run directory {config.run_dir}: {exc.strerror or exc}",
-        ) from None
+        run.open(announce)
+        run.evaluated(_drive(prepared, [run.evaluation(max_episode_retries=max_episode_retries, show_progress=show_progress)]))
+        return run.store, run.summarize()
+    finally:
+        run.close()
+
+
+def _drive(prepared: PreparedExperiment, evaluations: list[Evaluation]) -> bool:
+    """Drive ``evaluations`` on one event loop; True when a signal stopped them."""
     try:
+        return eventloop.run(evaluate_together(evaluations))
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
+        return True
+    except OSError as exc:
+        where = f" in {prepared.config.run_dir}" if len(evaluations) == 1 else ""
+        raise RunStopped(ExitCode.RETRYABLE, f"cannot persist traces{where}: {exc}") from None
+
+
+def run_local_together(
+    runs: Sequence[LocalRun],
+    *,
+    concurrency: int,
+    show_progress: bool = True,
+    announce: Callable[[str], None] = lambda line: None,
+) -> list[dict[str, Any]]:
+    """Run (or resume) several local runs on one event loop, sharing ``concurrency`` slots: a
+    freed slot goes to the earliest run with an episode waiting (``shopsimrl evalset``). One
+    Ctrl-C stops them all, each saving its finished episodes. Returns each run's summary;
+    raises :class:`RunStopped` (naming the run, by its folder, where one run failed)."""
+    from shopsimrl.runner.slots import MemberSlot, SharedSlots, SlotPool
+
+    shared = SharedSlots(SlotPool(concurrency))
+    try:
+        for run in runs:
+            _named(run, run.open, announce)
+        # One live bar at a time fits a terminal: the first member's.
+        evaluations = [
+            run.evaluation(show_progress=show_progress and position == 0, slot=MemberSlot(shared, shared.add()))
+            for position, run in enumerate(runs)
+        ]
+        if _drive(runs[0].prepared, evaluations):
+            raise RunStopped(
+                ExitCode.RETRYABLE, "interrupted; every member's finished episodes are saved, rerun the same command to resume"
+            )
+        return [_named(run, run.summarize) for run in runs]
+    finally:
+        for run in runs:
+            run.close()
+
+
+def _named(run: LocalRun, step: Callable[..., T], *args: Any) -> T:
+    try:
+        return step(*args)
+    except RunStopped as exc:
+        raise RunStopped(exc.code, f"{run.name}: {exc}") from None
+
+
+class LocalRun:
+    """One local run in steps, so that several can share an event loop: :meth:`open` takes the
+    lock and freezes or checks the plan, :meth:`evaluation` is what the loop drives,
+    :meth:`summarize` writes ``summary.json``, :meth:`close` releases the lock."""
+
+    def __init__(
+        self, prepared: PreparedExperiment, *, name: str = "", retry_failed: bool = True, reroll_failed: bool = False
+    ) -> None:
+        self.prepared = prepared
+        self.name = name or prepared.config.name
+        self.retry_failed, self.reroll_failed = retry_failed, reroll_failed
+        self.store = LocalRunStore(prepared.config.run_dir)
+        self._locked = False
+        self.manifest: RunManifest | None = None
+        self.resume = Resume()
+
+    def open(self, announce: Callable[[str], None]) -> None:
+        config = self.prepared.config
+        store = self.store
+        try:
+            store.acquire()
+        except RunLockedError as exc:
+            raise RunStopped(ExitCode.RETRYABLE, str(exc)) from None
+        except OSError as exc:  # the directory cannot exist there (a file in the way, no permission) or the disk failed
+            unusable = isinstance(exc, (PermissionError, FileExistsError, FileNotFoundError, NotADirectoryError))
+            raise RunStopped(
+                ExitCode.BAD_INPUT if unusable else ExitCode.RETRYABLE,
+                f"experiment.output_dir: cannot create the run directory {config.run_dir}: {exc.strerror or exc}",
+            ) from None
+        self._locked = True
         try:
             if not config.experiment.resume and store.read_manifest() is not None:
                 raise RunStopped(ExitCode.BAD_INPUT, f"{config.run_dir} already holds a run and experiment.resume is false")
-            manifest = store.freeze_plan(prepared.plan(), prepared.execution())
-            if (unapplied := unapplied_prices(manifest.execution, prepared.execution())) is not None:
+            self.manifest = store.freeze_plan(self.prepared.plan(), self.prepared.execution())
+            if (unapplied := unapplied_prices(self.manifest.execution, self.prepared.execution())) is not None:
                 log.warning("prices_not_applied", detail=unapplied)
         except FingerprintMismatchError as exc:
             raise RunStopped(ExitCode.FINGERPRINT_MISMATCH, str(exc)) from None
@@ -95,40 +173,50 @@ def run_local(
         completed = {eid for eid, state in index.episodes.items() if state.completed}
         prior = {eid: state.attempts for eid, state in index.episodes.items()}
         final = {eid: cls for eid, cls in index.final_failures().items() if eid not in completed}
-        announce(_plan_line(config.name, prepared.jobs, completed, prior, final, retry_failed, reroll_failed, config.run_dir))
-        retries = config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
-        resume = Resume(completed, prior, final)
-        hooks = _LocalHooks(store, len(prepared.jobs), resume, manifest.plan_fingerprint, show_progress)
-        try:
-            terminated = eventloop.run(
-                evaluate(
-                    prepared,
-                    prepared.jobs,
-                    resume,
-                    store,
-                    DirectoryJournalStorage(config.run_dir / "leases"),
-                    max_episode_retries=retries,
-                    retry_failed=retry_failed,
-                    reroll_failed=reroll_failed,
-                    hooks=hooks,
-                )
+        announce(
+            _plan_line(
+                config.name, self.prepared.jobs, completed, prior, final, self.retry_failed, self.reroll_failed, config.run_dir
             )
-        except KeyboardInterrupt:  # Ctrl-C before the run's own handlers were installed
-            terminated = True
-        except OSError as exc:
-            raise RunStopped(ExitCode.RETRYABLE, f"cannot persist traces in {config.run_dir}: {exc}") from None
+        )
+        self.resume = Resume(completed, prior, final)
+
+    def evaluation(
+        self, *, max_episode_retries: int | None = None, show_progress: bool = True, slot: EpisodeSlot | None = None
+    ) -> Evaluation:
+        assert self.manifest is not None, "open() first"
+        config = self.prepared.config
+        retries = config.runtime.max_episode_retries if max_episode_retries is None else max_episode_retries
+        hooks = _LocalHooks(self.store, len(self.prepared.jobs), self.resume, self.manifest.plan_fingerprint, show_progress)
+        return evaluation(
+            self.prepared,
+            self.prepared.jobs,
+            self.resume,
+            self.store,
+            DirectoryJournalStorage(config.run_dir / "leases"),
+            max_episode_retries=retries,
+            retry_failed=self.retry_failed,
+            reroll_failed=self.reroll_failed,
+            hooks=hooks,
+            slot=slot,
+        )
+
+    def evaluated(self, terminated: bool) -> None:
         if terminated:
             raise RunStopped(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
+
+    def summarize(self) -> dict[str, Any]:
         try:
-            summary = summarize_local(store, manifest, [job.episode_id for job in prepared.jobs])
+            return summarize_local(self.store, self.manifest, [job.episode_id for job in self.prepared.jobs])
         except RunWriteError as exc:  # the traces are safe; only the derived summary is missing
             raise RunStopped(
                 ExitCode.RETRYABLE if exc.retryable else ExitCode.BAD_INPUT,
-                f"{exc}; the traces are saved, `shopsimrl summarize {store.run_dir}` rewrites it",
+                f"{exc}; the traces are saved, `shopsimrl summarize {self.store.run_dir}` rewrites it",
             ) from None
-    finally:
-        store.release()
-    return store, summary
+
+    def close(self) -> None:
+        if self._locked:
+            self._locked = False
+            self.store.release()
 
 
 def _plan_line(

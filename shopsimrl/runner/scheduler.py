@@ -32,7 +32,7 @@ from shopsimrl.model import ChatModel
 from shopsimrl.records import EpisodeTrace
 from shopsimrl.schemas import EpisodeJob, ModelOutput
 
-__all__ = ["ConcurrencyLimitedModel", "EvaluationOutcome", "Evaluator", "TraceSink"]
+__all__ = ["ConcurrencyLimitedModel", "EpisodeSlot", "EvaluationOutcome", "Evaluator", "TraceSink"]
 
 log = structlog.get_logger("shopsimrl.runner.scheduler")
 
@@ -43,6 +43,18 @@ MAX_REQUEUE_DELAY_S = 30.0
 class TraceSink(Protocol):
     def save_traces(self, records: list[EpisodeTrace]) -> None:
         """Persist ``records`` in order; durable (as the sink defines it) when it returns."""
+        ...
+
+
+class EpisodeSlot(Protocol):
+    """A slot shared with other evaluations on the same loop (the members of an eval set)."""
+
+    async def acquire(self) -> None:
+        """Wait until this evaluation may start one more episode."""
+        ...
+
+    def release(self) -> None:
+        """An episode of this evaluation ended; its slot goes back."""
         ...
 
 
@@ -90,6 +102,7 @@ class Evaluator:
         reroll_failed: bool = False,
         retry_backoff_seconds: float = 1.0,
         on_trace: Callable[[EpisodeTrace, bool], None] | None = None,
+        slot: EpisodeSlot | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -103,6 +116,7 @@ class Evaluator:
         self.reroll_failed = reroll_failed
         self.retry_backoff_seconds = retry_backoff_seconds
         self.on_trace = on_trace
+        self.slot = slot
         self._save_lock = asyncio.Lock()
 
     def pending(
@@ -220,29 +234,58 @@ class Evaluator:
 
         async def run_episodes() -> None:
             """One of ``concurrency`` tasks: take a queued attempt, run it, save its trace."""
-            nonlocal remaining
             while True:
                 job, attempt = await queue.get()
-                trace = await self._attempt(job)
-                trace.attempt = prior_attempts.get(job.episode_id, 0) + attempt
-                if job.episode_id in final_failures:
-                    # A re-roll replaces an outcome: the record says which, so the summary counts it.
-                    trace.rerolled_from = final_failures[job.episode_id] or "unclassified"
-                # A finished episode is saved even if the run is cancelled meanwhile: the save
-                # runs as its own task, which run() waits for before it returns.
-                saving = asyncio.ensure_future(save(trace))
-                saves.add(saving)
-                saving.add_done_callback(saved)
-                try:
-                    await asyncio.shield(saving)
-                except Exception as exc:  # the store failed: nothing more can be persisted
-                    fatal.append(exc)
-                    all_done.set()
+                if not await run_one(job, attempt):
                     return
-                if settle(trace, job, attempt):
-                    remaining -= 1
-                    if remaining == 0:
-                        all_done.set()
+
+        async def run_in_slot(slot: EpisodeSlot) -> None:
+            """``run_episodes`` in a slot shared with other evaluations: a runner keeps its slot
+            while this evaluation has episodes queued and gives it back when none is, so the
+            earliest member keeps its slots until it drains and a later one fills them then."""
+            holding = False
+            try:
+                while True:
+                    try:
+                        job, attempt = queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        if holding:
+                            holding = False
+                            slot.release()
+                        job, attempt = await queue.get()
+                    if not holding:
+                        await slot.acquire()
+                        holding = True
+                    if not await run_one(job, attempt):
+                        return
+            finally:
+                if holding:
+                    slot.release()
+
+        async def run_one(job: EpisodeJob, attempt: int) -> bool:
+            """Run one attempt and save its trace; False when nothing more can be saved."""
+            nonlocal remaining
+            trace = await self._attempt(job)
+            trace.attempt = prior_attempts.get(job.episode_id, 0) + attempt
+            if job.episode_id in final_failures:
+                # A re-roll replaces an outcome: the record says which, so the summary counts it.
+                trace.rerolled_from = final_failures[job.episode_id] or "unclassified"
+            # A finished episode is saved even if the run is cancelled meanwhile: the save
+            # runs as its own task, which run() waits for before it returns.
+            saving = asyncio.ensure_future(save(trace))
+            saves.add(saving)
+            saving.add_done_callback(saved)
+            try:
+                await asyncio.shield(saving)
+            except Exception as exc:  # the store failed: nothing more can be persisted
+                fatal.append(exc)
+                all_done.set()
+                return False
+            if settle(trace, job, attempt):
+                remaining -= 1
+                if remaining == 0:
+                    all_done.set()
+            return True
 
         def runner_ended(task: asyncio.Task[None]) -> None:
             # A runner ends only by cancellation; anything else is a bug that would leave run()
@@ -252,7 +295,8 @@ class Evaluator:
                 all_done.set()
 
         runners = [
-            asyncio.create_task(run_episodes(), name=f"episode-runner-{i}") for i in range(min(self.concurrency, len(pending)))
+            asyncio.create_task(run_episodes() if self.slot is None else run_in_slot(self.slot), name=f"episode-runner-{i}")
+            for i in range(min(self.concurrency, len(pending)))
         ]
         for task in runners:
             task.add_done_callback(runner_ended)

@@ -7,9 +7,11 @@ and model budgets have room, so the next member fills what a draining member fre
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["SlotPool"]
+__all__ = ["MemberSlot", "SharedSlots", "SlotPool"]
 
 
 @dataclass
@@ -71,6 +73,17 @@ class SlotPool:
         if requeue:
             member.waiting += 1
 
+    def wait(self, index: int) -> None:
+        """Member ``index`` has one more episode waiting for a slot."""
+        self._members[index].waiting += 1
+
+    def withdraw(self, index: int) -> None:
+        """Member ``index`` no longer waits for one of its slots (the waiter was cancelled)."""
+        member = self._members[index]
+        if member.waiting < 1:
+            raise ValueError(f"member {index} has no waiting episode")
+        member.waiting -= 1
+
     def done(self, index: int) -> bool:
         member = self._members[index]
         return member.waiting == 0 and member.running == 0
@@ -81,3 +94,60 @@ class SlotPool:
         while (index := self.acquire()) is not None:
             granted.append(index)
         return granted
+
+
+class SharedSlots:
+    """:class:`SlotPool` for tasks on one event loop: :meth:`acquire` waits until the pool hands
+    the member a slot. A member's waiting count is the number of its tasks waiting right now, so
+    a member whose next attempt is in a retry backoff lets the later members use the slot."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self._waiters: list[deque[asyncio.Future[None]]] = []
+
+    def add(self, shop: str = "", model: str = "") -> int:
+        """Register a member (its priority is its order); its index for acquire/release."""
+        self._waiters.append(deque())
+        return self.pool.add(shop, model, 0)
+
+    async def acquire(self, index: int) -> None:
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[index].append(granted)
+        self.pool.wait(index)
+        self._dispatch()
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if not granted.cancelled():
+                self.release(index)  # granted as it was cancelled: the slot goes to the next
+            elif granted in self._waiters[index]:  # not yet dropped by _dispatch
+                self._waiters[index].remove(granted)
+                self.pool.withdraw(index)
+            raise
+
+    def release(self, index: int) -> None:
+        self.pool.release(index)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        # A waiter cancelled since (its task not yet unwound) must not be handed a slot.
+        for member, waiters in enumerate(self._waiters):
+            for cancelled in [waiter for waiter in waiters if waiter.cancelled()]:
+                waiters.remove(cancelled)
+                self.pool.withdraw(member)
+        while (granted := self.pool.acquire()) is not None:
+            self._waiters[granted].popleft().set_result(None)
+
+
+@dataclass(frozen=True)
+class MemberSlot:
+    """One member's view of :class:`SharedSlots` (the scheduler's ``EpisodeSlot``)."""
+
+    shared: SharedSlots
+    index: int
+
+    async def acquire(self) -> None:
+        await self.shared.acquire(self.index)
+
+    def release(self) -> None:
+        self.shared.release(self.index)
