@@ -45,6 +45,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from shopsimrl.schemas import redact_uri
 
 __all__ = [
+    "PATH_KEYS",
     "TRACKERS",
     "ConfigError",
     "ConfigOverride",
@@ -573,7 +574,7 @@ def _origin_of(where: str, origins: Mapping[str, str]) -> str | None:
 # --------------------------------------------------------------------------- command-line overrides
 
 _KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
-_PATH_KEYS = frozenset(
+PATH_KEYS = frozenset(
     {"experiment.output_dir", "experiment.dotenv", "tasks.split_file", "prompt.system_prompt_file", "skills.path", "tracking.dir"}
 )
 """Keys that hold paths: a relative one from the command line is relative to the current directory."""
@@ -666,7 +667,7 @@ def _apply_overrides(data: dict[str, Any], overrides: Sequence[ConfigOverride], 
                 raise ConfigError(f"{override.origin}: {above} is not a mapping in {where} (it is {child!r})")
             node = child
         value = override.value
-        if override.key in _PATH_KEYS and isinstance(value, str) and value.strip():
+        if override.key in PATH_KEYS and isinstance(value, str) and value.strip():
             value = os.path.abspath(os.path.expanduser(value))
         node[last] = value
     return merged

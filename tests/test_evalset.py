@@ -114,3 +114,28 @@ def test_the_example_set_loads() -> None:
     configs = [the_set.member_config(member) for member in the_set.members]
     assert [config.model.checkpoint_id for config in configs] == ["round-1", "round-2", "round-3"]
     assert len({config.run_dir for config in configs}) == 3
+
+
+def test_a_path_in_set_is_relative_to_the_members_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if written in that config: the Helm route mounts the config next to the same files."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    write_config(configs, name="base", sample_size=3)
+    (configs / "banks").mkdir()
+    example = Path(__file__).resolve().parent.parent / "configs/evalset/buy_first_bank.json"
+    (configs / "banks" / "weak.json").write_bytes(example.read_bytes())
+    path = write_set(
+        tmp_path, "location: sets\nconfig: configs/base.yaml\nmembers:\n  - {name: weak, set: {skills.path: banks/weak.json}}\n"
+    )
+    monkeypatch.chdir(tmp_path)  # not the config's folder: a path relative to it would miss the bank
+    the_set = load_evalset(path)
+    (member,) = the_set.members
+    assert Path(str(the_set.member_config(member).skills.path)) == configs / "banks" / "weak.json"
+
+
+def test_the_example_sets_members_differ_in_policy() -> None:
+    path = Path(__file__).resolve().parent.parent / "configs/evalset_testbed.yaml"
+    the_set = load_evalset(path)
+    weak, short, plain = (the_set.member_config(member) for member in the_set.members)
+    assert weak.skills.path is not None and Path(str(weak.skills.path)).is_file()
+    assert (short.runtime.max_steps, plain.skills.path) == (6, None)

@@ -121,3 +121,20 @@ async def test_a_waiter_cancelled_just_before_a_release_is_skipped() -> None:
     await asyncio.wait_for(other, timeout=10)
     await asyncio.gather(waiter, return_exceptions=True)
     assert shared.pool.busy == 1 and shared.pool.done(first)
+
+
+def test_a_member_that_finished_first_keeps_its_final_progress_state(tmp_path: Path) -> None:
+    """Its heartbeat task lives until the whole set ends; it must not write `running` again."""
+    from shopsimrl.runner.progress import ProgressFile, RunProgress, read_progress_file
+
+    async def scenario() -> None:
+        bar = RunProgress(3, before=0, enabled=False)
+        progress = ProgressFile(tmp_path / "progress.json", bar, plan_fingerprint="f", completed_before=0, heartbeat_seconds=0.01)
+        beat = asyncio.create_task(progress.beat())
+        progress.write()
+        progress.write("finished")
+        await asyncio.wait_for(beat, 5)  # the beat ends by itself once the final state is written
+        progress.write()
+        assert (read_progress_file(tmp_path / "progress.json") or {})["state"] == "finished"
+
+    asyncio.run(scenario())

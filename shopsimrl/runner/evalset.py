@@ -10,6 +10,7 @@ so its fingerprint is that run's.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from shopsimrl.config import ConfigError, ConfigOverride, ExperimentConfig, WorkerSettings, load_experiment_config
+from shopsimrl.config import PATH_KEYS, ConfigError, ConfigOverride, ExperimentConfig, WorkerSettings, load_experiment_config
 
 __all__ = ["EvalSet", "EvalSetError", "Member", "load_evalset", "member_state"]
 
@@ -58,7 +59,18 @@ class EvalSet:
     def member_config(self, member: Member, settings: WorkerSettings | None = None) -> ExperimentConfig:
         """The member's config with its overrides, then ``settings`` (``SHOPSIMRL_*``) where
         they leave a key alone, as ``run`` loads it; at the member's own run folder."""
-        overrides = list(member.overrides)
+        # A path in `set` is relative to the member's config file, as if written in it: the
+        # same file the Helm route mounts next to that config resolves it the same way.
+        base = member.config.parent
+        overrides = [
+            ConfigOverride(o.key, str(base / os.path.expanduser(o.value)), o.source)
+            if o.key in PATH_KEYS
+            and isinstance(o.value, str)
+            and o.value.strip()
+            and not Path(os.path.expanduser(o.value)).is_absolute()
+            else o
+            for o in member.overrides
+        ]
         if self.concurrency is not None:  # not part of the plan: the fingerprint stays `run`'s
             overrides.append(ConfigOverride("experiment.concurrency", self.concurrency, "--concurrency"))
         try:

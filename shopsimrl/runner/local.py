@@ -277,7 +277,6 @@ class _LocalHooks(EvaluationHooks):
         await self.progress.beat()
 
     def model_inflight(self, record: dict[str, Any]) -> None:
-        super().model_inflight(record)
         try:
             self.store.append_model_inflight(record)
         except RunWriteError as exc:  # a history line lost costs no episode

@@ -369,6 +369,9 @@ class ProgressFile:
             "completed_before": completed_before,
         }
         self._warned = False
+        self._final: str | None = None
+        """The final state once written: no beat says ``running`` after it (an eval set's member
+        that finished while the others still run keeps its heartbeat task until the set ends)."""
 
     def document(self, state: str) -> dict[str, Any]:
         bar = self.bar
@@ -384,6 +387,10 @@ class ProgressFile:
         }
 
     def write(self, state: str = "running") -> None:
+        if state == "running" and self._final is not None:
+            return
+        if state != "running":
+            self._final = state
         data = (json.dumps(self.document(state), ensure_ascii=False, indent=2) + "\n").encode("utf-8")
         tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(6)}.tmp")
         try:
@@ -400,8 +407,8 @@ class ProgressFile:
                 log.warning("progress_not_written", path=str(self.path), error=f"{type(exc).__name__}: {exc}")
 
     async def beat(self) -> None:
-        """Rewrite the file every ``heartbeat_seconds``, until cancelled."""
-        while True:
+        """Rewrite the file every ``heartbeat_seconds``, until cancelled or the final state is written."""
+        while self._final is None:
             await asyncio.sleep(self.heartbeat_seconds)
             await asyncio.to_thread(self.write)
 
