@@ -83,6 +83,9 @@ def test_a_set_interrupted_by_sigint_resumes_every_member_without_redoing_episod
         resumed = shopsimrl(bed.env(), "evalset", str(set_path), "--no-progress")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert all(name in resumed.stdout for name in ("round-1", "round-2", "round-3"))  # the leaderboard
+        # ... and the comparison of every member against the first, as `shopsimrl compare` prints it.
+        assert "runs (the first is the baseline):" in resumed.stdout
+        assert resumed.stdout.count("(baseline)") == 2, resumed.stdout[-3000:]
         for name in ("round-1", "round-2", "round-3"):
             after = trace_ids(location / name)
             assert after[: len(before[name])] == before[name]  # what was saved stays

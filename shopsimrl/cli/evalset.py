@@ -16,6 +16,8 @@ from shopsimrl.exitcodes import ExitCode
 __all__ = ["app"]
 
 app = typer.Typer(**HELP_STYLE)
+COMPARE_RESAMPLES, COMPARE_SEED = 10_000, 20260901
+"""``shopsimrl compare``'s defaults, for the comparison that ends a set."""
 
 
 @app.command("evalset")
@@ -24,7 +26,9 @@ def evalset(
     status: bool = typer.Option(False, "--status", help="Print each member's state; run nothing."),
     as_json: bool = typer.Option(False, "--json", help="With --status: JSON lines."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Live progress bar of the first member."),
-    report: bool = typer.Option(True, "--report/--no-report", help="End with the runs leaderboard of the set."),
+    report: bool = typer.Option(
+        True, "--report/--no-report", help="End with the leaderboard and a compare against the first member."
+    ),
     helm_values: Path | None = typer.Option(
         None, "--helm-values", metavar="DIR", help="Write DIR/<member>.yaml for the chart; run nothing."
     ),
@@ -94,8 +98,28 @@ def evalset(
         leaderboard(
             str(the_set.location), sort="score", ascending=None, group=True, depth=1, as_json=False, quiet=quiet, verbose=verbose
         )
+        if len(the_set.members) > 1:
+            _compare_with_first([str(the_set.run_dir(member)) for member in the_set.members])
     if worst:
         raise typer.Exit(int(worst))
+
+
+def _compare_with_first(runs: list[str]) -> None:
+    """``shopsimrl compare`` of every member against the first, when the research part is
+    installed; a set whose runs cannot be compared (a partial member) says why and goes on."""
+    from shopsimrl.cli.errors import PartMissingError, import_part
+
+    try:
+        compare = import_part("shopsimrl.research.compare", "research")
+    except PartMissingError as exc:
+        typer.echo(f"compare against the first member skipped: {exc}", err=True)
+        return
+    try:
+        result = compare.compare_runs(runs, allow_partial=False, resamples=COMPARE_RESAMPLES, seed=COMPARE_SEED)
+    except compare.CompareError as exc:
+        typer.echo(f"compare against the first member skipped: {exc}", err=True)
+        return
+    typer.echo(compare.format_comparison(result))
 
 
 def _check_frozen_plan(name: str, prepared: Any) -> None:
