@@ -58,15 +58,23 @@ __all__ = [
     "SUMMARY_NAME",
     "AnalystConfig",
     "SkillInputError",
+    "analyse_success",
+    "analysis_summary",
     "analyst_identity",
     "append_record",
+    "cards_bytes",
+    "current_cards",
     "cut_torn_tail",
     "input_fingerprint",
     "latest_traces",
     "plain_settings",
+    "r_success",
     "read_analyses",
     "run_success_analysis",
     "settings_identity",
+    "success_tool",
+    "summary_block",
+    "summary_bytes",
 ]
 
 log = structlog.get_logger("shopsimrl.research.skills")
@@ -147,7 +155,7 @@ def input_fingerprint(trace: EpisodeTrace, config: AnalystConfig) -> str:
     )
 
 
-def _r_success(trace: EpisodeTrace) -> Any:
+def r_success(trace: EpisodeTrace) -> Any:
     return trace.final.reward_detail.get("r_success") if trace.final is not None else None
 
 
@@ -167,8 +175,8 @@ def latest_traces(path: Path, *, expected: int | None = None) -> list[EpisodeTra
             raise SkillInputError(f"{where}: status is {record.status!r}; the skill builder reads completed episodes only")
         if record.job.split != "train":
             raise SkillInputError(f"{where}: job.split is {record.job.split!r}; skills are built from train episodes only")
-        if _r_success(record) not in (0, 1) or isinstance(_r_success(record), bool):
-            raise SkillInputError(f"{where}: final.reward_detail.r_success is {_r_success(record)!r}, not 0 or 1")
+        if r_success(record) not in (0, 1) or isinstance(r_success(record), bool):
+            raise SkillInputError(f"{where}: final.reward_detail.r_success is {r_success(record)!r}, not 0 or 1")
     if expected is not None and len(latest) != expected:
         raise SkillInputError(f"{path}: {len(latest)} episodes, but exactly {expected} are expected")
     return list(latest.values())
@@ -325,7 +333,7 @@ def run_success_analysis(traces: Iterable[EpisodeTrace], output_dir: Path, confi
         if cut_torn_tail(path):
             log.warning("torn_last_line_cut", path=str(path))
     existing = read_analyses(analyses_path)
-    successes = [trace for trace in traces if _r_success(trace) == 1]
+    successes = [trace for trace in traces if r_success(trace) == 1]
     fingerprints = {trace.episode_id: input_fingerprint(trace, config) for trace in successes}
     todo = [
         (trace, fingerprints[trace.episode_id])
@@ -340,37 +348,65 @@ def run_success_analysis(traces: Iterable[EpisodeTrace], output_dir: Path, confi
         os.close(analyses)
         os.close(errors)
     current = read_analyses(analyses_path)
-    cards: list[dict[str, Any]] = []
-    missing: list[str] = []
-    for trace in successes:
-        record = current.get(trace.episode_id)
-        if record is None or record.get("input_fingerprint") != fingerprints[trace.episode_id]:
-            missing.append(trace.episode_id)
-            continue
-        cards.extend(record["cards"])
+    cards, missing = current_cards([(trace.episode_id, fingerprints[trace.episode_id]) for trace in successes], current)
     with replacing(output_dir / CARDS_NAME) as out:
-        for card in cards:
-            out.write(json_bytes(card) + b"\n")
-    summary = _summary(config, traces, successes, cards, missing, analysed_now, failed_now)
+        out.write(cards_bytes(cards))
+    summary = analysis_summary(summary_block(config), len(traces), len(successes), cards, missing, analysed_now, failed_now)
     with replacing(output_dir / SUMMARY_NAME) as out:
-        out.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
+        out.write(summary_bytes(summary))
     return summary
 
 
-def _summary(
-    config: AnalystConfig,
-    traces: list[EpisodeTrace],
-    successes: list[EpisodeTrace],
+def current_cards(
+    successes: list[tuple[str, str]], current: Mapping[str, dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The cards of the current analyses of ``successes`` ((episode id, input fingerprint) in
+    trace order) and the episodes without one (no record, or one of another input)."""
+    cards: list[dict[str, Any]] = []
+    missing: list[str] = []
+    for episode, input_fp in successes:
+        record = current.get(episode)
+        if record is None or record.get("input_fingerprint") != input_fp:
+            missing.append(episode)
+            continue
+        cards.extend(record["cards"])
+    return cards, missing
+
+
+def cards_bytes(cards: list[dict[str, Any]]) -> bytes:
+    return b"".join(json_bytes(card) + b"\n" for card in cards)
+
+
+def summary_bytes(summary: dict[str, Any]) -> bytes:
+    return orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+
+
+def summary_block(config: AnalystConfig) -> dict[str, Any]:
+    """The analyst's part of the summary: identity, prompt and tool hashes, limits."""
+    return {
+        "analyst": analyst_identity(config),
+        "prompt_sha256": prompt_sha256(SUCCESS_ANALYST_PROMPT),
+        "tool_sha256": fingerprint(success_tool(config)),
+        "limits": {"max_cards": config.max_cards, "attempts": config.attempts, "concurrency": config.concurrency},
+    }
+
+
+def analysis_summary(
+    block: dict[str, Any],
+    total: int,
+    success: int,
     cards: list[dict[str, Any]],
     missing: list[str],
     analysed_now: int,
     failed_now: int,
 ) -> dict[str, Any]:
+    """``analysis_summary.json``: ``block`` is :func:`summary_block`; ``total`` and ``success``
+    count the trajectories."""
     findings: dict[str, int] = {}
     for card in cards:
         for finding in card["firewall_findings"]:
             findings[finding["rule"]] = findings.get(finding["rule"], 0) + 1
-    failures = len(traces) - len(successes)
+    failures = total - success
     reasons = []
     if missing:
         reasons.append(f"{len(missing)} successful trajectories have no current analysis (see {ERRORS_NAME})")
@@ -382,12 +418,12 @@ def _summary(
         "status": "incomplete" if reasons else "complete",
         "incomplete_reasons": reasons,
         "episodes": {
-            "total": len(traces),
-            "success": len(successes),
+            "total": total,
+            "success": success,
             "failure_pending": failures,
-            "analysed": len(successes) - len(missing),
+            "analysed": success - len(missing),
             "analysed_now": analysed_now,
-            "reused": len(successes) - len(missing) - analysed_now,
+            "reused": success - len(missing) - analysed_now,
             "errors_now": failed_now,
             "missing": len(missing),
             "missing_episode_ids": missing,
@@ -398,9 +434,6 @@ def _summary(
             "placeholders": sum(1 for card in cards if card["placeholder"]),
         },
         "firewall_findings": dict(sorted(findings.items())),
-        "analyst": analyst_identity(config),
-        "prompt_sha256": prompt_sha256(SUCCESS_ANALYST_PROMPT),
-        "tool_sha256": fingerprint(success_tool(config)),
-        "limits": {"max_cards": config.max_cards, "attempts": config.attempts, "concurrency": config.concurrency},
+        **block,
         "written_at": _now(),
     }

@@ -23,6 +23,7 @@ failed trajectories are counted and reported, and the draft rests on the success
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from shopsimrl.config import read_yaml_mapping
 from shopsimrl.model import OpenAICompatibleSettings
+from shopsimrl.research.judge.config import check_judge_url
 from shopsimrl.research.skills.analyst import (
     CARDS_NAME,
     AnalystConfig,
@@ -43,7 +45,19 @@ from shopsimrl.research.skills.compile import CompilerConfig, compile_skill
 from shopsimrl.research.skills.consolidate import ConsolidatorConfig, read_cards, run_consolidation
 from shopsimrl.schemas import sha256_hex
 
-__all__ = ["BuildResult", "SkillsConfig", "build_skills", "format_build", "load_skills_config"]
+__all__ = [
+    "ANALYST_BASE_URL_ENV",
+    "BuildResult",
+    "SkillsConfig",
+    "analyst_config",
+    "build_skills",
+    "format_build",
+    "load_skills_config",
+]
+
+ANALYST_BASE_URL_ENV = "SHOPSIMRL_ANALYST_BASE_URL"
+"""Overrides ``analyst_model.base_url`` (and the compiler's when it defaults to the analyst): a
+pod reaches the analyst server at an in-cluster address. The URL is no part of a fingerprint."""
 
 
 class _Strict(BaseModel):
@@ -152,12 +166,29 @@ def load_skills_config(path: str | Path) -> SkillsConfig:
             kind = {"extra_forbidden": "unknown key", "missing": "required key is missing"}.get(error["type"], error["msg"])
             problems.append(f"{where}: {kind}")
         raise SkillInputError(f"invalid skills config {path}: " + "; ".join(problems)) from None
+    override = os.environ.get(ANALYST_BASE_URL_ENV)
+    if override:
+        try:
+            check_judge_url(override)
+        except ValueError as exc:
+            raise SkillInputError(f"{ANALYST_BASE_URL_ENV} (overrides analyst_model.base_url of {path}): {exc}") from None
+        config = config.model_copy(update={"analyst_model": config.analyst_model.model_copy(update={"base_url": override})})
     if config.compilation.active_skill_budget > config.compilation.validation_dimension_cap:
         raise SkillInputError(
             f"invalid skills config {path}: compilation.active_skill_budget ({config.compilation.active_skill_budget}) "
             f"must not exceed compilation.validation_dimension_cap ({config.compilation.validation_dimension_cap})"
         )
     return config
+
+
+def analyst_config(config: SkillsConfig) -> AnalystConfig:
+    """The success analyst's settings of SKILLS.yaml (the local stage and the sharded workers)."""
+    return AnalystConfig(
+        model=config.analyst_model.settings(SUCCESS_TOOL),
+        seed=config.experiment.seed,
+        concurrency=config.experiment.concurrency,
+        max_cards=config.analysis.max_cards_per_trajectory,
+    )
 
 
 @dataclass(frozen=True)
@@ -180,16 +211,7 @@ def build_skills(config: SkillsConfig) -> BuildResult:
     traces = latest_traces(traces_path, expected=e.expected_trajectories)
     analyst = config.analyst_model
     compiler = config.compiler_model or analyst
-    analysis = run_success_analysis(
-        traces,
-        output_dir,
-        AnalystConfig(
-            model=analyst.settings(SUCCESS_TOOL),
-            seed=e.seed,
-            concurrency=e.concurrency,
-            max_cards=config.analysis.max_cards_per_trajectory,
-        ),
-    )
+    analysis = run_success_analysis(traces, output_dir, analyst_config(config))
     cards = read_cards(output_dir / CARDS_NAME)
     consolidation = run_consolidation(
         cards,
