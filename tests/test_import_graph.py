@@ -76,6 +76,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.skills.consolidate",
         "shopsimrl.research.skills.firewall",
         "shopsimrl.research.skills.prompts",
+        "shopsimrl.research.skills.sharded",
         "shopsimrl.research.skills.structured",
         "shopsimrl.research.tables",
         "shopsimrl.research.tracking",

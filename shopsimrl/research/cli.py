@@ -8,6 +8,7 @@ the research modules (numpy, pandas, starlette) load when a command runs."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import AbstractContextManager, ExitStack
 from enum import StrEnum
@@ -685,3 +686,69 @@ def skills_build(
     result = build.build_skills(build.load_skills_config(skills_config))
     typer.echo(build.format_build(result))
     raise typer.Exit(int(ExitCode.OK if result.complete else ExitCode.EPISODES_FAILED))
+
+
+SKILLS_CONFIG = typer.Argument(..., metavar="SKILLS.yaml", help="Traces, output folder, analyst and compiler models.")
+SKILLS_RUN = typer.Option(..., "--run", help="The analysis location: a directory or an s3:// URI.")
+
+
+def _skills_sharded() -> Any:
+    return import_part("shopsimrl.research.skills.sharded", "research")
+
+
+@skills_app.command("plan")
+def skills_plan(
+    skills_config: Path = SKILLS_CONFIG,
+    run: str = SKILLS_RUN,
+    shards: int = typer.Option(..., "--shards", min=1, help="Number of shards (worker indexes)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Freeze the traces, their input fingerprints and the analysts as N shards at --run."""
+    setup_logging(quiet, verbose)
+    sharded = _skills_sharded()
+    build = import_part("shopsimrl.research.skills.build", "research")
+    plan = sharded.plan_skills(build.load_skills_config(skills_config), run, shards)
+    episodes = plan.document["episodes"]
+    todo = sum(1 for episode in episodes if episode["input_fingerprint"] is not None)
+    typer.echo(
+        f"skills plan {plan.fingerprint[:12]} · {len(episodes)} episodes ({todo} to analyse) · {plan.shards} shards · {run}"
+    )
+
+
+@skills_app.command("worker")
+def skills_worker(
+    skills_config: Path = SKILLS_CONFIG,
+    run: str = typer.Option(..., "--run", help="The analysis location the plan is at."),
+    index: int | None = typer.Option(None, "--index", min=0, help="Shard index (default: JOB_COMPLETION_INDEX)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Analyse one shard's trajectories (resumable) and commit it. Exit 1: some analyses
+    failed; 3: stopped by a signal (analyses saved)."""
+    setup_logging(quiet, verbose)
+    sharded = _skills_sharded()
+    build = import_part("shopsimrl.research.skills.build", "research")
+    if index is None:
+        raw = os.environ.get("SHOPSIMRL_SHARD_INDEX") or os.environ.get("JOB_COMPLETION_INDEX")
+        if raw is None or not raw.isdigit():
+            raise BadInputError("no shard index: pass --index, or set JOB_COMPLETION_INDEX (an Indexed Job sets it)")
+        index = int(raw)
+    raise typer.Exit(int(sharded.run_skills_worker(build.load_skills_config(skills_config), run, index)))
+
+
+@skills_app.command("reduce")
+def skills_reduce(
+    location: str = typer.Argument(..., metavar="URI", help="The analysis location."),
+    output: Path | None = typer.Option(None, "--output", help="Also write the files here (for skills build)."),
+    wait: bool = typer.Option(False, "--wait", help="First wait for the plan and every shard's commit."),
+    timeout: float = typer.Option(86400.0, "--timeout", min=0, help="With --wait: seconds to wait at most."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """The local stage's analysis files from the committed shards. Exit 1: incomplete."""
+    setup_logging(quiet, verbose)
+    sharded = _skills_sharded()
+    result = sharded.reduce_skills(location, output_dir=output, wait_s=timeout if wait else None)
+    typer.echo(sharded.format_reduce(result))
+    raise typer.Exit(int(result.code))

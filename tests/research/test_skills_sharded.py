@@ -1,0 +1,343 @@
+"""The per-trajectory analysis as an Indexed Job (``skills plan`` → ``skills worker`` processes
+→ ``skills reduce``) against the real HTTP model stub: the reduced files equal the local
+stage's (local directory, moto server, SeaweedFS), ``skills build`` continues from them, a worker
+killed with SIGKILL at a forced point resumes without losing or redoing an analysis, and a torn
+part or a marker whose checksum does not match is not trusted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from shopsimrl.research.skills.analyst import (
+    ANALYSES_NAME,
+    CARDS_NAME,
+    ERRORS_NAME,
+    SUMMARY_NAME,
+    latest_traces,
+    run_success_analysis,
+)
+from shopsimrl.research.skills.build import analyst_config, load_skills_config
+from tests.openai_stub import OpenAIStub, Received, Reply
+from tests.research.test_skill_builder import cards_reply, good_card, numbered, request_episode, write_traces
+from tests.research.test_skills_build import answer
+from tests.sharded.conftest import S3_TEST_ENV, _make_bucket, cli, seaweedfs_endpoint
+
+__all__ = ["seaweedfs_endpoint"]  # the session fixture, used by name
+
+REPO = Path(__file__).resolve().parents[2]
+FILES = (ANALYSES_NAME, ERRORS_NAME, CARDS_NAME, SUMMARY_NAME)
+TIMES = ("started_at", "ended_at", "written_at", "latency_ms")
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "SHOPSIMRL_"))}
+    return {**env, **(extra or {})}
+
+
+def _config(tmp_path: Path, url: str, *, expected: int, concurrency: int = 1, output: str = "out") -> Path:
+    path = tmp_path / "skills.yaml"
+    path.write_text(
+        f"experiment: {{traces: traces.jsonl, output_dir: {output}, expected_trajectories: {expected}, "
+        f"concurrency: {concurrency}}}\n"
+        "proposal_checkpoint: qwen35-4b-initial\n"
+        f"analyst_model: {{name: stub-model, base_url: '{url}', api_key_env: null, max_retries: 1, "
+        "retry_backoff_seconds: 0}\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+def _traces(tmp_path: Path, successes: int = 6, failures: int = 1) -> Path:
+    records = [numbered(n) for n in range(1, successes + 1)]
+    records += [numbered(successes + n, success=False) for n in range(1, failures + 1)]
+    return write_traces(tmp_path / "traces.jsonl", records)
+
+
+def _timeless(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _timeless(item) for key, item in value.items() if key not in TIMES and key != "shards"}
+    if isinstance(value, list):
+        return [_timeless(item) for item in value]
+    return value
+
+
+def _read(files: dict[str, bytes]) -> dict[str, Any]:
+    """The four files, parsed, without times (and the reducer's shard counts)."""
+    parsed: dict[str, Any] = {}
+    for name, data in files.items():
+        if name.endswith(".json"):
+            parsed[name] = _timeless(orjson.loads(data))
+        else:
+            parsed[name] = [_timeless(orjson.loads(line)) for line in data.splitlines() if line.strip()]
+    return parsed
+
+
+def _dir_files(path: Path) -> dict[str, bytes]:
+    return {name: (path / name).read_bytes() for name in FILES}
+
+
+def _local(tmp_path: Path, config: Path, traces: Path) -> dict[str, Any]:
+    """The local stage's files with the config's analyst (concurrency 1: the records in trace
+    order, as the reducer writes them)."""
+    out = tmp_path / "local-out"
+    run_success_analysis(latest_traces(traces), out, analyst_config(load_skills_config(config)))
+    return _read(_dir_files(out))
+
+
+def _workers(config: Path, run: str, shards: int, env: dict[str, str]) -> None:
+    """Every index as its own process, started together like an Indexed Job's pods."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run],
+            cwd=REPO,
+            env={**env, "JOB_COMPLETION_INDEX": str(index)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for index in range(shards)
+    ]
+    for process in processes:
+        _, err = process.communicate(timeout=180)
+        assert process.returncode == 0, err.decode()[-3000:]
+
+
+def _served(served: tuple[OpenAIStub, str]) -> tuple[OpenAIStub, str]:
+    server, url = served
+    server.reset()
+    server.responder = answer
+    return server, url
+
+
+def _tool(request: Received) -> str:
+    return str(request.json["tools"][0]["function"]["name"])
+
+
+@pytest.mark.slow
+def test_local_sharded_equals_unsharded_and_skills_build_continues(tmp_path: Path, served: tuple[OpenAIStub, str]) -> None:
+    server, url = _served(served)
+    traces = _traces(tmp_path)
+    config = _config(tmp_path, url, expected=7)
+    local = _local(tmp_path, config, traces)
+    assert local[SUMMARY_NAME]["episodes"]["analysed"] == 6 and len(local[CARDS_NAME]) == 6
+    run = str(tmp_path / "analysis")
+
+    planned = cli("skills", "plan", str(config), "--run", run, "--shards", "3", env=_env())
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "7 episodes (6 to analyse) · 3 shards" in planned.stdout
+    assert cli("skills", "plan", str(config), "--run", run, "--shards", "3", env=_env()).returncode == 0  # idempotent
+    other = cli("skills", "plan", str(config), "--run", run, "--shards", "2", env=_env())
+    assert other.returncode == 2 and "frozen with 3 shards" in other.stderr
+    early = cli("skills", "reduce", run, env=_env())
+    assert early.returncode == 1 and "0 of 3 committed" in early.stdout
+
+    # A worker whose analyst differs from the plan's (another max_cards) is refused before any call.
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(config.read_text() + "analysis: {max_cards_per_trajectory: 1}\n", encoding="utf-8")
+    server.reset()
+    server.responder = answer
+    refused = cli("skills", "worker", str(changed), "--run", run, "--index", "0", env=_env())
+    assert refused.returncode == 42 and "analysts.success" in refused.stderr and not server.completions
+
+    _workers(config, run, 3, _env())
+    assert sorted(request_episode(r) for r in server.completions) == [1, 2, 3, 4, 5, 6]
+    server.reset()
+    server.responder = answer
+    again = cli("skills", "worker", str(config), "--run", run, "--index", "1", env=_env())  # a retried index
+    assert again.returncode == 0 and not server.completions
+
+    out = tmp_path / "out"
+    reduced = cli("skills", "reduce", run, "--output", str(out), env=_env())
+    assert reduced.returncode == 0, reduced.stderr[-3000:]
+    assert "3 of 3 committed" in reduced.stdout
+    assert _read(_dir_files(out)) == local
+    assert _read(_dir_files(tmp_path / "analysis")) == local
+    summary = orjson.loads((out / SUMMARY_NAME).read_bytes())
+    assert summary["shards"] == {"count": 3, "committed": 3, "missing": []}
+
+    # skills build over the reduced files: no analysis asked again, straight to the draft.
+    server.reset()
+    server.responder = answer
+    built = cli("skills", "build", str(config), env=_env())
+    assert built.returncode == 0, built.stderr[-3000:] + built.stdout
+    assert [_tool(r) for r in server.completions] == ["submit_clusters", "submit_initial_skill"]
+    assert (out / "initial_skill_draft.json").exists()
+    assert orjson.loads((out / SUMMARY_NAME).read_bytes())["episodes"]["reused"] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+@pytest.mark.parametrize("kind", ["moto", "seaweedfs"])
+def test_sharded_on_s3_equals_local(
+    tmp_path: Path, served: tuple[OpenAIStub, str], kind: str, request: pytest.FixtureRequest
+) -> None:
+    endpoint = str(request.getfixturevalue({"moto": "moto_endpoint", "seaweedfs": "seaweedfs_endpoint"}[kind]))
+    server, url = _served(served)
+    traces = _traces(tmp_path, successes=5, failures=2)
+    config = _config(tmp_path, url, expected=7)
+    local = _local(tmp_path, config, traces)
+    s3 = {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint}
+    bucket = _make_bucket(endpoint, s3["AWS_ACCESS_KEY_ID"], s3["AWS_SECRET_ACCESS_KEY"])
+    run = f"s3://{bucket}/skills/analysis"
+    env = _env(s3)
+    planned = cli("skills", "plan", str(config), "--run", run, "--shards", "2", env=env)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    server.reset()
+    server.responder = answer
+    _workers(config, run, 2, env)
+    assert sorted(request_episode(r) for r in server.completions) == [1, 2, 3, 4, 5]
+    out = tmp_path / "out"
+    reduced = cli("skills", "reduce", run, "--output", str(out), env=env)
+    assert reduced.returncode == 0, reduced.stderr[-3000:]  # failed trajectories wait for an analyst not built yet
+    assert "2 of 2 committed" in reduced.stdout and "2 failed trajectories not analysed" in reduced.stdout
+    assert _read(_dir_files(out)) == local
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(
+        key=s3["AWS_ACCESS_KEY_ID"], secret=s3["AWS_SECRET_ACCESS_KEY"], client_kwargs={"endpoint_url": endpoint}
+    )
+    stored = {name: fs.cat_file(f"{bucket}/skills/analysis/{name}") for name in FILES}
+    assert _read(stored) == local
+    for name in (*FILES, "skills_plan.json"):
+        assert s3["AWS_SECRET_ACCESS_KEY"] not in fs.cat_file(f"{bucket}/skills/analysis/{name}").decode()
+
+
+def _part_records(shard: Path) -> list[dict[str, Any]]:
+    import zstandard
+
+    found = []
+    for part in sorted(shard.glob("part-*")):
+        data = zstandard.ZstdDecompressor().decompressobj().decompress(part.read_bytes())
+        found += [orjson.loads(line) for line in data.splitlines() if line.strip()]
+    return found
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_shard_resumes_losing_and_redoing_nothing(tmp_path: Path, served: tuple[OpenAIStub, str]) -> None:
+    server, url = _served(served)
+    _traces(tmp_path, successes=5, failures=0)
+    config = _config(tmp_path, url, expected=5)
+    run = str(tmp_path / "analysis")
+    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+    shard = tmp_path / "analysis" / "shards" / "00000"
+    third_asked, killed = threading.Event(), threading.Event()
+
+    async def hold_the_third(request: Received) -> Reply:
+        if len(server.completions) == 3:
+            third_asked.set()
+            # The worker is killed while it waits for this answer: two analyses are saved, none held.
+            await asyncio.to_thread(killed.wait, 120)
+        return cards_reply(good_card())
+
+    server.reset()
+    server.responder = hold_the_third
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run, "--index", "0"],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert third_asked.wait(120), (
+            worker.stderr.read().decode() if worker.poll() is not None and worker.stderr else "no 3rd request"
+        )
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+    finally:
+        killed.set()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert not list(shard.glob("_SUCCESS*"))
+    before = _part_records(shard)
+    assert sorted(r["episode_id"] for r in before) == ["task-000001__sample-000", "task-000002__sample-000"]
+
+    server.reset()
+    server.responder = lambda request: cards_reply(good_card())
+    resumed = cli("skills", "worker", str(config), "--run", run, "--index", "0", env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(request_episode(r) for r in server.completions) == [3, 4, 5]  # nothing redone
+    started = [
+        line
+        for line in map(orjson.loads, (raw for raw in resumed.stderr.splitlines() if raw.startswith("{")))
+        if line.get("event") == "skills_shard_started"
+    ]
+    assert [line["already_analysed"] for line in started] == [2]
+    after = _part_records(shard)
+    assert len(after) == 5 and all(r["status"] == "ok" for r in after)  # every analysis made once
+    assert [r for r in after if r["episode_id"] in {b["episode_id"] for b in before}] == before  # nothing lost
+    reduced = cli("skills", "reduce", run, env=_env())
+    assert reduced.returncode == 0, reduced.stderr[-3000:]
+    summary = orjson.loads((tmp_path / "analysis" / SUMMARY_NAME).read_bytes())
+    assert summary["status"] == "complete" and summary["episodes"]["analysed"] == 5
+
+
+@pytest.mark.slow
+def test_a_torn_part_and_a_bad_checksum_marker_are_not_trusted(tmp_path: Path, served: tuple[OpenAIStub, str]) -> None:
+    server, url = _served(served)
+    _traces(tmp_path, successes=4, failures=0)
+    config = _config(tmp_path, url, expected=4)
+    run = str(tmp_path / "analysis")
+    assert cli("skills", "plan", str(config), "--run", run, "--shards", "2", env=_env()).returncode == 0
+    _workers(config, run, 2, _env())
+    shard0, shard1 = (tmp_path / "analysis" / "shards" / f"{n:05d}" for n in range(2))
+
+    # Shard 0: a part cut short (its marker's sha256 no longer matches).
+    torn = sorted(shard0.glob("part-*"))[0]
+    torn_episode = _part_records(shard0)[0]["episode_id"]
+    data = torn.read_bytes()
+    torn.write_bytes(data[: len(data) // 2])
+    # Shard 1: its only marker forged with another checksum for a part that is intact.
+    (marker_path,) = shard1.glob("_SUCCESS*")
+    marker = orjson.loads(marker_path.read_bytes())
+    marker["parts"][0]["sha256"] = "0" * 64
+    marker_path.write_bytes(orjson.dumps(marker))
+
+    reduced = cli("skills", "reduce", run, env=_env())
+    assert reduced.returncode == 1 and "0 of 2 committed, missing [0, 1]" in reduced.stdout
+    summary = orjson.loads((tmp_path / "analysis" / SUMMARY_NAME).read_bytes())
+    assert summary["status"] == "incomplete" and summary["episodes"]["missing"] == 4
+    assert not (tmp_path / "analysis" / ANALYSES_NAME).read_bytes()
+
+    # The retried index 0 analyses the torn part's episode again, and only it; index 1 has
+    # nothing to redo and commits anew with a marker that verifies.
+    server.reset()
+    server.responder = lambda request: cards_reply(good_card())
+    for index in range(2):
+        again = cli("skills", "worker", str(config), "--run", run, "--index", str(index), env=_env())
+        assert again.returncode == 0, again.stderr[-3000:]
+    assert [request_episode(r) for r in server.completions] == [int(torn_episode.split("-")[1].split("__")[0])]
+    reduced = cli("skills", "reduce", run, env=_env())
+    assert reduced.returncode == 0, reduced.stderr[-3000:]
+    assert "2 of 2 committed" in reduced.stdout
+    records = [orjson.loads(line) for line in (tmp_path / "analysis" / ANALYSES_NAME).read_bytes().splitlines()]
+    assert sorted(r["episode_id"] for r in records) == [f"task-{n:06d}__sample-000" for n in range(1, 5)]
+
+
+def test_the_analyst_url_override_is_checked_and_left_out_of_the_fingerprint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shopsimrl.research.skills.analyst import SkillInputError
+    from shopsimrl.research.skills.sharded import analysts_for
+
+    config = _config(tmp_path, "http://127.0.0.1:9/v1", expected=1)
+    plain = load_skills_config(config)
+    monkeypatch.setenv("SHOPSIMRL_ANALYST_BASE_URL", "http://analyst.models.svc.cluster.local:8001/v1")
+    moved = load_skills_config(config)
+    assert moved.analyst_model.base_url == "http://analyst.models.svc.cluster.local:8001/v1"
+    assert [a.identity for a in analysts_for(moved)] == [a.identity for a in analysts_for(plain)]
+    monkeypatch.setenv("SHOPSIMRL_ANALYST_BASE_URL", "http://user:hunter2@analyst:8001/v1")
+    with pytest.raises(SkillInputError, match="SHOPSIMRL_ANALYST_BASE_URL") as caught:
+        load_skills_config(config)
+    assert "hunter2" not in str(caught.value)
