@@ -130,6 +130,18 @@ Usage: include "shopsimrl.parseConfig" (dict "ctx" . "out" $out)
 {{- if not (kindIs "invalid" $v.run.inlineSkillsFile) -}}
 {{- fail "run.inlineSkillsFile: a judge reads frozen traces, it takes no skill bank" -}}
 {{- end -}}
+{{- else if eq $v.mode "skills" -}}
+{{- range $key := list "experiment" "analyst_model" -}}
+{{- if not (hasKey $cfg $key) -}}
+{{- fail (printf "config.%s: missing; in skills mode config is a skills config (SKILLS.yaml: experiment, analyst_model)" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $v.run.inlineSplitFile) -}}
+{{- fail "run.inlineSplitFile: the skill analysts read frozen traces, they take no split file" -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $v.run.inlineSkillsFile) -}}
+{{- fail "run.inlineSkillsFile: the skill analysts read frozen traces, they take no skill bank" -}}
+{{- end -}}
 {{- else if not (kindIs "map" (get $cfg "tasks")) -}}
 {{- fail "config.tasks: missing; the experiment config needs tasks.split_file and tasks.split" -}}
 {{- $cfg = dict "tasks" (dict) -}}
@@ -347,14 +359,15 @@ Usage: include "shopsimrl.envBaseUrl" .
 {{- end -}}
 
 {{/*
-Name of the environment variable carrying the model API key.
+Name of the environment variable carrying the model API key (skills mode: the analyst's).
 Usage: include "shopsimrl.apiKeyEnv" .
 */}}
 {{- define "shopsimrl.apiKeyEnv" -}}
 {{- $fromConfig := "" -}}
 {{- $cfg := fromYaml (include "shopsimrl.configYaml" .) -}}
-{{- if kindIs "map" (get $cfg "model") -}}
-{{- $fromConfig = get (get $cfg "model") "api_key_env" | default "" -}}
+{{- $section := ternary "analyst_model" "model" (eq .Values.mode "skills") -}}
+{{- if kindIs "map" (get $cfg $section) -}}
+{{- $fromConfig = get (get $cfg $section) "api_key_env" | default "" -}}
 {{- end -}}
 {{- .Values.model.apiKey.envName | default $fromConfig | default "OPENAI_API_KEY" -}}
 {{- end -}}
@@ -420,10 +433,10 @@ Usage: include "shopsimrl.serviceEnv" .
 - name: SHOPSIMRL_LOG_FORMAT
   value: {{ .Values.worker.logFormat | quote }}
 {{- with include "shopsimrl.modelBaseUrl" . }}
-- name: {{ ternary "SHOPSIMRL_JUDGE_BASE_URL" "SHOPSIMRL_MODEL_BASE_URL" (eq $.Values.mode "judge") }}
+- name: {{ get (dict "judge" "SHOPSIMRL_JUDGE_BASE_URL" "skills" "SHOPSIMRL_ANALYST_BASE_URL") $.Values.mode | default "SHOPSIMRL_MODEL_BASE_URL" }}
   value: {{ . | quote }}
 {{- end }}
-{{- with and (ne $.Values.mode "judge") (include "shopsimrl.envBaseUrl" .) }}
+{{- with and (eq $.Values.mode "rollout") (include "shopsimrl.envBaseUrl" .) }}
 - name: SHOPSIMRL_ENV_BASE_URL
   value: {{ . | quote }}
 {{- end }}
@@ -660,8 +673,8 @@ Usage: include "shopsimrl.validate" .
 {{- define "shopsimrl.validate" -}}
 {{- include "shopsimrl.refuseCredentials" . -}}
 {{- if .Values.jobSet.enabled -}}
-{{- if eq .Values.mode "judge" -}}
-{{- fail "jobSet.enabled runs rollouts only: a judge release (mode: judge) uses the plain Jobs; set jobSet.enabled false" -}}
+{{- if ne .Values.mode "rollout" -}}
+{{- fail (printf "jobSet.enabled runs rollouts only: a %s release (mode: %s) uses the plain Jobs; set jobSet.enabled false" .Values.mode .Values.mode) -}}
 {{- end -}}
 {{- if and .Values.reducer.enabled .Values.reducer.watchWorkerJob -}}
 {{- fail "reducer.watchWorkerJob has no use with jobSet.enabled: the JobSet creates the reducer only once every worker index has succeeded; set it false" -}}
@@ -706,7 +719,7 @@ Usage: include "shopsimrl.validate" .
 {{- if and (eq .Values.mode "judge") .Values.readiness.enabled -}}
 {{- /* Nothing to fail: readiness probes rollouts' services; the judge worker has no init container. */ -}}
 {{- end -}}
-{{- $slots := ternary "" (include "shopsimrl.shopSlots" .) (eq .Values.mode "judge") -}}
+{{- $slots := ternary "" (include "shopsimrl.shopSlots" .) (ne .Values.mode "rollout") -}}
 {{- if $slots -}}
 {{- $pods := int (include "shopsimrl.podsAtOnce" .) -}}
 {{- $loops := int .Values.worker.processes -}}
