@@ -675,15 +675,25 @@ app.add_typer(skills_app, name="skills")
 @skills_app.command("build")
 def skills_build(
     skills_config: Path = typer.Argument(..., metavar="SKILLS.yaml", help="Traces, output folder, analyst and compiler models."),
+    shards: int | None = typer.Option(None, "--shards", min=1, help="Analyse in N local worker processes (needs --run)."),
+    run: str | None = typer.Option(None, "--run", help="With --shards: the analysis location (directory or s3:// URI)."),
+    parallelism: int | None = typer.Option(None, "--parallelism", min=1, help="With --shards: workers at once."),
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Analyse the successful trajectories, consolidate the cards, compile the Gate A draft
-    (resumable: each stage skips what its input fingerprint says is done). Exit 1: a stage is
-    not complete (rerun)."""
+    (resumable: each stage skips what its input fingerprint says is done). With --shards: the
+    analysis as plan, worker processes and reduce first. Exit 1: a stage is not complete (rerun)."""
     setup_logging(quiet, verbose)
     build = import_part("shopsimrl.research.skills.build", "research")
-    result = build.build_skills(build.load_skills_config(skills_config))
+    config = build.load_skills_config(skills_config)
+    if (shards is None) != (run is None):
+        raise BadInputError("--shards and --run go together (the sharded analysis needs a location)")
+    if shards is not None and run is not None:
+        reduced = _skills_sharded_analysis(skills_config, config, shards, run, parallelism)
+        if reduced is not None:
+            raise typer.Exit(int(reduced))
+    result = build.build_skills(config)
     typer.echo(build.format_build(result))
     raise typer.Exit(int(ExitCode.OK if result.complete else ExitCode.EPISODES_FAILED))
 
@@ -752,3 +762,19 @@ def skills_reduce(
     result = sharded.reduce_skills(location, output_dir=output, wait_s=timeout if wait else None)
     typer.echo(sharded.format_reduce(result))
     raise typer.Exit(int(result.code))
+
+
+def _skills_sharded_analysis(path: Path, config: Any, shards: int, run: str, parallelism: int | None) -> ExitCode | None:
+    """Plan, run the workers as a local Indexed Job, reduce into the output folder; the exit
+    code when the analysis is not complete (build then stops), else None."""
+    from shopsimrl.runner.local_job import run_indexed
+
+    sharded = _skills_sharded()
+    sharded.plan_skills(config, run, shards)
+    command = [sys.executable, "-m", "shopsimrl", "skills", "worker", str(path), "--run", run]
+    indexed = run_indexed(run, path, shards, parallelism=parallelism, command=command)
+    if indexed.interrupted:
+        raise TryAgainError("interrupted; run the same command again to resume")
+    result = sharded.reduce_skills(run, output_dir=config.resolve(config.experiment.output_dir))
+    typer.echo(sharded.format_reduce(result))
+    return None if result.code == ExitCode.OK else result.code

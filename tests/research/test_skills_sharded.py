@@ -36,7 +36,7 @@ __all__ = ["seaweedfs_endpoint"]  # the session fixture, used by name
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = (ANALYSES_NAME, ERRORS_NAME, CARDS_NAME, SUMMARY_NAME)
-TIMES = ("started_at", "ended_at", "written_at", "latency_ms")
+TIMES = ("started_at", "ended_at", "written_at", "latency_ms", "proposed_at")
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -341,3 +341,107 @@ def test_the_analyst_url_override_is_checked_and_left_out_of_the_fingerprint(
     with pytest.raises(SkillInputError, match="SHOPSIMRL_ANALYST_BASE_URL") as caught:
         load_skills_config(config)
     assert "hunter2" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_failed_analyses_exit_1_reach_the_errors_file_and_only_they_are_asked_again(
+    tmp_path: Path, served: tuple[OpenAIStub, str]
+) -> None:
+    server, url = _served(served)
+    _traces(tmp_path, successes=3, failures=0)
+    config = _config(tmp_path, url, expected=3)
+    run = str(tmp_path / "analysis")
+    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+
+    def invalid_for_the_second(request: Received) -> Reply:
+        return cards_reply(raw="not json") if request_episode(request) == 2 else cards_reply(good_card())
+
+    server.reset()
+    server.responder = invalid_for_the_second
+    failed = cli("skills", "worker", str(config), "--run", run, "--index", "0", env=_env())
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    (marker_path,) = (tmp_path / "analysis" / "shards" / "00000").glob("_SUCCESS*")
+    assert orjson.loads(marker_path.read_bytes())["episodes"] == {"completed": 2, "failed": 1}
+    reduced = cli("skills", "reduce", run, env=_env())
+    assert reduced.returncode == 1 and "2 of 3 successful trajectories analysed" in reduced.stdout
+    (error,) = [orjson.loads(line) for line in (tmp_path / "analysis" / ERRORS_NAME).read_bytes().splitlines()]
+    assert error["episode_id"] == "task-000002__sample-000" and error["status"] == "invalid"
+    assert len(error["attempts"]) == 3 and all("not valid JSON" in a["error"] for a in error["attempts"])
+
+    server.reset()
+    server.responder = lambda request: cards_reply(good_card())
+    again = cli("skills", "worker", str(config), "--run", run, "--index", "0", env=_env())
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [request_episode(r) for r in server.completions] == [2]
+    reduced = cli("skills", "reduce", run, env=_env())
+    assert reduced.returncode == 0 and "3 of 3 successful trajectories analysed" in reduced.stdout
+    assert not (tmp_path / "analysis" / ERRORS_NAME).read_bytes()
+
+
+@pytest.mark.slow
+def test_sigterm_saves_what_was_analysed_and_exits_3_without_a_marker(tmp_path: Path, served: tuple[OpenAIStub, str]) -> None:
+    server, url = _served(served)
+    _traces(tmp_path, successes=4, failures=0)
+    config = _config(tmp_path, url, expected=4)
+    run = str(tmp_path / "analysis")
+    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+    shard = tmp_path / "analysis" / "shards" / "00000"
+    second_asked, stopped = threading.Event(), threading.Event()
+
+    async def hold_the_second(request: Received) -> Reply:
+        if len(server.completions) == 2:
+            second_asked.set()
+            await asyncio.to_thread(stopped.wait, 120)
+        return cards_reply(good_card())
+
+    server.reset()
+    server.responder = hold_the_second
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run, "--index", "0"],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert second_asked.wait(120), "no 2nd request"
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=60)
+    finally:
+        stopped.set()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 3, err.decode()[-3000:]
+    assert not list(shard.glob("_SUCCESS*"))
+    assert [r["episode_id"] for r in _part_records(shard)] == ["task-000001__sample-000"]
+
+
+@pytest.mark.slow
+def test_skills_build_with_shards_gives_the_draft_the_unsharded_build_gives(
+    tmp_path: Path, served: tuple[OpenAIStub, str]
+) -> None:
+    server, url = _served(served)
+    drafts = {}
+    for kind in ("unsharded", "sharded"):
+        folder = tmp_path / kind
+        folder.mkdir()
+        _traces(folder, successes=5, failures=1)
+        config = _config(folder, url, expected=6)
+        server.reset()
+        server.responder = answer
+        args = ["--shards", "3", "--run", str(folder / "analysis")] if kind == "sharded" else []
+        built = cli("skills", "build", str(config), *args, env=_env())
+        assert built.returncode == 0, built.stderr[-3000:] + built.stdout
+        assert sorted(_tool(r) for r in server.completions) == sorted(
+            ["submit_success_cards"] * 5 + ["submit_clusters", "submit_initial_skill"]
+        )
+        out = folder / "out"
+        drafts[kind] = {
+            name: _read({name: (out / name).read_bytes()})[name]
+            for name in (CARDS_NAME, "initial_skill_draft.json", "initial_skillbank.json", "proposal_ledger.jsonl")
+        }
+    assert "3 of 3 committed" in built.stdout
+    assert drafts["sharded"] == drafts["unsharded"]
+    mixed = cli("skills", "build", str(tmp_path / "sharded" / "skills.yaml"), "--shards", "3", env=_env())
+    assert mixed.returncode == 2 and "--shards and --run go together" in mixed.stderr
