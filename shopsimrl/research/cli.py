@@ -747,6 +747,20 @@ def skills_worker(
     raise typer.Exit(int(sharded.run_skills_worker(build.load_skills_config(skills_config), run, index)))
 
 
+@skills_app.command("status")
+def skills_status_command(
+    location: str = typer.Argument(..., metavar="URI", help="The analysis location."),
+    as_json: bool = typer.Option(False, "--json", help="The report as JSON."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Per-shard progress of a sharded analysis from its markers (no part is read)."""
+    setup_logging(quiet, verbose)
+    sharded = _skills_sharded()
+    report = sharded.skills_status(location)
+    typer.echo(json.dumps(report, indent=2) if as_json else sharded.format_status(report))
+
+
 @skills_app.command("reduce")
 def skills_reduce(
     location: str = typer.Argument(..., metavar="URI", help="The analysis location."),

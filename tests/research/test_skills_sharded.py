@@ -139,6 +139,10 @@ def test_local_sharded_equals_unsharded_and_skills_build_continues(tmp_path: Pat
     assert other.returncode == 2 and "frozen with 3 shards" in other.stderr
     early = cli("skills", "reduce", run, env=_env())
     assert early.returncode == 1 and "0 of 3 committed" in early.stdout
+    planned_only = cli("skills", "status", run, env=_env())
+    assert planned_only.returncode == 0, planned_only.stderr[-3000:]
+    assert "7 episodes (6 to analyse) · 0/3 shards committed (0 analysed)" in planned_only.stdout
+    assert planned_only.stdout.count("not started") == 3
 
     # A worker whose analyst differs from the plan's (another max_cards) is refused before any call.
     changed = tmp_path / "changed.yaml"
@@ -163,6 +167,9 @@ def test_local_sharded_equals_unsharded_and_skills_build_continues(tmp_path: Pat
     assert _read(_dir_files(tmp_path / "analysis")) == local
     summary = orjson.loads((out / SUMMARY_NAME).read_bytes())
     assert summary["shards"] == {"count": 3, "committed": 3, "missing": []}
+    done = orjson.loads(cli("skills", "status", run, "--json", env=_env()).stdout)
+    assert done["committed_shards"] == done["summary_over_shards"] == 3
+    assert done["analysed_in_committed_shards"] == 6 and sum(row["episodes"] for row in done["shards"]) == 7
 
     # skills build over the reduced files: no analysis asked again, straight to the draft.
     server.reset()
@@ -260,6 +267,8 @@ def test_worker_killed_mid_shard_resumes_losing_and_redoing_nothing(tmp_path: Pa
             worker.kill()
             worker.wait()
     assert not list(shard.glob("_SUCCESS*"))
+    (killed,) = orjson.loads(cli("skills", "status", run, "--json", env=_env()).stdout)["shards"]
+    assert killed["state"] == "started" and killed["parts"] == 2
     before = _part_records(shard)
     assert sorted(r["episode_id"] for r in before) == ["task-000001__sample-000", "task-000002__sample-000"]
 

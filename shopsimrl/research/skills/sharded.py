@@ -80,9 +80,11 @@ __all__ = [
     "TrajectoryAnalyst",
     "analysts_for",
     "format_reduce",
+    "format_status",
     "plan_skills",
     "reduce_skills",
     "run_skills_worker",
+    "skills_status",
     "success_analyst",
 ]
 
@@ -451,6 +453,66 @@ def reduce_skills(uri: str, *, output_dir: Path | None = None, wait_s: float | N
             with replacing(output_dir / name) as out:
                 out.write(data)
     return SkillsReduceResult(summary, store.display_uri, output_dir, missing_shards)
+
+
+def skills_status(uri: str) -> dict[str, Any]:
+    """Per-shard progress of an analysis location from its commit markers and part listings; no
+    part is read. A committed shard's counts are its marker's (the reducer verifies the parts);
+    an uncommitted one shows its parts (one analysis each with the default ``flush_every``)."""
+    store = ShardedRunStore(uri)
+    plan = read_plan(store)
+    rows = []
+    for index in range(plan.shards):
+        spec = plan.document["inputs"][index]
+        listing = store.list_shard(index)
+        row: dict[str, Any] = {"shard": index, "episodes": spec["records"], "parts": len(listing.parts)}
+        markers = store.plan_markers(
+            index, plan_fingerprint=plan.fingerprint, episode_ids_sha256=spec["ids_sha256"], names=listing.markers
+        )
+        if markers:
+            best = max(markers, key=lambda m: (m.episodes.completed, len(m.parts)))
+            row.update(state="committed", analysed=best.episodes.completed, errors=best.episodes.failed)
+        else:
+            row["state"] = "corrupt-marker" if listing.markers else "started" if listing.parts else "not started"
+        rows.append(row)
+    committed = [row for row in rows if row["state"] == "committed"]
+    summary_over: int | None = None
+    data = store.read_bytes(SUMMARY_NAME)
+    if data is not None:
+        try:
+            summary_over = int(orjson.loads(data)["shards"]["committed"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            summary_over = None
+    return {
+        "location": store.display_uri,
+        "plan_fingerprint": plan.fingerprint,
+        "episodes": len(plan.document["episodes"]),
+        "to_analyse": sum(1 for e in plan.document["episodes"] if e["input_fingerprint"] is not None),
+        "flush_every": int(plan.document.get("flush_every") or FLUSH_EVERY),
+        "committed_shards": len(committed),
+        "analysed_in_committed_shards": sum(row["analysed"] for row in committed),
+        "summary_over_shards": summary_over,
+        "shards": rows,
+    }
+
+
+def format_status(report: dict[str, Any]) -> str:
+    """What ``skills status`` prints: a head line and one line per shard."""
+    lines = [
+        f"skills {report['location']} · {report['plan_fingerprint'][:12]} · {report['episodes']} episodes "
+        f"({report['to_analyse']} to analyse) · {report['committed_shards']}/{len(report['shards'])} shards committed "
+        f"({report['analysed_in_committed_shards']} analysed) · summary over "
+        + ("no reduce yet" if report["summary_over_shards"] is None else f"{report['summary_over_shards']} shards")
+    ]
+    for row in report["shards"]:
+        if row["state"] == "committed":
+            detail = f"{row['analysed']} analysed" + (f" · errors {row['errors']}" if row["errors"] else "")
+        elif row["parts"]:
+            detail = f"at most {row['parts'] * report['flush_every']} analyses in {row['parts']} parts"
+        else:
+            detail = f"{row['episodes']} episodes"
+        lines.append(f"  shard {row['shard']:>5}  {row['state']:<14} {detail}")
+    return "\n".join(lines)
 
 
 def format_reduce(result: SkillsReduceResult) -> str:
