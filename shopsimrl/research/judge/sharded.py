@@ -15,8 +15,8 @@ the parts of the markers that verify. At a judge location (a directory or any fs
     judge_summary.json                 written by the reducer
 
 The planner reads the run once; workers read only their inputs. A worker resumes its shard: the
-records of every part already there (a killed predecessor's too) count as done when their
-status is ``ok`` or ``unparseable``. It writes a part every ``flush_every`` verdicts, commits
+records of every whole part already there (a killed predecessor's too) count as done when
+their status is ``ok`` or ``unparseable``; a part cut short is not trusted. It writes a part every ``flush_every`` verdicts, commits
 when its inputs are done, and exits 1 when some episodes ended in ``error`` (the Indexed Job's
 per-index retry judges them again). At SIGTERM/SIGINT it cancels the calls in flight, writes the
 verdicts it holds as a part, and exits 3 (retryable) without a marker: the next pod of the index
