@@ -137,6 +137,14 @@ def test_local_sharded_equals_unsharded_and_skills_build_continues(tmp_path: Pat
     assert cli("skills", "plan", str(config), "--run", run, "--shards", "3", env=_env()).returncode == 0  # idempotent
     other = cli("skills", "plan", str(config), "--run", run, "--shards", "2", env=_env())
     assert other.returncode == 2 and "frozen with 3 shards" in other.stderr
+    fewer = tmp_path / "fewer.yaml"  # other traces (one trajectory less) at the same location
+    write_traces(tmp_path / "fewer.jsonl", [numbered(n) for n in range(1, 7)])
+    fewer.write_text(
+        config.read_text().replace("traces: traces.jsonl", "traces: fewer.jsonl").replace("trajectories: 7", "trajectories: 6"),
+        encoding="utf-8",
+    )
+    refused_plan = cli("skills", "plan", str(fewer), "--run", run, "--shards", "3", env=_env())
+    assert refused_plan.returncode == 42 and "the traces, their input fingerprints or the analysts" in refused_plan.stderr
     early = cli("skills", "reduce", run, env=_env())
     assert early.returncode == 1 and "0 of 3 committed" in early.stdout
     planned_only = cli("skills", "status", run, env=_env())

@@ -93,6 +93,7 @@ log = structlog.get_logger("shopsimrl.research.skills.sharded")
 SKILLS_PLAN_VERSION = "shopsimrl-skills-plan-v1"
 PLAN_NAME = "skills_plan.json"
 FLUSH_EVERY = 1
+_PLAN_DIFFERS = ["episodes / analysts: the traces, their input fingerprints or the analysts differ from the plan's"]
 
 
 class SkillsPlanError(SkillInputError):
@@ -197,7 +198,7 @@ def plan_skills(config: SkillsConfig, uri: str, shards: int) -> SkillsPlan:
     if store.read_bytes(PLAN_NAME) is not None:
         plan = read_plan(store)
         if plan.fingerprint != plan_fp:
-            raise FingerprintMismatchError(store.display_uri, plan.fingerprint, plan_fp, [])
+            raise FingerprintMismatchError(store.display_uri, plan.fingerprint, plan_fp, _PLAN_DIFFERS)
         if plan.shards != shards:
             raise ShardMapError(f"{store.display_uri} is frozen with {plan.shards} shards, not {shards}")
         return plan
@@ -220,7 +221,7 @@ def plan_skills(config: SkillsConfig, uri: str, shards: int) -> SkillsPlan:
     if not store.create(PLAN_NAME, orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)):
         plan = read_plan(store)  # a concurrent planner won: the same plan, or a mismatch
         if plan.fingerprint != plan_fp or plan.shards != shards:
-            raise FingerprintMismatchError(store.display_uri, plan.fingerprint, plan_fp, [])
+            raise FingerprintMismatchError(store.display_uri, plan.fingerprint, plan_fp, _PLAN_DIFFERS)
         return plan
     return SkillsPlan(document)
 
