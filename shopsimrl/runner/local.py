@@ -68,7 +68,8 @@ def run_local(
     run = LocalRun(prepared, retry_failed=retry_failed, reroll_failed=reroll_failed)
     try:
         run.open(announce)
-        run.evaluated(_drive(prepared, [run.evaluation(max_episode_retries=max_episode_retries, show_progress=show_progress)]))
+        if _drive(prepared, [run.evaluation(max_episode_retries=max_episode_retries, show_progress=show_progress)]):
+            raise RunStopped(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
         return run.store, run.summarize()
     finally:
         run.close()
@@ -199,10 +200,6 @@ class LocalRun:
             hooks=hooks,
             slot=slot,
         )
-
-    def evaluated(self, terminated: bool) -> None:
-        if terminated:
-            raise RunStopped(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
 
     def summarize(self) -> dict[str, Any]:
         try:
