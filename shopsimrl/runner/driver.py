@@ -165,19 +165,23 @@ def evaluation(
     reroll_failed: bool = False,
     hooks: EvaluationHooks | None = None,
     slot: EpisodeSlot | None = None,
+    limit: AdaptiveLimit | None = None,
 ) -> Evaluation:
     """The episodes of ``jobs`` that ``resume`` leaves to run, each attempt saved through ``writer``.
 
     ``processes``: how many event loops (of all workers running at once) share the shop's slots;
     ``slot``: a slot shared with other evaluations, taken before each episode starts (none: only
-    ``experiment.concurrency`` bounds it)."""
+    ``experiment.concurrency`` bounds it); ``limit``: an adaptive in-flight limit shared with
+    other evaluations calling the same model server (none: its own, when the config adapts)."""
     from shopsimrl.runner.lease_journal import LeaseJournal, start_lease_tracking
     from shopsimrl.runner.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
 
     hooks = hooks or EvaluationHooks()
     config = prepared.config
     ceiling = config.model.max_concurrent_requests or config.experiment.concurrency
-    limit = AdaptiveLimit(ceiling) if config.model.adaptive_concurrency else None
+    shared = limit is not None
+    if limit is None and config.model.adaptive_concurrency:
+        limit = AdaptiveLimit(ceiling)
     model = prepared.model(limit)
     environment = prepared.environment()
     journal = LeaseJournal(journal_storage, environment_url=prepared.environment_settings.base_url, writer=journal_writer)
@@ -227,6 +231,7 @@ def evaluation(
                         "state": state,
                         "model_base_url": redact_uri(prepared.model_settings.base_url),
                         **limit.snapshot(),
+                        **({"shared": True} if shared else {}),
                     }
                 )
 
