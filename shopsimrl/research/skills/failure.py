@@ -59,6 +59,7 @@ from shopsimrl.research.skills.firewall import (
     enforce_no_proposal,
     firewall_findings,
     forced_no_proposal_reasons,
+    page_findings,
 )
 from shopsimrl.research.skills.prompts import FAILURE_ANALYST_PROMPT, prompt_sha256
 from shopsimrl.research.skills.structured import ATTEMPTS, repair_message
@@ -203,6 +204,8 @@ class _LiveSession:
         self.episode: Any = None
         self.trials: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
+        self.pages: list[dict[str, Any]] = []
+        """Every page state the session showed (what the firewall checks a card against too)."""
         self.valid_actions = 0
 
     @property
@@ -218,6 +221,7 @@ class _LiveSession:
         self.episode = self.environment.open_episode()  # owned before the reset: close() releases
         public = public_reset(await self.episode.reset(self.task_id))
         self.state = public.get("observation_state") or {}
+        self.pages.append(self.state)
         self.trials.append({"trial": len(self.trials) + 1, "actions": [], "done": False})
         persona = public.get("user_persona")
         return {
@@ -235,6 +239,7 @@ class _LiveSession:
         valid = feedback.get("valid") is not False if feedback is not None else True
         self.valid_actions += int(valid)
         self.state = result.get("observation_state") or {}
+        self.pages.append(self.state)
         detail = result.get("reward_detail") if isinstance(result.get("reward_detail"), dict) else {}
         trial = self.trials[-1]
         done = result.get("done") is True
@@ -423,9 +428,16 @@ async def _analyse(
         active_skill_ids=active,
         trace=trace,
     )
-    final, reasons = enforce_no_proposal(card, reasons)
     abstraction = card.deployable_abstraction
-    findings = firewall_findings(card_text(abstraction), trace) if abstraction is not None else []
+    findings: list[dict[str, str]] = []
+    if abstraction is not None:
+        text = card_text(abstraction)
+        findings = firewall_findings(text, trace)
+        # The live pages show products the trace never did: their facts may not leak either.
+        findings += [item for item in page_findings(text, session.pages) if item not in findings]
+        if findings and card.status != "NO_PROPOSAL" and "firewall_finding" not in reasons:
+            reasons.append("firewall_finding")
+    final, reasons = enforce_no_proposal(card, reasons)
     eligible = final.status != "NO_PROPOSAL"
     entry = {
         "card_id": failure_card_id(trace.episode_id),
