@@ -227,7 +227,7 @@ def test_a_purchase_ends_the_trial_and_a_fresh_one_starts_until_none_is_left(
         result = latest_result(request)
         if result.get("done"):
             bought.append(result)
-        if FAILURE_TOOL == offered(request)[-1] and len(offered(request)) == 1:
+        if offered(request) == [FAILURE_TOOL]:
             return call(FAILURE_TOOL, card())
         state = (result.get("next_trial") or {}).get("state") or result["state"]
         name, arguments = first_result_buyer(state)
@@ -499,5 +499,5 @@ def test_the_testbed_analyst_verifies_its_repairs_in_live_sessions(
     ok, record = run(analyse_failure(failed[0], replace(analyst, max_failure_steps=2)))
     assert ok and record["cards"][0]["proposed_status"] == "PROPOSE_ADD"
     assert record["cards"][0]["forced_no_proposal_reasons"] == ["proposal_without_successful_counterfactual"]
-    assert [a["action"] for a in record["live_session"]["trials"][0]["actions"]][0].startswith("search[")
+    assert record["live_session"]["trials"][0]["actions"][0]["action"].startswith("search[")
     assert all_free(bed)

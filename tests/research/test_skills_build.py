@@ -128,6 +128,7 @@ def test_traces_to_a_gate_a_draft_then_a_rerun_asks_nothing(
             "compilation.validation_dimension_cap: Input should be less than or equal to 16",
         ),
         (5, "", "4 episodes, but exactly 5 are expected"),
+        (4, "analysis: {max_failure_steps: 1}\n", "analysis.max_failure_steps: Input should be greater than or equal to 2"),
     ],
 )
 def test_bad_configs_and_inputs_exit_2_naming_the_problem(tmp_path: Path, expected: int, extra: str, message: str) -> None:
