@@ -31,6 +31,7 @@ from tests.openai_stub import OpenAIStub, Received, Reply
 from tests.research.test_skill_builder import cards_reply, good_card, numbered, request_episode, write_traces
 from tests.research.test_skills_build import answer
 from tests.sharded.conftest import S3_TEST_ENV, _make_bucket, cli, seaweedfs_endpoint
+from tests.testbed_process import LocalTestbed
 
 __all__ = ["seaweedfs_endpoint"]  # the session fixture, used by name
 
@@ -44,11 +45,15 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
-def _config(tmp_path: Path, url: str, *, expected: int, concurrency: int = 1, output: str = "out") -> Path:
+def _config(
+    tmp_path: Path, url: str, *, expected: int, concurrency: int = 1, output: str = "out", shop: str = "http://127.0.0.1:1"
+) -> Path:
+    """SKILLS.yaml; ``shop``: the failure analyst's ShopSimulator (the default refuses at once)."""
     path = tmp_path / "skills.yaml"
     path.write_text(
         f"experiment: {{traces: traces.jsonl, output_dir: {output}, expected_trajectories: {expected}, "
         f"concurrency: {concurrency}}}\n"
+        f"environment: {{base_url: '{shop}'}}\n"
         "proposal_checkpoint: qwen35-4b-initial\n"
         f"analyst_model: {{name: stub-model, base_url: '{url}', api_key_env: null, max_retries: 1, "
         "retry_backoff_seconds: 0}\n",
@@ -123,10 +128,12 @@ def _tool(request: Received) -> str:
 
 
 @pytest.mark.slow
-def test_local_sharded_equals_unsharded_and_skills_build_continues(tmp_path: Path, served: tuple[OpenAIStub, str]) -> None:
+def test_local_sharded_equals_unsharded_and_skills_build_continues(
+    tmp_path: Path, served: tuple[OpenAIStub, str], testbed: LocalTestbed
+) -> None:
     server, url = _served(served)
     traces = _traces(tmp_path)
-    config = _config(tmp_path, url, expected=7)
+    config = _config(tmp_path, url, expected=7, shop=testbed.shop_url)
     local = _local(tmp_path, config, traces)
     assert local[SUMMARY_NAME]["episodes"]["analysed"] == 6 and len(local[CARDS_NAME]) == 6
     run = str(tmp_path / "analysis")
@@ -179,12 +186,13 @@ def test_local_sharded_equals_unsharded_and_skills_build_continues(tmp_path: Pat
     assert done["committed_shards"] == done["summary_over_shards"] == 3
     assert done["analysed_in_committed_shards"] == 6 and sum(row["episodes"] for row in done["shards"]) == 7
 
-    # skills build over the reduced files: no analysis asked again, straight to the draft.
+    # skills build over the reduced files: no success analysis asked again; the failed trajectory
+    # gets the failure analyst's live session (its first call offers the page's tools), then the draft.
     server.reset()
     server.responder = answer
     built = cli("skills", "build", str(config), env=_env())
     assert built.returncode == 0, built.stderr[-3000:] + built.stdout
-    assert [_tool(r) for r in server.completions] == ["submit_clusters", "submit_initial_skill"]
+    assert [_tool(r) for r in server.completions] == ["search", "submit_clusters", "submit_initial_skill"]
     assert (out / "initial_skill_draft.json").exists()
     assert orjson.loads((out / SUMMARY_NAME).read_bytes())["episodes"]["reused"] == 6
 
@@ -436,7 +444,7 @@ def test_sigterm_saves_what_was_analysed_and_exits_3_without_a_marker(tmp_path: 
 
 @pytest.mark.slow
 def test_skills_build_with_shards_gives_the_draft_the_unsharded_build_gives(
-    tmp_path: Path, served: tuple[OpenAIStub, str]
+    tmp_path: Path, served: tuple[OpenAIStub, str], testbed: LocalTestbed
 ) -> None:
     server, url = _served(served)
     drafts = {}
@@ -444,14 +452,14 @@ def test_skills_build_with_shards_gives_the_draft_the_unsharded_build_gives(
         folder = tmp_path / kind
         folder.mkdir()
         _traces(folder, successes=5, failures=1)
-        config = _config(folder, url, expected=6)
+        config = _config(folder, url, expected=6, shop=testbed.shop_url)
         server.reset()
         server.responder = answer
         args = ["--shards", "3", "--run", str(folder / "analysis")] if kind == "sharded" else []
         built = cli("skills", "build", str(config), *args, env=_env())
         assert built.returncode == 0, built.stderr[-3000:] + built.stdout
         assert sorted(_tool(r) for r in server.completions) == sorted(
-            ["submit_success_cards"] * 5 + ["submit_clusters", "submit_initial_skill"]
+            ["search"] + ["submit_success_cards"] * 5 + ["submit_clusters", "submit_initial_skill"]
         )
         out = folder / "out"
         drafts[kind] = {

@@ -438,6 +438,7 @@ def reduce_skills(uri: str, *, output_dir: Path | None = None, wait_s: float | N
         missing,
         len(analyses),
         len(errors),
+        None,
     )
     summary["shards"] = {"count": plan.shards, "committed": plan.shards - len(missing_shards), "missing": missing_shards}
     files = {
