@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,13 @@ from shopsimrl.research.skills.analyst import (
     latest_traces,
     run_success_analysis,
 )
-from shopsimrl.research.skills.build import analyst_config, load_skills_config
-from tests.openai_stub import OpenAIStub, Received, Reply
+from shopsimrl.research.skills.build import analyst_config, failure_config, load_skills_config
+from shopsimrl.research.skills.failure import FailureAnalysis
+from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 from tests.research.test_skill_builder import cards_reply, good_card, numbered, request_episode, write_traces
 from tests.research.test_skills_build import answer
 from tests.sharded.conftest import S3_TEST_ENV, _make_bucket, cli, seaweedfs_endpoint
-from tests.testbed_process import LocalTestbed
+from tests.testbed_process import LocalTestbed, start_testbed
 
 __all__ = ["seaweedfs_endpoint"]  # the session fixture, used by name
 
@@ -46,16 +48,24 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _config(
-    tmp_path: Path, url: str, *, expected: int, concurrency: int = 1, output: str = "out", shop: str = "http://127.0.0.1:1"
+    tmp_path: Path,
+    url: str,
+    *,
+    expected: int,
+    concurrency: int = 1,
+    output: str = "out",
+    shop: str = "http://127.0.0.1:1",
+    model: str = "stub-model",
+    traces: str = "traces.jsonl",
 ) -> Path:
     """SKILLS.yaml; ``shop``: the failure analyst's ShopSimulator (the default refuses at once)."""
     path = tmp_path / "skills.yaml"
     path.write_text(
-        f"experiment: {{traces: traces.jsonl, output_dir: {output}, expected_trajectories: {expected}, "
+        f"experiment: {{traces: '{traces}', output_dir: {output}, expected_trajectories: {expected}, "
         f"concurrency: {concurrency}}}\n"
         f"environment: {{base_url: '{shop}'}}\n"
         "proposal_checkpoint: qwen35-4b-initial\n"
-        f"analyst_model: {{name: stub-model, base_url: '{url}', api_key_env: null, max_retries: 1, "
+        f"analyst_model: {{name: {model}, base_url: '{url}', api_key_env: null, max_retries: 1, "
         "retry_backoff_seconds: 0}\n",
         encoding="utf-8",
     )
@@ -92,10 +102,11 @@ def _dir_files(path: Path) -> dict[str, bytes]:
 
 
 def _local(tmp_path: Path, config: Path, traces: Path) -> dict[str, Any]:
-    """The local stage's files with the config's analyst (concurrency 1: the records in trace
-    order, as the reducer writes them)."""
+    """The local stage's files with the config's analysts, the failure analyst's live sessions
+    included (concurrency 1: the records in trace order, as the reducer writes them)."""
     out = tmp_path / "local-out"
-    run_success_analysis(latest_traces(traces), out, analyst_config(load_skills_config(config)))
+    skills = load_skills_config(config)
+    run_success_analysis(latest_traces(traces), out, analyst_config(skills), FailureAnalysis(failure_config(skills)))
     return _read(_dir_files(out))
 
 
@@ -127,27 +138,44 @@ def _tool(request: Received) -> str:
     return str(request.json["tools"][0]["function"]["name"])
 
 
+def _asked(request: Received) -> int:
+    """The task id of the trace an analyst's request carries (either channel)."""
+    user = orjson.loads(request.json["messages"][1]["content"])
+    if "failed_trace_and_privileged_gold" in user:
+        return int(user["failed_trace_and_privileged_gold"]["instruction"].split("#")[-1])
+    return request_episode(request)
+
+
+def _all_free(bed: LocalTestbed) -> bool:
+    health = bed.healthz()
+    return bool(health["free_slots"] == health["environment_slots"])
+
+
 @pytest.mark.slow
 def test_local_sharded_equals_unsharded_and_skills_build_continues(
     tmp_path: Path, served: tuple[OpenAIStub, str], testbed: LocalTestbed
 ) -> None:
     server, url = _served(served)
+    testbed.release_all()
     traces = _traces(tmp_path)
     config = _config(tmp_path, url, expected=7, shop=testbed.shop_url)
     local = _local(tmp_path, config, traces)
-    assert local[SUMMARY_NAME]["episodes"]["analysed"] == 6 and len(local[CARDS_NAME]) == 6
+    assert local[SUMMARY_NAME]["episodes"]["analysed"] == 7 and len(local[CARDS_NAME]) == 7
+    assert local[SUMMARY_NAME]["failure_cards"]["status"] == {"NO_PROPOSAL": 1}
     run = str(tmp_path / "analysis")
 
     planned = cli("skills", "plan", str(config), "--run", run, "--shards", "3", env=_env())
     assert planned.returncode == 0, planned.stderr[-3000:]
-    assert "7 episodes (6 to analyse) · 3 shards" in planned.stdout
+    assert "7 episodes (7 to analyse) · 3 shards" in planned.stdout
     assert cli("skills", "plan", str(config), "--run", run, "--shards", "3", env=_env()).returncode == 0  # idempotent
     other = cli("skills", "plan", str(config), "--run", run, "--shards", "2", env=_env())
     assert other.returncode == 2 and "frozen with 3 shards" in other.stderr
     fewer = tmp_path / "fewer.yaml"  # other traces (one trajectory less) at the same location
     write_traces(tmp_path / "fewer.jsonl", [numbered(n) for n in range(1, 7)])
     fewer.write_text(
-        config.read_text().replace("traces: traces.jsonl", "traces: fewer.jsonl").replace("trajectories: 7", "trajectories: 6"),
+        config.read_text()
+        .replace("traces: 'traces.jsonl'", "traces: 'fewer.jsonl'")
+        .replace("trajectories: 7", "trajectories: 6"),
         encoding="utf-8",
     )
     refused_plan = cli("skills", "plan", str(fewer), "--run", run, "--shards", "3", env=_env())
@@ -156,7 +184,7 @@ def test_local_sharded_equals_unsharded_and_skills_build_continues(
     assert early.returncode == 1 and "0 of 3 committed" in early.stdout
     planned_only = cli("skills", "status", run, env=_env())
     assert planned_only.returncode == 0, planned_only.stderr[-3000:]
-    assert "7 episodes (6 to analyse) · 0/3 shards committed (0 analysed)" in planned_only.stdout
+    assert "7 episodes (7 to analyse) · 0/3 shards committed (0 analysed)" in planned_only.stdout
     assert planned_only.stdout.count("not started") == 3
 
     # A worker whose analyst differs from the plan's (another max_cards) is refused before any call.
@@ -168,7 +196,8 @@ def test_local_sharded_equals_unsharded_and_skills_build_continues(
     assert refused.returncode == 42 and "analysts.success" in refused.stderr and not server.completions
 
     _workers(config, run, 3, _env())
-    assert sorted(request_episode(r) for r in server.completions) == [1, 2, 3, 4, 5, 6]
+    assert sorted(_asked(r) for r in server.completions) == [1, 2, 3, 4, 5, 6, 7]
+    assert _all_free(testbed)  # each live session gave its lease back
     server.reset()
     server.responder = answer
     again = cli("skills", "worker", str(config), "--run", run, "--index", "1", env=_env())  # a retried index
@@ -184,29 +213,29 @@ def test_local_sharded_equals_unsharded_and_skills_build_continues(
     assert summary["shards"] == {"count": 3, "committed": 3, "missing": []}
     done = orjson.loads(cli("skills", "status", run, "--json", env=_env()).stdout)
     assert done["committed_shards"] == done["summary_over_shards"] == 3
-    assert done["analysed_in_committed_shards"] == 6 and sum(row["episodes"] for row in done["shards"]) == 7
+    assert done["analysed_in_committed_shards"] == 7 and sum(row["episodes"] for row in done["shards"]) == 7
 
-    # skills build over the reduced files: no success analysis asked again; the failed trajectory
-    # gets the failure analyst's live session (its first call offers the page's tools), then the draft.
+    # skills build over the reduced files: no analysis asked again, straight to the draft.
     server.reset()
     server.responder = answer
     built = cli("skills", "build", str(config), env=_env())
     assert built.returncode == 0, built.stderr[-3000:] + built.stdout
-    assert [_tool(r) for r in server.completions] == ["search", "submit_clusters", "submit_initial_skill"]
+    assert [_tool(r) for r in server.completions] == ["submit_clusters", "submit_initial_skill"]
     assert (out / "initial_skill_draft.json").exists()
-    assert orjson.loads((out / SUMMARY_NAME).read_bytes())["episodes"]["reused"] == 6
+    assert orjson.loads((out / SUMMARY_NAME).read_bytes())["episodes"]["reused"] == 7
 
 
 @pytest.mark.slow
 @pytest.mark.s3
 @pytest.mark.parametrize("kind", ["moto", "seaweedfs"])
 def test_sharded_on_s3_equals_local(
-    tmp_path: Path, served: tuple[OpenAIStub, str], kind: str, request: pytest.FixtureRequest
+    tmp_path: Path, served: tuple[OpenAIStub, str], testbed: LocalTestbed, kind: str, request: pytest.FixtureRequest
 ) -> None:
     endpoint = str(request.getfixturevalue({"moto": "moto_endpoint", "seaweedfs": "seaweedfs_endpoint"}[kind]))
     server, url = _served(served)
+    testbed.release_all()
     traces = _traces(tmp_path, successes=5, failures=2)
-    config = _config(tmp_path, url, expected=7)
+    config = _config(tmp_path, url, expected=7, shop=testbed.shop_url)
     local = _local(tmp_path, config, traces)
     s3 = {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint}
     bucket = _make_bucket(endpoint, s3["AWS_ACCESS_KEY_ID"], s3["AWS_SECRET_ACCESS_KEY"])
@@ -217,11 +246,14 @@ def test_sharded_on_s3_equals_local(
     server.reset()
     server.responder = answer
     _workers(config, run, 2, env)
-    assert sorted(request_episode(r) for r in server.completions) == [1, 2, 3, 4, 5]
+    assert sorted(_asked(r) for r in server.completions) == [1, 2, 3, 4, 5, 6, 7]
+    assert _all_free(testbed)
     out = tmp_path / "out"
     reduced = cli("skills", "reduce", run, "--output", str(out), env=env)
-    assert reduced.returncode == 0, reduced.stderr[-3000:]  # failed trajectories wait for an analyst not built yet
-    assert "2 of 2 committed" in reduced.stdout and "2 failed trajectories not analysed" in reduced.stdout
+    assert reduced.returncode == 0, reduced.stderr[-3000:]
+    assert "2 of 2 committed" in reduced.stdout
+    assert "7 of 7 trajectories analysed (5 successful, 2 failed)" in reduced.stdout
+    assert "0 failure proposals, 2 NO_PROPOSAL" in reduced.stdout
     assert _read(_dir_files(out)) == local
 
     import s3fs
@@ -388,7 +420,7 @@ def test_failed_analyses_exit_1_reach_the_errors_file_and_only_they_are_asked_ag
     (marker_path,) = (tmp_path / "analysis" / "shards" / "00000").glob("_SUCCESS*")
     assert orjson.loads(marker_path.read_bytes())["episodes"] == {"completed": 2, "failed": 1}
     reduced = cli("skills", "reduce", run, env=_env())
-    assert reduced.returncode == 1 and "2 of 3 successful trajectories analysed" in reduced.stdout
+    assert reduced.returncode == 1 and "2 of 3 trajectories analysed (3 successful, 0 failed)" in reduced.stdout
     (error,) = [orjson.loads(line) for line in (tmp_path / "analysis" / ERRORS_NAME).read_bytes().splitlines()]
     assert error["episode_id"] == "task-000002__sample-000" and error["status"] == "invalid"
     assert len(error["attempts"]) == 3 and all("not valid JSON" in a["error"] for a in error["attempts"])
@@ -399,7 +431,7 @@ def test_failed_analyses_exit_1_reach_the_errors_file_and_only_they_are_asked_ag
     assert again.returncode == 0, again.stderr[-3000:]
     assert [request_episode(r) for r in server.completions] == [2]
     reduced = cli("skills", "reduce", run, env=_env())
-    assert reduced.returncode == 0 and "3 of 3 successful trajectories analysed" in reduced.stdout
+    assert reduced.returncode == 0 and "3 of 3 trajectories analysed (3 successful, 0 failed)" in reduced.stdout
     assert not (tmp_path / "analysis" / ERRORS_NAME).read_bytes()
 
 
@@ -447,6 +479,7 @@ def test_skills_build_with_shards_gives_the_draft_the_unsharded_build_gives(
     tmp_path: Path, served: tuple[OpenAIStub, str], testbed: LocalTestbed
 ) -> None:
     server, url = _served(served)
+    testbed.release_all()
     drafts = {}
     for kind in ("unsharded", "sharded"):
         folder = tmp_path / kind
@@ -458,6 +491,7 @@ def test_skills_build_with_shards_gives_the_draft_the_unsharded_build_gives(
         args = ["--shards", "3", "--run", str(folder / "analysis")] if kind == "sharded" else []
         built = cli("skills", "build", str(config), *args, env=_env())
         assert built.returncode == 0, built.stderr[-3000:] + built.stdout
+        # The failure analyst's one call offers the page's tools first (search) and its card.
         assert sorted(_tool(r) for r in server.completions) == sorted(
             ["search"] + ["submit_success_cards"] * 5 + ["submit_clusters", "submit_initial_skill"]
         )
@@ -470,3 +504,126 @@ def test_skills_build_with_shards_gives_the_draft_the_unsharded_build_gives(
     assert drafts["sharded"] == drafts["unsharded"]
     mixed = cli("skills", "build", str(tmp_path / "sharded" / "skills.yaml"), "--shards", "3", env=_env())
     assert mixed.returncode == 2 and "--shards and --run go together" in mixed.stderr
+
+
+def test_the_environment_url_override_is_checked_and_left_out_of_the_fingerprint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shopsimrl.research.skills.analyst import SkillInputError
+    from shopsimrl.research.skills.sharded import analysts_for
+
+    monkeypatch.delenv("SHOPSIMRL_ENV_BASE_URL", raising=False)
+    monkeypatch.delenv("SHOPSIMRL_ANALYST_BASE_URL", raising=False)
+    config = _config(tmp_path, "http://127.0.0.1:9/v1", expected=1)
+    plain = load_skills_config(config)
+    failed = latest_traces(write_traces(tmp_path / "traces.jsonl", [numbered(4, success=False)]))[0]
+    monkeypatch.setenv("SHOPSIMRL_ENV_BASE_URL", "http://shopsimulator.shopsimrl.svc.cluster.local:5700")
+    moved = load_skills_config(config)
+    assert moved.environment.base_url == "http://shopsimulator.shopsimrl.svc.cluster.local:5700"
+    assert failure_config(moved).environment.base_url == moved.environment.base_url
+    assert [a.identity for a in analysts_for(moved)] == [a.identity for a in analysts_for(plain)]
+    assert [a.channel for a in analysts_for(moved)] == ["success", "failure"]
+    assert analysts_for(moved)[1].fingerprint(failed) == analysts_for(plain)[1].fingerprint(failed)
+    for bad, message in (
+        ("http://user:hunter2@shop:5700", "credentials"),
+        ("shop:5700", "SHOPSIMRL_ENV_BASE_URL (overrides environment.base_url of"),
+    ):
+        monkeypatch.setenv("SHOPSIMRL_ENV_BASE_URL", bad)
+        with pytest.raises(SkillInputError, match="SHOPSIMRL_ENV_BASE_URL") as caught:
+            load_skills_config(config)
+        assert message in str(caught.value) and "hunter2" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_live_session_gives_the_lease_back_and_the_retry_commits(
+    tmp_path: Path, served: tuple[OpenAIStub, str], testbed: LocalTestbed
+) -> None:
+    server, url = _served(served)
+    testbed.release_all()
+    write_traces(tmp_path / "traces.jsonl", [numbered(1), numbered(4, success=False)])
+    config = _config(tmp_path, url, expected=2, shop=testbed.shop_url)
+    run = str(tmp_path / "analysis")
+    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+    shard = tmp_path / "analysis" / "shards" / "00000"
+    in_session, stopped = threading.Event(), threading.Event()
+
+    async def hold_the_live_session(request: Received) -> Reply:
+        if "submit_failure_card" not in [t["function"]["name"] for t in request.json["tools"]]:
+            return answer(request)
+        if request.json["messages"][-1]["role"] != "tool":
+            return Reply(json=completion(tool_calls=[tool_call("search", orjson.dumps({"query": "台灯"}).decode())]))
+        in_session.set()  # the search ran in the live session, which holds its lease now
+        await asyncio.to_thread(stopped.wait, 120)
+        return answer(request)
+
+    server.responder = hold_the_live_session
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run, "--index", "0"],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert in_session.wait(120), worker.stderr.read().decode() if worker.poll() is not None and worker.stderr else ""
+        assert not _all_free(testbed)
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=60)
+    finally:
+        stopped.set()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 3, err.decode()[-3000:]
+    assert _all_free(testbed)  # the cut session released its lease before the exit
+    assert not list(shard.glob("_SUCCESS*"))
+    assert [(r["channel"], r["status"]) for r in _part_records(shard)] in ([], [("success", "ok")])
+
+    server.reset()
+    server.responder = answer
+    again = cli("skills", "worker", str(config), "--run", run, "--index", "0", env=_env())
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _asked(server.completions[-1]) == 4 and _all_free(testbed)
+    reduced = cli("skills", "reduce", run, env=_env())
+    assert reduced.returncode == 0 and "2 of 2 trajectories analysed (1 successful, 1 failed)" in reduced.stdout
+
+
+@pytest.fixture(scope="module")
+def options_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalTestbed, Path]]:
+    """A train run of 12 persona tasks on a testbed whose policy takes each axis's first value
+    (SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1): failures that bought without the wanted options."""
+    base = tmp_path_factory.mktemp("skills-train")
+    with start_testbed(SHOPSIM_POLICY_OPTIONS_NEED_SKILL="1") as bed:
+        path = base / "train.yaml"
+        path.write_text(
+            f"experiment: {{name: train, output_dir: {base}, seed: 20260830, concurrency: 4}}\n"
+            f"tasks: {{split_file: {REPO / 'configs' / 'splits' / 'persona_splits.v1.json'}, split: train, sample_size: 12}}\n"
+            f"environment: {{base_url: '{bed.shop_url}'}}\n"
+            "runtime: {max_steps: 30}\nskills: {path: null}\n"
+            f"model: {{id: shopsim-heuristic, name: shopsim-heuristic, base_url: '{bed.model_url}', api_key_env: null}}\n",
+            encoding="utf-8",
+        )
+        done = cli("run", str(path), "--no-progress", "-q", env=_env())
+        assert done.returncode == 0, done.stderr[-3000:]
+        yield bed, base / "train" / "traces.jsonl"
+
+
+@pytest.mark.slow
+def test_the_testbed_analysts_sharded_equal_the_unsharded_stage(tmp_path: Path, options_run: tuple[LocalTestbed, Path]) -> None:
+    bed, traces = options_run
+    bed.release_all()
+    config = _config(tmp_path, bed.model_url, expected=12, shop=bed.shop_url, model="shopsim-analyst", traces=str(traces))
+    local = _local(tmp_path, config, traces)
+    episodes = local[SUMMARY_NAME]["episodes"]
+    assert local[SUMMARY_NAME]["status"] == "complete" and episodes["failure"] >= 2 and episodes["success"] >= 1
+    failures = [r for r in local[ANALYSES_NAME] if r["channel"] == "failure"]
+    assert all(r["live_session"]["trials"] for r in failures)  # each one acted in a live session
+    assert _all_free(bed)
+
+    run = str(tmp_path / "analysis")
+    assert cli("skills", "plan", str(config), "--run", run, "--shards", "3", env=_env()).returncode == 0
+    _workers(config, run, 3, _env())
+    assert _all_free(bed)
+    reduced = cli("skills", "reduce", run, "--output", str(tmp_path / "out"), env=_env())
+    assert reduced.returncode == 0, reduced.stderr[-3000:]
+    assert _read(_dir_files(tmp_path / "out")) == local

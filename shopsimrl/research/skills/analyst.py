@@ -402,9 +402,7 @@ def run_success_analysis(
     return summary
 
 
-def current_cards(
-    wanted: list[tuple[str, str]], current: Mapping[str, dict[str, Any]]
-) -> tuple[list[dict[str, Any]], list[str]]:
+def current_cards(wanted: list[tuple[str, str]], current: Mapping[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     """The cards of the current analyses of ``wanted`` ((episode id, input fingerprint) in
     trace order) and the episodes without one (no record, or one of another input)."""
     cards: list[dict[str, Any]] = []

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shopsimrl.config import read_yaml_mapping
+from shopsimrl.config import ConfigError, check_environment_url, read_yaml_mapping
 from shopsimrl.environment import ShopSimulatorSettings
 from shopsimrl.model import OpenAICompatibleSettings
 from shopsimrl.research.judge.config import check_judge_url
@@ -50,10 +50,12 @@ from shopsimrl.schemas import sha256_hex
 
 __all__ = [
     "ANALYST_BASE_URL_ENV",
+    "ENVIRONMENT_BASE_URL_ENV",
     "BuildResult",
     "SkillsConfig",
     "analyst_config",
     "build_skills",
+    "failure_config",
     "format_build",
     "load_skills_config",
 ]
@@ -61,6 +63,9 @@ __all__ = [
 ANALYST_BASE_URL_ENV = "SHOPSIMRL_ANALYST_BASE_URL"
 """Overrides ``analyst_model.base_url`` (and the compiler's when it defaults to the analyst): a
 pod reaches the analyst server at an in-cluster address. The URL is no part of a fingerprint."""
+ENVIRONMENT_BASE_URL_ENV = "SHOPSIMRL_ENV_BASE_URL"
+"""Overrides ``environment.base_url``, the variable the runner's workers read: a pod reaches
+ShopSimulator at an in-cluster address. The URL is no part of a fingerprint."""
 
 
 class _Strict(BaseModel):
@@ -202,6 +207,13 @@ def load_skills_config(path: str | Path) -> SkillsConfig:
         except ValueError as exc:
             raise SkillInputError(f"{ANALYST_BASE_URL_ENV} (overrides analyst_model.base_url of {path}): {exc}") from None
         config = config.model_copy(update={"analyst_model": config.analyst_model.model_copy(update={"base_url": override})})
+    shop = os.environ.get(ENVIRONMENT_BASE_URL_ENV)
+    if shop:
+        try:
+            check_environment_url(shop)
+        except ConfigError as exc:
+            raise SkillInputError(f"{ENVIRONMENT_BASE_URL_ENV} (overrides environment.base_url of {path}): {exc}") from None
+        config = config.model_copy(update={"environment": config.environment.model_copy(update={"base_url": shop})})
     if config.compilation.active_skill_budget > config.compilation.validation_dimension_cap:
         raise SkillInputError(
             f"invalid skills config {path}: compilation.active_skill_budget ({config.compilation.active_skill_budget}) "
@@ -250,9 +262,7 @@ def build_skills(config: SkillsConfig) -> BuildResult:
     traces = latest_traces(traces_path, expected=e.expected_trajectories)
     analyst = config.analyst_model
     compiler = config.compiler_model or analyst
-    analysis = run_success_analysis(
-        traces, output_dir, analyst_config(config), FailureAnalysis(failure_config(config))
-    )
+    analysis = run_success_analysis(traces, output_dir, analyst_config(config), FailureAnalysis(failure_config(config)))
     cards = read_cards(output_dir / CARDS_NAME)
     consolidation = run_consolidation(
         cards,

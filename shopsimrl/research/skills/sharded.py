@@ -18,7 +18,9 @@ fsspec URI)::
     analysis_summary.json
 
 A worker analyses the trajectories of its shard with the per-trajectory analysts
-(:class:`TrajectoryAnalyst`, one per channel: the success analyst now), writing a part every
+(:class:`TrajectoryAnalyst`, one per channel: the success analyst, and the failure analyst whose
+live ShopSimulator sessions each hold a lease, released on every path; ``environment.base_url``
+or ``SHOPSIMRL_ENV_BASE_URL`` says where the shop is), writing a part every
 ``flush_every`` records (1: an analysis is minutes of model calls, so none is held unsaved). A
 restarted worker skips every episode whose ``ok`` record with the planned input fingerprint is
 in a part already there (a killed predecessor's too). It commits when its shard is done and
@@ -35,7 +37,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import structlog
@@ -43,7 +45,7 @@ import structlog
 from shopsimrl import eventloop
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError
-from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
+from shopsimrl.model import OpenAICompatibleChatModel
 from shopsimrl.records import EpisodeTrace
 from shopsimrl.records.io import dump_line, read_trace
 from shopsimrl.research.judge.sharded import committed_parts, freeze_shard_inputs, part_records, scan_parts, stream_inputs
@@ -66,7 +68,8 @@ from shopsimrl.research.skills.analyst import (
     summary_block,
     summary_bytes,
 )
-from shopsimrl.research.skills.build import SkillsConfig, analyst_config
+from shopsimrl.research.skills.build import SkillsConfig, analyst_config, failure_config
+from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
 from shopsimrl.schemas import fingerprint, json_bytes, sha256_hex
 from shopsimrl.storage.sharded import ShardedRunStore, ShardMapError, marker_document, part_entry
 
@@ -74,11 +77,13 @@ __all__ = [
     "FLUSH_EVERY",
     "PLAN_NAME",
     "SKILLS_PLAN_VERSION",
+    "AnalystSession",
     "SkillsPlan",
     "SkillsPlanError",
     "SkillsReduceResult",
     "TrajectoryAnalyst",
     "analysts_for",
+    "failure_analyst",
     "format_reduce",
     "format_status",
     "plan_skills",
@@ -100,23 +105,29 @@ class SkillsPlanError(SkillInputError):
     """No skills plan at the location, one that cannot be read, or inputs that differ from it (exit 2)."""
 
 
-Analyse = Callable[[OpenAICompatibleChatModel, EpisodeTrace, str], Awaitable[tuple[bool, dict[str, Any]]]]
+class AnalystSession(Protocol):
+    """An analyst opened for one worker: its clients (and, for the failure analyst, its
+    environment adapter), shared by every trajectory it analyses."""
+
+    async def analyse(self, trace: EpisodeTrace, input_fp: str) -> tuple[bool, dict[str, Any]]: ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class TrajectoryAnalyst:
     """One per-trajectory analyst as the sharded stage runs it: the trajectories it takes
-    (``applies``), the input fingerprint of one, and ``analyse`` giving (ok, the record to
-    keep). ``block`` is its part of ``analysis_summary.json`` (identity, prompt and tool hashes,
-    limits); the plan freezes it."""
+    (``applies``), the input fingerprint of one, and ``open`` giving the session whose
+    ``analyse`` gives (ok, the record to keep). ``block`` is what ``analysis_summary.json``
+    says of it (success: identity, prompt and tool hashes, limits; failure: its
+    ``failure_analyst``); the plan freezes it."""
 
     channel: str
-    settings: OpenAICompatibleSettings
     concurrency: int
     block: dict[str, Any]
     applies: Callable[[EpisodeTrace], bool]
     fingerprint: Callable[[EpisodeTrace], str]
-    analyse: Analyse
+    open: Callable[[], Awaitable[AnalystSession]]
 
     @property
     def identity(self) -> str:
@@ -126,24 +137,68 @@ class TrajectoryAnalyst:
         return fingerprint({**self.block, "limits": limits})
 
 
+class _SuccessSession:
+    def __init__(self, config: AnalystConfig) -> None:
+        self.config = config
+        self.model = OpenAICompatibleChatModel(config.model)
+
+    async def analyse(self, trace: EpisodeTrace, input_fp: str) -> tuple[bool, dict[str, Any]]:
+        return await analyse_success(self.model, trace, self.config, input_fp)
+
+    async def aclose(self) -> None:
+        await self.model.aclose()
+
+
 def success_analyst(config: AnalystConfig) -> TrajectoryAnalyst:
-    async def analyse(model: OpenAICompatibleChatModel, trace: EpisodeTrace, input_fp: str) -> tuple[bool, dict[str, Any]]:
-        return await analyse_success(model, trace, config, input_fp)
+    async def open_session() -> AnalystSession:
+        session = _SuccessSession(config)
+        try:
+            session.model.check_api_key()
+        except BaseException:
+            await session.aclose()
+            raise
+        return session
 
     return TrajectoryAnalyst(
         channel="success",
-        settings=config.model,
         concurrency=config.concurrency,
         block=summary_block(config),
         applies=lambda trace: r_success(trace) == 1,
         fingerprint=lambda trace: input_fingerprint(trace, config),
-        analyse=analyse,
+        open=open_session,
+    )
+
+
+def failure_analyst(config: FailureConfig, concurrency: int) -> TrajectoryAnalyst:
+    """The gold-aware failure analyst: each failed trajectory in a live ShopSimulator session
+    that holds its own lease (:mod:`shopsimrl.research.skills.failure`)."""
+    channel = FailureAnalysis(config)
+
+    async def open_session() -> AnalystSession:
+        session = FailureAnalysis(config)
+        try:
+            await session.open()
+        except BaseException:
+            await session.aclose()
+            raise
+        return session
+
+    return TrajectoryAnalyst(
+        channel="failure",
+        concurrency=concurrency,
+        block=channel.identity(),
+        applies=lambda trace: r_success(trace) == 0,
+        fingerprint=channel.input_fingerprint,
+        open=open_session,
     )
 
 
 def analysts_for(config: SkillsConfig) -> list[TrajectoryAnalyst]:
-    """The per-trajectory analysts of SKILLS.yaml, one per channel (the failure analyst joins here)."""
-    return [success_analyst(analyst_config(config))]
+    """The per-trajectory analysts of SKILLS.yaml, one per channel."""
+    return [
+        success_analyst(analyst_config(config)),
+        failure_analyst(failure_config(config), config.experiment.concurrency),
+    ]
 
 
 def _channel(trace: EpisodeTrace) -> str:
@@ -250,21 +305,22 @@ async def _analyse(
     todo: list[tuple[TrajectoryAnalyst, EpisodeTrace, str]],
     sink: Callable[[bool, dict[str, Any]], None],
 ) -> None:
-    models = {channel: OpenAICompatibleChatModel(analyst.settings) for channel, analyst in analysts.items()}
+    # Only the channels with work are opened: a shard of successes needs no ShopSimulator.
+    sessions: dict[str, AnalystSession] = {}
     try:
-        for model in models.values():
-            model.check_api_key()
-        slots = {channel: asyncio.Semaphore(analyst.concurrency) for channel, analyst in analysts.items()}
+        for channel in sorted({analyst.channel for analyst, _, _ in todo}):
+            sessions[channel] = await analysts[channel].open()
+        slots = {channel: asyncio.Semaphore(analysts[channel].concurrency) for channel in sessions}
 
         async def one(analyst: TrajectoryAnalyst, trace: EpisodeTrace, input_fp: str) -> None:
             async with slots[analyst.channel]:
-                ok, record = await analyst.analyse(models[analyst.channel], trace, input_fp)
+                ok, record = await sessions[analyst.channel].analyse(trace, input_fp)
                 sink(ok, record)
 
         await asyncio.gather(*(one(*item) for item in todo))
     finally:
-        for model in models.values():
-            await model.aclose()
+        for session in sessions.values():
+            await session.aclose()
 
 
 async def _analyse_until_stopped(
@@ -424,12 +480,13 @@ def reduce_skills(uri: str, *, output_dir: Path | None = None, wait_s: float | N
     order = [str(episode["episode_id"]) for episode in plan.document["episodes"]]
     analyses = {episode: chosen[episode] for episode in order if episode in chosen and current(chosen[episode])}
     errors = [chosen[episode] for episode in order if episode in chosen and not current(chosen[episode])]
-    successes = [
+    wanted = [
         (str(e["episode_id"]), str(e["input_fingerprint"]))
         for e in plan.document["episodes"]
-        if e["channel"] == "success" and e["input_fingerprint"] is not None
+        if e["input_fingerprint"] is not None
     ]
-    cards, missing = current_cards(successes, analyses)
+    cards, missing = current_cards(wanted, analyses)
+    failure = plan.document["analysts"].get("failure")
     summary = analysis_summary(
         plan.document["analysts"]["success"]["summary"],
         len(order),
@@ -438,7 +495,7 @@ def reduce_skills(uri: str, *, output_dir: Path | None = None, wait_s: float | N
         missing,
         len(analyses),
         len(errors),
-        None,
+        failure["summary"] if failure is not None else None,
     )
     summary["shards"] = {"count": plan.shards, "committed": plan.shards - len(missing_shards), "missing": missing_shards}
     files = {
@@ -521,9 +578,19 @@ def format_reduce(result: SkillsReduceResult) -> str:
     """What ``skills reduce`` prints."""
     s, e = result.summary, result.summary["episodes"]
     shards = s["shards"]
+    if "failure" in e:
+        analysed = f"{e['analysed']} of {e['total']} trajectories analysed ({e['success']} successful, {e['failure']} failed)"
+    else:  # a plan frozen without the failure analyst
+        analysed = f"{e['analysed']} of {e['success']} successful trajectories analysed"
+    statuses = (s.get("failure_cards") or {}).get("status") or {}
+    proposals = sum(count for status, count in statuses.items() if status != "NO_PROPOSAL")
     lines = [
-        f"analysis  {e['analysed']} of {e['success']} successful trajectories analysed, {s['cards']['eligible']} eligible "
-        f"cards of {s['cards']['total']}; {e['failure_pending']} failed trajectories not analysed",
+        f"analysis  {analysed}, {s['cards']['eligible']} eligible cards of {s['cards']['total']}; "
+        + (
+            f"{proposals} failure proposals, {statuses.get('NO_PROPOSAL', 0)} NO_PROPOSAL"
+            if "failure" in e
+            else f"{e['failure_pending']} failed trajectories not analysed"
+        ),
         f"shards    {shards['committed']} of {shards['count']} committed"
         + (f", missing {shards['missing']}" if shards["missing"] else ""),
         f"files     {result.location}" + (f" and {result.output_dir}" if result.output_dir is not None else ""),
