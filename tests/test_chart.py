@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -2049,7 +2050,9 @@ def test_skills_mode_runs_the_per_trajectory_analysts_in_the_same_jobs(matrix: d
     env = env_of(worker)
     assert env["SHOPSIMRL_RUN"]["value"] == "s3://shopsimrl/skills/qwen35-4b-initial"
     assert env["SHOPSIMRL_ANALYST_BASE_URL"]["value"] == "http://analyst.models.svc.cluster.local:8001/v1"
-    assert "SHOPSIMRL_MODEL_BASE_URL" not in env and "SHOPSIMRL_ENV_BASE_URL" not in env
+    assert "SHOPSIMRL_MODEL_BASE_URL" not in env
+    # The failure analyst's shop, as a rollout worker gets it: environment.baseUrl here.
+    assert env["SHOPSIMRL_ENV_BASE_URL"]["value"] == "http://shopsimulator.shopsimrl.svc.cluster.local:5700"
     # The analyst's key: the variable the config's analyst_model names, from the Secret.
     assert env["ANALYST_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "analyst-key", "key": "api-key"}
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "minio-credentials"
@@ -2057,6 +2060,35 @@ def test_skills_mode_runs_the_per_trajectory_analysts_in_the_same_jobs(matrix: d
     assert reducer["args"][:5] == ["skills", "reduce", "$(SHOPSIMRL_RUN)", "--wait", "--timeout"]
     config = yaml.safe_load(only(docs, "ConfigMap")["data"]["qwen35-4b-initial-skills.yaml"])
     assert config["analyst_model"]["name"] == "Qwen/Qwen3.5-27B" and config["experiment"]["expected_trajectories"] == 400
+
+
+def test_skills_mode_workers_reach_the_release_shop_like_rollout_workers(helm: Helm) -> None:
+    """The release's ShopSimulator or testbed shop Service beats environment.baseUrl, in skills
+    mode as in rollout mode; the config the workers load takes the URL from the variable."""
+    from shopsimrl.research.skills.build import load_skills_config
+
+    values = CHART / "ci" / "skills-values.yaml"
+    shop = {
+        "shopsimulator.enabled": "true",
+        "shopsimulator.image.repository": "registry.example.com/ml/shopsimulator",
+        "shopsimulator.image.tag": "paper-aligned-v8",
+    }
+    for sets, service in ((shop, "service-shopsimulator.yaml"), ({"testbed.enabled": "true"}, "service-testbed-shop.yaml")):
+        docs = helm.render(values, sets=sets)
+        svc = only(docs, "Service", service)
+        port = svc["spec"]["ports"][0]["port"]
+        worker = container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker")
+        url = env_of(worker)["SHOPSIMRL_ENV_BASE_URL"]["value"]
+        assert url == f"http://{svc['metadata']['name']}:{port}", service
+        with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as folder:
+            config = Path(folder) / "skills.yaml"
+            config.write_text(only(docs, "ConfigMap")["data"]["qwen35-4b-initial-skills.yaml"], encoding="utf-8")
+            patch.delenv("SHOPSIMRL_ANALYST_BASE_URL", raising=False)
+            patch.setenv("SHOPSIMRL_ENV_BASE_URL", url)
+            assert load_skills_config(config).environment.base_url == url
+    judge = helm.render(CHART / "ci" / "judge-values.yaml", sets={"environment.baseUrl": "http://shop:5700"})
+    worker = container(only(judge, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker")
+    assert "SHOPSIMRL_ENV_BASE_URL" not in env_of(worker)  # a judge reads frozen traces only
 
 
 def test_skills_mode_config_is_checked_by_schema_and_template(helm: Helm, tmp_path: Path) -> None:

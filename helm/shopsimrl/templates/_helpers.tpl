@@ -436,7 +436,8 @@ Usage: include "shopsimrl.serviceEnv" .
 - name: {{ get (dict "judge" "SHOPSIMRL_JUDGE_BASE_URL" "skills" "SHOPSIMRL_ANALYST_BASE_URL") $.Values.mode | default "SHOPSIMRL_MODEL_BASE_URL" }}
   value: {{ . | quote }}
 {{- end }}
-{{- with and (eq $.Values.mode "rollout") (include "shopsimrl.envBaseUrl" .) }}
+{{- /* skills: the failure analyst's live sessions need the shop as much as a rollout does. */}}
+{{- with and (has $.Values.mode (list "rollout" "skills")) (include "shopsimrl.envBaseUrl" .) }}
 - name: SHOPSIMRL_ENV_BASE_URL
   value: {{ . | quote }}
 {{- end }}
