@@ -2086,6 +2086,12 @@ def test_skills_mode_workers_reach_the_release_shop_like_rollout_workers(helm: H
             patch.delenv("SHOPSIMRL_ANALYST_BASE_URL", raising=False)
             patch.setenv("SHOPSIMRL_ENV_BASE_URL", url)
             assert load_skills_config(config).environment.base_url == url
+    # The shop's slots bound the failure analyst's live sessions: pods at once × experiment.concurrency.
+    assert helm.template(values, sets={"environment.slots": "16"}).returncode == 0  # 4 pods × 4
+    proc = helm.template(values, sets={"environment.slots": "15"}, check=False)
+    assert proc.returncode != 0 and "4 worker pods at once × config experiment.concurrency 4 = 16 live sessions" in proc.stderr
+    assert "(environment.slots)" in proc.stderr, proc.stderr
+    assert helm.template(values, sets={"environment.slots": "8", "job.parallelism": "2"}).returncode == 0
     judge = helm.render(CHART / "ci" / "judge-values.yaml", sets={"environment.baseUrl": "http://shop:5700"})
     worker = container(only(judge, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker")
     assert "SHOPSIMRL_ENV_BASE_URL" not in env_of(worker)  # a judge reads frozen traces only

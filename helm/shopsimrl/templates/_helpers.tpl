@@ -720,8 +720,15 @@ Usage: include "shopsimrl.validate" .
 {{- if and (eq .Values.mode "judge") .Values.readiness.enabled -}}
 {{- /* Nothing to fail: readiness probes rollouts' services; the judge worker has no init container. */ -}}
 {{- end -}}
-{{- $slots := ternary "" (include "shopsimrl.shopSlots" .) (ne .Values.mode "rollout") -}}
-{{- if $slots -}}
+{{- $slots := ternary "" (include "shopsimrl.shopSlots" .) (not (has .Values.mode (list "rollout" "skills"))) -}}
+{{- if and $slots (eq .Values.mode "skills") -}}
+{{- /* A skills worker is one process with up to experiment.concurrency live sessions (the failure analyst's), each holding a lease. */ -}}
+{{- $pods := int (include "shopsimrl.podsAtOnce" .) -}}
+{{- $concurrency := int (include "shopsimrl.configConcurrency" .) -}}
+{{- if gt (mul $pods $concurrency) (int $slots) -}}
+{{- fail (printf "%d worker pods at once × config experiment.concurrency %d = %d live sessions of the failure analyst exceed the %s ShopSimulator slots (%s): raise the slots, lower experiment.concurrency, or set job.parallelism" $pods $concurrency (mul $pods $concurrency) $slots (include "shopsimrl.shopSlotsKey" .)) -}}
+{{- end -}}
+{{- else if $slots -}}
 {{- $pods := int (include "shopsimrl.podsAtOnce" .) -}}
 {{- $loops := int .Values.worker.processes -}}
 {{- $concurrency := int (include "shopsimrl.concurrency" .) -}}
@@ -759,12 +766,22 @@ Episodes in flight per worker: worker.concurrency, else the config's experiment.
 {{- if not (kindIs "invalid" .Values.worker.concurrency) -}}
 {{- .Values.worker.concurrency -}}
 {{- else -}}
+{{- include "shopsimrl.configConcurrency" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The config's experiment.concurrency, else 1 (a skills worker reads only this: SKILLS.yaml's
+default is 4, so a skills config that leaves it out counts 4).
+*/}}
+{{- define "shopsimrl.configConcurrency" -}}
 {{- $experiment := get (fromYaml (include "shopsimrl.configYaml" .)) "experiment" -}}
 {{- if and (kindIs "map" $experiment) (hasKey $experiment "concurrency") -}}
 {{- get $experiment "concurrency" -}}
+{{- else if eq .Values.mode "skills" -}}
+4
 {{- else -}}
 1
-{{- end -}}
 {{- end -}}
 {{- end -}}
 
