@@ -75,6 +75,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.skills.compile",
         "shopsimrl.research.skills.consolidate",
         "shopsimrl.research.skills.firewall",
+        "shopsimrl.research.skills.online",
         "shopsimrl.research.skills.prompts",
         "shopsimrl.research.skills.structured",
         "shopsimrl.research.tables",

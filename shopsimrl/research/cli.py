@@ -685,3 +685,48 @@ def skills_build(
     result = build.build_skills(build.load_skills_config(skills_config))
     typer.echo(build.format_build(result))
     raise typer.Exit(int(ExitCode.OK if result.complete else ExitCode.EPISODES_FAILED))
+
+
+@skills_app.command("analyze")
+def skills_analyze(
+    online_config: Path = typer.Argument(..., metavar="ONLINE.yaml", help="Training round, current bank, output, models."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Analyse every full-skill retry the training triage left pending, then compile the online
+    candidate pool. Any failure still writes a pool with no candidate (the gate then runs on the
+    current bank). Exit 1: an analysis or the consolidation failed (rerun)."""
+    setup_logging(quiet, verbose)
+    online = import_part("shopsimrl.research.skills.online", "research")
+    config = online.load_online_config(online_config)
+    try:
+        result = online.analyze(config)
+    except online.OnlineAnalysisFailed as failed:
+        typer.echo(online.format_summary(failed.result))
+        if isinstance(failed.cause, BadInputError | online.SkillInputError):
+            typer.echo(f"error: {failed.cause}", err=True)
+            raise typer.Exit(int(ExitCode.BAD_INPUT)) from None
+        typer.echo(f"error: {type(failed.cause).__name__}: {failed.cause}", err=True)
+        raise typer.Exit(int(ExitCode.EPISODES_FAILED)) from None
+    typer.echo(online.format_summary(result))
+    raise typer.Exit(result.exit_code)
+
+
+@skills_app.command("watch")
+def skills_watch(
+    online_config: Path = typer.Argument(..., metavar="ONLINE.yaml", help="Training round, current bank, output, models."),
+    poll_seconds: float = typer.Option(5.0, "--poll-seconds", min=0.05, help="Seconds between two looks at the triage."),
+    stop_file: Path | None = typer.Option(None, "--stop-file", help="Stop once this file exists."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Analyse new triage files while training runs, until SIGTERM, SIGINT or the stop file
+    (exit 0). Then run skills analyze to drain the rest and compile the pool."""
+    setup_logging(quiet, verbose)
+    online = import_part("shopsimrl.research.skills.online", "research")
+    config = online.load_online_config(online_config)
+    result = online.watch(config, poll_seconds=poll_seconds, stop_file=stop_file, echo=typer.echo)
+    typer.echo(
+        f"watch stopped ({result.stopped_by}) after {result.polls} polls: "
+        f"{result.analysed} retries analysed, {result.errors} ANALYST_ERROR"
+    )
