@@ -39,6 +39,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shopsimrl.config import read_yaml_mapping
+from shopsimrl.environment import ShopSimulatorSettings
 from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.records import EpisodeTrace
 from shopsimrl.records.io import iter_trace_lines
@@ -81,6 +82,7 @@ __all__ = [
     "POOL_NAME",
     "POOL_SCHEMA_VERSION",
     "SUMMARY_NAME",
+    "FailureAnalysisError",
     "FailureAnalyst",
     "FailureTask",
     "OnlineConfig",
@@ -201,10 +203,12 @@ class FailureTask:
 
 @dataclass(frozen=True)
 class FailureAnalyst:
-    """One retry → ``{"card": FailureCard or its arguments, "valid_live_actions": n,
-    "successful_trials": n}`` (more keys, such as ``usage`` and ``attempts``, are kept).
+    """One retry → ``{"card": FailureCard or its arguments, ...}`` with either the live
+    session's facts (``valid_live_actions``, ``successful_trials``: the stage applies every
+    forced NO_PROPOSAL rule) or ``forced_no_proposal_reasons`` (the analyst applied the
+    live-session rules itself; the stage still applies the target and firewall rules).
     ``identity``: what the answers depend on besides the trace and the model (its prompt and
-    tool digests, its version), part of every card's input fingerprint."""
+    tool digests, its limits), part of every card's input fingerprint."""
 
     analyse: Callable[[FailureTask], Awaitable[Mapping[str, Any]]]
     identity: Mapping[str, Any]
@@ -213,26 +217,64 @@ class FailureAnalyst:
 FAILURE_MODULE: Final = "shopsimrl.research.skills.failure"
 
 
+class FailureAnalysisError(RuntimeError):
+    """The failure analyst finished without a card (its error record's message)."""
+
+
 def default_failure_analyst() -> FailureAnalyst:
-    """The project's Failure Analyst when this build has it; otherwise one that raises on every
-    call (each retry then gets an ``ANALYST_ERROR`` card saying so)."""
+    """The project's Failure Analyst (``analyse_failure`` of :data:`FAILURE_MODULE`) when this
+    build has it; otherwise one that raises on every call (each retry then gets an
+    ``ANALYST_ERROR`` card saying so)."""
     try:
-        module = importlib.import_module(FAILURE_MODULE)
+        module: Any = importlib.import_module(FAILURE_MODULE)
         analyse_failure = module.analyse_failure
     except (ImportError, AttributeError):
         message = f"the failure analyst ({FAILURE_MODULE}.analyse_failure) is not part of this build"
 
         async def unavailable(task: FailureTask) -> Mapping[str, Any]:
-            raise RuntimeError(message)
+            raise FailureAnalysisError(message)
 
         return FailureAnalyst(unavailable, {"failure_analyst": "unavailable"})
 
     async def analyse(task: FailureTask) -> Mapping[str, Any]:
-        result = analyse_failure(task)
-        found: Mapping[str, Any] = await result if asyncio.iscoroutine(result) else result
-        return found
+        env = task.environment
+        config = module.FailureConfig(
+            model=task.model,
+            environment=ShopSimulatorSettings(base_url=env.base_url, timeout=env.timeout, persona=env.persona),
+            seed=task.seed,
+            max_failure_steps=task.max_failure_steps,
+        )
+        ok, record = await analyse_failure(
+            task.trace,
+            config,
+            stage="online",
+            current_skill=[{k: skill[k] for k in ("skill_id", "version", "content")} for skill in task.current_skills],
+            active_skill_ids=task.active_skill_ids,
+        )
+        if not ok or not record.get("cards"):
+            error = record.get("error") or {}
+            raise FailureAnalysisError(f"{record.get('status')}: {error.get('message')}")
+        entry = record["cards"][0]
+        # The analyst enforced the live-session rules itself (it knows the session's facts).
+        return {
+            "card": entry["card"],
+            "forced_no_proposal_reasons": list(entry.get("forced_no_proposal_reasons") or []),
+            "proposed_status": entry.get("proposed_status"),
+            "usage": record.get("usage") or {},
+        }
 
-    return FailureAnalyst(analyse, dict(getattr(module, "ANALYST_IDENTITY", {"failure_analyst": FAILURE_MODULE})))
+    identity: dict[str, Any] = {"failure_analyst": FAILURE_MODULE}
+    prompt = getattr(module, "FAILURE_ANALYST_PROMPT", None) or getattr(
+        importlib.import_module("shopsimrl.research.skills.prompts"), "FAILURE_ANALYST_PROMPT", None
+    )
+    if isinstance(prompt, str):
+        identity["prompt_sha256"] = prompt_sha256(prompt)
+    if callable(getattr(module, "failure_tool", None)):
+        identity["tool_sha256"] = fingerprint(module.failure_tool())
+    for name in ("MAX_TRIALS", "ATTEMPTS"):
+        if isinstance(getattr(module, name, None), int):
+            identity[name.lower()] = getattr(module, name)
+    return FailureAnalyst(analyse, identity)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -443,14 +485,19 @@ async def analyse_retry(
         result = dict(await analyst.analyse(task))
         raw = result.get("card")
         card = raw if isinstance(raw, FailureCard) else FailureCard.model_validate(raw)
+        # The live-session rules need the session's facts; an analyst that reports its own
+        # enforcement instead (forced_no_proposal_reasons) is taken at its word for those two.
+        told = "valid_live_actions" in result or "successful_trials" in result
+        earlier = [str(reason) for reason in result.get("forced_no_proposal_reasons") or []]
         reasons = forced_no_proposal_reasons(
             card,
             stage="online",
-            valid_live_actions=int(result.get("valid_live_actions") or 0),
-            successful_trials=int(result.get("successful_trials") or 0),
+            valid_live_actions=int(result.get("valid_live_actions") or 0) if told else 1,
+            successful_trials=int(result.get("successful_trials") or 0) if told else 1,
             active_skill_ids=bank.ids,
             trace=trace,
         )
+        reasons = [*earlier, *(reason for reason in reasons if reason not in earlier)]
         card, reasons = enforce_no_proposal(card, reasons)
     except asyncio.CancelledError:
         raise
