@@ -89,7 +89,7 @@ class Round:
             "online_analysis:\n  name: round-1\n  training_round_dir: run/training\n  current_skillbank_path: bank.json\n"
             f"  output_dir: out\n  proposal_checkpoint: ckpt-100\n{history_line}"
             f"analyst_model: {{name: stub-model, base_url: '{url}', api_key_env: null, max_retries: 1, "
-            "retry_backoff_seconds: 0}\n" + extra,
+            "retry_backoff_seconds: 0}\n" + (extra or "environment: {base_url: 'http://127.0.0.1:1', timeout: 2}\n"),
             encoding="utf-8",
         )
 
@@ -538,6 +538,10 @@ def test_watch_analyses_new_triage_files_and_stops_cleanly(tmp_path: Path, stop:
         _wait_for(lambda: any(card["task_id"] == 72 for card in bed.cards()), "the card of group 2")
         bed.add(4, 74)
         _wait_for(lambda: any(card["task_id"] == 74 for card in bed.cards()), "the card of group 4")
+        # The drain-and-compile step refuses while the watch still writes there.
+        refused = invoke("analyze", str(bed.config_path))
+        assert refused.exit_code == 2 and "another skills analyze or skills watch is writing here" in refused.output
+        assert not (bed.out / online.POOL_NAME).exists()
         if stop == "stop file":
             stop_file.touch()
         else:
@@ -552,12 +556,15 @@ def test_watch_analyses_new_triage_files_and_stops_cleanly(tmp_path: Path, stop:
     assert "analysed group-000000001.json" not in out
     data = (bed.out / online.CARDS_NAME).read_bytes()
     assert data.endswith(b"\n") and [card["task_id"] for card in bed.cards()] == [71, 72, 74]
-    # Then the drain-and-compile step: nothing left to analyse; its cards are the watch's.
     assert online.read_failure_cards(bed.out / online.CARDS_NAME).keys() == {
         "task-000071__sample-001",
         "task-000072__sample-002",
         "task-000074__sample-004",
     }
+    # Then the drain-and-compile step runs: it asks again for the error cards only (no eligible
+    # card: no model call) and writes the pool.
+    drained = invoke("analyze", str(bed.config_path))
+    assert (bed.out / online.POOL_NAME).is_file() and "failure cards  3" in drained.stdout, drained.output
 
 
 # --------------------------------------------------------------------------- with the failure analyst
@@ -585,7 +592,8 @@ def test_the_failure_analyst_and_the_testbed_analyst_from_real_retries_to_a_pool
             if orjson.loads(line)["final"]["reward_detail"]["r_success"] == 0
         ][:3]
         assert len(failed) >= 2
-        bed_round = Round(tmp_path / "round", bed.model_url)
+        environment = f"environment: {{base_url: '{bed.shop_url}', timeout: 30, persona: true}}\n"
+        bed_round = Round(tmp_path / "round", bed.model_url, extra=environment)
         bed_round.bank.write_bytes(bank.read_bytes())
         for group, line in enumerate(failed, start=1):
             record = orjson.loads(line)
@@ -595,7 +603,6 @@ def test_the_failure_analyst_and_the_testbed_analyst_from_real_retries_to_a_pool
             triage["diagnostic"]["episode_id"] = record["episode_id"]
             path.write_bytes(orjson.dumps(triage))
         text = bed_round.config_path.read_text().replace("name: stub-model", "name: shopsim-analyst")
-        text += f"environment: {{base_url: '{bed.shop_url}', timeout: 30, persona: true}}\n"
         bed_round.config_path.write_text(text, encoding="utf-8")
         result = invoke("analyze", str(bed_round.config_path))
     assert result.exit_code == 0, result.output

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import importlib
 import os
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -108,6 +109,7 @@ POOL_NAME: Final = "candidate_pool.json"
 LEDGER_NAME: Final = "proposal_ledger.jsonl"
 SUMMARY_NAME: Final = "analysis_summary.json"
 INVALID_ATTEMPTS_NAME: Final = "online_invalid_attempts.jsonl"
+LOCK_NAME: Final = ".online-analysis.lock"
 MAX_CANDIDATES: Final = 6
 MAX_CANDIDATES_CAP: Final = 16
 ANALYST_ERROR: Final = "ANALYST_ERROR"
@@ -1013,11 +1015,34 @@ def _reusable(config: OnlineConfig, input_fp: str) -> dict[str, Any] | None:
     return earlier
 
 
+@contextlib.contextmanager
+def exclusive(output_dir: Path) -> Iterator[None]:
+    """One ``analyze`` or ``watch`` at a time per output folder: two would analyse the same
+    retry twice (two live sessions) and race on the pool. The lock goes with the process."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / LOCK_NAME
+    handle = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SkillInputError(
+                f"{output_dir}: another skills analyze or skills watch is writing here (it holds {path}); stop it first"
+            ) from None
+        yield
+    finally:
+        os.close(handle)
+
+
 def analyze(config: OnlineConfig, analyst: FailureAnalyst | None = None) -> OnlineResult:
     """Drain the triage (analyse every retry without a current card), then compile the pool.
     Any exception after the config was read writes an empty pool and a ``failed`` summary (the
     gate then runs on the current bank) and is raised again."""
-    analyst = analyst or default_failure_analyst()
+    with exclusive(config.output_dir):
+        return _analyze(config, analyst or default_failure_analyst())
+
+
+def _analyze(config: OnlineConfig, analyst: FailureAnalyst) -> OnlineResult:
     output_dir = config.output_dir
     state = DrainState()
     bank: Bank | None = None
@@ -1084,7 +1109,8 @@ def watch(
     bank = load_bank(config.resolve(config.online_analysis.current_skillbank_path))
     if not config.resolve(config.online_analysis.training_round_dir).is_dir():
         raise SkillInputError(f"online_analysis.training_round_dir: {config.online_analysis.training_round_dir} is not a folder")
-    return asyncio.run(_watch(config, bank, analyst, poll_seconds, stop_file, echo))
+    with exclusive(config.output_dir):
+        return asyncio.run(_watch(config, bank, analyst, poll_seconds, stop_file, echo))
 
 
 async def _watch(
