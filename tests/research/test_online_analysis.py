@@ -25,9 +25,9 @@ from shopsimrl.records.io import dump_line, read_trace
 from shopsimrl.research.gate.drafts import load_candidate_pool
 from shopsimrl.research.skills import online
 from shopsimrl.research.skills.analyst import SkillInputError
-from shopsimrl.research.skills.cards import ONLINE_CANDIDATES_TOOL, OnlineCandidates, validate_arguments
+from shopsimrl.research.skills.cards import ONLINE_CANDIDATES_TOOL, OnlineCandidate, OnlineCandidates, validate_arguments
 from shopsimrl.research.skills.firewall import card_text, firewall_findings
-from shopsimrl.schemas import fingerprint
+from shopsimrl.schemas import fingerprint, sha256_hex
 from shopsimrl.testbed.analyst import online_candidates_of
 from shopsimrl.testbed.heuristics_skills import BUY_FIRST, CHOOSE_OPTIONS
 from shopsimrl.testbed.policy import PolicySettings, create_app
@@ -613,3 +613,37 @@ def test_the_failure_analyst_and_the_testbed_analyst_from_real_retries_to_a_pool
     (added,) = pool.pool["candidates"]
     assert added["operation"] == "ADD" and CHOOSE_OPTIONS in added["content"]
     assert [slot.versions for slot in pool.slots] == [("buy-first",), (added["candidate_id"],)]
+
+
+def test_a_torn_last_card_is_cut_and_its_retry_analysed_again(tmp_path: Path) -> None:
+    bed = Round(tmp_path)
+    bed.add(1, 81)
+    bed.add(2, 82)
+    analyst = scripted({81: failure_card("NO_PROPOSAL"), 82: failure_card("NO_PROPOSAL")})
+    online.analyze(bed.config, analyst)
+    whole = (bed.out / online.CARDS_NAME).read_bytes()
+    first, second = whole.splitlines()
+    # A writer killed mid-append leaves part of a line: the first card whole, the second torn.
+    (bed.out / online.CARDS_NAME).write_bytes(first + b"\n" + second[: len(second) // 2])
+    calls: list[int] = []
+    again = online.analyze(bed.config, scripted({82: failure_card("NO_PROPOSAL")}, calls))
+    assert calls == [82] and again.summary["cards"]["reused"] == 1
+    assert [card["task_id"] for card in bed.cards()] == [81, 82]
+
+
+def test_a_cold_start_ledger_row_without_content_still_counts_as_history(tmp_path: Path) -> None:
+    proposal = OnlineCandidate.model_validate(candidate("ADD", ["c1"]))
+    content = online.render_candidate(proposal)
+    ledger = tmp_path / "proposal_ledger.jsonl"
+    row = {"candidate_id": "check-options", "operation": "ADD", "stage": "cold_start", "content_sha256": sha256_hex(content)}
+    ledger.write_bytes(orjson.dumps(row) + b"\n")
+    history = online.read_history(ledger)
+    bank = online.Bank(tmp_path / "bank.json", "0" * 64, [{**SKILLS[0], "metadata": {}}])
+    validate = online._validator(["c1"], 6, bank, history, {}, {})
+    assert validate({"candidates": [candidate("ADD", ["c1"])]})[1] == (
+        "$.candidates[0]: repeats a candidate of an earlier round (historical_candidates); propose another"
+    )
+    assert validate({"candidates": [candidate("ADD", ["c1"], title="Another title")]})[1] is None
+    with pytest.raises(SkillInputError, match=r"proposal_ledger\.jsonl:2: the proposal ledger line is not JSON"):
+        ledger.write_bytes(orjson.dumps(row) + b"\n{torn")
+        online.read_history(ledger)
