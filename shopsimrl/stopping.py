@@ -64,7 +64,13 @@ class hold_signals:
 
 
 class GracefulStop:
-    """Installs SIGTERM/SIGINT handlers on the running loop for the duration of a ``with`` block."""
+    """SIGTERM/SIGINT handling on the running loop for the duration of a ``with`` block.
+
+    The handlers are plain ``signal.signal`` handlers that hand the signal to the loop, not
+    ``loop.add_signal_handler``: removing one of those sets the default action before anything
+    else can be put back, and a SIGTERM in that gap (an orchestrator's, right after a Ctrl-C)
+    killed the process with leases still held. Here each disposition replaces the last in one
+    call, so there is no moment at which a signal ends the process."""
 
     def __init__(self, on_stop: Callable[[], None], *, cleanup: str) -> None:
         """``on_stop`` runs once, at the first signal; ``cleanup`` says what the process still
@@ -72,8 +78,9 @@ class GracefulStop:
         self._on_stop = on_stop
         self._cleanup = cleanup
         self.signal: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._previous: dict[int, Any] = {}
+        self._arrived: list[int] = []
+        """Signals the handler saw that the loop has not handled yet."""
 
     @property
     def requested(self) -> bool:
@@ -88,29 +95,37 @@ class GracefulStop:
         else:
             log.warning(f"{name} again: already stopping; {self._cleanup} (kill -9 skips that)")
 
+    def _handle_arrived(self) -> None:
+        while self._arrived:
+            self._handle(self._arrived.pop(0))
+
     def __enter__(self) -> GracefulStop:
-        self._loop = asyncio.get_running_loop()
-        self._previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-        for signum in STOP_SIGNALS:
-            self._loop.add_signal_handler(signum, self._handle, signum)
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            # Runs between two bytecodes of whatever the loop is doing: only record the signal
+            # and wake the loop, which handles it as an ordinary callback.
+            self._arrived.append(signum)
+            loop.call_soon_threadsafe(self._handle_arrived)
+
+        self._previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
         while _held:  # arrived in this loop before the handlers above were installed
             self._handle(_held.pop(0))
         return self
 
     def __exit__(self, *exc: object) -> None:
         global _stopped
-        assert self._loop is not None
-        for signum in STOP_SIGNALS:
-            self._loop.remove_signal_handler(signum)
-            if self.requested:
-                # On its way out after a stop: a late signal must not turn the exit into a traceback.
-                _stopped = True
+        if self.requested:
+            # On its way out after a stop: a late signal must not turn the exit into a traceback.
+            _stopped = True
+            for signum in STOP_SIGNALS:
                 signal.signal(signum, signal.SIG_IGN)
-                continue
-            # remove_signal_handler leaves the default behind; put back what was there before.
-            previous = self._previous[signum]
-            if previous is not None:
-                signal.signal(signum, previous)
+            return
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        # A signal that came as the work ended, not handled yet: hold_signals passes it on.
+        _held.extend(self._arrived)
+        self._arrived.clear()
 
 
 _PR_SET_PDEATHSIG = 1

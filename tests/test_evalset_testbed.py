@@ -4,6 +4,7 @@ fingerprints equal to `run`'s; a member with fewer episodes than slots leaves th
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import subprocess
@@ -144,3 +145,32 @@ def test_the_next_member_fills_the_slots_a_member_with_few_episodes_leaves(tmp_p
     assert len(large) == 6
     small_ended = datetime.fromisoformat(small["ended_at"])
     assert min(datetime.fromisoformat(record["started_at"]) for record in large) < small_ended
+
+
+def test_members_on_one_model_server_keep_its_budget_and_share_one_adaptive_limit(tmp_path: Path) -> None:
+    """`model.max_concurrent_requests: 1` makes the policy server's budget one slot for the whole
+    set (without it, the set's 3 slots would run both members' episodes at once), and the two
+    adaptive members on that server log one shared limit."""
+    write_config(tmp_path, name="base", sample_size=3)
+    set_path = tmp_path / "set.yaml"
+    set_path.write_text(
+        "location: sets/budget\nconfig: base.yaml\n"
+        "set: {runtime.max_steps: 20, model.max_concurrent_requests: 1}\nconcurrency: 3\n"
+        "members:\n  - {name: first}\n  - {name: second}\n",
+        encoding="utf-8",
+    )
+    location = tmp_path / "sets/budget"
+    with start_testbed(SHOPSIM_POLICY_LATENCY_MS="40") as bed:
+        done = shopsimrl(bed.env(), "evalset", str(set_path), "--no-progress", "--no-report")
+    assert done.returncode == 0, done.stderr[-3000:]
+    spans = sorted(
+        (datetime.fromisoformat(record["started_at"]), datetime.fromisoformat(record["ended_at"]), member)
+        for member in ("first", "second")
+        for record in traces(location / member)
+    )
+    assert len(spans) == 6 and {member for *_, member in spans} == {"first", "second"}
+    for (_, ended, _), (started, _, _) in itertools.pairwise(spans):
+        assert started >= ended, spans  # one episode at a time across the set
+    for member in ("first", "second"):
+        (record,) = [json.loads(line) for line in (location / member / "model_inflight.jsonl").read_text().splitlines()]
+        assert record["shared"] is True and record["configured"] == 1

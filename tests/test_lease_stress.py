@@ -40,6 +40,12 @@ def bed() -> Iterator[LocalTestbed]:
         yield testbed
 
 
+@pytest.fixture(autouse=True)
+def clean_shop(bed: LocalTestbed) -> None:
+    """Each test starts with every slot free: a leak one test found fails that test alone."""
+    httpx.post(f"{bed.shop_url}/api/shop_agent", json={"action": "release_all"}, timeout=10)
+
+
 def free_slots(bed: LocalTestbed) -> int:
     return int(bed.healthz()["free_slots"])
 

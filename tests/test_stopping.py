@@ -3,9 +3,11 @@ processes, since a stop changes the process's signal dispositions for good)."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -75,3 +77,66 @@ def test_after_a_graceful_stop_late_signals_are_ignored() -> None:
         print("exited cleanly")
     """)
     assert result.returncode == 0 and "exited cleanly" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_no_moment_around_a_graceful_stop_lets_a_signal_kill_the_process(loop: str) -> None:
+    """SIGTERM every 0.2 ms while a child enters and leaves GracefulStop thousands of times (a
+    Ctrl-C and the orchestrator's SIGTERM right behind it): a default disposition in between,
+    however brief, ends the child with -15. (Handlers installed with loop.add_signal_handler
+    died after tens of signals here.)"""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+            import asyncio, signal
+            from shopsimrl import eventloop
+            from shopsimrl.stopping import GracefulStop
+            if "{loop}" == "asyncio":
+                eventloop._loop_factory = lambda: None
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the loop below runs
+            async def main():
+                print("ready", flush=True)
+                for _ in range(3000):
+                    with GracefulStop(lambda: None, cleanup="nothing"):
+                        await asyncio.sleep(0)
+            eventloop.run(main())
+            print("survived", flush=True)
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    sent = 0
+    while child.poll() is None:
+        try:
+            child.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        sent += 1
+        time.sleep(0.0002)
+    assert child.wait(timeout=60) == 0, f"killed after {sent} signals"
+    assert child.stdout.read().endswith("survived\n") and sent > 100, sent
+
+
+def test_a_signal_as_the_work_ends_without_a_stop_is_passed_on() -> None:
+    """The signal reaches GracefulStop's handler, but the block ends before the loop handled it:
+    it is not dropped, the command's own handler gets it after the loop."""
+    result = run_script("""
+        import asyncio, os, signal
+        from shopsimrl import eventloop
+        from shopsimrl.stopping import GracefulStop
+        def raising(signum, frame):
+            raise SystemExit(42)
+        signal.signal(signal.SIGTERM, raising)
+        stopped = []
+        async def main():
+            with GracefulStop(lambda: stopped.append(True), cleanup="nothing"):
+                os.kill(os.getpid(), signal.SIGTERM)  # handled by the next callback, after the block
+        eventloop.run(main())
+        print("not reached", stopped)
+    """)
+    assert result.returncode == 42 and "not reached" not in result.stdout, result.stdout + result.stderr

@@ -6,9 +6,10 @@ at once and cancel the rest (the work's own clean-up, e.g. lease releases, runs 
 on every path save what is finished again, then close each resource in order, each whether or
 not the one before it closed.
 
-:func:`evaluate` is :func:`drive` for episodes: the adapters of a prepared experiment, its lease
-journal, the scheduler over the jobs still to run, and the hooks by which a local run shows its
-progress bar and a shard worker its log lines and flush timer.
+:func:`evaluation` builds the work of :func:`drive` for episodes: the adapters of a prepared
+experiment, its lease journal, the scheduler over the jobs still to run, and the hooks by which a
+local run shows its progress bar and a shard worker its log lines and flush timer;
+:func:`evaluate_together` drives one or several (an eval set's members) on one loop.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ __all__ = [
     "EvaluationHooks",
     "Resume",
     "drive",
-    "evaluate",
     "evaluate_together",
     "evaluation",
 ]
@@ -141,8 +141,8 @@ class EvaluationHooks:
 
 @dataclass
 class Evaluation:
-    """One prepared evaluation not yet driven: :func:`evaluate` drives one, :func:`evaluate_together`
-    several on one loop (the members of an eval set)."""
+    """One prepared evaluation not yet driven (:func:`evaluate_together` drives it, alone or with
+    the other members of an eval set)."""
 
     work: Callable[[], Coroutine[Any, Any, None]]
     save: Callable[[], None]
@@ -165,16 +165,23 @@ def evaluation(
     reroll_failed: bool = False,
     hooks: EvaluationHooks | None = None,
     slot: EpisodeSlot | None = None,
+    limit: AdaptiveLimit | None = None,
 ) -> Evaluation:
-    """The evaluation :func:`evaluate` drives; ``slot``: a slot shared with other evaluations,
-    taken before each episode starts (none: only ``experiment.concurrency`` bounds it)."""
+    """The episodes of ``jobs`` that ``resume`` leaves to run, each attempt saved through ``writer``.
+
+    ``processes``: how many event loops (of all workers running at once) share the shop's slots;
+    ``slot``: a slot shared with other evaluations, taken before each episode starts (none: only
+    ``experiment.concurrency`` bounds it); ``limit``: an adaptive in-flight limit shared with
+    other evaluations calling the same model server (none: its own, when the config adapts)."""
     from shopsimrl.runner.lease_journal import LeaseJournal, start_lease_tracking
     from shopsimrl.runner.scheduler import ConcurrencyLimitedModel, EvaluationOutcome, Evaluator
 
     hooks = hooks or EvaluationHooks()
     config = prepared.config
     ceiling = config.model.max_concurrent_requests or config.experiment.concurrency
-    limit = AdaptiveLimit(ceiling) if config.model.adaptive_concurrency else None
+    shared = limit is not None
+    if limit is None and config.model.adaptive_concurrency:
+        limit = AdaptiveLimit(ceiling)
     model = prepared.model(limit)
     environment = prepared.environment()
     journal = LeaseJournal(journal_storage, environment_url=prepared.environment_settings.base_url, writer=journal_writer)
@@ -224,46 +231,13 @@ def evaluation(
                         "state": state,
                         "model_base_url": redact_uri(prepared.model_settings.base_url),
                         **limit.snapshot(),
+                        **({"shared": True} if shared else {}),
                     }
                 )
 
     return Evaluation(
         run, writer.flush, [model, environment, journal], hooks.background(), config.environment.cleanup_grace_seconds
     )
-
-
-async def evaluate(
-    prepared: PreparedExperiment,
-    jobs: Sequence[EpisodeJob],
-    resume: Resume,
-    writer: TraceWriter,
-    journal_storage: JournalStorage,
-    *,
-    journal_writer: str | None = None,
-    processes: int = 1,
-    max_episode_retries: int,
-    retry_failed: bool = True,
-    reroll_failed: bool = False,
-    hooks: EvaluationHooks | None = None,
-) -> bool:
-    """Run the episodes of ``jobs`` that ``resume`` leaves to run, saving each attempt through
-    ``writer``; True when a signal stopped them (every lease released, what finished saved).
-
-    ``processes``: how many event loops (of all workers running at once) share the shop's slots."""
-    one = evaluation(
-        prepared,
-        jobs,
-        resume,
-        writer,
-        journal_storage,
-        journal_writer=journal_writer,
-        processes=processes,
-        max_episode_retries=max_episode_retries,
-        retry_failed=retry_failed,
-        reroll_failed=reroll_failed,
-        hooks=hooks,
-    )
-    return await evaluate_together([one])
 
 
 async def evaluate_together(evaluations: Sequence[Evaluation]) -> bool:

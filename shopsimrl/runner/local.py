@@ -23,7 +23,7 @@ import structlog
 from shopsimrl import eventloop
 from shopsimrl.cost import unapplied_prices
 from shopsimrl.exitcodes import ExitCode
-from shopsimrl.inflight import model_inflight_block
+from shopsimrl.inflight import AdaptiveLimit, model_inflight_block
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError, run_identity
 from shopsimrl.metrics import SummaryAccumulator
 from shopsimrl.records import RecordVersionError, RunManifest
@@ -35,6 +35,7 @@ from shopsimrl.storage.local import LocalRunStore, RunLockedError, RunWriteError
 if TYPE_CHECKING:
     from shopsimrl.runner.experiment import PreparedExperiment
     from shopsimrl.runner.scheduler import EpisodeSlot, Evaluator
+    from shopsimrl.runner.slots import SlotPool
 
 __all__ = ["LocalRun", "RunStopped", "run_local", "run_local_together", "summarize_local"]
 
@@ -68,7 +69,8 @@ def run_local(
     run = LocalRun(prepared, retry_failed=retry_failed, reroll_failed=reroll_failed)
     try:
         run.open(announce)
-        run.evaluated(_drive(prepared, [run.evaluation(max_episode_retries=max_episode_retries, show_progress=show_progress)]))
+        if _drive(prepared, [run.evaluation(max_episode_retries=max_episode_retries, show_progress=show_progress)]):
+            raise RunStopped(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
         return run.store, run.summarize()
     finally:
         run.close()
@@ -96,17 +98,23 @@ def run_local_together(
     freed slot goes to the earliest run with an episode waiting (``shopsimrl evalset``). One
     Ctrl-C stops them all, each saving its finished episodes. Returns each run's summary;
     raises :class:`RunStopped` (naming the run, by its folder, where one run failed)."""
-    from shopsimrl.runner.slots import MemberSlot, SharedSlots, SlotPool
+    from shopsimrl.runner.slots import MemberSlot, SharedSlots
 
-    shared = SharedSlots(SlotPool(concurrency))
+    shared = SharedSlots(member_slot_pool(runs, concurrency))
+    limits = shared_model_limits(runs)
     try:
         for run in runs:
             _named(run, run.open, announce)
-        # One live bar at a time fits a terminal: the first member's.
-        evaluations = [
-            run.evaluation(show_progress=show_progress and position == 0, slot=MemberSlot(shared, shared.add()))
-            for position, run in enumerate(runs)
-        ]
+        evaluations = []
+        for position, run in enumerate(runs):
+            urls = run.prepared.environment_settings.base_url, run.prepared.model_settings.base_url
+            evaluations.append(
+                run.evaluation(
+                    show_progress=show_progress and position == 0,  # one live bar fits a terminal: the first member's
+                    slot=MemberSlot(shared, shared.add(*urls)),
+                    limit=limits.get(urls[1]) if run.prepared.config.model.adaptive_concurrency else None,
+                )
+            )
         if _drive(runs[0].prepared, evaluations):
             raise RunStopped(
                 ExitCode.RETRYABLE, "interrupted; every member's finished episodes are saved, rerun the same command to resume"
@@ -115,6 +123,39 @@ def run_local_together(
     finally:
         for run in runs:
             run.close()
+
+
+def member_slot_pool(runs: Sequence[LocalRun], concurrency: int) -> SlotPool:
+    """The set's slots: ``concurrency`` in all, and per shop URL the smallest
+    ``environment.max_leases``, per model URL the smallest ``model.max_concurrent_requests`` its
+    members configure (a URL none bounds: the total only)."""
+    from shopsimrl.runner.slots import SlotPool
+
+    shop_budget: dict[str, int] = {}
+    model_budget: dict[str, int] = {}
+    for run in runs:
+        config = run.prepared.config
+        for budget, url, cap in (
+            (shop_budget, run.prepared.environment_settings.base_url, config.environment.max_leases),
+            (model_budget, run.prepared.model_settings.base_url, config.model.max_concurrent_requests),
+        ):
+            if cap is not None:
+                budget[url] = min(cap, budget.get(url, cap))
+    return SlotPool(concurrency, shop_budget, model_budget)
+
+
+def shared_model_limits(runs: Sequence[LocalRun]) -> dict[str, AdaptiveLimit]:
+    """One adaptive in-flight limit per model URL that two or more adaptive members call: the
+    server's overload is one signal, so its members back off together (a member alone on its
+    server builds its own). Its ceiling is the largest of theirs; each member's own stays in
+    force through its concurrency bound."""
+    ceilings: dict[str, list[int]] = {}
+    for run in runs:
+        config = run.prepared.config
+        if config.model.adaptive_concurrency:
+            ceiling = config.model.max_concurrent_requests or config.experiment.concurrency
+            ceilings.setdefault(run.prepared.model_settings.base_url, []).append(ceiling)
+    return {url: AdaptiveLimit(max(each)) for url, each in ceilings.items() if len(each) > 1}
 
 
 def _named(run: LocalRun, step: Callable[..., T], *args: Any) -> T:
@@ -181,7 +222,12 @@ class LocalRun:
         self.resume = Resume(completed, prior, final)
 
     def evaluation(
-        self, *, max_episode_retries: int | None = None, show_progress: bool = True, slot: EpisodeSlot | None = None
+        self,
+        *,
+        max_episode_retries: int | None = None,
+        show_progress: bool = True,
+        slot: EpisodeSlot | None = None,
+        limit: AdaptiveLimit | None = None,
     ) -> Evaluation:
         assert self.manifest is not None, "open() first"
         config = self.prepared.config
@@ -198,11 +244,8 @@ class LocalRun:
             reroll_failed=self.reroll_failed,
             hooks=hooks,
             slot=slot,
+            limit=limit,
         )
-
-    def evaluated(self, terminated: bool) -> None:
-        if terminated:
-            raise RunStopped(ExitCode.RETRYABLE, "interrupted; finished episodes are saved, rerun the same command to resume")
 
     def summarize(self) -> dict[str, Any]:
         try:

@@ -32,7 +32,7 @@ from shopsimrl.cost import unapplied_prices
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError, ManifestError
 from shopsimrl.records import EpisodeTrace, RunManifest
-from shopsimrl.runner.driver import EvaluationHooks, Resume, evaluate
+from shopsimrl.runner.driver import EvaluationHooks, Resume, evaluate_together, evaluation
 from shopsimrl.schemas import EpisodeJob, fingerprint
 from shopsimrl.stopping import STOP_SIGNALS
 from shopsimrl.storage.objectstore import RunLocationError, StoreUnavailableError
@@ -300,21 +300,20 @@ def evaluate_shard(
     from shopsimrl.runner.lease_journal import shard_journal_storage
 
     parts.report_progress()
-    interrupted = eventloop.run(
-        evaluate(
-            prepared,
-            jobs,
-            resume,
-            parts,
-            shard_journal_storage(parts.store, parts.shard),
-            journal_writer=parts.writer,
-            processes=processes,
-            max_episode_retries=prepared.config.runtime.max_episode_retries,
-            retry_failed=options.retry_failed,
-            reroll_failed=options.reroll_failed,
-            hooks=_ShardHooks(parts),
-        )
+    one = evaluation(
+        prepared,
+        jobs,
+        resume,
+        parts,
+        shard_journal_storage(parts.store, parts.shard),
+        journal_writer=parts.writer,
+        processes=processes,
+        max_episode_retries=prepared.config.runtime.max_episode_retries,
+        retry_failed=options.retry_failed,
+        reroll_failed=options.reroll_failed,
+        hooks=_ShardHooks(parts),
     )
+    interrupted = eventloop.run(evaluate_together([one]))
     if interrupted:
         log.warning("worker_interrupted", saved_parts=len(parts.written))
         parts.report_progress("interrupted")
