@@ -20,8 +20,11 @@ def main(root: Path) -> int:
     bank = json.loads((draft / "initial_skillbank.json").read_text(encoding="utf-8"))
     fit = json.loads((root / "gate" / "contributions.json").read_text(encoding="utf-8"))
     episodes = analysis["episodes"]
+    statuses = (analysis.get("failure_cards") or {}).get("status") or {}
+    proposals = sum(count for status, count in statuses.items() if status != "NO_PROPOSAL")
     print(
         f"skills-demo: {episodes['total']} train episodes ({episodes['success']} successful), "
+        f"{proposals} failure proposals, {statuses.get('NO_PROPOSAL', 0)} NO_PROPOSAL, "
         f"{analysis['cards']['eligible']} eligible cards of {analysis['cards']['total']}, "
         f"{consolidation['clusters']} clusters, {len(bank['skills'])} chunks"
     )

@@ -26,11 +26,13 @@ fi
 echo "skills-demo: 1/4 the train run (no skills) → runs/skills-demo/train"
 "$BIN/shopsimrl" run configs/skills_demo/train.yaml --no-progress -q | tail -n 2
 echo "skills-demo: 2/4 skills build with the testbed analyst (shopsim-analyst) → runs/skills-demo/draft"
-# The analyst is the policy server under another model name; its port is this run's. The copy
+# The analyst is the policy server under another model name; its port is this run's, and so is
+# the shop's, where the failure analyst replays the failed tasks. The copy
 # sits at the same depth as configs/skills_demo/, so its relative paths resolve the same. The
 # URL is no part of any stage's fingerprint: run again on new ports, every stage is reused.
 mkdir -p runs/skills-demo
-sed "s#http://127.0.0.1:8000/v1#$SHOPSIMRL_MODEL_BASE_URL#" configs/skills_demo/skills.yaml >runs/skills-demo/skills.yaml
+sed -e "s#http://127.0.0.1:8000/v1#$SHOPSIMRL_MODEL_BASE_URL#" -e "s#http://127.0.0.1:5700#$SHOPSIMRL_ENV_BASE_URL#" \
+  configs/skills_demo/skills.yaml >runs/skills-demo/skills.yaml
 "$BIN/shopsimrl" skills build runs/skills-demo/skills.yaml -q
 echo "skills-demo: 3/4 the bare val run (no skills) → runs/skills-demo/bare"
 "$BIN/shopsimrl" run configs/skills_demo/bare.yaml --no-progress -q | tail -n 2

@@ -74,6 +74,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "shopsimrl.research.skills.build",
         "shopsimrl.research.skills.compile",
         "shopsimrl.research.skills.consolidate",
+        "shopsimrl.research.skills.failure",
         "shopsimrl.research.skills.firewall",
         "shopsimrl.research.skills.online",
         "shopsimrl.research.skills.prompts",

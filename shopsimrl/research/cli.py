@@ -677,9 +677,9 @@ def skills_build(
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
-    """Analyse the successful trajectories, consolidate the cards, compile the Gate A draft
-    (resumable: each stage skips what its input fingerprint says is done). Exit 1: a stage is
-    not complete (rerun)."""
+    """Analyse the trajectories (the failed ones in live ShopSimulator sessions),
+    consolidate the cards, compile the Gate A draft (resumable: each stage skips what its
+    input fingerprint says is done). Exit 1: a stage is not complete (rerun)."""
     setup_logging(quiet, verbose)
     build = import_part("shopsimrl.research.skills.build", "research")
     result = build.build_skills(build.load_skills_config(skills_config))

@@ -26,6 +26,19 @@ It answers the tool the request offers (the skill builder forces one per call; s
   candidate of the same operation and target already carried gives no candidate (its cards are
   evidence-only, as is a card without a marker).
 
+- ``submit_failure_card`` (``{analysis_contract, failed_trace_and_privileged_gold,
+  fresh_live_session}``, the page's tools offered too): it plays the live session from the
+  privileged gold and the latest page of the conversation's tool results. It searches with the
+  gold's product kind and attribute values, opens a listed product showing every gold attribute
+  within the gold price bounds (the next results page, else the closest one, when none does),
+  goes back from a product that does not offer every gold option value, selects the gold option
+  values (an axis the gold does not name: its first value) and buys. After a trial with
+  ``r_success = 1`` it submits ``PROPOSE_ADD`` whose abstraction carries
+  ``[[testbed:choose-options]]`` when the failed trace bought without every gold option value,
+  else ``NO_PROPOSAL``. After a trial that did not succeed, or on a call that offers only the
+  card, it submits ``PROPOSE_ADD`` all the same: without a successful trial the builder's forced
+  rule turns it into ``NO_PROPOSAL``. The text is fixed generic Chinese.
+
 Since the testbed policy reacts to the markers (:mod:`shopsimrl.testbed.heuristics_skills`), a
 Gate A over the compiled draft has known true effects: with ``options_need_skill`` the options
 chunk helps and the first-result chunk hurts.
@@ -38,11 +51,27 @@ from typing import Any, Final
 
 import orjson
 
+from shopsimrl.testbed.heuristics_pages import BUY, NEXT, PREV, extract_keywords, norm, price_low
 from shopsimrl.testbed.heuristics_skills import BUY_FIRST, CHOOSE_OPTIONS
 
-__all__ = ["ANALYST_TOOLS", "analyst_reply", "clusters_of", "initial_skill_of", "online_candidates_of", "success_cards_of"]
+__all__ = [
+    "ANALYST_TOOLS",
+    "analyst_reply",
+    "clusters_of",
+    "failure_step_of",
+    "initial_skill_of",
+    "online_candidates_of",
+    "success_cards_of",
+]
 
-ANALYST_TOOLS: Final = ("submit_success_cards", "submit_clusters", "submit_initial_skill", "submit_online_candidates")
+ANALYST_TOOLS: Final = (
+    "submit_success_cards",
+    "submit_clusters",
+    "submit_initial_skill",
+    "submit_failure_card",
+    "submit_online_candidates",
+)
+FAILURE_TOOL: Final = "submit_failure_card"
 _CLICK = re.compile(r"^\s*click\[(.*)\]\s*$", re.S)
 _BUY = "buy now"
 
@@ -250,6 +279,161 @@ def online_candidates_of(data: dict[str, Any]) -> dict[str, Any]:
     return {"candidates": candidates, "evidence_only_card_ids": evidence_only}
 
 
+# --------------------------------------------------------------------------- the failure flow
+
+_FAILURE_TEXT: Final = {
+    "failure_surface": "下单的商品缺少任务要求的规格取值或属性，奖励判定为失败。",
+    "oracle_comparison": "对照目标需求：失败轨迹买下的商品在规格或属性上与要求不一致。",
+    "minimal_repair": "打开符合全部属性和预算的商品后，逐项选中要求的规格取值再购买。",
+    "mechanism": "规格取值决定买到的具体款式，只有逐项选中要求的取值，下单的商品才与需求一致。",
+    "applicable_when": "商品页提供颜色、尺码、规格等可选项，且任务或用户个人文档写明了想要的取值。",
+    "trigger": "在商品页看到尚未选择或停在默认值的规格项。",
+    "verification": "购买前页面上已选规格与任务要求逐项一致。",
+}
+
+
+def _gold(data: dict[str, Any]) -> dict[str, Any]:
+    return _map(_map(data.get("failed_trace_and_privileged_gold")).get("gold"))
+
+
+def _options_missed(data: dict[str, Any]) -> bool:
+    """The failed trace bought without every gold option value selected."""
+    wanted = [str(value) for value in _list(_gold(data).get("goal_options"))]
+    purchase = _map(_map(_map(data.get("failed_trace_and_privileged_gold")).get("outcome")).get("purchase"))
+    chosen = {str(value) for value in _map(purchase.get("options")).values()}
+    return any(value not in chosen for value in wanted)
+
+
+def _failure_card(data: dict[str, Any], propose: bool) -> dict[str, Any]:
+    trace = _map(data.get("failed_trace_and_privileged_gold"))
+    steps = [_map(step) for step in _list(trace.get("steps"))]
+    buys = [int(step["step"]) for step in steps if (_clicked(step) or "").lower() == _BUY and "step" in step]
+    divergence = buys[-1] if buys else (int(steps[-1]["step"]) if steps and "step" in steps[-1] else 0)
+    text = _FAILURE_TEXT
+    card: dict[str, Any] = {
+        "status": "PROPOSE_ADD" if propose else "NO_PROPOSAL",
+        "privileged_audit": {
+            "gold_asins": [],
+            "failure_surface": text["failure_surface"],
+            "earliest_divergence": {"step": divergence, "description": "在规格或属性未核对一致时直接下单。"},
+            "oracle_comparison": text["oracle_comparison"],
+            "replay_evidence": ["实时会话中按要求选中规格后重新购买。"],
+            "minimal_repair": text["minimal_repair"],
+            "repair_validation_result": "见实时试验的奖励。",
+        },
+    }
+    if propose:
+        lesson = _LESSONS[CHOOSE_OPTIONS]
+        card["deployable_abstraction"] = {
+            "mechanism": text["mechanism"],
+            "applicable_when": text["applicable_when"],
+            "trigger": text["trigger"],
+            "corrective_procedure": list(lesson["procedure"]),
+            "verification": text["verification"],
+            "target": None,
+            "proposed_content": lesson["lesson"],
+        }
+    return card
+
+
+def _live_view(messages: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[int | None], set[str]]:
+    """(the latest page state, r_success of each finished trial, products opened this trial)."""
+    user = next((m for m in messages if m.get("role") == "user"), None)
+    try:
+        data = orjson.loads(str(_map(user).get("content") or ""))
+    except orjson.JSONDecodeError:
+        data = {}
+    state: dict[str, Any] | None = _map(_map(_map(data).get("fresh_live_session")).get("state"))
+    trials: list[int | None] = []
+    opened: set[str] = set()
+    for message in messages:
+        if message.get("role") == "assistant":
+            for call in _list(message.get("tool_calls")):
+                function = _map(_map(call).get("function"))
+                try:
+                    arguments = _map(orjson.loads(str(function.get("arguments") or "{}")))
+                except orjson.JSONDecodeError:
+                    arguments = {}
+                value = str(arguments.get("value") or "")
+                if function.get("name") == "click" and value.isdigit():
+                    opened.add(value)
+        if message.get("role") != "tool":
+            continue
+        try:
+            result = _map(orjson.loads(str(message.get("content") or "")))
+        except orjson.JSONDecodeError:
+            continue
+        if "state" not in result:
+            continue  # a repair message, not a tool result
+        state = _map(result.get("state"))
+        if result.get("done") is True:
+            trials.append(_map(result.get("reward_detail")).get("r_success"))
+            opened = set()
+            state = _map(_map(result.get("next_trial")).get("state")) or None
+    return state, trials, opened
+
+
+def _matches(product: dict[str, Any], gold: dict[str, Any]) -> int:
+    """How many gold attributes the listing shows; -1 when its price is outside the gold bounds."""
+    low = price_low(str(product.get("price") or ""))
+    upper, lower = gold.get("price_upper"), gold.get("price_lower")
+    if low is not None and ((isinstance(upper, int | float) and low > upper) or (isinstance(lower, int | float) and low < lower)):
+        return -1
+    shown = {norm(str(item)) for item in _list(product.get("key_attributes"))}
+    return sum(1 for attribute in _list(gold.get("attributes")) if norm(str(attribute)) in shown)
+
+
+def _live_action(state: dict[str, Any], gold: dict[str, Any], opened: set[str]) -> tuple[str, dict[str, str]] | None:
+    """The next action of the live trial on page ``state``; None when there is none to take."""
+    actions = [str(action) for action in _list(state.get("actions"))]
+    page = state.get("page_type")
+    if state.get("search_available"):
+        kind, _terms = extract_keywords(str(gold.get("instruction_text") or ""))
+        values = [str(a).partition("：")[2] or str(a) for a in _list(gold.get("attributes"))]
+        return "search", {"query": " ".join([kind, *values]).strip() or "商品"}
+    if page == "search_results":
+        everything = len(_list(gold.get("attributes")))
+        ranked = []
+        for rank, product in enumerate(_list(state.get("products"))):
+            asin = str(_map(product).get("asin") or "")
+            if asin and asin.casefold() in actions and asin not in opened:
+                ranked.append((_matches(_map(product), gold), -rank, asin.casefold()))
+        full = [item for item in ranked if item[0] == everything]
+        if full:
+            return "click", {"value": max(full)[2]}
+        if NEXT in actions:
+            return "click", {"value": NEXT}
+        usable = [item for item in ranked if item[0] >= 0]
+        return ("click", {"value": max(usable)[2]}) if usable else None
+    if page == "product_detail":
+        available = {str(axis): [str(v) for v in _list(values)] for axis, values in _map(state.get("available_options")).items()}
+        selected = _map(state.get("selected_options"))
+        wanted = [str(value) for value in _list(gold.get("goal_options"))]
+        offered_values = {value for values in available.values() for value in values}
+        if any(value not in offered_values for value in wanted) and PREV in actions:
+            return "click", {"value": PREV}
+        for axis, values in available.items():
+            choice = next((value for value in values if value in wanted), values[0] if values else None)
+            if choice is not None and selected.get(axis) != choice and f"{axis}={choice}" in actions:
+                return "click", {"value": f"{axis}={choice}"}
+        if BUY in actions:
+            return "click", {"value": BUY}
+    return None
+
+
+def failure_step_of(data: dict[str, Any], messages: list[dict[str, Any]], offered_tools: list[str]) -> tuple[str, dict[str, Any]]:
+    """(tool name, arguments) of the failure analyst's next call (module docstring)."""
+    state, trials, opened = _live_view(messages)
+    if any(r == 1 for r in trials):
+        return FAILURE_TOOL, _failure_card(data, propose=_options_missed(data))
+    if trials or state is None or offered_tools == [FAILURE_TOOL]:
+        return FAILURE_TOOL, _failure_card(data, propose=True)
+    action = _live_action(state, _gold(data), opened)
+    if action is None or action[0] not in offered_tools:
+        return FAILURE_TOOL, _failure_card(data, propose=True)
+    return action
+
+
 _ANSWERS: Final = {
     "submit_success_cards": success_cards_of,
     "submit_clusters": clusters_of,
@@ -262,9 +446,9 @@ def _requested_tool(tools: list[dict[str, Any]], tool_choice: Any) -> str | None
     """The forced function's name, else the one analyst tool offered."""
     forced = _map(_map(tool_choice).get("function")).get("name")
     if isinstance(forced, str):
-        return forced if forced in _ANSWERS else None
+        return forced if forced in ANALYST_TOOLS else None
     offered = [_map(item.get("function")).get("name") for item in tools]
-    known = [name for name in offered if name in _ANSWERS]
+    known = [name for name in offered if name in ANALYST_TOOLS]
     return known[0] if len(known) == 1 else None
 
 
@@ -282,4 +466,8 @@ def analyst_reply(
         data = None
     if not isinstance(data, dict):
         return "没有找到要分析的内容（用户消息应是 JSON）。", None, None
+    if name == FAILURE_TOOL:
+        offered = [str(_map(item.get("function")).get("name")) for item in tools]
+        called, arguments = failure_step_of(data, messages, offered)
+        return None, called, orjson.dumps(arguments).decode("utf-8")
     return None, name, orjson.dumps(_ANSWERS[name](data)).decode("utf-8")

@@ -402,7 +402,7 @@ def test_analyst_writes_cards_errors_placeholders_and_resumes_by_fingerprint(
     summary = run_success_analysis(traces, out, config)
     assert [request_episode(r) for r in server.completions] == [3]
     assert summary["episodes"]["reused"] == 2 and summary["episodes"]["missing"] == 0
-    assert summary["incomplete_reasons"] == ["1 failed trajectories wait for the failure analyst, which is not built yet"]
+    assert summary["incomplete_reasons"] == ["1 failed trajectories wait for the failure analyst, which did not run"]
 
     # A changed limit changes every input fingerprint: everything is analysed again.
     server.reset()

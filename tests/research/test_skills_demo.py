@@ -1,5 +1,6 @@
 """`make skills-demo` end to end (scripts/skills-demo.sh in a scratch tree with the shipped
-configs): a train run on the testbed, `skills build` with the testbed analyst, a bare val run and
+configs): a train run on the testbed, `skills build` with the testbed analyst (failed trajectories
+replayed in live sessions on the testbed shop), a bare val run and
 Gate A over the built draft; the chunk that carries the choose-options marker comes out positive,
 the buy-first one negative. About 15 s on two cores (60 train and 2 × 200 val episodes)."""
 
@@ -46,14 +47,24 @@ def test_skills_demo_builds_a_draft_whose_chunks_gate_a_signs_as_known(tmp_path:
     assert CHOOSE_OPTIONS in bank["choose-requested-options"] and BUY_FIRST in bank["buy-first-result"]
 
     # Every card is grounded in steps its trajectory has, and none is refused by the firewall.
-    steps = {t["episode_id"]: {s["step_index"] for s in t["steps"]} for t in _lines(root / "train" / "traces.jsonl")}
+    traces = _lines(root / "train" / "traces.jsonl")
+    steps = {t["episode_id"]: {s["step_index"] for s in t["steps"]} for t in traces}
     cards = [c for c in _lines(root / "draft" / "evidence_cards.jsonl") if not c["placeholder"]]
-    assert cards and all(c["eligible"] and not c["firewall_findings"] for c in cards)
+    success = [c for c in cards if c["channel"] == "success"]
+    failure = [c for c in cards if c["channel"] == "failure"]
+    assert success and all(c["eligible"] and not c["firewall_findings"] for c in success)
     assert all(ref["step"] in steps[ref["episode_id"]] for c in cards for ref in c["evidence_refs"])
-    lessons = [c["card"]["generalizable_lesson"] for c in cards]
+    lessons = [c["card"]["generalizable_lesson"] for c in success]
     assert any(CHOOSE_OPTIONS in text for text in lessons) and any(BUY_FIRST in text for text in lessons)
+    # Every failed trajectory has a failure card; a proposal (verified live, never forced back)
+    # carries the choose-options marker, the rest are NO_PROPOSAL and not consolidated.
+    assert len(failure) == sum(1 for t in traces if t["final"]["reward_detail"]["r_success"] == 0)
+    assert all(not c["firewall_findings"] and not c["forced_no_proposal_reasons"] for c in failure)
+    proposals = [c for c in failure if c["card"]["status"] == "PROPOSE_ADD"]
+    assert proposals and all(c["eligible"] for c in proposals)
+    assert all(CHOOSE_OPTIONS in c["card"]["deployable_abstraction"]["proposed_content"] for c in proposals)
     cited = sorted(card for chunk in draft["chunks"] for card in chunk["evidence_card_ids"])
-    assert cited == sorted(c["card_id"] for c in cards)
+    assert cited == sorted(c["card_id"] for c in cards if c["eligible"])
 
     fit = json.loads((root / "gate" / "contributions.json").read_text(encoding="utf-8"))
     rows = {row["chunk_id"]: row for row in fit["contributions"]}
@@ -69,7 +80,7 @@ def test_skills_demo_builds_a_draft_whose_chunks_gate_a_signs_as_known(tmp_path:
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     said = again.stdout + again.stderr
-    assert "(0 now)" in said and "60 already completed" in said
+    assert "(0 now:" in said and "60 already completed" in said
     assert json.loads((root / "draft" / "initial_skill_draft.json").read_text(encoding="utf-8")) == draft
     refit = json.loads((root / "gate" / "contributions.json").read_text(encoding="utf-8"))
     assert [r["coefficient"] for r in refit["contributions"]] == [r["coefficient"] for r in fit["contributions"]]

@@ -170,3 +170,74 @@ def test_the_policy_server_answers_the_analyst_model() -> None:
         assert markers(json.loads(call["function"]["arguments"])) == [CHOOSE_OPTIONS]
         streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
         assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------- the failure flow
+
+
+def _failure_request(tool_results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    data = {
+        "analysis_contract": {"current_skill": None, "stage": "cold_start", "max_live_actions": 11},
+        "failed_trace_and_privileged_gold": {
+            "steps": [{"step": 1, "action": "search[哑铃]"}, {"step": 2, "action": "click[buy now]"}],
+            "outcome": {"purchase": {"options": {"重量": "三十斤"}}},
+            "gold": {
+                "instruction_text": "请帮我挑一对哑铃，重量二十斤",
+                "attributes": ["防滑"],
+                "goal_options": ["二十斤"],
+                "price_upper": 300.0,
+            },
+        },
+        "fresh_live_session": {"trial": 1, "state": {"page_type": "search_home", "search_available": True, "actions": []}},
+    }
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "s"}, {"role": "user", "content": json.dumps(data)}]
+    for result in tool_results:
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "click", "arguments": "{}"}}],
+            }
+        )
+        messages.append({"role": "tool", "tool_call_id": "c", "content": json.dumps(result)})
+    return messages
+
+
+def _reply(messages: list[dict[str, Any]], *names: str) -> tuple[str | None, dict[str, Any]]:
+    tools = [{"type": "function", "function": {"name": name}} for name in names]
+    _content, name, arguments = analyst_reply(messages, tools, "required")
+    return name, json.loads(arguments or "{}")
+
+
+def test_the_failure_flow_searches_opens_the_gold_match_selects_and_proposes() -> None:
+    assert _reply(_failure_request([]), "search", "submit_failure_card") == ("search", {"query": "挑一对哑铃 防滑"})
+    results = {
+        "page_type": "search_results",
+        "actions": ["back to search", "11111111", "22222222"],
+        "products": [
+            {"asin": "11111111", "title": "甲", "price": "99", "key_attributes": ["静音"]},
+            {"asin": "22222222", "title": "乙", "price": "99", "key_attributes": ["防滑"]},
+        ],
+    }
+    step = {"state": results, "done": False}
+    assert _reply(_failure_request([step]), "click", "submit_failure_card") == ("click", {"value": "22222222"})
+    page = {
+        "page_type": "product_detail",
+        "actions": ["< prev", "重量=二十斤", "重量=三十斤"],
+        "available_options": {"重量": ["三十斤", "二十斤"]},
+        "selected_options": {},
+    }
+    assert _reply(_failure_request([step, {"state": page, "done": False}]), "click", "submit_failure_card") == (
+        "click",
+        {"value": "重量=二十斤"},
+    )
+    bought = {"state": {}, "done": True, "reward_detail": {"r_success": 1}, "next_trial": {"state": {"page_type": "search_home"}}}
+    name, card = _reply(_failure_request([step, bought]), "search", "submit_failure_card")
+    assert name == "submit_failure_card" and card["status"] == "PROPOSE_ADD"
+    assert CHOOSE_OPTIONS in card["deployable_abstraction"]["proposed_content"]
+    assert card["privileged_audit"]["earliest_divergence"]["step"] == 2
+    assert firewall_findings(card_text(card["deployable_abstraction"])) == []
+    # A failed trial, or a call that offers only the card: a proposal the forced rule will refuse.
+    failed = {**bought, "reward_detail": {"r_success": 0}}
+    assert _reply(_failure_request([step, failed]), "search", "submit_failure_card")[1]["status"] == "PROPOSE_ADD"
+    assert _reply(_failure_request([]), "submit_failure_card")[0] == "submit_failure_card"

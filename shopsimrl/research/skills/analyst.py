@@ -12,9 +12,10 @@ version, the trace, the analyst's identity, the prompt and tool hashes, the limi
 analysed again; anything else is. A process killed mid-write leaves at most a torn last line,
 cut off before the next append.
 
-Only successful trajectories (``r_success = 1``) are analysed here; failures wait for the
-failure analyst (a live ShopSimulator session), which is not built yet: the summary counts them
-as pending and the stage is not ``complete`` while any is.
+Successful trajectories (``r_success = 1``) get the success analyst here. Failed ones get the
+failure analyst (:mod:`shopsimrl.research.skills.failure`, a live ShopSimulator session) when
+one is given, through the same files; without it the summary counts them as pending and the
+stage is not ``complete`` while any is.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import structlog
@@ -57,6 +58,7 @@ __all__ = [
     "PIPELINE_VERSION",
     "SUMMARY_NAME",
     "AnalystConfig",
+    "FailureChannel",
     "SkillInputError",
     "analyst_identity",
     "append_record",
@@ -93,6 +95,20 @@ class AnalystConfig:
     concurrency: int = 4
     max_cards: int = MAX_CARDS
     attempts: int = ATTEMPTS
+
+
+class FailureChannel(Protocol):
+    """The failure analyst as this stage runs it (:class:`shopsimrl.research.skills.failure.FailureAnalysis`)."""
+
+    def input_fingerprint(self, trace: EpisodeTrace) -> str: ...
+
+    def identity(self) -> dict[str, Any]: ...
+
+    async def open(self) -> None: ...
+
+    async def analyse(self, trace: EpisodeTrace, input_fp: str) -> tuple[bool, dict[str, Any]]: ...
+
+    async def aclose(self) -> None: ...
 
 
 def success_tool(config: AnalystConfig) -> dict[str, Any]:
@@ -289,7 +305,11 @@ def append_record(handle: int, record: dict[str, Any]) -> None:
 
 
 async def _analyse_all(
-    config: AnalystConfig, todo: list[tuple[EpisodeTrace, str]], analyses: int, errors: int
+    config: AnalystConfig,
+    todo: list[tuple[EpisodeTrace, str]],
+    analyses: int,
+    errors: int,
+    failure: FailureChannel | None,
 ) -> tuple[int, int]:
     model = OpenAICompatibleChatModel(config.model)
     model.check_api_key()
@@ -299,25 +319,36 @@ async def _analyse_all(
     async def one(trace: EpisodeTrace, input_fp: str) -> None:
         nonlocal done, failed
         async with slots:
-            ok, record = await analyse_success(model, trace, config, input_fp)
+            if _r_success(trace) == 1 or failure is None:
+                ok, record = await analyse_success(model, trace, config, input_fp)
+            else:
+                ok, record = await failure.analyse(trace, input_fp)
             if ok:
                 append_record(analyses, record)
                 done += 1
             else:
                 append_record(errors, record)
                 failed += 1
-                log.warning("success_analysis_failed", episode_id=trace.episode_id, error=record.get("error"))
+                log.warning("trajectory_analysis_failed", episode_id=trace.episode_id, error=record.get("error"))
 
     try:
+        if failure is not None and any(_r_success(trace) == 0 for trace, _ in todo):
+            await failure.open()
         await asyncio.gather(*(one(trace, input_fp) for trace, input_fp in todo))
     finally:
-        await model.aclose()
+        try:
+            if failure is not None:
+                await failure.aclose()
+        finally:
+            await model.aclose()
     return done, failed
 
 
-def run_success_analysis(traces: Iterable[EpisodeTrace], output_dir: Path, config: AnalystConfig) -> dict[str, Any]:
-    """Analyse every successful trajectory not yet analysed with the same input; write the
-    cards and the summary; return the summary."""
+def run_success_analysis(
+    traces: Iterable[EpisodeTrace], output_dir: Path, config: AnalystConfig, failure: FailureChannel | None = None
+) -> dict[str, Any]:
+    """Analyse every successful trajectory (and, with ``failure``, every failed one) not yet
+    analysed with the same input; write the cards and the summary; return the summary."""
     traces = list(traces)
     output_dir.mkdir(parents=True, exist_ok=True)
     analyses_path, errors_path = output_dir / ANALYSES_NAME, output_dir / ERRORS_NAME
@@ -326,23 +357,28 @@ def run_success_analysis(traces: Iterable[EpisodeTrace], output_dir: Path, confi
             log.warning("torn_last_line_cut", path=str(path))
     existing = read_analyses(analyses_path)
     successes = [trace for trace in traces if _r_success(trace) == 1]
-    fingerprints = {trace.episode_id: input_fingerprint(trace, config) for trace in successes}
+    wanted = [trace for trace in traces if _r_success(trace) == 1 or failure is not None]
+    fingerprints = {
+        trace.episode_id: input_fingerprint(trace, config) if _r_success(trace) == 1 or failure is None
+        else failure.input_fingerprint(trace)
+        for trace in wanted
+    }  # fmt: skip
     todo = [
         (trace, fingerprints[trace.episode_id])
-        for trace in successes
+        for trace in wanted
         if (existing.get(trace.episode_id) or {}).get("input_fingerprint") != fingerprints[trace.episode_id]
     ]
     analyses = os.open(analyses_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     errors = os.open(errors_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
-        analysed_now, failed_now = asyncio.run(_analyse_all(config, todo, analyses, errors))
+        analysed_now, failed_now = asyncio.run(_analyse_all(config, todo, analyses, errors, failure))
     finally:
         os.close(analyses)
         os.close(errors)
     current = read_analyses(analyses_path)
     cards: list[dict[str, Any]] = []
     missing: list[str] = []
-    for trace in successes:
+    for trace in wanted:
         record = current.get(trace.episode_id)
         if record is None or record.get("input_fingerprint") != fingerprints[trace.episode_id]:
             missing.append(trace.episode_id)
@@ -351,7 +387,7 @@ def run_success_analysis(traces: Iterable[EpisodeTrace], output_dir: Path, confi
     with replacing(output_dir / CARDS_NAME) as out:
         for card in cards:
             out.write(json_bytes(card) + b"\n")
-    summary = _summary(config, traces, successes, cards, missing, analysed_now, failed_now)
+    summary = _summary(config, traces, successes, cards, missing, analysed_now, failed_now, failure)
     with replacing(output_dir / SUMMARY_NAME) as out:
         out.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
     return summary
@@ -365,33 +401,35 @@ def _summary(
     missing: list[str],
     analysed_now: int,
     failed_now: int,
+    failure: FailureChannel | None,
 ) -> dict[str, Any]:
     findings: dict[str, int] = {}
     for card in cards:
         for finding in card["firewall_findings"]:
             findings[finding["rule"]] = findings.get(finding["rule"], 0) + 1
     failures = len(traces) - len(successes)
+    analysed_total = len(successes) + (failures if failure is not None else 0)
     reasons = []
     if missing:
-        reasons.append(f"{len(missing)} successful trajectories have no current analysis (see {ERRORS_NAME})")
-    if failures:
-        reasons.append(f"{failures} failed trajectories wait for the failure analyst, which is not built yet")
-    return {
+        reasons.append(f"{len(missing)} trajectories have no current analysis (see {ERRORS_NAME})")
+    if failures and failure is None:
+        reasons.append(f"{failures} failed trajectories wait for the failure analyst, which did not run")
+    episodes: dict[str, Any] = {"total": len(traces), "success": len(successes)}
+    episodes["failure" if failure is not None else "failure_pending"] = failures
+    episodes.update(
+        analysed=analysed_total - len(missing),
+        analysed_now=analysed_now,
+        reused=analysed_total - len(missing) - analysed_now,
+        errors_now=failed_now,
+        missing=len(missing),
+        missing_episode_ids=missing,
+    )
+    summary: dict[str, Any] = {
         "analysis_summary_version": "shopsimrl-analysis-summary-v1",
         "pipeline_version": PIPELINE_VERSION,
         "status": "incomplete" if reasons else "complete",
         "incomplete_reasons": reasons,
-        "episodes": {
-            "total": len(traces),
-            "success": len(successes),
-            "failure_pending": failures,
-            "analysed": len(successes) - len(missing),
-            "analysed_now": analysed_now,
-            "reused": len(successes) - len(missing) - analysed_now,
-            "errors_now": failed_now,
-            "missing": len(missing),
-            "missing_episode_ids": missing,
-        },
+        "episodes": episodes,
         "cards": {
             "total": len(cards),
             "eligible": sum(1 for card in cards if card["eligible"]),
@@ -404,3 +442,16 @@ def _summary(
         "limits": {"max_cards": config.max_cards, "attempts": config.attempts, "concurrency": config.concurrency},
         "written_at": _now(),
     }
+    if failure is not None:
+        statuses: dict[str, int] = {}
+        forced: dict[str, int] = {}
+        for card in cards:
+            if card["channel"] != "failure":
+                continue
+            status = (card.get("card") or {}).get("status", "none")
+            statuses[status] = statuses.get(status, 0) + 1
+            for reason in card.get("forced_no_proposal_reasons") or []:
+                forced[reason] = forced.get(reason, 0) + 1
+        summary["failure_cards"] = {"status": dict(sorted(statuses.items())), "forced_no_proposal": dict(sorted(forced.items()))}
+        summary["failure_analyst"] = failure.identity()
+    return summary

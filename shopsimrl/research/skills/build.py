@@ -1,5 +1,5 @@
-"""``shopsimrl skills build SKILLS.yaml``: a frozen train run's traces → success cards →
-clusters → the Gate A draft, each stage resumable by its input fingerprint.
+"""``shopsimrl skills build SKILLS.yaml``: a frozen train run's traces → success and failure
+cards → clusters per channel → the Gate A draft, each stage resumable by its input fingerprint.
 
 SKILLS.yaml carries the earlier implementation's keys (``trace2skill_config``); paths are relative
 to the file::
@@ -10,14 +10,15 @@ to the file::
       expected_trajectories: 400                  # exactly this many, else refused
       seed: 20260831
       concurrency: 4
+    environment: {base_url: http://127.0.0.1:5700, timeout: 30, persona: true}
     analysis: {max_cards_per_trajectory: 2, max_failure_steps: 12}
     compilation: {batch_size: 40, validation_dimension_cap: 16, active_skill_budget: 10}
     proposal_checkpoint: qwen35-4b-initial
     analyst_model: {name: Qwen/Qwen3.5-27B, base_url: http://127.0.0.1:8001/v1, api_key_env: null}
     compiler_model: null                          # default: the analyst model
 
-The failure analyst (a live counterfactual session per failed trajectory) is not built yet:
-failed trajectories are counted and reported, and the draft rests on the successful ones.
+Each failed trajectory gets the failure analyst: a live counterfactual session of its task on
+the ShopSimulator at ``environment.base_url`` (:mod:`shopsimrl.research.skills.failure`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shopsimrl.config import read_yaml_mapping
+from shopsimrl.environment import ShopSimulatorSettings
 from shopsimrl.model import OpenAICompatibleSettings
 from shopsimrl.research.skills.analyst import (
     CARDS_NAME,
@@ -38,9 +40,10 @@ from shopsimrl.research.skills.analyst import (
     latest_traces,
     run_success_analysis,
 )
-from shopsimrl.research.skills.cards import CLUSTERS_TOOL, INITIAL_SKILL_TOOL, SUCCESS_TOOL
+from shopsimrl.research.skills.cards import CLUSTERS_TOOL, FAILURE_TOOL, INITIAL_SKILL_TOOL, SUCCESS_TOOL
 from shopsimrl.research.skills.compile import CompilerConfig, compile_skill
 from shopsimrl.research.skills.consolidate import ConsolidatorConfig, read_cards, run_consolidation
+from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
 from shopsimrl.schemas import sha256_hex
 
 __all__ = ["BuildResult", "SkillsConfig", "build_skills", "format_build", "load_skills_config"]
@@ -106,9 +109,34 @@ class ExperimentSection(_Strict):
     concurrency: int = Field(4, ge=1, le=256)
 
 
+class EnvironmentSection(_Strict):
+    """The ShopSimulator the failure analyst's live sessions run on."""
+
+    base_url: str = Field("http://127.0.0.1:5700", min_length=1)
+    timeout: float = Field(30.0, gt=0.0)
+    persona: bool = True
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value
+
+    @field_validator("timeout")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    def settings(self) -> ShopSimulatorSettings:
+        return ShopSimulatorSettings(base_url=self.base_url, timeout=self.timeout, persona=self.persona)
+
+
 class AnalysisSection(_Strict):
-    max_failure_steps: int = Field(12, ge=1)
-    """For the failure analyst (not built yet); checked so a config stays valid once it is."""
+    max_failure_steps: int = Field(12, ge=2)
+    """Model calls of a failure analysis (live actions: one less); 2 leaves room for one action."""
     max_cards_per_trajectory: int = Field(2, ge=1, le=8)
 
 
@@ -120,6 +148,7 @@ class CompilationSection(_Strict):
 
 class SkillsConfig(_Strict):
     experiment: ExperimentSection
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
     analysis: AnalysisSection = Field(default_factory=AnalysisSection)
     compilation: CompilationSection = Field(default_factory=CompilationSection)
     proposal_checkpoint: str = Field("initial", min_length=1)
@@ -189,6 +218,14 @@ def build_skills(config: SkillsConfig) -> BuildResult:
             concurrency=e.concurrency,
             max_cards=config.analysis.max_cards_per_trajectory,
         ),
+        FailureAnalysis(
+            FailureConfig(
+                model=analyst.settings(FAILURE_TOOL),
+                environment=config.environment.settings(),
+                seed=e.seed,
+                max_failure_steps=config.analysis.max_failure_steps,
+            )
+        ),
     )
     cards = read_cards(output_dir / CARDS_NAME)
     consolidation = run_consolidation(
@@ -225,10 +262,14 @@ def build_skills(config: SkillsConfig) -> BuildResult:
 def format_build(result: BuildResult) -> str:
     """What ``skills build`` prints: one line per stage and where the draft is."""
     a, c, m = result.analysis, result.consolidation, result.manifest
+    episodes = a["episodes"]
+    failures = episodes.get("failure", episodes.get("failure_pending", 0))
+    statuses = (a.get("failure_cards") or {}).get("status") or {}
+    proposals = sum(count for status, count in statuses.items() if status != "NO_PROPOSAL")
     lines = [
-        f"analysis       {a['episodes']['analysed']} of {a['episodes']['success']} successful trajectories analysed "
-        f"({a['episodes']['analysed_now']} now), {a['cards']['eligible']} eligible cards of {a['cards']['total']}; "
-        f"{a['episodes']['failure_pending']} failed trajectories not analysed (the failure analyst is not built)",
+        f"analysis       {episodes['analysed']} of {episodes['total']} trajectories analysed ({episodes['analysed_now']} now: "
+        f"{episodes['success']} successful, {failures} failed), {a['cards']['eligible']} eligible cards of "
+        f"{a['cards']['total']}; {proposals} failure proposals, {statuses.get('NO_PROPOSAL', 0)} NO_PROPOSAL",
         f"consolidation  {c['status']}: {c['clusters']} clusters from {c['cards']} cards in {c['batches']['total']} batches",
     ]
     if m.get("status") == "complete":

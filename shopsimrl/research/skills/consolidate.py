@@ -116,8 +116,11 @@ def batches_of(cards: Iterable[dict[str, Any]], batch_size: int) -> list[tuple[s
 
 
 def _shown(card: dict[str, Any]) -> dict[str, Any]:
-    """What the consolidator sees of a card: its id and the deployable fields."""
+    """What the consolidator sees of a card: its id and the deployable fields (of a failure
+    card: its status and deployable abstraction, never the privileged audit)."""
     inner = card.get("card") or {}
+    if card.get("channel") == "failure":
+        return {"card_id": card["card_id"], "status": inner.get("status"), **(inner.get("deployable_abstraction") or {})}
     return {"card_id": card["card_id"], **{key: inner[key] for key in _CARD_FIELDS if key in inner}}
 
 

@@ -15,7 +15,7 @@ The forced NO_PROPOSAL rules are pure functions over a card and the facts of its
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from shopsimrl.records import EpisodeTrace
@@ -33,6 +33,7 @@ __all__ = [
     "enforce_no_proposal",
     "firewall_findings",
     "forced_no_proposal_reasons",
+    "page_findings",
 ]
 
 MIN_TITLE_CHARS = 6
@@ -129,6 +130,37 @@ def firewall_findings(text: str, trace: EpisodeTrace | None = None) -> list[dict
             copied = sorted(value for value in values if _norm(value) in haystack)
             if copied:
                 findings.append({"rule": rule, "match": copied[0]})
+    return findings
+
+
+def page_findings(text: str, states: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """The instance rules over pages that are no part of a trace (the failure analyst's live
+    session): a product id (``mentions_asin``), a title of 6 or more characters, a brand of 3 or
+    more that the pages show; [] when clean."""
+    ids: set[str] = set()
+    titles: set[str] = set()
+    brands: set[str] = set()
+    for state in states:
+        products = [*(state.get("products") or []), state.get("product")]
+        for item in products:
+            if not isinstance(item, Mapping):
+                continue
+            if isinstance(item.get("asin"), str | int) and len(str(item["asin"])) >= 4:
+                ids.add(str(item["asin"]))
+            if isinstance(item.get("title"), str) and len(_norm(item["title"])) >= MIN_TITLE_CHARS:
+                titles.add(item["title"])
+            if isinstance(item.get("brand"), str) and len(_norm(item["brand"])) >= MIN_BRAND_CHARS:
+                brands.add(item["brand"])
+    haystack = _norm(text)
+    findings = []
+    for rule, values in (
+        ("mentions_asin", ids),
+        ("copies_instance_product_title", titles),
+        ("copies_instance_brand", brands),
+    ):
+        found = sorted(value for value in values if _norm(value) in haystack)
+        if found:
+            findings.append({"rule": rule, "match": found[0]})
     return findings
 
 

@@ -16,8 +16,8 @@ Files in ``output_dir``::
     analysis_summary.json          status, counts, compilation_input_sha256, digests
     online_invalid_attempts.jsonl  every invalid answer of the compiler model
 
-The analysis of one retry is one call of the failure analyst (:class:`FailureAnalyst`, the seam
-:func:`default_failure_analyst` fills). Whatever it raises becomes an ``ANALYST_ERROR`` card:
+The analysis of one retry is one call of the failure analyst (:class:`FailureAnalyst`;
+:func:`default_failure_analyst` calls :func:`~shopsimrl.research.skills.failure.analyse_failure`). Whatever it raises becomes an ``ANALYST_ERROR`` card:
 ineligible, analysed again by the next ``analyze`` or ``watch`` process.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import importlib
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -40,7 +39,6 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shopsimrl.config import read_yaml_mapping
-from shopsimrl.environment import ShopSimulatorSettings
 from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.records import EpisodeTrace
 from shopsimrl.records.io import iter_trace_lines
@@ -54,7 +52,7 @@ from shopsimrl.research.skills.analyst import (
     settings_identity,
     trace_sha256,
 )
-from shopsimrl.research.skills.build import AnalysisSection, ModelSection
+from shopsimrl.research.skills.build import AnalysisSection, EnvironmentSection, ModelSection
 from shopsimrl.research.skills.cards import (
     FAILURE_TOOL,
     ONLINE_CANDIDATES_TOOL,
@@ -67,9 +65,10 @@ from shopsimrl.research.skills.cards import (
     validate_arguments,
 )
 from shopsimrl.research.skills.compile import render_chunk
+from shopsimrl.research.skills.failure import MAX_TRIALS, FailureConfig, analyse_failure, failure_tool
 from shopsimrl.research.skills.firewall import card_text, enforce_no_proposal, firewall_findings, forced_no_proposal_reasons
-from shopsimrl.research.skills.prompts import ONLINE_CONSOLIDATOR_PROMPT, prompt_sha256
-from shopsimrl.research.skills.structured import COMPILER_ATTEMPTS, structured_call
+from shopsimrl.research.skills.prompts import FAILURE_ANALYST_PROMPT, ONLINE_CONSOLIDATOR_PROMPT, prompt_sha256
+from shopsimrl.research.skills.structured import ATTEMPTS, COMPILER_ATTEMPTS, structured_call
 from shopsimrl.schemas import fingerprint, json_bytes, parse_json_exact, sha256_hex
 from shopsimrl.skills import JsonSkillBank, SkillBankError
 from shopsimrl.training.triage import PENDING_ANALYSIS, TRIAGE_SCHEMA_VERSION
@@ -121,14 +120,6 @@ TOOL_DESCRIPTION: Final = "Submit the online candidates; every card id exactly o
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EnvironmentSection(_Strict):
-    """The ShopSimulator the failure analyst replays a task in (its own lease)."""
-
-    base_url: str = Field("http://127.0.0.1:5700", min_length=1)
-    timeout: float = Field(30.0, gt=0.0)
-    persona: bool = True
 
 
 class OnlineSection(_Strict):
@@ -216,33 +207,19 @@ class FailureAnalyst:
     identity: Mapping[str, Any]
 
 
-FAILURE_MODULE: Final = "shopsimrl.research.skills.failure"
-
-
 class FailureAnalysisError(RuntimeError):
     """The failure analyst finished without a card (its error record's message)."""
 
 
 def default_failure_analyst() -> FailureAnalyst:
-    """The project's Failure Analyst (``analyse_failure`` of :data:`FAILURE_MODULE`) when this
-    build has it; otherwise one that raises on every call (each retry then gets an
-    ``ANALYST_ERROR`` card saying so)."""
-    try:
-        module: Any = importlib.import_module(FAILURE_MODULE)
-        analyse_failure = module.analyse_failure
-    except (ImportError, AttributeError):
-        message = f"the failure analyst ({FAILURE_MODULE}.analyse_failure) is not part of this build"
-
-        async def unavailable(task: FailureTask) -> Mapping[str, Any]:
-            raise FailureAnalysisError(message)
-
-        return FailureAnalyst(unavailable, {"failure_analyst": "unavailable"})
+    """The project's Failure Analyst (:func:`shopsimrl.research.skills.failure.analyse_failure`)
+    in stage ``online``: the current skills as ``current_skill``, their ids as the targets a
+    REWRITE may name; its live session on ``environment``."""
 
     async def analyse(task: FailureTask) -> Mapping[str, Any]:
-        env = task.environment
-        config = module.FailureConfig(
+        config = FailureConfig(
             model=task.model,
-            environment=ShopSimulatorSettings(base_url=env.base_url, timeout=env.timeout, persona=env.persona),
+            environment=task.environment.settings(),
             seed=task.seed,
             max_failure_steps=task.max_failure_steps,
         )
@@ -265,17 +242,13 @@ def default_failure_analyst() -> FailureAnalyst:
             "usage": record.get("usage") or {},
         }
 
-    identity: dict[str, Any] = {"failure_analyst": FAILURE_MODULE}
-    prompt = getattr(module, "FAILURE_ANALYST_PROMPT", None) or getattr(
-        importlib.import_module("shopsimrl.research.skills.prompts"), "FAILURE_ANALYST_PROMPT", None
-    )
-    if isinstance(prompt, str):
-        identity["prompt_sha256"] = prompt_sha256(prompt)
-    if callable(getattr(module, "failure_tool", None)):
-        identity["tool_sha256"] = fingerprint(module.failure_tool())
-    for name in ("MAX_TRIALS", "ATTEMPTS"):
-        if isinstance(getattr(module, name, None), int):
-            identity[name.lower()] = getattr(module, name)
+    identity = {
+        "failure_analyst": "shopsimrl.research.skills.failure",
+        "prompt_sha256": prompt_sha256(FAILURE_ANALYST_PROMPT),
+        "tool_sha256": fingerprint(failure_tool()),
+        "max_trials": MAX_TRIALS,
+        "attempts": ATTEMPTS,
+    }
     return FailureAnalyst(analyse, identity)
 
 

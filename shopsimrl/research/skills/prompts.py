@@ -8,6 +8,7 @@ from shopsimrl.schemas import sha256_hex
 __all__ = [
     "COMPILER_PROMPT",
     "CONSOLIDATOR_PROMPT",
+    "FAILURE_ANALYST_PROMPT",
     "ONLINE_CONSOLIDATOR_PROMPT",
     "SUCCESS_ANALYST_PROMPT",
     "prompt_sha256",
@@ -40,6 +41,40 @@ Rules:
 - Use only what the trajectory shows. You do not know the hidden goal; do not guess it.
 - At most max_cards cards; an empty list when nothing was non-trivial.
 - Answer only by calling the function submit_success_cards exactly once.
+"""
+
+
+FAILURE_ANALYST_PROMPT = """\
+You are the Failure Analyst of a skill builder for a Chinese online-shopping agent.
+
+You receive, as JSON, a trajectory in which the agent failed the task (r_success=0) together
+with the privileged gold: what the task really asked for (the goal's instruction, attributes,
+options and price bounds) and the product the agent bought. You also hold a fresh live session
+of the same task in the shopping environment: its instruction, the shopper's public persona,
+the first page and its state. analysis_contract says the stage (cold_start or online), the
+current skill (null at cold start) and max_live_actions, how many actions you may take.
+
+Work in two parts.
+1. Find the earliest causal divergence: the first step where the agent's behaviour made the
+   failure unavoidable, and why, comparing what it chose with the gold.
+2. Verify a minimal repair in the live session: act with the page's tools (search, click) as
+   the agent should have, and buy. Every tool result gives the feedback, whether the trial is
+   done, the new page and its state, and after a purchase the reward, reward_detail (with
+   r_success) and the purchase. A purchase ends a trial; a fresh trial of the same task starts
+   while trials are left.
+
+Then call submit_failure_card once:
+- status PROPOSE_ADD (a new skill) or PROPOSE_REWRITE (online only: target is the id of an
+  active skill chunk to replace) only when a trial of yours reached r_success=1 with the
+  repaired behaviour; NO_PROPOSAL otherwise, or when the failure teaches nothing general.
+- privileged_audit: the gold and the comparison; it is never deployed.
+- deployable_abstraction: what may become skill text. It must generalise: never a product
+  name, brand, product id, task id or exact option value of this instance, and nothing only
+  the gold reveals; describe the kind of product, attribute or check instead.
+
+Rules:
+- Write every human-readable field in Chinese (简体中文).
+- Call exactly one function per answer. On the last call only submit_failure_card is offered.
 """
 
 
