@@ -287,6 +287,7 @@ def test_analyst_errors_forced_no_proposals_and_resume_by_fingerprint(tmp_path: 
     cards = {card["task_id"]: card for card in bed.cards()}
     assert cards[11]["status"] == "ANALYST_ERROR" and cards[11]["error"]["message"] == "the live session lost its lease"
     assert cards[12]["status"] == "NO_PROPOSAL" and cards[12]["forced_no_proposal_reasons"] == ["invalid_rewrite_target"]
+    assert cards[12]["proposed_status"] == "PROPOSE_REWRITE"
     assert cards[13]["forced_no_proposal_reasons"] == ["proposal_without_successful_counterfactual"]
     assert cards[13]["card"]["privileged_audit"]["earliest_divergence"]["step"] == 3
     assert cards[13]["evidence_refs"] == [{"episode_id": "task-000013__sample-003", "step": 3}]

@@ -460,6 +460,7 @@ async def analyse_retry(
         result = dict(await analyst.analyse(task))
         raw = result.get("card")
         card = raw if isinstance(raw, FailureCard) else FailureCard.model_validate(raw)
+        proposed = str(result.get("proposed_status") or card.status)
         # The live-session rules need the session's facts; an analyst that reports its own
         # enforcement instead (forced_no_proposal_reasons) is taken at its word for those two.
         told = "valid_live_actions" in result or "successful_trials" in result
@@ -495,6 +496,7 @@ async def analyse_retry(
     return {
         **common,
         "status": card.status,
+        "proposed_status": proposed,
         "eligible": eligible,
         "ineligible_reasons": [] if eligible else (reasons or ["no_proposal"]),
         "forced_no_proposal_reasons": reasons,
