@@ -383,6 +383,8 @@ def _read_bank(path: Path) -> _Bank:
         bank = JsonSkillBank(path, document=document)
     except SkillBankError as exc:
         raise CurriculumError(str(exc)) from None
+    if bank.snapshot_id is not None:  # a skill bank snapshot: its records are those of the bank it carries
+        document = document["bank"]
     records = [(index, record) for index, record in enumerate(document["skills"]) if record.get("enabled", True) is not False]
     return _Bank(path=path, sha256=bank.identity()["bank_sha256"], records=records)
 
