@@ -1,7 +1,9 @@
 """The group-consistent skill curriculum: which chunks of a gate-selected bank each GRPO group gets.
 
 A curriculum state is built once per training round from a gate-selected skill bank (every enabled
-record carries the gate's ``metadata.estimated_effect``) and frozen as one JSON document::
+record carries the gate's ``metadata.estimated_effect``), or a skill bank snapshot of one (``skills
+snapshot --selected``: read as the bank it carries, its content address checked), and frozen as
+one JSON document::
 
     {"schema_version": "shopsimrl-skill-curriculum-v1", "created_at": "…",
      "round_id": "round-001", "seed": 20260901, "skill_free_probability": 0.2,
