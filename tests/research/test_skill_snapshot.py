@@ -6,22 +6,34 @@ CLI, the snapshot read back by Gate A's draft reader, by the evaluation's skill 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from shopsimrl.cli import app
 from shopsimrl.research.gate.drafts import DraftError, load_gate_a_draft
-from shopsimrl.research.skills.snapshot import REVIEW_NAME, SNAPSHOT_NAME, review_status
+from shopsimrl.research.skills.snapshot import (
+    REVIEW_NAME,
+    SNAPSHOT_NAME,
+    SnapshotConflictError,
+    build_snapshot,
+    freeze_snapshot,
+    review_status,
+)
 from shopsimrl.schemas import fingerprint, sha256_hex
 from shopsimrl.skills import SkillBankError, open_skill_provider
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
+from tests.research.test_gate_cli import gate, research_config, write_gate
 from tests.research.test_skill_builder import good_card, numbered, write_traces
 from tests.research.test_skills_build import write_config
+
+from .conftest import ResearchRuns
 
 pytestmark = pytest.mark.slow  # the draft is built against the stub's HTTP server
 
@@ -311,3 +323,64 @@ def test_a_snapshot_of_a_gate_selection_feeds_the_curriculum(draft: Path, tmp_pa
     foreign.write_text(json.dumps(bank, ensure_ascii=False), encoding="utf-8")
     refused = cli("skills", "snapshot", str(draft), "--selected", str(foreign), "--out", str(tmp_path / "y.json"))
     assert refused.exit_code == 2 and "differs from the draft's chunk of that id" in refused.output
+
+
+def test_gate_plan_takes_a_snapshot_as_its_draft(draft: Path, tmp_path: Path, research_runs: ResearchRuns) -> None:
+    for chunk_id in ("search-with-attributes", "check-options"):
+        assert cli("skills", "review", str(draft), "--accept", chunk_id, "--reviewer", "lin").exit_code == 0
+    assert cli("skills", "snapshot", str(draft)).exit_code == 0
+    snapshot = json.loads((draft / SNAPSHOT_NAME).read_text(encoding="utf-8"))
+    gate_yaml = write_gate(
+        tmp_path / "gate.yaml",
+        output_dir=str(tmp_path / "gate"),
+        experiment_config=str(research_config(research_runs)),
+        bare_run_dir=str(research_runs.local),
+        draft_path=str(draft / SNAPSHOT_NAME),
+    )
+    planned = gate("plan", str(gate_yaml))
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assignments = json.loads((tmp_path / "gate/skill_assignments.json").read_text(encoding="utf-8"))
+    assert [s["skill_id"] for s in assignments["skills"]] == ["search-with-attributes", "check-options"]
+    assert [s["content"] for s in assignments["skills"]] == [r["content"] for r in snapshot["bank"]["skills"]]
+    assert assignments["protocol"]["skillbank_snapshot_id"] == snapshot["snapshot_id"]
+
+    tampered = dict(snapshot, skill_title="edited")
+    (draft / SNAPSHOT_NAME).write_text(json.dumps(tampered, ensure_ascii=False), encoding="utf-8")
+    refused = gate(
+        "plan", str(write_gate(tmp_path / "gate2.yaml", **{**yaml_section(gate_yaml), "output_dir": str(tmp_path / "g2")}))
+    )
+    assert refused.returncode == 2 and "changed after it was frozen" in refused.stderr, refused.stderr[-2000:]
+
+
+def yaml_section(path: Path) -> dict[str, Any]:
+    return dict(yaml.safe_load(path.read_text(encoding="utf-8"))["gate_a"])
+
+
+def test_a_writer_that_loses_the_race_never_replaces_the_snapshot(draft: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer's snapshot lands between the check and the link (forced): a different one is
+    refused and left alone; the same one is a no-op."""
+    assert cli("skills", "review", str(draft), "--accept", "check-options", "--reviewer", "lin").exit_code == 0
+    path = draft / SNAPSHOT_NAME
+    real_link = os.link
+    other = b'{"schema_version": "shopsimrl-skillbank-snapshot-v1", "snapshot_id": "another writer"}\n'
+
+    def link_after_another_writer(source: Any, target: Any) -> None:
+        Path(target).write_bytes(other)
+        real_link(source, target)
+
+    monkeypatch.setattr(os, "link", link_after_another_writer)
+    with pytest.raises(SnapshotConflictError, match=f"{path} already holds another snapshot"):
+        freeze_snapshot(draft)
+    assert path.read_bytes() == other and not list(draft.glob(".skillbank.snapshot.json.tmp-*"))
+
+    path.unlink()
+    mine = build_snapshot(draft)
+    same = (json.dumps(mine, ensure_ascii=False, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+    def link_after_the_same_writer(source: Any, target: Any) -> None:
+        Path(target).write_bytes(same)
+        real_link(source, target)
+
+    monkeypatch.setattr(os, "link", link_after_the_same_writer)
+    result = freeze_snapshot(draft)
+    assert result.written is False and result.snapshot["snapshot_id"] == mine["snapshot_id"] and path.read_bytes() == same

@@ -78,6 +78,8 @@ class GateADraft:
     budget: int
     history: list[dict[str, Any]] = field(default_factory=list)
     """The proposal ledger beside the draft, if any."""
+    snapshot_id: str | None = None
+    """Read from a skill bank snapshot: its content address (recorded in the gate's protocol)."""
 
     @property
     def chunk_ids(self) -> list[str]:
@@ -113,6 +115,7 @@ def _read(path: Path, what: str) -> Any:
 def load_gate_a_draft(draft_path: Path, bank_path: Path, budget: int | None) -> GateADraft:
     draft = _read(draft_path, "the skill draft")
     bank_document: Any = None
+    snapshot_id = None
     if isinstance(draft, dict) and draft.get("schema_version") == SNAPSHOT_SCHEMA_VERSION:
         try:
             bank_document = unwrap_snapshot(draft_path, draft)
@@ -123,7 +126,7 @@ def load_gate_a_draft(draft_path: Path, bank_path: Path, budget: int | None) -> 
                 f"{draft_path}: a snapshot of stage {draft.get('stage')!r} holds no draft; Gate A measures a snapshot "
                 "frozen from a draft (`skills snapshot DRAFT_DIR` without --selected)"
             )
-        draft, bank_path = draft["draft"], draft_path
+        snapshot_id, draft, bank_path = str(draft["snapshot_id"]), draft["draft"], draft_path
     if not isinstance(draft, dict) or draft.get("schema_version") != DRAFT_SCHEMA_VERSION:
         version = draft.get("schema_version") if isinstance(draft, dict) else None
         raise DraftError(f"{draft_path}: schema_version is {version!r}; Gate A reads a {DRAFT_SCHEMA_VERSION} draft")
@@ -174,7 +177,8 @@ def load_gate_a_draft(draft_path: Path, bank_path: Path, budget: int | None) -> 
         )
         for index, ((skill, _), chunk) in enumerate(zip(entries, chunks, strict=True))
     ]
-    return GateADraft(draft, fingerprint(draft), columns, budget, _ledger(draft_path.with_name("proposal_ledger.jsonl")))
+    ledger = _ledger(draft_path.with_name("proposal_ledger.jsonl"))
+    return GateADraft(draft, fingerprint(draft), columns, budget, ledger, snapshot_id)
 
 
 # --------------------------------------------------------------------------- the online pool

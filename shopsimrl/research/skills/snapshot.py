@@ -41,6 +41,7 @@ __all__ = [
     "SNAPSHOT_NAME",
     "SnapshotConflictError",
     "SnapshotResult",
+    "build_snapshot",
     "freeze_snapshot",
     "load_review_file",
     "review",
