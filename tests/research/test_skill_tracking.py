@@ -12,6 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
+from shopsimrl.config import TrackingSection
+from shopsimrl.research.tracking import log_skill_stage
 from shopsimrl.testbed.serving import free_port
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 from tests.research.test_skill_builder import good_card, numbered, write_traces
@@ -119,3 +121,27 @@ def test_failing_trackers_do_not_fail_the_build(tmp_path: Path, served: tuple[Op
     assert "compilation    complete: 1 chunks (search-with-attributes)" in result.stdout
     unknown = cli("skills", "build", str(config), "--track", "neptune", env=env)
     assert unknown.returncode == 2 and "--track neptune: unknown tracker" in unknown.stderr
+
+
+def test_the_online_analysis_logs_a_round_as_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``log_skill_stage`` as the online analysis calls it: a round's figures at its step."""
+    for key, value in wandb_environment(tmp_path / "home").items():
+        if key.startswith("WANDB_"):
+            monkeypatch.setenv(key, value)
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    settings = TrackingSection(backends=["wandb"], mode="offline", dir=str(tmp_path / "runs"), project="online-skills")
+    analysis = {
+        "status": "complete",
+        "episodes": {"total": 12, "analysed": 5},
+        "cards": {"total": 5, "eligible": 3, "placeholders": 1},
+        "firewall_findings": {"copies_instance_brand": 2},
+    }
+    outcomes = log_skill_stage(settings, name="online-round", analysis=analysis, step=3, stage="online")
+    assert [outcome.ok for outcome in outcomes] == [True]
+    (run_dir,) = offline_runs(tmp_path / "runs")
+    wb = read_wandb_run(run_dir)
+    assert wb.job_type == "skills" and wb.config["shopsimrl"]["stage"] == "online"
+    ((step, values),) = wb.history
+    assert step == 3 and values["skills/cards/eligible"] == 3 and values["skills/firewall_findings/copies_instance_brand"] == 2
+    assert values["skills/complete"] == 0  # no compilation in this round's figures
