@@ -5,6 +5,8 @@ tracking server (sqlite store); trackers that fail never change the build's exit
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,6 @@ from typing import Any
 import orjson
 import pytest
 
-from shopsimrl.config import TrackingSection
-from shopsimrl.research.tracking import log_skill_stage
 from shopsimrl.testbed.serving import free_port
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 from tests.research.test_skill_builder import good_card, numbered, write_traces
@@ -123,22 +123,33 @@ def test_failing_trackers_do_not_fail_the_build(tmp_path: Path, served: tuple[Op
     assert unknown.returncode == 2 and "--track neptune: unknown tracker" in unknown.stderr
 
 
-def test_the_online_analysis_logs_a_round_as_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``log_skill_stage`` as the online analysis calls it: a round's figures at its step."""
-    for key, value in wandb_environment(tmp_path / "home").items():
-        if key.startswith("WANDB_"):
-            monkeypatch.setenv(key, value)
-    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR"):
-        monkeypatch.delenv(key, raising=False)
-    settings = TrackingSection(backends=["wandb"], mode="offline", dir=str(tmp_path / "runs"), project="online-skills")
-    analysis = {
-        "status": "complete",
-        "episodes": {"total": 12, "analysed": 5},
-        "cards": {"total": 5, "eligible": 3, "placeholders": 1},
-        "firewall_findings": {"copies_instance_brand": 2},
-    }
-    outcomes = log_skill_stage(settings, name="online-round", analysis=analysis, step=3, stage="online")
-    assert [outcome.ok for outcome in outcomes] == [True]
+ONLINE_ROUND = """
+import json, sys
+from shopsimrl.config import TrackingSection
+from shopsimrl.research.tracking import log_skill_stage
+settings = TrackingSection(backends=["wandb"], mode="offline", dir=sys.argv[1], project="online-skills")
+analysis = {
+    "status": "complete",
+    "episodes": {"total": 12, "analysed": 5},
+    "cards": {"total": 5, "eligible": 3, "placeholders": 1},
+    "firewall_findings": {"copies_instance_brand": 2},
+}
+outcomes = log_skill_stage(settings, name="online-round", analysis=analysis, step=3, stage="online")
+print(json.dumps([outcome.ok for outcome in outcomes]))
+"""
+
+
+def test_the_online_analysis_logs_a_round_as_a_step(tmp_path: Path) -> None:
+    """``log_skill_stage`` as the online analysis calls it (in a process of its own, as W&B runs
+    are per process): a round's figures at its step."""
+    done = subprocess.run(
+        [sys.executable, "-c", ONLINE_ROUND, str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path / "home"),
+        timeout=180,
+    )
+    assert done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1]) == [True], done.stderr[-3000:]
     (run_dir,) = offline_runs(tmp_path / "runs")
     wb = read_wandb_run(run_dir)
     assert wb.job_type == "skills" and wb.config["shopsimrl"]["stage"] == "online"
