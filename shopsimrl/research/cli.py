@@ -705,25 +705,39 @@ def skills_build(
 @skills_app.command("analyze")
 def skills_analyze(
     online_config: Path = typer.Argument(..., metavar="ONLINE.yaml", help="Training round, current bank, output, models."),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Analyse every full-skill retry the training triage left pending, then compile the online
     candidate pool. Any failure still writes a pool with no candidate (the gate then runs on the
-    current bank). Exit 1: an analysis or the consolidation failed (rerun)."""
+    current bank). Exit 1: an analysis or the consolidation failed (rerun). --track: the
+    round's figures to W&B or MLflow."""
     setup_logging(quiet, verbose)
     online = import_part("shopsimrl.research.skills.online", "research")
     config = online.load_online_config(online_config)
+    tracking = _skills_tracking(config, track)
+
+    def log_round(result: Any) -> None:
+        track_with(
+            tracking,
+            lambda trackers: trackers.log_online_analysis(
+                tracking, name=config.online_analysis.name, summary=result.summary, output_dir=result.output_dir
+            ),
+        )
+
     try:
         result = online.analyze(config)
     except online.OnlineAnalysisFailed as failed:
         typer.echo(online.format_summary(failed.result))
+        log_round(failed.result)
         if isinstance(failed.cause, BadInputError | online.SkillInputError):
             typer.echo(f"error: {failed.cause}", err=True)
             raise typer.Exit(int(ExitCode.BAD_INPUT)) from None
         typer.echo(f"error: {type(failed.cause).__name__}: {failed.cause}", err=True)
         raise typer.Exit(int(ExitCode.EPISODES_FAILED)) from None
     typer.echo(online.format_summary(result))
+    log_round(result)
     raise typer.Exit(result.exit_code)
 
 

@@ -5,8 +5,6 @@ tracking server (sqlite store); trackers that fail never change the build's exit
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,8 @@ import pytest
 
 from shopsimrl.testbed.serving import free_port
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
-from tests.research.test_skill_builder import good_card, numbered, write_traces
+from tests.research.test_online_analysis import Round, one_per_status
+from tests.research.test_skill_builder import failure_card, good_card, numbered, write_traces
 from tests.research.test_skills_build import answer, write_config
 from tests.research.trackers import (
     MlflowServer,
@@ -128,36 +127,42 @@ def test_failing_trackers_do_not_fail_the_build(tmp_path: Path, served: tuple[Op
     assert unknown.returncode == 2 and "--track neptune: unknown tracker" in unknown.stderr
 
 
-ONLINE_ROUND = """
-import json, sys
-from shopsimrl.config import TrackingSection
-from shopsimrl.research.tracking import log_skill_stage
-settings = TrackingSection(backends=["wandb"], mode="offline", dir=sys.argv[1], project="online-skills")
-analysis = {
-    "status": "complete",
-    "episodes": {"total": 12, "analysed": 5},
-    "cards": {"total": 5, "eligible": 3, "placeholders": 1},
-    "firewall_findings": {"copies_instance_brand": 2},
-}
-outcomes = log_skill_stage(settings, name="online-round", analysis=analysis, step=3, stage="online")
-print(json.dumps([outcome.ok for outcome in outcomes]))
-"""
-
-
-def test_the_online_analysis_logs_a_round_as_a_step(tmp_path: Path) -> None:
-    """``log_skill_stage`` as the online analysis calls it (in a process of its own, as W&B runs
-    are per process): a round's figures at its step."""
-    done = subprocess.run(
-        [sys.executable, "-c", ONLINE_ROUND, str(tmp_path / "runs")],
-        capture_output=True,
-        text=True,
-        env=_env(tmp_path / "home"),
-        timeout=180,
+def test_skills_analyze_logs_the_online_round_to_wandb_offline(tmp_path: Path, stub: tuple[OpenAIStub, str]) -> None:
+    """A real round through ``skills analyze --track wandb`` (a process of its own, as W&B runs
+    are per process): three retries' cards, two eligible, one NO_PROPOSAL, consolidated into two
+    candidates; the round's figures and files read back from the offline run."""
+    server, url = stub
+    server.reset()
+    server.responder = one_per_status
+    bed = Round(
+        tmp_path,
+        url,
+        extra="environment: {base_url: 'http://127.0.0.1:1', timeout: 2}\n"
+        "tracking:\n  backends: [wandb]\n  mode: offline\n  dir: wandb-runs\n  project: skills-tests\n",
     )
-    assert done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1]) == [True], done.stderr[-3000:]
-    (run_dir,) = offline_runs(tmp_path / "runs")
+    for group, task in ((1, 21), (2, 22), (3, 23)):
+        bed.add(group, task)
+    bed.fixture_card(1, failure_card())
+    bed.fixture_card(2, failure_card("PROPOSE_REWRITE", target="check-options"))
+    bed.fixture_card(3, failure_card("NO_PROPOSAL"))
+    done = cli("skills", "analyze", str(bed.config_path), env=_env(tmp_path / "home"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tracked in wandb: W&B offline run" in done.stderr
+    (run_dir,) = offline_runs(tmp_path / "wandb-runs")
     wb = read_wandb_run(run_dir)
-    assert wb.job_type == "skills" and wb.config["shopsimrl"]["stage"] == "online"
-    ((step, values),) = wb.history
-    assert step == 3 and values["skills/cards/eligible"] == 3 and values["skills/firewall_findings/copies_instance_brand"] == 2
-    assert values["skills/complete"] == 0  # no compilation in this round's figures
+    assert (wb.project, wb.name, wb.job_type) == ("skills-tests", "round-1-analysis", "skills")
+    assert wb.config["shopsimrl"]["stage"] == "online" and wb.config["shopsimrl"]["round_id"] == "round-1"
+    expected = {
+        "analysis/triage_groups": 3,
+        "analysis/analyzed_cards": 3,
+        "analysis/eligible_cards": 2,
+        "analysis/no_proposal_cards": 1,
+        "analysis/analyst_errors": 0,
+        "analysis/candidates": 2,
+        "analysis/complete": 1,
+    }
+    for key, value in expected.items():
+        assert wb.summary[key] == value, key
+    files = wb.artifact_files("shopsimrl-skills")
+    assert {"analysis_summary.json", "candidate_pool.json", "proposal_ledger.jsonl"} <= set(files)
+    assert orjson.loads(files["candidate_pool.json"]) == orjson.loads((bed.out / "candidate_pool.json").read_bytes())

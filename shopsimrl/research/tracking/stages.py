@@ -16,7 +16,15 @@ from typing import Any
 from shopsimrl.config import TrackingSection
 from shopsimrl.research.tracking.base import TrackedRun, TrackerOutcome, Tracking
 
-__all__ = ["log_skill_stage", "numeric_leaves", "track_gate", "track_judge", "track_stage", "track_training_step"]
+__all__ = [
+    "log_online_analysis",
+    "log_skill_stage",
+    "numeric_leaves",
+    "track_gate",
+    "track_judge",
+    "track_stage",
+    "track_training_step",
+]
 
 Table = tuple[str, Sequence[str], Sequence[Sequence[Any]]]
 
@@ -205,4 +213,54 @@ def log_skill_stage(
         tables=[("firewall_findings", _FIREWALL_COLUMNS, sorted(findings.items()))],
         files=files,
         tags={"shopsimrl.skills": stage},
+    )
+
+
+_ONLINE_FILES = ("analysis_summary.json", "candidate_pool.json", "proposal_ledger.jsonl", "failure_cards.jsonl")
+
+
+def log_online_analysis(
+    settings: TrackingSection, *, name: str, summary: Mapping[str, Any], output_dir: Path | None = None
+) -> list[TrackerOutcome]:
+    """An online analysis round (``skills analyze``): a tracker run ``{name}-analysis`` with the
+    earlier ``analysis/*`` scalars (triage groups, analysed and eligible cards, candidates,
+    evidence-only cards) plus the NO_PROPOSAL and ANALYST_ERROR cards, the forced NO_PROPOSAL
+    reasons (``firewall_finding`` among them) and ``analysis/complete``; the round's summary,
+    pool, ledger and cards as files. A failed round is logged too (its empty pool). Never raises
+    for a tracker."""
+    cards = summary.get("cards") or {}
+    triage = summary.get("triage") or {}
+    by_classification = triage.get("by_classification") or {}
+    scalars: dict[str, Any] = {
+        "analysis/triage_groups": sum(v for v in by_classification.values() if isinstance(v, int)),
+        "analysis/pending_retries": triage.get("pending"),
+        "analysis/analyzed_cards": cards.get("total"),
+        "analysis/eligible_cards": cards.get("eligible"),
+        "analysis/no_proposal_cards": cards.get("no_proposal"),
+        "analysis/analyst_errors": cards.get("analyst_errors"),
+        "analysis/candidates": summary.get("candidates"),
+        "analysis/evidence_only_cards": len(summary.get("evidence_only_card_ids") or ()),
+        **numeric_leaves(dict(summary.get("forced_no_proposal") or {}), "analysis/forced_no_proposal"),
+        "analysis/complete": float(summary.get("status") == "complete"),
+    }
+    files: dict[str, bytes | Path] = {}
+    if output_dir is not None:
+        files = {file_name: output_dir / file_name for file_name in _ONLINE_FILES if (output_dir / file_name).is_file()}
+    identity = {
+        "stage": "online",
+        "round_id": summary.get("round_id"),
+        "output_dir": None if output_dir is None else str(output_dir),
+        "compiler": summary.get("compiler"),
+        "proposal_checkpoint": summary.get("proposal_checkpoint"),
+        "compilation_input_sha256": summary.get("compilation_input_sha256"),
+        "pool_sha256": summary.get("pool_sha256"),
+    }
+    return track_stage(
+        settings,
+        kind="skills",
+        name=f"{name}-analysis",
+        identity=identity,
+        scalars={key: value for key, value in scalars.items() if value is not None},
+        files=files,
+        tags={"shopsimrl.skills": "online"},
     )
