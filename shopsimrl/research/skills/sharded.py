@@ -63,13 +63,13 @@ from shopsimrl.research.skills.analyst import (
     cards_bytes,
     current_cards,
     input_fingerprint,
-    latest_traces,
     r_success,
     summary_block,
     summary_bytes,
 )
 from shopsimrl.research.skills.build import SkillsConfig, analyst_config, failure_config
 from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
+from shopsimrl.research.skills.inputs import read_train_traces
 from shopsimrl.schemas import fingerprint, json_bytes, sha256_hex
 from shopsimrl.storage.sharded import ShardedRunStore, ShardMapError, marker_document, part_entry
 
@@ -240,8 +240,7 @@ def plan_skills(config: SkillsConfig, uri: str, shards: int) -> SkillsPlan:
     input fingerprint and the analysts into ``shards`` shards at ``uri``. Planning again with
     the same inputs and shard count finds the plan; other inputs are refused."""
     store = ShardedRunStore(uri)
-    traces_path = config.resolve(config.experiment.traces)
-    traces = latest_traces(traces_path, expected=config.experiment.expected_trajectories)
+    traces = read_train_traces(config.location(config.experiment.traces), expected=config.experiment.expected_trajectories)
     analysts = {analyst.channel: analyst for analyst in analysts_for(config)}
     episodes = []
     for trace in traces:
@@ -264,7 +263,7 @@ def plan_skills(config: SkillsConfig, uri: str, shards: int) -> SkillsPlan:
         "created_at": datetime.now(UTC).isoformat(),
         "plan_fingerprint": plan_fp,
         "pipeline_version": PIPELINE_VERSION,
-        "source": {"traces": str(traces_path), "traces_sha256": sha256_hex(traces_path.read_bytes())},
+        "source": {"traces": traces.location, "input": traces.input_name, "digest": traces.digest},
         "analysts": {
             channel: {"identity": identities[channel], "summary": analyst.block} for channel, analyst in analysts.items()
         },
