@@ -29,6 +29,7 @@ from shopsimrl.research.skills.analyst import (
 )
 from shopsimrl.research.skills.build import analyst_config, failure_config, load_skills_config
 from shopsimrl.research.skills.failure import FailureAnalysis
+from shopsimrl.research.skills.inputs import read_train_traces
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 from tests.research.test_skill_builder import cards_reply, good_card, numbered, request_episode, write_traces
 from tests.research.test_skills_build import answer
@@ -101,12 +102,15 @@ def _dir_files(path: Path) -> dict[str, bytes]:
     return {name: (path / name).read_bytes() for name in FILES}
 
 
-def _local(tmp_path: Path, config: Path, traces: Path) -> dict[str, Any]:
-    """The local stage's files with the config's analysts, the failure analyst's live sessions
-    included (concurrency 1: the records in trace order, as the reducer writes them)."""
+def _local(tmp_path: Path, config: Path) -> dict[str, Any]:
+    """The local stage's files over the config's traces (read as ``skills build`` reads them)
+    with its analysts, the failure analyst's live sessions included (concurrency 1: the records
+    in trace order, as the reducer writes them)."""
     out = tmp_path / "local-out"
     skills = load_skills_config(config)
-    run_success_analysis(latest_traces(traces), out, analyst_config(skills), FailureAnalysis(failure_config(skills)))
+    e = skills.experiment
+    traces = read_train_traces(skills.location(e.traces), expected=e.expected_trajectories)
+    run_success_analysis(traces, out, analyst_config(skills), FailureAnalysis(failure_config(skills)))
     return _read(_dir_files(out))
 
 
@@ -157,9 +161,9 @@ def test_local_sharded_equals_unsharded_and_skills_build_continues(
 ) -> None:
     server, url = _served(served)
     testbed.release_all()
-    traces = _traces(tmp_path)
+    _traces(tmp_path)
     config = _config(tmp_path, url, expected=7, shop=testbed.shop_url)
-    local = _local(tmp_path, config, traces)
+    local = _local(tmp_path, config)
     assert local[SUMMARY_NAME]["episodes"]["analysed"] == 7 and len(local[CARDS_NAME]) == 7
     assert local[SUMMARY_NAME]["failure_cards"]["status"] == {"NO_PROPOSAL": 1}
     run = str(tmp_path / "analysis")
@@ -234,9 +238,9 @@ def test_sharded_on_s3_equals_local(
     endpoint = str(request.getfixturevalue({"moto": "moto_endpoint", "seaweedfs": "seaweedfs_endpoint"}[kind]))
     server, url = _served(served)
     testbed.release_all()
-    traces = _traces(tmp_path, successes=5, failures=2)
+    _traces(tmp_path, successes=5, failures=2)
     config = _config(tmp_path, url, expected=7, shop=testbed.shop_url)
-    local = _local(tmp_path, config, traces)
+    local = _local(tmp_path, config)
     s3 = {**S3_TEST_ENV, "AWS_ENDPOINT_URL": endpoint}
     bucket = _make_bucket(endpoint, s3["AWS_ACCESS_KEY_ID"], s3["AWS_SECRET_ACCESS_KEY"])
     run = f"s3://{bucket}/skills/analysis"
@@ -612,8 +616,9 @@ def options_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Loca
 def test_the_testbed_analysts_sharded_equal_the_unsharded_stage(tmp_path: Path, options_run: tuple[LocalTestbed, Path]) -> None:
     bed, traces = options_run
     bed.release_all()
-    config = _config(tmp_path, bed.model_url, expected=12, shop=bed.shop_url, model="shopsim-analyst", traces=str(traces))
-    local = _local(tmp_path, config, traces)
+    # The run directory, not its traces.jsonl: the planner reads a run as skills build does.
+    config = _config(tmp_path, bed.model_url, expected=12, shop=bed.shop_url, model="shopsim-analyst", traces=str(traces.parent))
+    local = _local(tmp_path, config)
     episodes = local[SUMMARY_NAME]["episodes"]
     assert local[SUMMARY_NAME]["status"] == "complete" and episodes["failure"] >= 2 and episodes["success"] >= 1
     failures = [r for r in local[ANALYSES_NAME] if r["channel"] == "failure"]
@@ -622,6 +627,8 @@ def test_the_testbed_analysts_sharded_equal_the_unsharded_stage(tmp_path: Path, 
 
     run = str(tmp_path / "analysis")
     assert cli("skills", "plan", str(config), "--run", run, "--shards", "3", env=_env()).returncode == 0
+    source = orjson.loads((tmp_path / "analysis" / "skills_plan.json").read_bytes())["source"]
+    assert source["input"] == "traces" and source["traces"] == str(traces.parent)
     _workers(config, run, 3, _env())
     assert _all_free(bed)
     reduced = cli("skills", "reduce", run, "--output", str(tmp_path / "out"), env=_env())
