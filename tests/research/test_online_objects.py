@@ -1,7 +1,8 @@
 """Online analysis of a training round on object storage (``training_round_dir: s3://…``), against
 the real moto server and SeaweedFS: train-demo's rollout step written by the training store to the
-bucket (triage records as objects, the diagnostics run as parts and commits), then `skills
-analyze` over the bucket and over a local copy of the same round; the two pools are the same."""
+bucket (triage records as objects, the diagnostics run as parts and commits), then `skills watch`
+and `skills analyze` over the bucket and `skills analyze` over a local copy of the same round; the
+cards and the pools are the same."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,35 @@ def _local_copy(location: str, root: Path) -> Path:
     return root
 
 
+def _watch_until_carded(config: Path, out: Path, expected: int, env: dict[str, str]) -> None:
+    """`skills watch` in a real subprocess until it has written ``expected`` cards, then stopped
+    by its stop file (exit 0)."""
+    stop = out.parent / f"{out.name}.stop"
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "shopsimrl", "skills", "watch", str(config), "--poll-seconds", "0.2", "--stop-file", str(stop)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        cards = out / "failure_cards.jsonl"
+        while not (cards.exists() and len(cards.read_text(encoding="utf-8").splitlines()) >= expected):
+            assert watch.poll() is None, watch.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the watch did not card every retry in time"
+            time.sleep(0.2)
+        stop.touch()
+        output, _ = watch.communicate(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert watch.returncode == 0, output[-3000:]
+    assert output.count("analysed group-") == expected, output[-3000:]
+
+
 def _json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
@@ -133,6 +164,12 @@ def test_a_round_on_object_storage_gives_the_pool_of_its_local_copy(
         _checked(step)
         assert not (tmp_path / "train-demo").exists()
         local = _local_copy(location, tmp_path / "local-round")
+        pending = [
+            path.name
+            for path in sorted((local / TRIAGE_DIR).glob("group-*.json"))
+            if _json(path)["classification"] == PENDING_ANALYSIS
+        ]
+        assert pending, "the round leaves groups pending analysis"
         results = {}
         for name, round_dir in (("objects", location), ("local", str(local))):
             path = _online_yaml(
@@ -144,6 +181,8 @@ def test_a_round_on_object_storage_gives_the_pool_of_its_local_copy(
                 shop=bed.shop_url,
                 model=bed.model_url,
             )
+            if name == "objects":  # `skills watch` on the bucket first: it analyses every retry
+                _watch_until_carded(path, tmp_path / name, len(pending), env)
             results[name] = cli("skills", "analyze", str(path), env=env)
         # A location without triage records is named, exit 2.
         missing = _online_yaml(
@@ -159,16 +198,13 @@ def test_a_round_on_object_storage_gives_the_pool_of_its_local_copy(
 
     for result in results.values():
         _checked(result)
-    pending = [
-        path.name
-        for path in sorted((local / TRIAGE_DIR).glob("group-*.json"))
-        if _json(path)["classification"] == PENDING_ANALYSIS
-    ]
-    assert pending, "the round leaves groups pending analysis"
     summaries = {name: _json(tmp_path / name / "analysis_summary.json") for name in results}
     assert summaries["objects"]["status"] == "complete" and summaries["objects"]["triage"]["pending"] == len(pending)
     assert summaries["objects"]["triage"] == summaries["local"]["triage"]
-    assert summaries["objects"]["cards"] == summaries["local"]["cards"]
+    # The watch carded every retry, so the drain reused them all; the local analysis asked anew.
+    assert summaries["objects"]["cards"]["reused"] == summaries["local"]["cards"]["analysed_now"] == len(pending)
+    figures = ("total", "eligible", "no_proposal", "analyst_errors", "missing")
+    assert [summaries["objects"]["cards"][k] for k in figures] == [summaries["local"]["cards"][k] for k in figures]
 
     # The same cards (the failure analyst replayed each retry read from the bucket), the same pool.
     def cards(name: str) -> list[dict[str, Any]]:
