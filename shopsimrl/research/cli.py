@@ -674,41 +674,70 @@ app.add_typer(skills_app, name="skills")
 @skills_app.command("build")
 def skills_build(
     skills_config: Path = typer.Argument(..., metavar="SKILLS.yaml", help="Traces, output folder, analyst and compiler models."),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Analyse the trajectories (the failed ones in live ShopSimulator sessions),
     consolidate the cards, compile the Gate A draft (resumable: each stage skips what its
-    input fingerprint says is done). Exit 1: a stage is not complete (rerun)."""
+    input fingerprint says is done). Exit 1: a stage is not complete (rerun). --track: the
+    stage's figures to W&B or MLflow."""
     setup_logging(quiet, verbose)
     build = import_part("shopsimrl.research.skills.build", "research")
-    result = build.build_skills(build.load_skills_config(skills_config))
+    config = build.load_skills_config(skills_config)
+    tracking = _skills_tracking(config, track)
+    result = build.build_skills(config)
     typer.echo(build.format_build(result))
+    track_with(
+        tracking,
+        lambda trackers: trackers.log_skill_stage(
+            tracking,
+            name=skills_config.stem,
+            analysis=result.analysis,
+            consolidation=result.consolidation,
+            manifest=result.manifest,
+            output_dir=result.output_dir,
+        ),
+    )
     raise typer.Exit(int(ExitCode.OK if result.complete else ExitCode.EPISODES_FAILED))
 
 
 @skills_app.command("analyze")
 def skills_analyze(
     online_config: Path = typer.Argument(..., metavar="ONLINE.yaml", help="Training round, current bank, output, models."),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Analyse every full-skill retry the training triage left pending, then compile the online
     candidate pool. Any failure still writes a pool with no candidate (the gate then runs on the
-    current bank). Exit 1: an analysis or the consolidation failed (rerun)."""
+    current bank). Exit 1: an analysis or the consolidation failed (rerun). --track: the
+    round's figures to W&B or MLflow."""
     setup_logging(quiet, verbose)
     online = import_part("shopsimrl.research.skills.online", "research")
     config = online.load_online_config(online_config)
+    tracking = _skills_tracking(config, track)
+
+    def log_round(result: Any) -> None:
+        track_with(
+            tracking,
+            lambda trackers: trackers.log_online_analysis(
+                tracking, name=config.online_analysis.name, summary=result.summary, output_dir=result.output_dir
+            ),
+        )
+
     try:
         result = online.analyze(config)
     except online.OnlineAnalysisFailed as failed:
         typer.echo(online.format_summary(failed.result))
+        log_round(failed.result)
         if isinstance(failed.cause, BadInputError | online.SkillInputError):
             typer.echo(f"error: {failed.cause}", err=True)
             raise typer.Exit(int(ExitCode.BAD_INPUT)) from None
         typer.echo(f"error: {type(failed.cause).__name__}: {failed.cause}", err=True)
         raise typer.Exit(int(ExitCode.EPISODES_FAILED)) from None
     typer.echo(online.format_summary(result))
+    log_round(result)
     raise typer.Exit(result.exit_code)
 
 
@@ -730,3 +759,73 @@ def skills_watch(
         f"watch stopped ({result.stopped_by}) after {result.polls} polls: "
         f"{result.analysed} retries analysed, {result.errors} ANALYST_ERROR"
     )
+
+
+def _skills_tracking(config: Any, names: list[str] | None) -> Any:
+    """SKILLS.yaml's ``tracking:`` block (its ``dir`` relative to the file) with --track added."""
+    from shopsimrl.config import TrackingSection
+
+    tracking_settings(names)  # an unknown --track name exits 2 before anything runs
+    block = config.tracking if config.tracking is not None else TrackingSection()
+    settings = block.with_trackers(list(names or ()))
+    if not settings.backends:
+        return None
+    if settings.dir is not None:
+        settings = settings.model_copy(update={"dir": str(config.resolve(settings.dir))})
+    return settings
+
+
+DRAFT_DIR = typer.Argument(..., metavar="DRAFT_DIR", help="The folder `skills build` wrote the draft to.")
+
+
+@skills_app.command("review")
+def skills_review(
+    draft_dir: Path = DRAFT_DIR,
+    accept: list[str] | None = typer.Option(None, "--accept", metavar="ID", help="Accept this chunk (repeatable)."),
+    reject: list[str] | None = typer.Option(None, "--reject", metavar="ID", help="Reject this chunk (repeatable)."),
+    reviewer: str | None = typer.Option(None, "--reviewer", help="Who decides (required without --file)."),
+    note: str = typer.Option("", "--note", help="Why: kept with every decision of this call."),
+    review_file: Path | None = typer.Option(
+        None, "--file", metavar="REVIEW.yaml", help="Decisions from a file: reviewer, decisions."
+    ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Accept or reject chunks of a compiled draft: each decision (reviewer, note, time) is
+    appended to DRAFT_DIR/skill_review.jsonl; the latest one of a chunk counts."""
+    setup_logging(quiet, verbose)
+    snapshot = import_part("shopsimrl.research.skills.snapshot", "research")
+    decisions = [(i, "accepted", note) for i in accept or []] + [(i, "rejected", note) for i in reject or []]
+    if review_file is not None:
+        if decisions or reviewer is not None:
+            raise BadInputError("--file carries its reviewer and decisions: give no --accept, --reject or --reviewer with it")
+        reviewer, decisions = snapshot.load_review_file(review_file)
+    if reviewer is None:
+        raise BadInputError("--reviewer: required (who decides)")
+    rows = snapshot.review(draft_dir, decisions, reviewer)
+    for chunk_id, status in snapshot.review_status(draft_dir).items():
+        typer.echo(f"{chunk_id:32} {status['status']:10} {status['reviewer'] or ''}")
+    typer.echo(f"{len(rows)} decisions appended to {draft_dir / snapshot.REVIEW_NAME}")
+
+
+@skills_app.command("snapshot")
+def skills_snapshot(
+    draft_dir: Path = DRAFT_DIR,
+    out: Path | None = typer.Option(None, "--out", help="Where (default: DRAFT_DIR/skillbank.snapshot.json)."),
+    selected: Path | None = typer.Option(
+        None, "--selected", metavar="BANK", help="A gate's selected_skillbank.json: freeze its chunks."
+    ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Freeze the reviewed draft as an immutable, content-addressed skillbank.snapshot.json:
+    accepted chunks enabled. Exit 2: another snapshot is at that path (never overwritten)."""
+    setup_logging(quiet, verbose)
+    snapshot = import_part("shopsimrl.research.skills.snapshot", "research")
+    result = snapshot.freeze_snapshot(draft_dir, out, selected=selected)
+    document = result.snapshot
+    what = "written" if result.written else "already there (identical; nothing written)"
+    typer.echo(f"snapshot {document['snapshot_id']} ({document['stage']}) {what}: {result.path}")
+    typer.echo(f"enabled   {', '.join(result.enabled)}")
+    if result.unreviewed:
+        typer.echo(f"unreviewed (recorded, not enabled): {', '.join(result.unreviewed)}", err=True)

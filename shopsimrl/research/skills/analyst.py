@@ -177,8 +177,15 @@ def latest_traces(path: Path, *, expected: int | None = None) -> list[EpisodeTra
         if record is None:
             raise SkillInputError(f"{path}: record {number} is not a readable trace record")
         latest[record.episode_id] = record
+    return check_train_traces(latest, str(path), expected=expected)
+
+
+def check_train_traces(latest: dict[str, EpisodeTrace], where_from: str, *, expected: int | None) -> list[EpisodeTrace]:
+    """``latest`` (episode id → its record) as a list, each refused (naming ``where_from`` and the
+    episode) unless a completed ``train`` episode with a binary ``r_success``, and their count
+    refused unless ``expected``."""
     for episode, record in latest.items():
-        where = f"{path}: episode {episode}"
+        where = f"{where_from}: episode {episode}"
         if record.status != "completed":
             raise SkillInputError(f"{where}: status is {record.status!r}; the skill builder reads completed episodes only")
         if record.job.split != "train":
@@ -186,7 +193,7 @@ def latest_traces(path: Path, *, expected: int | None = None) -> list[EpisodeTra
         if _r_success(record) not in (0, 1) or isinstance(_r_success(record), bool):
             raise SkillInputError(f"{where}: final.reward_detail.r_success is {_r_success(record)!r}, not 0 or 1")
     if expected is not None and len(latest) != expected:
-        raise SkillInputError(f"{path}: {len(latest)} episodes, but exactly {expected} are expected")
+        raise SkillInputError(f"{where_from}: {len(latest)} episodes, but exactly {expected} are expected")
     return list(latest.values())
 
 

@@ -5,7 +5,7 @@ SKILLS.yaml carries the earlier implementation's keys (``trace2skill_config``); 
 to the file::
 
     experiment:
-      traces: runs/train-qwen35-4b/traces.jsonl   # a local run's traces (required)
+      traces: runs/train-qwen35-4b                # traces.jsonl, a run dir, a sharded run, s3://… (required)
       output_dir: skills/qwen35-4b-initial        # required
       expected_trajectories: 400                  # exactly this many, else refused
       seed: 20260831
@@ -16,6 +16,7 @@ to the file::
     proposal_checkpoint: qwen35-4b-initial
     analyst_model: {name: Qwen/Qwen3.5-27B, base_url: http://127.0.0.1:8001/v1, api_key_env: null}
     compiler_model: null                          # default: the analyst model
+    tracking: {backends: [wandb], mode: offline}  # optional: the stage's figures to W&B / MLflow
 
 Each failed trajectory gets the failure analyst: a live counterfactual session of its task on
 the ShopSimulator at ``environment.base_url`` (:mod:`shopsimrl.research.skills.failure`).
@@ -30,20 +31,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shopsimrl.config import read_yaml_mapping
+from shopsimrl.config import TrackingSection, read_yaml_mapping
 from shopsimrl.environment import ShopSimulatorSettings
 from shopsimrl.model import OpenAICompatibleSettings
 from shopsimrl.research.skills.analyst import (
     CARDS_NAME,
     AnalystConfig,
     SkillInputError,
-    latest_traces,
     run_success_analysis,
 )
 from shopsimrl.research.skills.cards import CLUSTERS_TOOL, FAILURE_TOOL, INITIAL_SKILL_TOOL, SUCCESS_TOOL
 from shopsimrl.research.skills.compile import CompilerConfig, compile_skill
 from shopsimrl.research.skills.consolidate import ConsolidatorConfig, read_cards, run_consolidation
 from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
+from shopsimrl.research.skills.inputs import read_train_traces
 from shopsimrl.schemas import sha256_hex
 
 __all__ = ["BuildResult", "SkillsConfig", "build_skills", "format_build", "load_skills_config"]
@@ -154,7 +155,13 @@ class SkillsConfig(_Strict):
     proposal_checkpoint: str = Field("initial", min_length=1)
     analyst_model: ModelSection
     compiler_model: ModelSection | None = None
+    tracking: TrackingSection | None = None
+    """The stage's figures to experiment trackers (``--track`` adds one); never fails the stage."""
     source_path: Path | None = None
+
+    def location(self, value: str) -> str:
+        """A path resolved like :meth:`resolve`, or a URI (``s3://…``) as it is."""
+        return value if "://" in value else str(self.resolve(value))
 
     def resolve(self, value: str) -> Path:
         path = Path(value).expanduser()
@@ -205,8 +212,8 @@ def build_skills(config: SkillsConfig) -> BuildResult:
     """Analyse, consolidate and compile (module docstring); every stage skips what its input
     fingerprint says is done."""
     e = config.experiment
-    traces_path, output_dir = config.resolve(e.traces), config.resolve(e.output_dir)
-    traces = latest_traces(traces_path, expected=e.expected_trajectories)
+    output_dir = config.resolve(e.output_dir)
+    traces = read_train_traces(config.location(e.traces), expected=e.expected_trajectories)
     analyst = config.analyst_model
     compiler = config.compiler_model or analyst
     analysis = run_success_analysis(
@@ -252,7 +259,7 @@ def build_skills(config: SkillsConfig) -> BuildResult:
             proposal_checkpoint=config.proposal_checkpoint,
         ),
         inputs={
-            "traces.jsonl": sha256_hex(traces_path.read_bytes()),
+            traces.input_name: traces.digest,
             CARDS_NAME: sha256_hex((output_dir / CARDS_NAME).read_bytes()),
         },
     )

@@ -42,7 +42,7 @@ import orjson
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shopsimrl.config import read_yaml_mapping
+from shopsimrl.config import TrackingSection, read_yaml_mapping
 from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.records import EpisodeTrace
 from shopsimrl.records.io import iter_trace_lines
@@ -151,6 +151,8 @@ class OnlineConfig(_Strict):
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
     analyst_model: ModelSection
     compiler_model: ModelSection | None = None
+    tracking: TrackingSection | None = None
+    """The round's figures to W&B / MLflow (``skills analyze --track`` adds backends)."""
     source_path: Path | None = None
 
     def resolve(self, value: str) -> Path:
