@@ -16,6 +16,10 @@ Files in ``output_dir``::
     analysis_summary.json          status, counts, compilation_input_sha256, digests
     online_invalid_attempts.jsonl  every invalid answer of the compiler model
 
+The round is a local run directory or the training run's object store location (``s3://…``:
+the triage records are objects there and the diagnostics run is read through
+:func:`~shopsimrl.storage.reading.open_run`); :func:`round_source` picks the reader.
+
 The analysis of one retry is one call of the failure analyst (:class:`FailureAnalyst`;
 :func:`default_failure_analyst` calls :func:`~shopsimrl.research.skills.failure.analyse_failure`). Whatever it raises becomes an ``ANALYST_ERROR`` card:
 ineligible, analysed again by the next ``analyze`` or ``watch`` process.
@@ -31,8 +35,8 @@ import signal
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, Final
+from pathlib import Path, PurePosixPath
+from typing import Any, Final, Protocol
 
 import orjson
 import structlog
@@ -71,7 +75,9 @@ from shopsimrl.research.skills.prompts import FAILURE_ANALYST_PROMPT, ONLINE_CON
 from shopsimrl.research.skills.structured import ATTEMPTS, COMPILER_ATTEMPTS, structured_call
 from shopsimrl.schemas import fingerprint, json_bytes, parse_json_exact, sha256_hex
 from shopsimrl.skills import JsonSkillBank, SkillBankError
-from shopsimrl.training.triage import PENDING_ANALYSIS, TRIAGE_SCHEMA_VERSION
+from shopsimrl.storage.objectstore import ObjectStore, RunLocationError, StoreUnavailableError
+from shopsimrl.storage.reading import RunReadError, open_run
+from shopsimrl.training.triage import DIAGNOSTICS_DIR, PENDING_ANALYSIS, TRIAGE_DIR, TRIAGE_SCHEMA_VERSION
 
 __all__ = [
     "ANALYST_ERROR",
@@ -85,9 +91,12 @@ __all__ = [
     "FailureAnalysisError",
     "FailureAnalyst",
     "FailureTask",
+    "LocalRound",
+    "ObjectRound",
     "OnlineConfig",
     "OnlineResult",
     "PendingRetry",
+    "RoundSource",
     "analyze",
     "candidate_id",
     "candidate_signature",
@@ -95,6 +104,8 @@ __all__ = [
     "failure_input_fingerprint",
     "load_online_config",
     "read_failure_cards",
+    "read_pending_in",
+    "round_source",
     "watch",
 ]
 
@@ -259,7 +270,8 @@ def default_failure_analyst() -> FailureAnalyst:
 
 @dataclass(frozen=True)
 class PendingRetry:
-    triage_path: Path
+    triage_file: str
+    """The triage record's name (``group-<g:09d>.json``)."""
     group_index: int
     task_id: int
     trace: EpisodeTrace
@@ -335,32 +347,163 @@ class _TraceCache:
         return latest
 
 
+class RoundSource(Protocol):
+    """Where a training round's triage records and diagnostics runs are: a local run directory
+    or an object store location."""
+
+    def triaged(self) -> bool:
+        """Whether the round has a triage folder (a watch waits until it has)."""
+        ...
+
+    def group_files(self) -> list[str]:
+        """The names of the triage records, ``group-*.json``, sorted."""
+        ...
+
+    def read(self, name: str) -> bytes: ...
+
+    def where(self, name: str) -> str:
+        """The record as errors name it (a path, or the object's URI without credentials)."""
+        ...
+
+    def diagnostics(self, relative: str, name: str) -> tuple[str, dict[str, EpisodeTrace]]:
+        """The diagnostics run at ``relative`` (to the run) as errors name it, and its latest
+        record per episode; :class:`SkillInputError` naming record ``name`` when ``relative``
+        leaves the run."""
+        ...
+
+
+@dataclass
+class LocalRound:
+    """A round in a local run directory (``training_round_dir`` the run or its ``training/``)."""
+
+    round_dir: Path
+    traces: _TraceCache = field(default_factory=_TraceCache)
+
+    def _triage(self) -> Path:
+        return triage_dir(self.round_dir)
+
+    def triaged(self) -> bool:
+        return (self.round_dir / "triage").is_dir() or (self.round_dir / "training" / "triage").is_dir()
+
+    def group_files(self) -> list[str]:
+        return sorted(path.name for path in self._triage().glob("group-*.json"))
+
+    def read(self, name: str) -> bytes:
+        return (self._triage() / name).read_bytes()
+
+    def where(self, name: str) -> str:
+        return str(self._triage() / name)
+
+    def diagnostics(self, relative: str, name: str) -> tuple[str, dict[str, EpisodeTrace]]:
+        run_dir = self._triage().parent.parent
+        traces_path = (run_dir / relative / "traces.jsonl").resolve()
+        if not traces_path.is_relative_to(run_dir.resolve()):
+            raise SkillInputError(f"{self.where(name)}: diagnostic.run_dir {relative!r} leaves the run directory")
+        return str(traces_path), self.traces.get(traces_path)
+
+
+@dataclass
+class ObjectRound:
+    """A round on an object store (``training_round_dir`` the run's ``s3://…`` location, as the
+    training store writes it: ``training/triage/group-*.json`` objects, the diagnostics run a
+    training run of parts and commits under ``training/triage/diagnostics``). The diagnostics
+    run is read again on every pass (its committed parts only)."""
+
+    location: str
+    store: ObjectStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.location = self.location.rstrip("/")
+        try:
+            self.store = ObjectStore(self.location)
+        except RunLocationError as exc:
+            raise SkillInputError(f"online_analysis.training_round_dir: {exc}") from None
+
+    def _names(self) -> list[str]:
+        try:
+            names = self.store.listdir(TRIAGE_DIR.as_posix())
+        except (OSError, RunLocationError, StoreUnavailableError) as exc:
+            raise SkillInputError(f"online_analysis.training_round_dir: {exc}") from None
+        return sorted(name for name in names if name.startswith("group-") and name.endswith(".json"))
+
+    def triaged(self) -> bool:
+        return bool(self._names())
+
+    def group_files(self) -> list[str]:
+        names = self._names()
+        if not names:
+            raise SkillInputError(
+                f"online_analysis.training_round_dir: {self.store.display_uri} holds no "
+                f"{TRIAGE_DIR.as_posix()}/group-*.json objects (the training run's triage records)"
+            )
+        return names
+
+    def read(self, name: str) -> bytes:
+        try:
+            data = self.store.read_bytes(f"{TRIAGE_DIR.as_posix()}/{name}")
+        except (OSError, RunLocationError, StoreUnavailableError) as exc:
+            raise SkillInputError(f"{self.where(name)}: {exc}") from None
+        if data is None:
+            raise SkillInputError(f"{self.where(name)}: the object is gone")
+        return data
+
+    def where(self, name: str) -> str:
+        return f"{self.store.display_uri}/{TRIAGE_DIR.as_posix()}/{name}"
+
+    def diagnostics(self, relative: str, name: str) -> tuple[str, dict[str, EpisodeTrace]]:
+        parts = PurePosixPath(relative).parts
+        if PurePosixPath(relative).is_absolute() or ".." in parts or not parts:
+            raise SkillInputError(f"{self.where(name)}: diagnostic.run_dir {relative!r} leaves the run location")
+        location = f"{self.location}/{PurePosixPath(*parts).as_posix()}"
+        shown = f"{self.store.display_uri}/{PurePosixPath(*parts).as_posix()}"
+        try:
+            run = open_run(location)
+        except RunReadError:
+            return shown, {}  # no rollout committed there yet
+        latest: dict[str, EpisodeTrace] = {}
+        for record in run.records():
+            latest[record.episode_id] = record
+        return shown, latest
+
+
+def round_source(config: OnlineConfig) -> RoundSource:
+    """The round ``online_analysis.training_round_dir`` names: a URL with ``://`` is an object
+    store location, anything else a local path (relative to the config file)."""
+    value = config.online_analysis.training_round_dir
+    if "://" in value:
+        return ObjectRound(value)
+    return LocalRound(config.resolve(value))
+
+
 def read_pending(path: Path, bank: Bank, traces: _TraceCache) -> PendingRetry | str:
-    """The retry a triage file asks to analyse, or its classification when it asks for none.
-    :class:`SkillInputError` naming the file for a record or a retry the stage cannot use;
-    :class:`_NotReady` when the retry's trace is not there yet."""
+    """:func:`read_pending_in` for the triage file at ``path`` of a local run directory."""
+    return read_pending_in(LocalRound(path.parent.parent.parent, traces), path.name, bank)
+
+
+def read_pending_in(source: RoundSource, name: str, bank: Bank) -> PendingRetry | str:
+    """The retry triage record ``name`` asks to analyse, or its classification when it asks for
+    none. :class:`SkillInputError` naming the record for a record or a retry the stage cannot
+    use; :class:`_NotReady` when the retry's trace is not there yet."""
+    where_file = source.where(name)
     try:
-        record = parse_json_exact(path.read_bytes())
+        record = parse_json_exact(source.read(name))
     except ValueError as exc:
-        raise SkillInputError(f"{path}: not a JSON triage record ({exc})") from None
+        raise SkillInputError(f"{where_file}: not a JSON triage record ({exc})") from None
     if not isinstance(record, dict) or record.get("schema_version") != TRIAGE_SCHEMA_VERSION:
-        raise SkillInputError(f"{path}: schema_version is not {TRIAGE_SCHEMA_VERSION!r}")
+        raise SkillInputError(f"{where_file}: schema_version is not {TRIAGE_SCHEMA_VERSION!r}")
     classification = str(record.get("classification"))
     if classification != PENDING_ANALYSIS:
         return classification
     diagnostic = record.get("diagnostic")
     if not isinstance(diagnostic, dict) or not isinstance(diagnostic.get("episode_id"), str):
-        raise SkillInputError(f"{path}: classification {PENDING_ANALYSIS} but no diagnostic.episode_id")
+        raise SkillInputError(f"{where_file}: classification {PENDING_ANALYSIS} but no diagnostic.episode_id")
     episode = diagnostic["episode_id"]
-    run_dir = path.parent.parent.parent
-    relative = str(diagnostic.get("run_dir") or "training/triage/diagnostics")
-    traces_path = (run_dir / relative / "traces.jsonl").resolve()
-    if not traces_path.is_relative_to(run_dir.resolve()):
-        raise SkillInputError(f"{path}: diagnostic.run_dir {relative!r} leaves the run directory")
-    trace = traces.get(traces_path).get(episode)
+    relative = str(diagnostic.get("run_dir") or DIAGNOSTICS_DIR.as_posix())
+    shown, traces = source.diagnostics(relative, name)
+    trace = traces.get(episode)
     if trace is None:
-        raise _NotReady(f"{path}: the diagnostic retry {episode} is not in {traces_path}")
-    where = f"{path}: diagnostic retry {episode}"
+        raise _NotReady(f"{where_file}: the diagnostic retry {episode} is not in {shown}")
+    where = f"{where_file}: diagnostic retry {episode}"
     if trace.status != "completed":
         raise SkillInputError(f"{where}: status is {trace.status!r}; only a completed retry is analysed")
     if trace.job.split != "train":
@@ -378,7 +521,7 @@ def read_pending(path: Path, bank: Bank, traces: _TraceCache) -> PendingRetry | 
         )
     task = record.get("task_id")
     return PendingRetry(
-        path, int(record.get("group_index") or 0), int(task) if isinstance(task, int) else trace.job.task_id, trace
+        name, int(record.get("group_index") or 0), int(task) if isinstance(task, int) else trace.job.task_id, trace
     )
 
 
@@ -446,7 +589,7 @@ async def analyse_retry(
         "episode_id": trace.episode_id,
         "group_index": retry.group_index,
         "task_id": retry.task_id,
-        "triage_file": retry.triage_path.name,
+        "triage_file": retry.triage_file,
         "input_fingerprint": input_fp,
     }
     task = FailureTask(
@@ -525,7 +668,7 @@ class DrainState:
     reused: int = 0
     attempted: set[str] = field(default_factory=set)
     """Retry episodes analysed by this process (a watch does not ask again for an error card)."""
-    reported: set[Path] = field(default_factory=set)
+    reported: set[str] = field(default_factory=set)
     """Triage files a watch refused (reported once, left for ``analyze``)."""
 
 
@@ -537,7 +680,7 @@ async def drain(
     bank: Bank,
     analyst: FailureAnalyst,
     state: DrainState,
-    traces: _TraceCache,
+    source: RoundSource,
     *,
     strict: bool,
     stop: Stop = lambda: False,
@@ -546,10 +689,9 @@ async def drain(
     """Analyse every pending retry whose card is missing or stale. ``strict`` (``analyze``): a
     triage file the stage cannot use raises; else (``watch``) it is reported once and left, and
     a retry whose trace is not written yet waits for the next poll."""
-    round_dir = config.resolve(config.online_analysis.training_round_dir)
-    if not strict and not (round_dir / "triage").is_dir() and not (round_dir / "training" / "triage").is_dir():
+    if not strict and not source.triaged():
         return  # training has triaged no group yet
-    directory = triage_dir(round_dir)
+    names = source.group_files()
     output_dir = config.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     cards_path = output_dir / CARDS_NAME
@@ -557,11 +699,11 @@ async def drain(
         log.warning("torn_last_line_cut", path=str(cards_path))
     existing = read_failure_cards(cards_path) if config.online_analysis.resume else {}
     classifications: dict[str, int] = {}
-    for path in sorted(directory.glob("group-*.json")):
+    for name in names:
         if stop():
             return
         try:
-            found = read_pending(path, bank, traces)
+            found = read_pending_in(source, name, bank)
         except _NotReady as exc:
             if strict:
                 raise SkillInputError(str(exc)) from None
@@ -569,9 +711,9 @@ async def drain(
         except SkillInputError as exc:
             if strict:
                 raise
-            if path not in state.reported:
-                state.reported.add(path)
-                echo(f"skipped {path.name}: {exc}")
+            if name not in state.reported:
+                state.reported.add(name)
+                echo(f"skipped {name}: {exc}")
             continue
         if isinstance(found, str):
             classifications[found] = classifications.get(found, 0) + 1
@@ -599,7 +741,7 @@ async def drain(
             state.errors_now += 1
         else:
             state.analysed_now += 1
-        echo(f"analysed {path.name}: {record['card_id']} {record['status']}")
+        echo(f"analysed {name}: {record['card_id']} {record['status']}")
     state.classifications = classifications
 
 
@@ -1029,8 +1171,7 @@ def _analyze(config: OnlineConfig, analyst: FailureAnalyst) -> OnlineResult:
         bank = load_bank(config.resolve(config.online_analysis.current_skillbank_path))
         history_path = config.online_analysis.proposal_ledger_history_path
         history = read_history(config.resolve(history_path) if history_path else None)
-        traces = _TraceCache()
-        asyncio.run(drain(config, bank, analyst, state, traces, strict=True))
+        asyncio.run(drain(config, bank, analyst, state, round_source(config), strict=True))
         cards = _current_cards(output_dir, state)
         eligible = [card for card in cards if card.get("eligible")]
         input_fp = _compilation_input(config, bank, [_shown_card(card) for card in eligible], history)
@@ -1084,7 +1225,8 @@ def watch(
     next run does it again); a card being appended is always written whole."""
     analyst = analyst or default_failure_analyst()
     bank = load_bank(config.resolve(config.online_analysis.current_skillbank_path))
-    if not config.resolve(config.online_analysis.training_round_dir).is_dir():
+    value = config.online_analysis.training_round_dir
+    if "://" not in value and not config.resolve(value).is_dir():
         raise SkillInputError(f"online_analysis.training_round_dir: {config.online_analysis.training_round_dir} is not a folder")
     with exclusive(config.output_dir):
         return asyncio.run(_watch(config, bank, analyst, poll_seconds, stop_file, echo))
@@ -1116,13 +1258,13 @@ async def _watch(
         return stopping.is_set()
 
     state = DrainState()
-    traces = _TraceCache()
+    source = round_source(config)
     polls = 0
     try:
         while not stop_requested():
             polls += 1
             work = asyncio.ensure_future(
-                drain(config, bank, analyst, state, traces, strict=False, stop=stop_requested, echo=echo)
+                drain(config, bank, analyst, state, source, strict=False, stop=stop_requested, echo=echo)
             )
             stopper = asyncio.ensure_future(stopping.wait())
             done, _ = await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
