@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 ROUND=runs/train-demo/round-001
 OUT=runs/online-demo
-free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source scripts/lib/testbed.sh
 
 if [ ! -d "$ROUND/training/triage" ]; then
   echo "online-demo: no $ROUND/training/triage yet; running the train demo first"
@@ -23,18 +23,8 @@ fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
 
-SHOP_PORT=${SHOP_PORT:-$(free_port)}
-POLICY_PORT=${POLICY_PORT:-$(free_port)}
 LOG="$OUT/testbed.log"
-SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1 "$BIN/shopsimrl" testbed up --shop-port "$SHOP_PORT" --policy-port "$POLICY_PORT" >"$LOG" 2>&1 &
-TESTBED_PID=$!
-stop() { kill "$TESTBED_PID" 2>/dev/null || true; wait "$TESTBED_PID" 2>/dev/null || true; }
-trap stop EXIT
-export SHOPSIMRL_MODEL_BASE_URL="http://127.0.0.1:$POLICY_PORT/v1"
-export SHOPSIMRL_ENV_BASE_URL="http://127.0.0.1:$SHOP_PORT"
-if ! "$BIN/shopsimrl" wait-ready --config configs/online_demo/bare.yaml --timeout 90 --interval 0.5; then
-  echo "testbed did not become ready; its log:" >&2; cat "$LOG" >&2; exit 3
-fi
+SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1 start_testbed configs/online_demo/bare.yaml "$LOG"
 
 echo "online-demo: 1/4 skills analyze over $ROUND's triage (shopsim-analyst) → $OUT/analysis"
 # The analyst is the policy server under another model name, the live sessions run on this run's

@@ -30,8 +30,8 @@ def _json(path: Path) -> Any:
 
 
 def _scratch(root: Path) -> dict[str, str]:
-    for name in ("online-demo.sh", "online-demo-figures.py", "train-demo.sh", "gate-demo.sh"):
-        (root / "scripts").mkdir(exist_ok=True)
+    for name in ("online-demo.sh", "online-demo-figures.py", "train-demo.sh", "gate-demo.sh", "lib/testbed.sh"):
+        (root / "scripts" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / "scripts" / name, root / "scripts" / name)
     for name in ("online_demo", "train_demo", "gate_demo", "splits"):
         shutil.copytree(REPO / "configs" / name, root / "configs" / name)
