@@ -70,6 +70,7 @@ __all__ = [
     "reduce_judge",
     "run_judge_worker",
     "scan_parts",
+    "shard_rows",
     "stream_inputs",
 ]
 
@@ -371,6 +372,26 @@ def _summary_shards(store: ShardedRunStore) -> int | None:
         return None
 
 
+def shard_rows(store: ShardedRunStore, inputs: list[dict[str, Any]], plan_fingerprint: str, *, done: str) -> list[dict[str, Any]]:
+    """One row per shard of a planned stage from its listing and commit markers (no part read):
+    ``state`` committed (``done`` and ``errors`` from the best marker), corrupt-marker, started
+    or not started; ``inputs`` are the plan's per-shard input specs."""
+    rows = []
+    for index, spec in enumerate(inputs):
+        listing = store.list_shard(index)
+        row: dict[str, Any] = {"shard": index, "episodes": spec["records"], "parts": len(listing.parts)}
+        markers = store.plan_markers(
+            index, plan_fingerprint=plan_fingerprint, episode_ids_sha256=spec["ids_sha256"], names=listing.markers
+        )
+        if markers:
+            best = max(markers, key=lambda m: (m.episodes.completed, len(m.parts)))
+            row.update({"state": "committed", done: best.episodes.completed, "errors": best.episodes.failed})
+        else:
+            row["state"] = "corrupt-marker" if listing.markers else "started" if listing.parts else "not started"
+        rows.append(row)
+    return rows
+
+
 def judge_status(uri: str) -> dict[str, Any]:
     """Per-shard progress of a judge location from its commit markers and part listings; no
     part is read, so a call costs a listing and the markers whatever the number of verdicts.
@@ -378,20 +399,7 @@ def judge_status(uri: str) -> dict[str, Any]:
     uncommitted one shows its parts (each holds at most ``flush_every`` verdicts)."""
     store = ShardedRunStore(uri)
     plan = read_plan(store)
-    rows = []
-    for index in range(plan.shards):
-        spec = plan.document["inputs"][index]
-        listing = store.list_shard(index)
-        row: dict[str, Any] = {"shard": index, "episodes": spec["records"], "parts": len(listing.parts)}
-        markers = store.plan_markers(
-            index, plan_fingerprint=plan.fingerprint, episode_ids_sha256=spec["ids_sha256"], names=listing.markers
-        )
-        if markers:
-            best = max(markers, key=lambda m: (m.episodes.completed, len(m.parts)))
-            row.update(state="committed", judged=best.episodes.completed, errors=best.episodes.failed)
-        else:
-            row["state"] = "corrupt-marker" if listing.markers else "started" if listing.parts else "not started"
-        rows.append(row)
+    rows = shard_rows(store, plan.document["inputs"][: plan.shards], plan.fingerprint, done="judged")
     committed = [row for row in rows if row["state"] == "committed"]
     return {
         "judge_location": store.display_uri,

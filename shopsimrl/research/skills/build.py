@@ -28,7 +28,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -189,24 +189,33 @@ class SkillsConfig(_Strict):
         return (self.source_path.parent / path).resolve()
 
 
-def load_skills_config(path: str | Path) -> SkillsConfig:
-    """SKILLS.yaml; :class:`SkillInputError` naming the file and every bad key otherwise."""
-    path = Path(path)
+StageConfig = TypeVar("StageConfig", bound=BaseModel)
+
+
+def read_stage_config(model: type[StageConfig], path: Path, what: str) -> StageConfig:
+    """A stage's YAML (SKILLS.yaml, ONLINE.yaml) as ``model``, its ``source_path`` set for
+    relative paths; :class:`SkillInputError` naming the file and every bad key otherwise."""
     try:
-        data = read_yaml_mapping(path, "skills config")
+        data = read_yaml_mapping(path, what)
     except ValueError as exc:
         raise SkillInputError(str(exc)) from None
     if "source_path" in data:
-        raise SkillInputError(f"invalid skills config {path}: source_path: unknown key")
+        raise SkillInputError(f"invalid {what} {path}: source_path: unknown key")
     try:
-        config = SkillsConfig.model_validate({**data, "source_path": path.resolve()})
+        return model.model_validate({**data, "source_path": path.resolve()})
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
             where = ".".join(str(part) for part in error["loc"]) or "<root>"
             kind = {"extra_forbidden": "unknown key", "missing": "required key is missing"}.get(error["type"], error["msg"])
             problems.append(f"{where}: {kind}")
-        raise SkillInputError(f"invalid skills config {path}: " + "; ".join(problems)) from None
+        raise SkillInputError(f"invalid {what} {path}: " + "; ".join(problems)) from None
+
+
+def load_skills_config(path: str | Path) -> SkillsConfig:
+    """SKILLS.yaml; :class:`SkillInputError` naming the file and every bad key otherwise."""
+    path = Path(path)
+    config = read_stage_config(SkillsConfig, path, "skills config")
     override = os.environ.get(ANALYST_BASE_URL_ENV)
     if override:
         try:

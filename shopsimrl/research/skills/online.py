@@ -40,9 +40,9 @@ from typing import Any, Final, Protocol
 
 import orjson
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from shopsimrl.config import TrackingSection, read_yaml_mapping
+from shopsimrl.config import TrackingSection
 from shopsimrl.model import OpenAICompatibleChatModel, OpenAICompatibleSettings
 from shopsimrl.records import EpisodeTrace
 from shopsimrl.records.io import iter_trace_lines
@@ -56,7 +56,7 @@ from shopsimrl.research.skills.analyst import (
     settings_identity,
     trace_sha256,
 )
-from shopsimrl.research.skills.build import AnalysisSection, EnvironmentSection, ModelSection
+from shopsimrl.research.skills.build import AnalysisSection, EnvironmentSection, ModelSection, read_stage_config
 from shopsimrl.research.skills.cards import (
     FAILURE_TOOL,
     ONLINE_CANDIDATES_TOOL,
@@ -172,22 +172,7 @@ class OnlineConfig(_Strict):
 
 def load_online_config(path: str | Path) -> OnlineConfig:
     """ONLINE.yaml; :class:`SkillInputError` naming the file and every bad key otherwise."""
-    path = Path(path)
-    try:
-        data = read_yaml_mapping(path, "online analysis config")
-    except ValueError as exc:
-        raise SkillInputError(str(exc)) from None
-    if "source_path" in data:
-        raise SkillInputError(f"invalid online analysis config {path}: source_path: unknown key")
-    try:
-        return OnlineConfig.model_validate({**data, "source_path": path.resolve()})
-    except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            where = ".".join(str(part) for part in error["loc"]) or "<root>"
-            kind = {"extra_forbidden": "unknown key", "missing": "required key is missing"}.get(error["type"], error["msg"])
-            problems.append(f"{where}: {kind}")
-        raise SkillInputError(f"invalid online analysis config {path}: " + "; ".join(problems)) from None
+    return read_stage_config(OnlineConfig, Path(path), "online analysis config")
 
 
 # --------------------------------------------------------------------------- the failure analyst seam

@@ -48,7 +48,14 @@ from shopsimrl.manifest import FingerprintMismatchError
 from shopsimrl.model import OpenAICompatibleChatModel
 from shopsimrl.records import EpisodeTrace
 from shopsimrl.records.io import dump_line, read_trace
-from shopsimrl.research.judge.sharded import committed_parts, freeze_shard_inputs, part_records, scan_parts, stream_inputs
+from shopsimrl.research.judge.sharded import (
+    committed_parts,
+    freeze_shard_inputs,
+    part_records,
+    scan_parts,
+    shard_rows,
+    stream_inputs,
+)
 from shopsimrl.research.outputs import replacing
 from shopsimrl.research.skills.analyst import (
     ANALYSES_NAME,
@@ -519,20 +526,7 @@ def skills_status(uri: str) -> dict[str, Any]:
     an uncommitted one shows its parts (one analysis each with the default ``flush_every``)."""
     store = ShardedRunStore(uri)
     plan = read_plan(store)
-    rows = []
-    for index in range(plan.shards):
-        spec = plan.document["inputs"][index]
-        listing = store.list_shard(index)
-        row: dict[str, Any] = {"shard": index, "episodes": spec["records"], "parts": len(listing.parts)}
-        markers = store.plan_markers(
-            index, plan_fingerprint=plan.fingerprint, episode_ids_sha256=spec["ids_sha256"], names=listing.markers
-        )
-        if markers:
-            best = max(markers, key=lambda m: (m.episodes.completed, len(m.parts)))
-            row.update(state="committed", analysed=best.episodes.completed, errors=best.episodes.failed)
-        else:
-            row["state"] = "corrupt-marker" if listing.markers else "started" if listing.parts else "not started"
-        rows.append(row)
+    rows = shard_rows(store, plan.document["inputs"][: plan.shards], plan.fingerprint, done="analysed")
     committed = [row for row in rows if row["state"] == "committed"]
     summary_over: int | None = None
     data = store.read_bytes(SUMMARY_NAME)
