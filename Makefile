@@ -32,7 +32,7 @@ CORE_ON_PATH := --no-deps --config-settings editable_mode=compat -e .
 # per machine (every clone reuses the compiled wheel).
 LLM_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/shopsimrl/llm
 
-.PHONY: install demo-install wheels test test-fast doc-figures test-plan lint llm-server browser check-venv constraints demo demo-s3 gate-demo train-demo judge-demo smoke skills-demo smoke-llm bench reduce status clean
+.PHONY: install demo-install wheels test test-fast doc-figures test-plan lint llm-server browser check-venv constraints demo demo-s3 gate-demo train-demo online-demo judge-demo smoke skills-demo smoke-llm bench reduce status clean
 
 $(STAMP): $(PROJECT_FILES) $(CONSTRAINTS)
 	@echo "install: $(VENV) with the project and its test extra, shopsimrl-research and shopsimrl-testbed (all three editable), pinned by $(CONSTRAINTS) (about 2 minutes)"
@@ -127,6 +127,9 @@ skills-demo: $(STAMP)  ## skills from traces on the testbed: train run, skills b
 
 train-demo: $(STAMP)  ## one GRPO-shaped rollout step through the slime adapter on the testbed, curriculum from the gate demo (runs/train-demo/)
 	BIN=$(BIN) scripts/train-demo.sh
+
+online-demo: $(STAMP)  ## the online loop on the testbed: train-demo's triage, skills analyze, online gate (runs/online-demo/)
+	BIN=$(BIN) scripts/online-demo.sh
 
 judge-demo: $(STAMP)  ## the testbed judge over a 400-episode testbed val run, sharded 4 ways (runs/judge-demo/)
 	BIN=$(BIN) scripts/judge-demo.sh

@@ -7,21 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
-free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-SHOP_PORT=${SHOP_PORT:-$(free_port)}
-POLICY_PORT=${POLICY_PORT:-$(free_port)}
+source scripts/lib/testbed.sh
 LOG=$(mktemp -t shopsimrl-gate-demo.XXXXXX.log)
-
-SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1 "$BIN/shopsimrl" testbed up --shop-port "$SHOP_PORT" --policy-port "$POLICY_PORT" >"$LOG" 2>&1 &
-TESTBED_PID=$!
-stop() { kill "$TESTBED_PID" 2>/dev/null || true; wait "$TESTBED_PID" 2>/dev/null || true; }
-trap stop EXIT
-
-export SHOPSIMRL_MODEL_BASE_URL="http://127.0.0.1:$POLICY_PORT/v1"
-export SHOPSIMRL_ENV_BASE_URL="http://127.0.0.1:$SHOP_PORT"
-if ! "$BIN/shopsimrl" wait-ready --config configs/gate_demo/bare.yaml --timeout 90 --interval 0.5; then
-  echo "testbed did not become ready; its log:" >&2; cat "$LOG" >&2; exit 3
-fi
+SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1 start_testbed configs/gate_demo/bare.yaml "$LOG"
 echo "gate-demo: 1/2 the bare val run (400 val tasks, no skills) → runs/gate-demo/bare"
 "$BIN/shopsimrl" run configs/gate_demo/bare.yaml --no-progress -q | tail -n 2
 echo "gate-demo: 2/2 Gate A: 400 masked rollouts over 3 chunks, then the paired fit → runs/gate-demo/gate"

@@ -8,21 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
-free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-SHOP_PORT=${SHOP_PORT:-$(free_port)}
-POLICY_PORT=${POLICY_PORT:-$(free_port)}
+source scripts/lib/testbed.sh
 LOG=$(mktemp -t shopsimrl-skills-demo.XXXXXX.log)
-
-SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1 "$BIN/shopsimrl" testbed up --shop-port "$SHOP_PORT" --policy-port "$POLICY_PORT" >"$LOG" 2>&1 &
-TESTBED_PID=$!
-stop() { kill "$TESTBED_PID" 2>/dev/null || true; wait "$TESTBED_PID" 2>/dev/null || true; }
-trap stop EXIT
-
-export SHOPSIMRL_MODEL_BASE_URL="http://127.0.0.1:$POLICY_PORT/v1"
-export SHOPSIMRL_ENV_BASE_URL="http://127.0.0.1:$SHOP_PORT"
-if ! "$BIN/shopsimrl" wait-ready --config configs/skills_demo/train.yaml --timeout 90 --interval 0.5; then
-  echo "testbed did not become ready; its log:" >&2; cat "$LOG" >&2; exit 3
-fi
+SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1 start_testbed configs/skills_demo/train.yaml "$LOG"
 echo "skills-demo: 1/4 the train run (no skills) → runs/skills-demo/train"
 "$BIN/shopsimrl" run configs/skills_demo/train.yaml --no-progress -q | tail -n 2
 echo "skills-demo: 2/4 skills build with the testbed analyst (shopsim-analyst) → runs/skills-demo/draft"

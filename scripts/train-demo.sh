@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 OUT=runs/train-demo
 BANK=runs/gate-demo/gate/selected_skillbank.json
-free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source scripts/lib/testbed.sh  # free_port, stop_testbed
 
 if [ ! -f "$BANK" ]; then
   echo "train-demo: no $BANK yet; running the gate demo first"
@@ -32,8 +32,7 @@ LOG="$OUT/testbed.log"
 SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1 "$BIN/shopsimrl" testbed up --token-endpoint \
   --shop-port "$SHOP_PORT" --policy-port "$POLICY_PORT" >"$LOG" 2>&1 &
 TESTBED_PID=$!
-stop() { kill "$TESTBED_PID" 2>/dev/null || true; wait "$TESTBED_PID" 2>/dev/null || true; }
-trap stop EXIT
+trap stop_testbed EXIT
 export SHOPSIMRL_ENV_BASE_URL="http://127.0.0.1:$SHOP_PORT"
 export SHOPSIMRL_TOKEN_ENDPOINT_URL="http://127.0.0.1:$POLICY_PORT"
 ready() {  # both services answer 200: the shop's /healthz, the policy's model list

@@ -22,6 +22,11 @@ in bank order; what a skill gate's masked rollouts run with)::
      "assignments": [{"split": "val", "task_id": 4, "sample_id": 0, "skill_ids": ["chunk-a"]}],
      "protocol": {}}
 
+A skill bank snapshot (``shopsimrl-skillbank-snapshot-v1``, written by ``shopsimrl skills
+snapshot``) is read wherever a bank is: it carries a ``shopsimrl-skillbank-v1`` bank in its
+``bank`` key, and its ``snapshot_id`` (the sha256 of its canonical content without that key) is
+checked on every read, so a snapshot edited after it was frozen is refused.
+
 ``protocol`` is not read by the provider; it is hashed with the rest, so whatever a gate freezes
 there (mask seed, the bare baseline's digest) enters the plan fingerprint. ``skills.path`` may
 name either kind of file: :func:`open_skill_provider` tells them apart by ``schema_version``.
@@ -40,6 +45,7 @@ __all__ = [
     "PRIVATE_CONTEXT_KEYS",
     "PUBLIC_CONTEXT_KEYS",
     "SKILLBANK_SCHEMA_VERSION",
+    "SNAPSHOT_SCHEMA_VERSION",
     "AssignedSkills",
     "JsonSkillBank",
     "NoSkills",
@@ -48,10 +54,13 @@ __all__ = [
     "SkillProvider",
     "check_public_context",
     "open_skill_provider",
+    "snapshot_id_of",
+    "unwrap_snapshot",
 ]
 
 SKILLBANK_SCHEMA_VERSION: Final = "shopsimrl-skillbank-v1"
 ASSIGNMENTS_SCHEMA_VERSION: Final = "shopsimrl-skill-assignments-v1"
+SNAPSHOT_SCHEMA_VERSION: Final = "shopsimrl-skillbank-snapshot-v1"
 DEFAULT_BANK_VERSION: Final = "1"
 
 PUBLIC_CONTEXT_KEYS: Final = frozenset(
@@ -106,6 +115,10 @@ class JsonSkillBank:
         self.path = Path(path)
         self.max_skills = max_skills
         bank = _read_json(self.path) if document is None else document
+        self.snapshot_id: str | None = None
+        if isinstance(bank, dict) and bank.get("schema_version") == SNAPSHOT_SCHEMA_VERSION:
+            inner = unwrap_snapshot(self.path, bank)
+            self.snapshot_id, bank = str(bank["snapshot_id"]), inner
         self.schema_version, self.bank_version, self._entries = _parse_bank(self.path, bank)
         self._sha256 = fingerprint(bank)
 
@@ -137,7 +150,29 @@ class JsonSkillBank:
             "bank_version": self.bank_version,
             "bank_sha256": self._sha256,
             "max_skills": self.max_skills,
+            **({"snapshot_id": self.snapshot_id} if self.snapshot_id is not None else {}),
         }
+
+
+def snapshot_id_of(document: Mapping[str, Any]) -> str:
+    """A snapshot's content address: the sha256 of its canonical JSON without ``snapshot_id``."""
+    return fingerprint({key: value for key, value in document.items() if key != "snapshot_id"})
+
+
+def unwrap_snapshot(path: Path, document: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``shopsimrl-skillbank-v1`` bank a snapshot carries, after its content address is checked."""
+    if document.get("schema_version") != SNAPSHOT_SCHEMA_VERSION:
+        raise SkillBankError(f"skill bank snapshot {path}: 'schema_version' is not {SNAPSHOT_SCHEMA_VERSION!r}")
+    recorded, actual = document.get("snapshot_id"), snapshot_id_of(document)
+    if recorded != actual:
+        raise SkillBankError(
+            f"skill bank snapshot {path}: its content has sha256 {actual} but its snapshot_id is {recorded!r}: "
+            "it was changed after it was frozen (a snapshot is never edited; freeze a new one)"
+        )
+    bank = document.get("bank")
+    if not isinstance(bank, dict):
+        raise SkillBankError(f"skill bank snapshot {path}: 'bank' must be a {SKILLBANK_SCHEMA_VERSION} object")
+    return bank
 
 
 class AssignedSkills:

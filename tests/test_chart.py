@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -415,6 +416,7 @@ def test_helm_owns_the_run_objects_and_an_upgrade_never_restarts_a_finished_run(
         "vllm-values.yaml",
         "default-values.yaml",
         "judge-values.yaml",
+        "skills-values.yaml",
         "jobset-values.yaml",
     ):
         install = _run_objects(helm.render(CHART / "ci" / values))
@@ -446,7 +448,8 @@ def test_shard_index_reaches_the_worker_from_the_indexed_job(matrix: dict[str, l
         # every pod to one shard.
         assert "JOB_COMPLETION_INDEX" not in env, name
         assert not any("shard-index" in a or "JOB_COMPLETION_INDEX" in a for a in worker["args"]), name
-        assert worker["args"][:2] == (["judge", "worker"] if name == "judge-values.yaml" else ["worker", "--run"])
+        first = {"judge-values.yaml": ["judge", "worker"], "skills-values.yaml": ["skills", "worker"]}
+        assert worker["args"][:2] == first.get(name, ["worker", "--run"])
         assert env["SHOPSIMRL_SHARDS"]["value"] == str(job["spec"]["completions"]), name
         assert env["SHOPSIMRL_RUN"]["value"].startswith(("s3://", "/")), name
         assert env["SHOPSIMRL_CONFIG"]["value"].startswith("/app/configs/"), name
@@ -634,7 +637,7 @@ def test_fail_index_covers_every_container_that_reads_the_config(helm: Helm, mat
         containers = {c["name"] for c in [*pod.get("initContainers", []), *pod["containers"]]}
         named = {r["onExitCodes"]["containerName"] for r in spec["podFailurePolicy"]["rules"] if r["action"] == "FailIndex"}
         assert named == containers, name
-        assert ("wait-ready" in named) is (name != "readiness off"), name
+        assert ("wait-ready" in named) is (name not in ("readiness off", "skills-values.yaml")), name  # skills: no wait
 
 
 def test_reducer_ends_with_a_partial_summary_and_is_not_retried_once_it_wrote_one(matrix: dict[str, list[Doc]]) -> None:
@@ -883,6 +886,12 @@ def test_rendered_config_loads_with_shopsimrl_as_the_pod_would(
     if values.name == "judge-values.yaml":
         judge = load_judge_config(config_path)
         assert load_rubric(judge.resolve(judge.rubric)).version == "shopsimrl-judge-rubric-v1"
+        return
+    if values.name == "skills-values.yaml":
+        from shopsimrl.research.skills.build import load_skills_config
+
+        skills = load_skills_config(config_path)
+        assert skills.analyst_model.name == "Qwen/Qwen3.5-27B" and skills.experiment.expected_trajectories == 400
         return
     config = load_experiment_config(config_path, load_dotenv=False)
     split = load_task_split(config.resolve(config.tasks.split_file), config.tasks.split)
@@ -2023,3 +2032,88 @@ def test_judge_mode_config_is_checked_by_schema_and_template(helm: Helm, tmp_pat
     for key in ("inlineSplitFile", "inlineSkillsFile"):
         proc = helm.template(values, set_strings={f"run.{key}": "x.json"}, check=False)
         assert proc.returncode != 0 and f"run.{key}: a judge reads frozen traces" in proc.stderr, proc.stderr
+
+
+# --------------------------------------------------------------------------- skills mode
+
+
+def test_skills_mode_runs_the_per_trajectory_analysts_in_the_same_jobs(matrix: dict[str, list[Doc]]) -> None:
+    docs = matrix["skills-values.yaml"]
+    job = only(docs, "Job", "job-worker.yaml")
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 4
+    pod = job["spec"]["template"]["spec"]
+    assert "initContainers" not in pod  # no readiness wait: an analyst that does not answer is retried by index
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert [r["onExitCodes"]["containerName"] for r in rules if "onExitCodes" in r] == ["worker"]
+    worker = container(pod, "worker")
+    assert worker["args"] == ["skills", "worker", "$(SHOPSIMRL_CONFIG)", "--run", "$(SHOPSIMRL_RUN)"]
+    env = env_of(worker)
+    assert env["SHOPSIMRL_RUN"]["value"] == "s3://shopsimrl/skills/qwen35-4b-initial"
+    assert env["SHOPSIMRL_ANALYST_BASE_URL"]["value"] == "http://analyst.models.svc.cluster.local:8001/v1"
+    assert "SHOPSIMRL_MODEL_BASE_URL" not in env
+    # The failure analyst's shop, as a rollout worker gets it: environment.baseUrl here.
+    assert env["SHOPSIMRL_ENV_BASE_URL"]["value"] == "http://shopsimulator.shopsimrl.svc.cluster.local:5700"
+    # The analyst's key: the variable the config's analyst_model names, from the Secret.
+    assert env["ANALYST_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "analyst-key", "key": "api-key"}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "minio-credentials"
+    reducer = container(only(docs, "Job", "job-reducer.yaml")["spec"]["template"]["spec"], "reducer")
+    assert reducer["args"][:5] == ["skills", "reduce", "$(SHOPSIMRL_RUN)", "--wait", "--timeout"]
+    config = yaml.safe_load(only(docs, "ConfigMap")["data"]["qwen35-4b-initial-skills.yaml"])
+    assert config["analyst_model"]["name"] == "Qwen/Qwen3.5-27B" and config["experiment"]["expected_trajectories"] == 400
+
+
+def test_skills_mode_workers_reach_the_release_shop_like_rollout_workers(helm: Helm) -> None:
+    """The release's ShopSimulator or testbed shop Service beats environment.baseUrl, in skills
+    mode as in rollout mode; the config the workers load takes the URL from the variable."""
+    from shopsimrl.research.skills.build import load_skills_config
+
+    values = CHART / "ci" / "skills-values.yaml"
+    shop = {
+        "shopsimulator.enabled": "true",
+        "shopsimulator.image.repository": "registry.example.com/ml/shopsimulator",
+        "shopsimulator.image.tag": "paper-aligned-v8",
+    }
+    for sets, service in ((shop, "service-shopsimulator.yaml"), ({"testbed.enabled": "true"}, "service-testbed-shop.yaml")):
+        docs = helm.render(values, sets=sets)
+        svc = only(docs, "Service", service)
+        port = svc["spec"]["ports"][0]["port"]
+        worker = container(only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker")
+        url = env_of(worker)["SHOPSIMRL_ENV_BASE_URL"]["value"]
+        assert url == f"http://{svc['metadata']['name']}:{port}", service
+        with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as folder:
+            config = Path(folder) / "skills.yaml"
+            config.write_text(only(docs, "ConfigMap")["data"]["qwen35-4b-initial-skills.yaml"], encoding="utf-8")
+            patch.delenv("SHOPSIMRL_ANALYST_BASE_URL", raising=False)
+            patch.setenv("SHOPSIMRL_ENV_BASE_URL", url)
+            assert load_skills_config(config).environment.base_url == url
+    # The shop's slots bound the failure analyst's live sessions: pods at once × experiment.concurrency.
+    assert helm.template(values, sets={"environment.slots": "16"}).returncode == 0  # 4 pods × 4
+    proc = helm.template(values, sets={"environment.slots": "15"}, check=False)
+    assert proc.returncode != 0 and "4 worker pods at once × config experiment.concurrency 4 = 16 live sessions" in proc.stderr
+    assert "(environment.slots)" in proc.stderr, proc.stderr
+    assert helm.template(values, sets={"environment.slots": "8", "job.parallelism": "2"}).returncode == 0
+    judge = helm.render(CHART / "ci" / "judge-values.yaml", sets={"environment.baseUrl": "http://shop:5700"})
+    worker = container(only(judge, "Job", "job-worker.yaml")["spec"]["template"]["spec"], "worker")
+    assert "SHOPSIMRL_ENV_BASE_URL" not in env_of(worker)  # a judge reads frozen traces only
+
+
+def test_skills_mode_config_is_checked_by_schema_and_template(helm: Helm, tmp_path: Path) -> None:
+    values = CHART / "ci" / "skills-values.yaml"
+    data = yaml.safe_load(values.read_text())
+    del data["config"]["analyst_model"]
+    broken = tmp_path / "no-analyst.yaml"
+    broken.write_text(yaml.safe_dump(data))
+    proc = helm.template(broken, check=False)
+    assert proc.returncode != 0 and "analyst_model" in proc.stderr
+    as_string = tmp_path / "string.yaml"
+    as_string.write_text(yaml.safe_dump({**data, "config": yaml.safe_dump(data["config"])}))
+    proc = helm.template(as_string, check=False)
+    assert proc.returncode != 0 and "config.analyst_model: missing; in skills mode" in proc.stderr
+    # An experiment config in skills mode lacks the skill builder's keys.
+    proc = helm.template(CHART / "ci" / "default-values.yaml", sets={"mode": "skills"}, check=False)
+    assert proc.returncode != 0 and "analyst_model is required" in proc.stderr
+    for key in ("inlineSplitFile", "inlineSkillsFile"):
+        proc = helm.template(values, set_strings={f"run.{key}": "x.json"}, check=False)
+        assert proc.returncode != 0 and f"run.{key}: the skill analysts read frozen traces" in proc.stderr, proc.stderr
+    proc = helm.template(values, sets={"jobSet.enabled": "true"}, check=False)
+    assert proc.returncode != 0 and "a skills release (mode: skills) uses the plain Jobs" in proc.stderr, proc.stderr

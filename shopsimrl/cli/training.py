@@ -36,7 +36,8 @@ def build_curriculum(
     bank: Path = typer.Argument(
         ...,
         metavar="BANK",
-        help="A gate-selected skill bank (selected_skillbank.json): every enabled skill needs metadata.estimated_effect > 0.",
+        help="A gate-selected skill bank (selected_skillbank.json) or a snapshot of one "
+        "(skills snapshot --selected): every enabled skill needs metadata.estimated_effect > 0.",
     ),
     out: Path = typer.Argument(
         ..., metavar="OUT", help="The state file to write; an existing file is never replaced by a different state."

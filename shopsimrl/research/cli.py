@@ -8,6 +8,7 @@ the research modules (numpy, pandas, starlette) load when a command runs."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import AbstractContextManager, ExitStack
 from enum import StrEnum
@@ -674,14 +675,264 @@ app.add_typer(skills_app, name="skills")
 @skills_app.command("build")
 def skills_build(
     skills_config: Path = typer.Argument(..., metavar="SKILLS.yaml", help="Traces, output folder, analyst and compiler models."),
+    shards: int | None = typer.Option(None, "--shards", min=1, help="Analyse in N local worker processes (needs --run)."),
+    run: str | None = typer.Option(None, "--run", help="With --shards: the analysis location (directory or s3:// URI)."),
+    parallelism: int | None = typer.Option(None, "--parallelism", min=1, help="With --shards: workers at once."),
+    track: list[str] | None = TRACK,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
 ) -> None:
     """Analyse the trajectories (the failed ones in live ShopSimulator sessions),
     consolidate the cards, compile the Gate A draft (resumable: each stage skips what its
-    input fingerprint says is done). Exit 1: a stage is not complete (rerun)."""
+    input fingerprint says is done). With --shards: the analysis as plan, worker processes
+    and reduce first. Exit 1: a stage is not complete (rerun). --track: the stage's figures to
+    W&B or MLflow."""
     setup_logging(quiet, verbose)
     build = import_part("shopsimrl.research.skills.build", "research")
-    result = build.build_skills(build.load_skills_config(skills_config))
+    config = build.load_skills_config(skills_config)
+    tracking = _skills_tracking(config, track)
+    if (shards is None) != (run is None):
+        raise BadInputError("--shards and --run go together (the sharded analysis needs a location)")
+    if shards is not None and run is not None:
+        reduced = _skills_sharded_analysis(skills_config, config, shards, run, parallelism)
+        if reduced is not None:
+            raise typer.Exit(int(reduced))
+    result = build.build_skills(config)
     typer.echo(build.format_build(result))
+    track_with(
+        tracking,
+        lambda trackers: trackers.log_skill_stage(
+            tracking,
+            name=skills_config.stem,
+            analysis=result.analysis,
+            consolidation=result.consolidation,
+            manifest=result.manifest,
+            output_dir=result.output_dir,
+        ),
+    )
     raise typer.Exit(int(ExitCode.OK if result.complete else ExitCode.EPISODES_FAILED))
+
+
+SKILLS_CONFIG = typer.Argument(..., metavar="SKILLS.yaml", help="Traces, output folder, analyst and compiler models.")
+SKILLS_RUN = typer.Option(..., "--run", help="The analysis location: a directory or an s3:// URI.")
+
+
+def _skills_sharded() -> Any:
+    return import_part("shopsimrl.research.skills.sharded", "research")
+
+
+@skills_app.command("plan")
+def skills_plan(
+    skills_config: Path = SKILLS_CONFIG,
+    run: str = SKILLS_RUN,
+    shards: int = typer.Option(..., "--shards", min=1, help="Number of shards (worker indexes)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Freeze the traces, their input fingerprints and the analysts as N shards at --run."""
+    setup_logging(quiet, verbose)
+    sharded = _skills_sharded()
+    build = import_part("shopsimrl.research.skills.build", "research")
+    plan = sharded.plan_skills(build.load_skills_config(skills_config), run, shards)
+    episodes = plan.document["episodes"]
+    todo = sum(1 for episode in episodes if episode["input_fingerprint"] is not None)
+    typer.echo(
+        f"skills plan {plan.fingerprint[:12]} · {len(episodes)} episodes ({todo} to analyse) · {plan.shards} shards · {run}"
+    )
+
+
+@skills_app.command("worker")
+def skills_worker(
+    skills_config: Path = SKILLS_CONFIG,
+    run: str = typer.Option(..., "--run", help="The analysis location the plan is at."),
+    index: int | None = typer.Option(None, "--index", min=0, help="Shard index (default: JOB_COMPLETION_INDEX)."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Analyse one shard's trajectories (resumable) and commit it. Exit 1: some analyses
+    failed; 3: stopped by a signal (analyses saved)."""
+    setup_logging(quiet, verbose)
+    sharded = _skills_sharded()
+    build = import_part("shopsimrl.research.skills.build", "research")
+    if index is None:
+        raw = os.environ.get("SHOPSIMRL_SHARD_INDEX") or os.environ.get("JOB_COMPLETION_INDEX")
+        if raw is None or not raw.isdigit():
+            raise BadInputError("no shard index: pass --index, or set JOB_COMPLETION_INDEX (an Indexed Job sets it)")
+        index = int(raw)
+    raise typer.Exit(int(sharded.run_skills_worker(build.load_skills_config(skills_config), run, index)))
+
+
+@skills_app.command("status")
+def skills_status_command(
+    location: str = typer.Argument(..., metavar="URI", help="The analysis location."),
+    as_json: bool = typer.Option(False, "--json", help="The report as JSON."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Per-shard progress of a sharded analysis from its markers (no part is read)."""
+    setup_logging(quiet, verbose)
+    sharded = _skills_sharded()
+    report = sharded.skills_status(location)
+    typer.echo(json.dumps(report, indent=2) if as_json else sharded.format_status(report))
+
+
+@skills_app.command("reduce")
+def skills_reduce(
+    location: str = typer.Argument(..., metavar="URI", help="The analysis location."),
+    output: Path | None = typer.Option(None, "--output", help="Also write the files here (for skills build)."),
+    wait: bool = typer.Option(False, "--wait", help="First wait for the plan and every shard's commit."),
+    timeout: float = typer.Option(86400.0, "--timeout", min=0, help="With --wait: seconds to wait at most."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """The local stage's analysis files from the committed shards. Exit 1: incomplete."""
+    setup_logging(quiet, verbose)
+    sharded = _skills_sharded()
+    result = sharded.reduce_skills(location, output_dir=output, wait_s=timeout if wait else None)
+    typer.echo(sharded.format_reduce(result))
+    raise typer.Exit(int(result.code))
+
+
+def _skills_sharded_analysis(path: Path, config: Any, shards: int, run: str, parallelism: int | None) -> ExitCode | None:
+    """Plan, run the workers as a local Indexed Job, reduce into the output folder; the exit
+    code when the analysis is not complete (build then stops), else None."""
+    from shopsimrl.runner.local_job import run_indexed
+
+    sharded = _skills_sharded()
+    sharded.plan_skills(config, run, shards)
+    command = [sys.executable, "-m", "shopsimrl", "skills", "worker", str(path), "--run", run]
+    indexed = run_indexed(run, path, shards, parallelism=parallelism, command=command)
+    if indexed.interrupted:
+        raise TryAgainError("interrupted; run the same command again to resume")
+    result = sharded.reduce_skills(run, output_dir=config.resolve(config.experiment.output_dir))
+    typer.echo(sharded.format_reduce(result))
+    return None if result.code == ExitCode.OK else result.code
+
+
+@skills_app.command("analyze")
+def skills_analyze(
+    online_config: Path = typer.Argument(..., metavar="ONLINE.yaml", help="Training round, current bank, output, models."),
+    track: list[str] | None = TRACK,
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Analyse every full-skill retry the training triage left pending, then compile the online
+    candidate pool. Any failure still writes a pool with no candidate (the gate then runs on the
+    current bank). Exit 1: an analysis or the consolidation failed (rerun). --track: the
+    round's figures to W&B or MLflow."""
+    setup_logging(quiet, verbose)
+    online = import_part("shopsimrl.research.skills.online", "research")
+    config = online.load_online_config(online_config)
+    tracking = _skills_tracking(config, track)
+
+    def log_round(result: Any) -> None:
+        track_with(
+            tracking,
+            lambda trackers: trackers.log_online_analysis(
+                tracking, name=config.online_analysis.name, summary=result.summary, output_dir=result.output_dir
+            ),
+        )
+
+    try:
+        result = online.analyze(config)
+    except online.OnlineAnalysisFailed as failed:
+        typer.echo(online.format_summary(failed.result))
+        log_round(failed.result)
+        if isinstance(failed.cause, BadInputError | online.SkillInputError):
+            typer.echo(f"error: {failed.cause}", err=True)
+            raise typer.Exit(int(ExitCode.BAD_INPUT)) from None
+        typer.echo(f"error: {type(failed.cause).__name__}: {failed.cause}", err=True)
+        raise typer.Exit(int(ExitCode.EPISODES_FAILED)) from None
+    typer.echo(online.format_summary(result))
+    log_round(result)
+    raise typer.Exit(result.exit_code)
+
+
+@skills_app.command("watch")
+def skills_watch(
+    online_config: Path = typer.Argument(..., metavar="ONLINE.yaml", help="Training round, current bank, output, models."),
+    poll_seconds: float = typer.Option(5.0, "--poll-seconds", min=0.05, help="Seconds between two looks at the triage."),
+    stop_file: Path | None = typer.Option(None, "--stop-file", help="Stop once this file exists."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Analyse new triage files while training runs, until SIGTERM, SIGINT or the stop file
+    (exit 0). Then run skills analyze to drain the rest and compile the pool."""
+    setup_logging(quiet, verbose)
+    online = import_part("shopsimrl.research.skills.online", "research")
+    config = online.load_online_config(online_config)
+    result = online.watch(config, poll_seconds=poll_seconds, stop_file=stop_file, echo=typer.echo)
+    typer.echo(
+        f"watch stopped ({result.stopped_by}) after {result.polls} polls: "
+        f"{result.analysed} retries analysed, {result.errors} ANALYST_ERROR"
+    )
+
+
+def _skills_tracking(config: Any, names: list[str] | None) -> Any:
+    """SKILLS.yaml's ``tracking:`` block (its ``dir`` relative to the file) with --track added."""
+    from shopsimrl.config import TrackingSection
+
+    tracking_settings(names)  # an unknown --track name exits 2 before anything runs
+    block = config.tracking if config.tracking is not None else TrackingSection()
+    settings = block.with_trackers(list(names or ()))
+    if not settings.backends:
+        return None
+    if settings.dir is not None:
+        settings = settings.model_copy(update={"dir": str(config.resolve(settings.dir))})
+    return settings
+
+
+DRAFT_DIR = typer.Argument(..., metavar="DRAFT_DIR", help="The folder `skills build` wrote the draft to.")
+
+
+@skills_app.command("review")
+def skills_review(
+    draft_dir: Path = DRAFT_DIR,
+    accept: list[str] | None = typer.Option(None, "--accept", metavar="ID", help="Accept this chunk (repeatable)."),
+    reject: list[str] | None = typer.Option(None, "--reject", metavar="ID", help="Reject this chunk (repeatable)."),
+    reviewer: str | None = typer.Option(None, "--reviewer", help="Who decides (required without --file)."),
+    note: str = typer.Option("", "--note", help="Why: kept with every decision of this call."),
+    review_file: Path | None = typer.Option(
+        None, "--file", metavar="REVIEW.yaml", help="Decisions from a file: reviewer, decisions."
+    ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Accept or reject chunks of a compiled draft: each decision (reviewer, note, time) is
+    appended to DRAFT_DIR/skill_review.jsonl; the latest one of a chunk counts."""
+    setup_logging(quiet, verbose)
+    snapshot = import_part("shopsimrl.research.skills.snapshot", "research")
+    decisions = [(i, "accepted", note) for i in accept or []] + [(i, "rejected", note) for i in reject or []]
+    if review_file is not None:
+        if decisions or reviewer is not None:
+            raise BadInputError("--file carries its reviewer and decisions: give no --accept, --reject or --reviewer with it")
+        reviewer, decisions = snapshot.load_review_file(review_file)
+    if reviewer is None:
+        raise BadInputError("--reviewer: required (who decides)")
+    rows = snapshot.review(draft_dir, decisions, reviewer)
+    for chunk_id, status in snapshot.review_status(draft_dir).items():
+        typer.echo(f"{chunk_id:32} {status['status']:10} {status['reviewer'] or ''}")
+    typer.echo(f"{len(rows)} decisions appended to {draft_dir / snapshot.REVIEW_NAME}")
+
+
+@skills_app.command("snapshot")
+def skills_snapshot(
+    draft_dir: Path = DRAFT_DIR,
+    out: Path | None = typer.Option(None, "--out", help="Where (default: DRAFT_DIR/skillbank.snapshot.json)."),
+    selected: Path | None = typer.Option(
+        None, "--selected", metavar="BANK", help="A gate's selected_skillbank.json: freeze its chunks."
+    ),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Freeze the reviewed draft as an immutable, content-addressed skillbank.snapshot.json:
+    accepted chunks enabled. Exit 2: another snapshot is at that path (never overwritten)."""
+    setup_logging(quiet, verbose)
+    snapshot = import_part("shopsimrl.research.skills.snapshot", "research")
+    result = snapshot.freeze_snapshot(draft_dir, out, selected=selected)
+    document = result.snapshot
+    what = "written" if result.written else "already there (identical; nothing written)"
+    typer.echo(f"snapshot {document['snapshot_id']} ({document['stage']}) {what}: {result.path}")
+    typer.echo(f"enabled   {', '.join(result.enabled)}")
+    if result.unreviewed:
+        typer.echo(f"unreviewed (recorded, not enabled): {', '.join(result.unreviewed)}", err=True)

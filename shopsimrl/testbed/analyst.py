@@ -20,6 +20,11 @@ It answers the tool the request offers (the skill builder forces one per call; s
   clusters carrying it, e.g. one per batch, together), its procedure carrying the marker so the
   rendered chunk does, with an ASCII title so the chunk id reads well; a cluster without a
   marker is evidence-only.
+- ``submit_online_candidates`` (``{max_candidates, current_skills, historical_candidates,
+  cards}``): one candidate per marker the failure cards' deployable parts carry: a REWRITE of
+  the current chunk whose content carries the marker, else an ADD; a marker some historical
+  candidate of the same operation and target already carried gives no candidate (its cards are
+  evidence-only, as is a card without a marker).
 
 - ``submit_failure_card`` (``{analysis_contract, failed_trace_and_privileged_gold,
   fresh_live_session}``, the page's tools offered too): it plays the live session from the
@@ -49,9 +54,23 @@ import orjson
 from shopsimrl.testbed.heuristics_pages import BUY, NEXT, PREV, extract_keywords, norm, price_low
 from shopsimrl.testbed.heuristics_skills import BUY_FIRST, CHOOSE_OPTIONS
 
-__all__ = ["ANALYST_TOOLS", "analyst_reply", "clusters_of", "failure_step_of", "initial_skill_of", "success_cards_of"]
+__all__ = [
+    "ANALYST_TOOLS",
+    "analyst_reply",
+    "clusters_of",
+    "failure_step_of",
+    "initial_skill_of",
+    "online_candidates_of",
+    "success_cards_of",
+]
 
-ANALYST_TOOLS: Final = ("submit_success_cards", "submit_clusters", "submit_initial_skill", "submit_failure_card")
+ANALYST_TOOLS: Final = (
+    "submit_success_cards",
+    "submit_clusters",
+    "submit_initial_skill",
+    "submit_failure_card",
+    "submit_online_candidates",
+)
 FAILURE_TOOL: Final = "submit_failure_card"
 _CLICK = re.compile(r"^\s*click\[(.*)\]\s*$", re.S)
 _BUY = "buy now"
@@ -222,6 +241,44 @@ def initial_skill_of(data: dict[str, Any]) -> dict[str, Any]:
     return {"skill_title": "测试环境购物技能", "chunks": chunks, "evidence_only_cluster_ids": evidence_only}
 
 
+def online_candidates_of(data: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``submit_online_candidates``: one candidate per marker, every card once."""
+    groups: dict[str, list[str]] = {}
+    evidence_only = []
+    for card in _list(data.get("cards")):
+        marker = _marker_of(_map(card))
+        card_id = str(_map(card).get("card_id"))
+        if marker is None:
+            evidence_only.append(card_id)
+        else:
+            groups.setdefault(marker, []).append(card_id)
+    current = [_map(skill) for skill in _list(data.get("current_skills"))]
+    history = [_map(item) for item in _list(data.get("historical_candidates"))]
+    limit = data.get("max_candidates")
+    candidates: list[dict[str, Any]] = []
+    for marker in _ORDER:
+        if marker not in groups:
+            continue
+        active = next((str(s.get("skill_id")) for s in current if marker in str(s.get("content") or "")), None)
+        operation = "ADD" if active is None else "REWRITE"
+        proposed = any(
+            marker in str(h.get("content") or "") and h.get("operation") == operation and h.get("target_chunk_id") == active
+            for h in history
+        )
+        if proposed or (isinstance(limit, int) and len(candidates) >= limit):
+            evidence_only.extend(groups[marker])
+            continue
+        text = _LESSONS[marker]
+        keys = ("workflow_stage", "applicable_when", "procedure", "verification", "common_failure")
+        title = text["title"] if active is None else f"{text['title']} (revised)"
+        candidates.append(
+            {"operation": operation, "target_chunk_id": active, "title": title}
+            | {key: text[key] for key in keys}
+            | {"failure_mechanism": text["common_failure"], "evidence_card_ids": groups[marker]}
+        )
+    return {"candidates": candidates, "evidence_only_card_ids": evidence_only}
+
+
 # --------------------------------------------------------------------------- the failure flow
 
 _FAILURE_TEXT: Final = {
@@ -381,6 +438,7 @@ _ANSWERS: Final = {
     "submit_success_cards": success_cards_of,
     "submit_clusters": clusters_of,
     "submit_initial_skill": initial_skill_of,
+    "submit_online_candidates": online_candidates_of,
 }
 
 

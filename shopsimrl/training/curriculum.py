@@ -1,7 +1,9 @@
 """The group-consistent skill curriculum: which chunks of a gate-selected bank each GRPO group gets.
 
 A curriculum state is built once per training round from a gate-selected skill bank (every enabled
-record carries the gate's ``metadata.estimated_effect``) and frozen as one JSON document::
+record carries the gate's ``metadata.estimated_effect``), or a skill bank snapshot of one (``skills
+snapshot --selected``: read as the bank it carries, its content address checked), and frozen as
+one JSON document::
 
     {"schema_version": "shopsimrl-skill-curriculum-v1", "created_at": "…",
      "round_id": "round-001", "seed": 20260901, "skill_free_probability": 0.2,
@@ -383,6 +385,8 @@ def _read_bank(path: Path) -> _Bank:
         bank = JsonSkillBank(path, document=document)
     except SkillBankError as exc:
         raise CurriculumError(str(exc)) from None
+    if bank.snapshot_id is not None:  # a skill bank snapshot: its records are those of the bank it carries
+        document = document["bank"]
     records = [(index, record) for index, record in enumerate(document["skills"]) if record.get("enabled", True) is not False]
     return _Bank(path=path, sha256=bank.identity()["bank_sha256"], records=records)
 

@@ -15,10 +15,21 @@ import pytest
 
 from shopsimrl.testbed.serving import running_server
 from tests.openai_stub import OpenAIStub
-from tests.sharded.conftest import S3_TEST_ENV, Backend, _make_bucket, cli, moto_endpoint, testbed, worker_env, write_config
+from tests.sharded.conftest import (
+    S3_TEST_ENV,
+    Backend,
+    _make_bucket,
+    cli,
+    moto_endpoint,
+    s3_server,
+    seaweedfs_endpoint,
+    testbed,
+    worker_env,
+    write_config,
+)
 from tests.testbed_process import LocalTestbed, start_testbed
 
-__all__ = ["moto_endpoint", "testbed"]  # session fixtures shared with the sharded tests
+__all__ = ["moto_endpoint", "s3_server", "seaweedfs_endpoint", "testbed"]  # fixtures shared with the sharded tests
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -28,7 +28,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def test_skills_demo_builds_a_draft_whose_chunks_gate_a_signs_as_known(tmp_path: Path) -> None:
-    for part in ("scripts/skills-demo.sh", "scripts/skills-demo-figures.py"):
+    for part in ("scripts/skills-demo.sh", "scripts/skills-demo-figures.py", "scripts/lib/testbed.sh"):
         (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / part, tmp_path / part)
     shutil.copytree(REPO / "configs" / "skills_demo", tmp_path / "configs" / "skills_demo")

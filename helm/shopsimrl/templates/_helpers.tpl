@@ -130,6 +130,18 @@ Usage: include "shopsimrl.parseConfig" (dict "ctx" . "out" $out)
 {{- if not (kindIs "invalid" $v.run.inlineSkillsFile) -}}
 {{- fail "run.inlineSkillsFile: a judge reads frozen traces, it takes no skill bank" -}}
 {{- end -}}
+{{- else if eq $v.mode "skills" -}}
+{{- range $key := list "experiment" "analyst_model" -}}
+{{- if not (hasKey $cfg $key) -}}
+{{- fail (printf "config.%s: missing; in skills mode config is a skills config (SKILLS.yaml: experiment, analyst_model)" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $v.run.inlineSplitFile) -}}
+{{- fail "run.inlineSplitFile: the skill analysts read frozen traces, they take no split file" -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $v.run.inlineSkillsFile) -}}
+{{- fail "run.inlineSkillsFile: the skill analysts read frozen traces, they take no skill bank" -}}
+{{- end -}}
 {{- else if not (kindIs "map" (get $cfg "tasks")) -}}
 {{- fail "config.tasks: missing; the experiment config needs tasks.split_file and tasks.split" -}}
 {{- $cfg = dict "tasks" (dict) -}}
@@ -347,14 +359,15 @@ Usage: include "shopsimrl.envBaseUrl" .
 {{- end -}}
 
 {{/*
-Name of the environment variable carrying the model API key.
+Name of the environment variable carrying the model API key (skills mode: the analyst's).
 Usage: include "shopsimrl.apiKeyEnv" .
 */}}
 {{- define "shopsimrl.apiKeyEnv" -}}
 {{- $fromConfig := "" -}}
 {{- $cfg := fromYaml (include "shopsimrl.configYaml" .) -}}
-{{- if kindIs "map" (get $cfg "model") -}}
-{{- $fromConfig = get (get $cfg "model") "api_key_env" | default "" -}}
+{{- $section := ternary "analyst_model" "model" (eq .Values.mode "skills") -}}
+{{- if kindIs "map" (get $cfg $section) -}}
+{{- $fromConfig = get (get $cfg $section) "api_key_env" | default "" -}}
 {{- end -}}
 {{- .Values.model.apiKey.envName | default $fromConfig | default "OPENAI_API_KEY" -}}
 {{- end -}}
@@ -420,10 +433,11 @@ Usage: include "shopsimrl.serviceEnv" .
 - name: SHOPSIMRL_LOG_FORMAT
   value: {{ .Values.worker.logFormat | quote }}
 {{- with include "shopsimrl.modelBaseUrl" . }}
-- name: {{ ternary "SHOPSIMRL_JUDGE_BASE_URL" "SHOPSIMRL_MODEL_BASE_URL" (eq $.Values.mode "judge") }}
+- name: {{ get (dict "judge" "SHOPSIMRL_JUDGE_BASE_URL" "skills" "SHOPSIMRL_ANALYST_BASE_URL") $.Values.mode | default "SHOPSIMRL_MODEL_BASE_URL" }}
   value: {{ . | quote }}
 {{- end }}
-{{- with and (ne $.Values.mode "judge") (include "shopsimrl.envBaseUrl" .) }}
+{{- /* skills: the failure analyst's live sessions need the shop as much as a rollout does. */}}
+{{- with and (has $.Values.mode (list "rollout" "skills")) (include "shopsimrl.envBaseUrl" .) }}
 - name: SHOPSIMRL_ENV_BASE_URL
   value: {{ . | quote }}
 {{- end }}
@@ -660,8 +674,8 @@ Usage: include "shopsimrl.validate" .
 {{- define "shopsimrl.validate" -}}
 {{- include "shopsimrl.refuseCredentials" . -}}
 {{- if .Values.jobSet.enabled -}}
-{{- if eq .Values.mode "judge" -}}
-{{- fail "jobSet.enabled runs rollouts only: a judge release (mode: judge) uses the plain Jobs; set jobSet.enabled false" -}}
+{{- if ne .Values.mode "rollout" -}}
+{{- fail (printf "jobSet.enabled runs rollouts only: a %s release (mode: %s) uses the plain Jobs; set jobSet.enabled false" .Values.mode .Values.mode) -}}
 {{- end -}}
 {{- if and .Values.reducer.enabled .Values.reducer.watchWorkerJob -}}
 {{- fail "reducer.watchWorkerJob has no use with jobSet.enabled: the JobSet creates the reducer only once every worker index has succeeded; set it false" -}}
@@ -706,8 +720,15 @@ Usage: include "shopsimrl.validate" .
 {{- if and (eq .Values.mode "judge") .Values.readiness.enabled -}}
 {{- /* Nothing to fail: readiness probes rollouts' services; the judge worker has no init container. */ -}}
 {{- end -}}
-{{- $slots := ternary "" (include "shopsimrl.shopSlots" .) (eq .Values.mode "judge") -}}
-{{- if $slots -}}
+{{- $slots := ternary "" (include "shopsimrl.shopSlots" .) (not (has .Values.mode (list "rollout" "skills"))) -}}
+{{- if and $slots (eq .Values.mode "skills") -}}
+{{- /* A skills worker is one process with up to experiment.concurrency live sessions (the failure analyst's), each holding a lease. */ -}}
+{{- $pods := int (include "shopsimrl.podsAtOnce" .) -}}
+{{- $concurrency := int (include "shopsimrl.configConcurrency" .) -}}
+{{- if gt (mul $pods $concurrency) (int $slots) -}}
+{{- fail (printf "%d worker pods at once × config experiment.concurrency %d = %d live sessions of the failure analyst exceed the %s ShopSimulator slots (%s): raise the slots, lower experiment.concurrency, or set job.parallelism" $pods $concurrency (mul $pods $concurrency) $slots (include "shopsimrl.shopSlotsKey" .)) -}}
+{{- end -}}
+{{- else if $slots -}}
 {{- $pods := int (include "shopsimrl.podsAtOnce" .) -}}
 {{- $loops := int .Values.worker.processes -}}
 {{- $concurrency := int (include "shopsimrl.concurrency" .) -}}
@@ -745,12 +766,22 @@ Episodes in flight per worker: worker.concurrency, else the config's experiment.
 {{- if not (kindIs "invalid" .Values.worker.concurrency) -}}
 {{- .Values.worker.concurrency -}}
 {{- else -}}
+{{- include "shopsimrl.configConcurrency" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The config's experiment.concurrency, else 1 (a skills worker reads only this: SKILLS.yaml's
+default is 4, so a skills config that leaves it out counts 4).
+*/}}
+{{- define "shopsimrl.configConcurrency" -}}
 {{- $experiment := get (fromYaml (include "shopsimrl.configYaml" .)) "experiment" -}}
 {{- if and (kindIs "map" $experiment) (hasKey $experiment "concurrency") -}}
 {{- get $experiment "concurrency" -}}
+{{- else if eq .Values.mode "skills" -}}
+4
 {{- else -}}
 1
-{{- end -}}
 {{- end -}}
 {{- end -}}
 

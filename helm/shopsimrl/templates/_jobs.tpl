@@ -32,7 +32,7 @@ podFailurePolicy:
     # Retrying these can never succeed (2: bad input, 42: run exists with another fingerprint).
     # A rule names one container, and wait-ready reads the same config: it exits 2 on the same
     # bad input before the worker ever starts, so it gets the same rule.
-    {{- range $name := ternary (list "wait-ready" "worker") (list "worker") $.Values.readiness.enabled }}
+    {{- range $name := ternary (list "wait-ready" "worker") (list "worker") (and $.Values.readiness.enabled (ne $.Values.mode "skills")) }}
     - action: FailIndex
       onExitCodes:
         containerName: {{ $name }}
@@ -92,7 +92,8 @@ template:
     affinity:
       {{- toYaml . | nindent 6 }}
     {{- end }}
-    {{- if .Values.readiness.enabled }}
+    {{- /* skills mode: no readiness wait; an analyst that does not answer ends in error records and the index's retry. */}}
+    {{- if and .Values.readiness.enabled (ne .Values.mode "skills") }}
     initContainers:
       # Bounded wait for the model to list the served model and ShopSimulator to be ready
       # (judge mode: the judge model only); exits 3 with a named reason on timeout instead of
@@ -141,6 +142,12 @@ template:
           - worker
           - $(SHOPSIMRL_CONFIG)
           - --out
+          - $(SHOPSIMRL_RUN)
+          {{- else if eq .Values.mode "skills" }}
+          - skills
+          - worker
+          - $(SHOPSIMRL_CONFIG)
+          - --run
           - $(SHOPSIMRL_RUN)
           {{- else }}
           - worker
@@ -245,6 +252,13 @@ template:
         args:
           {{- if eq .Values.mode "judge" }}
           - judge
+          - reduce
+          - $(SHOPSIMRL_RUN)
+          - --wait
+          - --timeout
+          - {{ .Values.reducer.timeoutSeconds | quote }}
+          {{- else if eq .Values.mode "skills" }}
+          - skills
           - reduce
           - $(SHOPSIMRL_RUN)
           - --wait

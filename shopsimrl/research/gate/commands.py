@@ -266,6 +266,8 @@ def _manifest(frozen: FrozenGate, location: str, status: str, summary: dict[str,
     if frozen.draft is not None:
         protocol |= {"mask_probability": frozen.assignment_core["mask_probability"], "selection": "strictly_positive_top_k"}
         inputs: dict[str, Any] = {"draft_sha256": frozen.draft.sha256}
+        if frozen.draft.snapshot_id is not None:
+            inputs["skillbank_snapshot_id"] = frozen.draft.snapshot_id
     else:
         assert frozen.pool is not None
         protocol |= {

@@ -4,7 +4,10 @@ Gate A reads the earlier implementation's pair of files: ``initial_skill_draft.j
 (``shopsimrl-initial-skill-draft-v2``: ``chunks`` with ``chunk_id``, ``order`` 1…n, ``title``;
 ``active_skill_budget``, ``skill_title``) and the draft skill bank beside it
 (``shopsimrl-skillbank-v1`` holding the same ids in the same order, every one global and marked
-``metadata.draft_only: true``).
+``metadata.draft_only: true``). ``draft_path`` may instead name a skill bank snapshot
+(``shopsimrl skills snapshot``, ``shopsimrl-skillbank-snapshot-v1``) of a draft: its content
+address is checked, and it carries both the draft of its enabled (accepted) chunks and their bank,
+so the bank path is not read.
 
 The online gate reads a candidate pool (``shopsimrl-skill-candidate-pool-v1``: ``current_skills``,
 ``candidates`` with ``candidate_id``, ``operation`` ADD or REWRITE, ``target_chunk_id`` for a
@@ -22,7 +25,7 @@ from typing import Any, Final, TypeGuard
 
 from shopsimrl.research.gate.masks import Slot
 from shopsimrl.schemas import fingerprint
-from shopsimrl.skills import JsonSkillBank, SkillBankError
+from shopsimrl.skills import SNAPSHOT_SCHEMA_VERSION, JsonSkillBank, SkillBankError, unwrap_snapshot
 
 __all__ = [
     "CANDIDATE_POOL_SCHEMA_VERSION",
@@ -75,6 +78,8 @@ class GateADraft:
     budget: int
     history: list[dict[str, Any]] = field(default_factory=list)
     """The proposal ledger beside the draft, if any."""
+    snapshot_id: str | None = None
+    """Read from a skill bank snapshot: its content address (recorded in the gate's protocol)."""
 
     @property
     def chunk_ids(self) -> list[str]:
@@ -109,6 +114,19 @@ def _read(path: Path, what: str) -> Any:
 
 def load_gate_a_draft(draft_path: Path, bank_path: Path, budget: int | None) -> GateADraft:
     draft = _read(draft_path, "the skill draft")
+    bank_document: Any = None
+    snapshot_id = None
+    if isinstance(draft, dict) and draft.get("schema_version") == SNAPSHOT_SCHEMA_VERSION:
+        try:
+            bank_document = unwrap_snapshot(draft_path, draft)
+        except SkillBankError as exc:
+            raise DraftError(str(exc)) from None
+        if draft.get("stage") != "draft" or not isinstance(draft.get("draft"), dict):
+            raise DraftError(
+                f"{draft_path}: a snapshot of stage {draft.get('stage')!r} holds no draft; Gate A measures a snapshot "
+                "frozen from a draft (`skills snapshot DRAFT_DIR` without --selected)"
+            )
+        snapshot_id, draft, bank_path = str(draft["snapshot_id"]), draft["draft"], draft_path
     if not isinstance(draft, dict) or draft.get("schema_version") != DRAFT_SCHEMA_VERSION:
         version = draft.get("schema_version") if isinstance(draft, dict) else None
         raise DraftError(f"{draft_path}: schema_version is {version!r}; Gate A reads a {DRAFT_SCHEMA_VERSION} draft")
@@ -126,7 +144,7 @@ def load_gate_a_draft(draft_path: Path, bank_path: Path, budget: int | None) -> 
             raise DraftError(f"{draft_path}: chunks[{index}].order must be {index + 1} (contiguous, in list order)")
         ids.append(chunk_id)
     try:
-        bank = JsonSkillBank(bank_path)
+        bank = JsonSkillBank(bank_path, document=bank_document)
     except SkillBankError as exc:
         raise DraftError(str(exc)) from None
     entries = bank.entries
@@ -159,7 +177,8 @@ def load_gate_a_draft(draft_path: Path, bank_path: Path, budget: int | None) -> 
         )
         for index, ((skill, _), chunk) in enumerate(zip(entries, chunks, strict=True))
     ]
-    return GateADraft(draft, fingerprint(draft), columns, budget, _ledger(draft_path.with_name("proposal_ledger.jsonl")))
+    ledger = _ledger(draft_path.with_name("proposal_ledger.jsonl"))
+    return GateADraft(draft, fingerprint(draft), columns, budget, ledger, snapshot_id)
 
 
 # --------------------------------------------------------------------------- the online pool

@@ -212,6 +212,7 @@ def freeze(spec: GateSpec, settings: WorkerSettings | None = None) -> FrozenGate
         "active_skill_budget": budget,
         "bare_baseline": baseline.frozen(),
         **({"draft_sha256": draft.sha256, "mask_probability": MASK_PROBABILITY} if draft else {}),
+        **({"skillbank_snapshot_id": draft.snapshot_id} if draft and draft.snapshot_id else {}),
         **({"pool_sha256": pool.sha256, "rewrite_treatment": "mutually_exclusive_absent_old_new"} if pool else {}),
     }
     skill_document = {

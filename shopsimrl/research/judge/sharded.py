@@ -15,8 +15,8 @@ the parts of the markers that verify. At a judge location (a directory or any fs
     judge_summary.json                 written by the reducer
 
 The planner reads the run once; workers read only their inputs. A worker resumes its shard: the
-records of every part already there (a killed predecessor's too) count as done when their
-status is ``ok`` or ``unparseable``. It writes a part every ``flush_every`` verdicts, commits
+records of every whole part already there (a killed predecessor's too) count as done when
+their status is ``ok`` or ``unparseable``; a part cut short is not trusted. It writes a part every ``flush_every`` verdicts, commits
 when its inputs are done, and exits 1 when some episodes ended in ``error`` (the Indexed Job's
 per-index retry judges them again). At SIGTERM/SIGINT it cancels the calls in flight, writes the
 verdicts it holds as a part, and exits 3 (retryable) without a marker: the next pod of the index
@@ -58,7 +58,20 @@ from shopsimrl.storage.sharded import (
     part_lines,
 )
 
-__all__ = ["JUDGE_PLAN_VERSION", "JudgePlan", "JudgePlanError", "judge_status", "plan_judge", "reduce_judge", "run_judge_worker"]
+__all__ = [
+    "JUDGE_PLAN_VERSION",
+    "JudgePlan",
+    "JudgePlanError",
+    "committed_parts",
+    "freeze_shard_inputs",
+    "judge_status",
+    "part_records",
+    "plan_judge",
+    "reduce_judge",
+    "run_judge_worker",
+    "scan_parts",
+    "stream_inputs",
+]
 
 log = structlog.get_logger("shopsimrl.research.judge.sharded")
 
@@ -74,14 +87,16 @@ def _inputs_name(index: int) -> str:
     return f"inputs/{index:05d}.jsonl.zst"
 
 
-def _records(name: str, data: bytes) -> Iterator[dict[str, Any]]:
+def part_records(name: str, data: bytes) -> Iterator[dict[str, Any]]:
+    """The JSON object lines of a stored part (the skill builder's sharded stage reads its
+    parts the same way); a torn tail yields nothing."""
     lines, _whole = part_lines(name, data)
     for raw in lines.split(b"\n"):
         if raw.strip():
             try:
                 record = parse_json_exact(raw)
             except ValueError:
-                continue  # a torn tail of a part cut short: its episodes are judged again
+                continue  # a torn tail of a part cut short: its episodes are done again
             if isinstance(record, dict):
                 yield record
 
@@ -127,6 +142,36 @@ def _encoded_shard(spool: IO[bytes], spans: list[tuple[int, int]]) -> bytes:
     return b"".join(chunks)
 
 
+def freeze_shard_inputs(
+    store: ShardedRunStore, lines: Iterable[tuple[str, bytes]], shards: int
+) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """Write one input object per shard (``inputs/NNNNN.jsonl.zst``, create-only) from
+    ``(episode id, JSON line)`` pairs, streamed: round-robin over the episode ids in sorted
+    order. Returns the shard map and each input's ``name``, ``sha256``, ``records`` and
+    ``ids_sha256``."""
+    with tempfile.TemporaryFile("w+b") as spool:
+        # One line per episode in a spool, its span kept: memory holds ids and offsets only.
+        spans: dict[str, tuple[int, int]] = {}
+        for episode_id, body in lines:
+            line = body + b"\n"
+            spans[episode_id] = (spool.tell(), len(line))
+            spool.write(line)
+        if shards < 1 or shards > max(1, len(spans)):
+            raise ShardMapError(f"--shards {shards}: choose 1 to {max(1, len(spans))} (the episodes selected)")
+        ordered = sorted(spans)
+        shard_map, inputs = [], []
+        for index in range(shards):
+            ids = ordered[index::shards]
+            data = _encoded_shard(spool, [spans[episode] for episode in ids])
+            if not store.create(_inputs_name(index), data):
+                raise ShardMapError(f"{store.display_uri}/{_inputs_name(index)} holds other inputs; use another location")
+            shard_map.append(ids)
+            inputs.append(
+                {"name": _inputs_name(index), "sha256": sha256_hex(data), "records": len(ids), "ids_sha256": fingerprint(ids)}
+            )
+    return shard_map, inputs
+
+
 def plan_judge(
     config: JudgeConfig, rubric: Rubric, rubric_text: str, run: Run, uri: str, shards: int, selected: Iterable[dict[str, Any]]
 ) -> JudgePlan:
@@ -142,32 +187,13 @@ def plan_judge(
         if plan.shards != shards:
             raise ShardMapError(f"{store.display_uri} is frozen with {plan.shards} shards, not {shards}")
         return plan
-    with tempfile.TemporaryFile("w+b") as spool:
-        # One line per episode in a spool, its span kept: memory holds ids and offsets only.
-        spans: dict[str, tuple[int, int]] = {}
-        for item in selected:
-            line = json_bytes(item) + b"\n"
-            spans[str(item["episode_id"])] = (spool.tell(), len(line))
-            spool.write(line)
-        if shards < 1 or shards > max(1, len(spans)):
-            raise ShardMapError(f"--shards {shards}: choose 1 to {max(1, len(spans))} (the episodes selected)")
-        ordered = sorted(spans)
-        shard_map, inputs = [], []
-        for index in range(shards):
-            ids = ordered[index::shards]
-            data = _encoded_shard(spool, [spans[episode] for episode in ids])
-            if not store.create(_inputs_name(index), data):
-                raise ShardMapError(f"{store.display_uri}/{_inputs_name(index)} holds other inputs; use another location")
-            shard_map.append(ids)
-            inputs.append(
-                {"name": _inputs_name(index), "sha256": sha256_hex(data), "records": len(ids), "ids_sha256": fingerprint(ids)}
-            )
+    shard_map, inputs = freeze_shard_inputs(store, ((str(item["episode_id"]), json_bytes(item)) for item in selected), shards)
     document = {
         "judge_plan_version": JUDGE_PLAN_VERSION,
         "created_at": datetime.now(UTC).isoformat(),
         **header,
         "rubric_text": rubric_text,
-        "selected": len(ordered),
+        "selected": sum(len(ids) for ids in shard_map),
         "flush_every": config.flush_every,
         "shard_map": shard_map,
         "inputs": inputs,
@@ -180,7 +206,7 @@ def plan_judge(
     return JudgePlan(document)
 
 
-def _stream_inputs(data: bytes) -> Iterator[dict[str, Any]]:
+def stream_inputs(data: bytes) -> Iterator[dict[str, Any]]:
     """A shard's judge inputs, decompressed line by line."""
     reader = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)))
     for raw in reader:
@@ -188,8 +214,12 @@ def _stream_inputs(data: bytes) -> Iterator[dict[str, Any]]:
             yield parse_json_exact(raw)
 
 
-def _scan(store: ShardedRunStore, index: int) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], int]:
-    """(done records by episode id, part entries of whole parts, next sequence number)."""
+def scan_parts(
+    store: ShardedRunStore, index: int, is_done: Callable[[dict[str, Any]], bool] = judged
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], int]:
+    """(done records by episode id, part entries of whole parts, next sequence number) of the
+    parts already in shard ``index`` (a killed predecessor's too); ``is_done``: which records
+    count as done."""
     done: dict[str, dict[str, Any]] = {}
     entries, next_seq = [], 0
     for name in store.list_shard(index).parts:
@@ -198,11 +228,12 @@ def _scan(store: ShardedRunStore, index: int) -> tuple[dict[str, dict[str, Any]]
         if data is None:
             continue
         _lines, whole = part_lines(name, data)
-        records = list(_records(name, data))
-        if whole:
-            entries.append(part_entry(name, data, len(records)))
+        records = list(part_records(name, data))
+        if not whole:
+            continue  # a torn part is not trusted: no marker lists it, so its episodes are done again
+        entries.append(part_entry(name, data, len(records)))
         for record in records:
-            if judged(record):
+            if is_done(record):
                 done.setdefault(str(record["episode_id"]), record)
     return done, entries, next_seq
 
@@ -234,8 +265,8 @@ def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
     if data is None or sha256_hex(data) != spec["sha256"]:
         raise JudgePlanError(f"{store.display_uri}/{spec['name']} is missing or differs from the plan")
     writer = secrets.token_hex(4)
-    done, entries, seq = _scan(store, index)
-    todo = (item for item in _stream_inputs(data) if str(item["episode_id"]) not in done)
+    done, entries, seq = scan_parts(store, index)
+    todo = (item for item in stream_inputs(data) if str(item["episode_id"]) not in done)
     log.info("judge_shard_started", shard=index, episodes=spec["records"], already_judged=len(done), writer=writer)
     buffer: list[bytes] = []
     errors = 0
@@ -297,13 +328,20 @@ class ReduceResult:
 
 
 def _committed(store: ShardedRunStore, plan: JudgePlan, index: int) -> list[tuple[str, bytes]] | None:
-    """The shard's committed parts (union over the markers that verify), None without one."""
     spec = plan.document["inputs"][index]
+    return committed_parts(store, index, plan_fingerprint=plan.fingerprint, ids_sha256=spec["ids_sha256"])
+
+
+def committed_parts(
+    store: ShardedRunStore, index: int, *, plan_fingerprint: str, ids_sha256: str
+) -> list[tuple[str, bytes]] | None:
+    """The shard's committed parts (union over the markers that verify: this plan and shard
+    map, every listed part present with its sha256), None without one."""
     cache: dict[str, bytes | None] = {}
     names: dict[str, None] = {}
     verified = False
     for marker_name, marker in store.read_markers(index):
-        problem = marker_problem(marker, index=index, plan_fingerprint=plan.fingerprint, episode_ids_sha256=spec["ids_sha256"])
+        problem = marker_problem(marker, index=index, plan_fingerprint=plan_fingerprint, episode_ids_sha256=ids_sha256)
         if problem is not None or not isinstance(marker, ShardMarker):
             log.warning("marker_ignored", shard=index, marker=marker_name, reason=problem)
             continue
@@ -401,7 +439,7 @@ def reduce_judge(uri: str, *, wait_s: float | None = None) -> ReduceResult:
             missing.append(index)
             continue
         for name, data in parts:
-            for record in _records(name, data):
+            for record in part_records(name, data):
                 episode = str(record["episode_id"])
                 held = chosen.get(episode)
                 if held is None or (not judged(held) and judged(record)):

@@ -60,15 +60,23 @@ __all__ = [
     "AnalystConfig",
     "FailureChannel",
     "SkillInputError",
+    "analyse_success",
+    "analysis_summary",
     "analyst_identity",
     "append_record",
+    "cards_bytes",
+    "current_cards",
     "cut_torn_tail",
     "input_fingerprint",
     "latest_traces",
     "plain_settings",
+    "r_success",
     "read_analyses",
     "run_success_analysis",
     "settings_identity",
+    "success_tool",
+    "summary_block",
+    "summary_bytes",
 ]
 
 log = structlog.get_logger("shopsimrl.research.skills")
@@ -163,7 +171,7 @@ def input_fingerprint(trace: EpisodeTrace, config: AnalystConfig) -> str:
     )
 
 
-def _r_success(trace: EpisodeTrace) -> Any:
+def r_success(trace: EpisodeTrace) -> Any:
     return trace.final.reward_detail.get("r_success") if trace.final is not None else None
 
 
@@ -177,16 +185,23 @@ def latest_traces(path: Path, *, expected: int | None = None) -> list[EpisodeTra
         if record is None:
             raise SkillInputError(f"{path}: record {number} is not a readable trace record")
         latest[record.episode_id] = record
+    return check_train_traces(latest, str(path), expected=expected)
+
+
+def check_train_traces(latest: dict[str, EpisodeTrace], where_from: str, *, expected: int | None) -> list[EpisodeTrace]:
+    """``latest`` (episode id → its record) as a list, each refused (naming ``where_from`` and the
+    episode) unless a completed ``train`` episode with a binary ``r_success``, and their count
+    refused unless ``expected``."""
     for episode, record in latest.items():
-        where = f"{path}: episode {episode}"
+        where = f"{where_from}: episode {episode}"
         if record.status != "completed":
             raise SkillInputError(f"{where}: status is {record.status!r}; the skill builder reads completed episodes only")
         if record.job.split != "train":
             raise SkillInputError(f"{where}: job.split is {record.job.split!r}; skills are built from train episodes only")
-        if _r_success(record) not in (0, 1) or isinstance(_r_success(record), bool):
-            raise SkillInputError(f"{where}: final.reward_detail.r_success is {_r_success(record)!r}, not 0 or 1")
+        if r_success(record) not in (0, 1) or isinstance(r_success(record), bool):
+            raise SkillInputError(f"{where}: final.reward_detail.r_success is {r_success(record)!r}, not 0 or 1")
     if expected is not None and len(latest) != expected:
-        raise SkillInputError(f"{path}: {len(latest)} episodes, but exactly {expected} are expected")
+        raise SkillInputError(f"{where_from}: {len(latest)} episodes, but exactly {expected} are expected")
     return list(latest.values())
 
 
@@ -320,7 +335,7 @@ async def _analyse_all(
     async def one(trace: EpisodeTrace, input_fp: str) -> None:
         nonlocal done, failed
         async with slots:
-            if _r_success(trace) == 1 or failure is None:
+            if r_success(trace) == 1 or failure is None:
                 ok, record = await analyse_success(model, trace, config, input_fp)
             else:
                 ok, record = await failure.analyse(trace, input_fp)
@@ -333,7 +348,7 @@ async def _analyse_all(
                 log.warning("trajectory_analysis_failed", episode_id=trace.episode_id, error=record.get("error"))
 
     try:
-        if failure is not None and any(_r_success(trace) == 0 for trace, _ in todo):
+        if failure is not None and any(r_success(trace) == 0 for trace, _ in todo):
             await failure.open(output_dir, concurrency=config.concurrency)
         await asyncio.gather(*(one(trace, input_fp) for trace, input_fp in todo))
     finally:
@@ -357,10 +372,10 @@ def run_success_analysis(
         if cut_torn_tail(path):
             log.warning("torn_last_line_cut", path=str(path))
     existing = read_analyses(analyses_path)
-    successes = [trace for trace in traces if _r_success(trace) == 1]
-    wanted = [trace for trace in traces if _r_success(trace) == 1 or failure is not None]
+    successes = [trace for trace in traces if r_success(trace) == 1]
+    wanted = [trace for trace in traces if r_success(trace) == 1 or failure is not None]
     fingerprints = {
-        trace.episode_id: input_fingerprint(trace, config) if _r_success(trace) == 1 or failure is None
+        trace.episode_id: input_fingerprint(trace, config) if r_success(trace) == 1 or failure is None
         else failure.input_fingerprint(trace)
         for trace in wanted
     }  # fmt: skip
@@ -377,46 +392,81 @@ def run_success_analysis(
         os.close(analyses)
         os.close(errors)
     current = read_analyses(analyses_path)
-    cards: list[dict[str, Any]] = []
-    missing: list[str] = []
-    for trace in wanted:
-        record = current.get(trace.episode_id)
-        if record is None or record.get("input_fingerprint") != fingerprints[trace.episode_id]:
-            missing.append(trace.episode_id)
-            continue
-        cards.extend(record["cards"])
+    cards, missing = current_cards([(trace.episode_id, fingerprints[trace.episode_id]) for trace in wanted], current)
     with replacing(output_dir / CARDS_NAME) as out:
-        for card in cards:
-            out.write(json_bytes(card) + b"\n")
-    summary = _summary(config, traces, successes, cards, missing, analysed_now, failed_now, failure)
+        out.write(cards_bytes(cards))
+    summary = analysis_summary(
+        summary_block(config),
+        len(traces),
+        len(successes),
+        cards,
+        missing,
+        analysed_now,
+        failed_now,
+        failure.identity() if failure is not None else None,
+    )
     with replacing(output_dir / SUMMARY_NAME) as out:
-        out.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
+        out.write(summary_bytes(summary))
     return summary
 
 
-def _summary(
-    config: AnalystConfig,
-    traces: list[EpisodeTrace],
-    successes: list[EpisodeTrace],
+def current_cards(wanted: list[tuple[str, str]], current: Mapping[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The cards of the current analyses of ``wanted`` ((episode id, input fingerprint) in
+    trace order) and the episodes without one (no record, or one of another input)."""
+    cards: list[dict[str, Any]] = []
+    missing: list[str] = []
+    for episode, input_fp in wanted:
+        record = current.get(episode)
+        if record is None or record.get("input_fingerprint") != input_fp:
+            missing.append(episode)
+            continue
+        cards.extend(record["cards"])
+    return cards, missing
+
+
+def cards_bytes(cards: list[dict[str, Any]]) -> bytes:
+    return b"".join(json_bytes(card) + b"\n" for card in cards)
+
+
+def summary_bytes(summary: dict[str, Any]) -> bytes:
+    return orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+
+
+def summary_block(config: AnalystConfig) -> dict[str, Any]:
+    """The analyst's part of the summary: identity, prompt and tool hashes, limits."""
+    return {
+        "analyst": analyst_identity(config),
+        "prompt_sha256": prompt_sha256(SUCCESS_ANALYST_PROMPT),
+        "tool_sha256": fingerprint(success_tool(config)),
+        "limits": {"max_cards": config.max_cards, "attempts": config.attempts, "concurrency": config.concurrency},
+    }
+
+
+def analysis_summary(
+    block: dict[str, Any],
+    total: int,
+    success: int,
     cards: list[dict[str, Any]],
     missing: list[str],
     analysed_now: int,
     failed_now: int,
-    failure: FailureChannel | None,
+    failure_analyst: dict[str, Any] | None,
 ) -> dict[str, Any]:
+    """``analysis_summary.json``: ``block`` is :func:`summary_block`; ``total`` and ``success``
+    count the trajectories; ``failure_analyst`` is the failure analyst's identity where it ran."""
     findings: dict[str, int] = {}
     for card in cards:
         for finding in card["firewall_findings"]:
             findings[finding["rule"]] = findings.get(finding["rule"], 0) + 1
-    failures = len(traces) - len(successes)
-    analysed_total = len(successes) + (failures if failure is not None else 0)
+    failures = total - success
+    analysed_total = success + (failures if failure_analyst is not None else 0)
     reasons = []
     if missing:
         reasons.append(f"{len(missing)} trajectories have no current analysis (see {ERRORS_NAME})")
-    if failures and failure is None:
+    if failures and failure_analyst is None:
         reasons.append(f"{failures} failed trajectories wait for the failure analyst, which did not run")
-    episodes: dict[str, Any] = {"total": len(traces), "success": len(successes)}
-    episodes["failure" if failure is not None else "failure_pending"] = failures
+    episodes: dict[str, Any] = {"total": total, "success": success}
+    episodes["failure" if failure_analyst is not None else "failure_pending"] = failures
     episodes.update(
         analysed=analysed_total - len(missing),
         analysed_now=analysed_now,
@@ -437,13 +487,10 @@ def _summary(
             "placeholders": sum(1 for card in cards if card["placeholder"]),
         },
         "firewall_findings": dict(sorted(findings.items())),
-        "analyst": analyst_identity(config),
-        "prompt_sha256": prompt_sha256(SUCCESS_ANALYST_PROMPT),
-        "tool_sha256": fingerprint(success_tool(config)),
-        "limits": {"max_cards": config.max_cards, "attempts": config.attempts, "concurrency": config.concurrency},
+        **block,
         "written_at": _now(),
     }
-    if failure is not None:
+    if failure_analyst is not None:
         statuses: dict[str, int] = {}
         forced: dict[str, int] = {}
         for card in cards:
@@ -454,5 +501,5 @@ def _summary(
             for reason in card.get("forced_no_proposal_reasons") or []:
                 forced[reason] = forced.get(reason, 0) + 1
         summary["failure_cards"] = {"status": dict(sorted(statuses.items())), "forced_no_proposal": dict(sorted(forced.items()))}
-        summary["failure_analyst"] = failure.identity()
+        summary["failure_analyst"] = failure_analyst
     return summary

@@ -5,7 +5,7 @@ SKILLS.yaml carries the earlier implementation's keys (``trace2skill_config``); 
 to the file::
 
     experiment:
-      traces: runs/train-qwen35-4b/traces.jsonl   # a local run's traces (required)
+      traces: runs/train-qwen35-4b                # traces.jsonl, a run dir, a sharded run, s3://… (required)
       output_dir: skills/qwen35-4b-initial        # required
       expected_trajectories: 400                  # exactly this many, else refused
       seed: 20260831
@@ -16,6 +16,7 @@ to the file::
     proposal_checkpoint: qwen35-4b-initial
     analyst_model: {name: Qwen/Qwen3.5-27B, base_url: http://127.0.0.1:8001/v1, api_key_env: null}
     compiler_model: null                          # default: the analyst model
+    tracking: {backends: [wandb], mode: offline}  # optional: the stage's figures to W&B / MLflow
 
 Each failed trajectory gets the failure analyst: a live counterfactual session of its task on
 the ShopSimulator at ``environment.base_url`` (:mod:`shopsimrl.research.skills.failure`).
@@ -24,29 +25,48 @@ the ShopSimulator at ``environment.base_url`` (:mod:`shopsimrl.research.skills.f
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shopsimrl.config import read_yaml_mapping
+from shopsimrl.config import ConfigError, TrackingSection, check_environment_url, read_yaml_mapping
 from shopsimrl.environment import ShopSimulatorSettings
 from shopsimrl.model import OpenAICompatibleSettings
+from shopsimrl.research.judge.config import check_judge_url
 from shopsimrl.research.skills.analyst import (
     CARDS_NAME,
     AnalystConfig,
     SkillInputError,
-    latest_traces,
     run_success_analysis,
 )
 from shopsimrl.research.skills.cards import CLUSTERS_TOOL, FAILURE_TOOL, INITIAL_SKILL_TOOL, SUCCESS_TOOL
 from shopsimrl.research.skills.compile import CompilerConfig, compile_skill
 from shopsimrl.research.skills.consolidate import ConsolidatorConfig, read_cards, run_consolidation
 from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
+from shopsimrl.research.skills.inputs import read_train_traces
 from shopsimrl.schemas import sha256_hex
 
-__all__ = ["BuildResult", "SkillsConfig", "build_skills", "format_build", "load_skills_config"]
+__all__ = [
+    "ANALYST_BASE_URL_ENV",
+    "ENVIRONMENT_BASE_URL_ENV",
+    "BuildResult",
+    "SkillsConfig",
+    "analyst_config",
+    "build_skills",
+    "failure_config",
+    "format_build",
+    "load_skills_config",
+]
+
+ANALYST_BASE_URL_ENV = "SHOPSIMRL_ANALYST_BASE_URL"
+"""Overrides ``analyst_model.base_url`` (and the compiler's when it defaults to the analyst): a
+pod reaches the analyst server at an in-cluster address. The URL is no part of a fingerprint."""
+ENVIRONMENT_BASE_URL_ENV = "SHOPSIMRL_ENV_BASE_URL"
+"""Overrides ``environment.base_url``, the variable the runner's workers read: a pod reaches
+ShopSimulator at an in-cluster address. The URL is no part of a fingerprint."""
 
 
 class _Strict(BaseModel):
@@ -157,7 +177,13 @@ class SkillsConfig(_Strict):
     proposal_checkpoint: str = Field("initial", min_length=1)
     analyst_model: ModelSection
     compiler_model: ModelSection | None = None
+    tracking: TrackingSection | None = None
+    """The stage's figures to experiment trackers (``--track`` adds one); never fails the stage."""
     source_path: Path | None = None
+
+    def location(self, value: str) -> str:
+        """A path resolved like :meth:`resolve`, or a URI (``s3://…``) as it is."""
+        return value if "://" in value else str(self.resolve(value))
 
     def resolve(self, value: str) -> Path:
         path = Path(value).expanduser()
@@ -184,12 +210,47 @@ def load_skills_config(path: str | Path) -> SkillsConfig:
             kind = {"extra_forbidden": "unknown key", "missing": "required key is missing"}.get(error["type"], error["msg"])
             problems.append(f"{where}: {kind}")
         raise SkillInputError(f"invalid skills config {path}: " + "; ".join(problems)) from None
+    override = os.environ.get(ANALYST_BASE_URL_ENV)
+    if override:
+        try:
+            check_judge_url(override)
+        except ValueError as exc:
+            raise SkillInputError(f"{ANALYST_BASE_URL_ENV} (overrides analyst_model.base_url of {path}): {exc}") from None
+        config = config.model_copy(update={"analyst_model": config.analyst_model.model_copy(update={"base_url": override})})
+    shop = os.environ.get(ENVIRONMENT_BASE_URL_ENV)
+    if shop:
+        try:
+            check_environment_url(shop)
+        except ConfigError as exc:
+            raise SkillInputError(f"{ENVIRONMENT_BASE_URL_ENV} (overrides environment.base_url of {path}): {exc}") from None
+        config = config.model_copy(update={"environment": config.environment.model_copy(update={"base_url": shop})})
     if config.compilation.active_skill_budget > config.compilation.validation_dimension_cap:
         raise SkillInputError(
             f"invalid skills config {path}: compilation.active_skill_budget ({config.compilation.active_skill_budget}) "
             f"must not exceed compilation.validation_dimension_cap ({config.compilation.validation_dimension_cap})"
         )
     return config
+
+
+def analyst_config(config: SkillsConfig) -> AnalystConfig:
+    """The success analyst's settings of SKILLS.yaml (the local stage and the sharded workers)."""
+    return AnalystConfig(
+        model=config.analyst_model.settings(SUCCESS_TOOL),
+        seed=config.experiment.seed,
+        concurrency=config.experiment.concurrency,
+        max_cards=config.analysis.max_cards_per_trajectory,
+    )
+
+
+def failure_config(config: SkillsConfig) -> FailureConfig:
+    """The failure analyst's settings of SKILLS.yaml (the local stage and the sharded workers)."""
+    return FailureConfig(
+        model=config.analyst_model.settings(FAILURE_TOOL),
+        environment=config.environment.settings(),
+        seed=config.experiment.seed,
+        max_failure_steps=config.analysis.max_failure_steps,
+        live_tool_choice=config.analysis.live_tool_choice,
+    )
 
 
 @dataclass(frozen=True)
@@ -208,29 +269,11 @@ def build_skills(config: SkillsConfig) -> BuildResult:
     """Analyse, consolidate and compile (module docstring); every stage skips what its input
     fingerprint says is done."""
     e = config.experiment
-    traces_path, output_dir = config.resolve(e.traces), config.resolve(e.output_dir)
-    traces = latest_traces(traces_path, expected=e.expected_trajectories)
+    output_dir = config.resolve(e.output_dir)
+    traces = read_train_traces(config.location(e.traces), expected=e.expected_trajectories)
     analyst = config.analyst_model
     compiler = config.compiler_model or analyst
-    analysis = run_success_analysis(
-        traces,
-        output_dir,
-        AnalystConfig(
-            model=analyst.settings(SUCCESS_TOOL),
-            seed=e.seed,
-            concurrency=e.concurrency,
-            max_cards=config.analysis.max_cards_per_trajectory,
-        ),
-        FailureAnalysis(
-            FailureConfig(
-                model=analyst.settings(FAILURE_TOOL),
-                environment=config.environment.settings(),
-                seed=e.seed,
-                max_failure_steps=config.analysis.max_failure_steps,
-                live_tool_choice=config.analysis.live_tool_choice,
-            )
-        ),
-    )
+    analysis = run_success_analysis(traces, output_dir, analyst_config(config), FailureAnalysis(failure_config(config)))
     cards = read_cards(output_dir / CARDS_NAME)
     consolidation = run_consolidation(
         cards,
@@ -256,7 +299,7 @@ def build_skills(config: SkillsConfig) -> BuildResult:
             proposal_checkpoint=config.proposal_checkpoint,
         ),
         inputs={
-            "traces.jsonl": sha256_hex(traces_path.read_bytes()),
+            traces.input_name: traces.digest,
             CARDS_NAME: sha256_hex((output_dir / CARDS_NAME).read_bytes()),
         },
     )

@@ -20,6 +20,7 @@ __all__ = [
     "CLUSTERS_TOOL",
     "FAILURE_TOOL",
     "INITIAL_SKILL_TOOL",
+    "ONLINE_CANDIDATES_TOOL",
     "SUCCESS_TOOL",
     "Cluster",
     "Clusters",
@@ -28,6 +29,8 @@ __all__ = [
     "EvidenceItem",
     "FailureCard",
     "InitialSkill",
+    "OnlineCandidate",
+    "OnlineCandidates",
     "PrivilegedAudit",
     "SkillChunk",
     "SuccessCard",
@@ -44,6 +47,7 @@ SUCCESS_TOOL = "submit_success_cards"
 FAILURE_TOOL = "submit_failure_card"
 CLUSTERS_TOOL = "submit_clusters"
 INITIAL_SKILL_TOOL = "submit_initial_skill"
+ONLINE_CANDIDATES_TOOL = "submit_online_candidates"
 
 Text = str
 M = TypeVar("M", bound=BaseModel)
@@ -153,6 +157,36 @@ class InitialSkill(_Strict):
     chunks: list[SkillChunk] = Field(min_length=1)
     evidence_only_cluster_ids: list[Text] = Field(default_factory=list)
     conflicts_resolved: list[Text] = Field(default_factory=list)
+
+
+class OnlineCandidate(_Strict):
+    """One online proposal: a new chunk (ADD, no target) or a new version of an active one."""
+
+    operation: Literal["ADD", "REWRITE"]
+    target_chunk_id: Text | None = Field(default=None, description="the active chunk a REWRITE replaces; null for ADD")
+    title: Text = _text("short title")
+    workflow_stage: Text = _text("(中文)")
+    failure_mechanism: Text = _text("the failure it prevents (中文)")
+    applicable_when: Text = _text("(中文)")
+    procedure: list[Text] = Field(min_length=1)
+    verification: Text = _text("(中文)")
+    common_failure: Text = _text("(中文)")
+    evidence_card_ids: list[Text] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _target_matches_operation(self) -> OnlineCandidate:
+        if self.operation == "ADD" and self.target_chunk_id is not None:
+            raise ValueError("an ADD candidate has no target_chunk_id (null)")
+        if self.operation == "REWRITE" and self.target_chunk_id is None:
+            raise ValueError("a REWRITE candidate names the active chunk it replaces in target_chunk_id")
+        return self
+
+
+class OnlineCandidates(_Strict):
+    """The arguments of ``submit_online_candidates``; the maximum number is set per call."""
+
+    candidates: list[OnlineCandidate]
+    evidence_only_card_ids: list[Text] = Field(default_factory=list)
 
 
 def _inline(schema: Any, defs: dict[str, Any]) -> Any:

@@ -4,13 +4,22 @@ block), never able to fail the stage. docs/tracking.md says what goes where."""
 
 from shopsimrl.research.tracking.base import Redactor, TrackedRun, TrackerOutcome, Tracking
 from shopsimrl.research.tracking.evaluation import track_evaluation
-from shopsimrl.research.tracking.stages import track_gate, track_judge, track_stage, track_training_step
+from shopsimrl.research.tracking.stages import (
+    log_online_analysis,
+    log_skill_stage,
+    track_gate,
+    track_judge,
+    track_stage,
+    track_training_step,
+)
 
 __all__ = [
     "Redactor",
     "TrackedRun",
     "TrackerOutcome",
     "Tracking",
+    "log_online_analysis",
+    "log_skill_stage",
     "track_evaluation",
     "track_gate",
     "track_judge",

@@ -1,5 +1,5 @@
-"""The other stages in the trackers: a skill gate's fit, the offline judge's summary and a training
-rollout step. Each is one call of :func:`track_stage` (the hook a stage calls when its figures
+"""The other stages in the trackers: a skill gate's fit, the offline judge's summary, a training
+rollout step and the skill builder's stage (:func:`log_skill_stage`). Each is one call of :func:`track_stage` (the hook a stage calls when its figures
 exist): scalars (with a step for training rounds, so successive rounds draw a curve), tables and
 files, under the stage's identity. The commands call them after their own outputs are written
 (``gate run/fit``, ``judge``, ``training step`` with ``--track``); slime's rollout-log hook can call
@@ -16,7 +16,15 @@ from typing import Any
 from shopsimrl.config import TrackingSection
 from shopsimrl.research.tracking.base import TrackedRun, TrackerOutcome, Tracking
 
-__all__ = ["numeric_leaves", "track_gate", "track_judge", "track_stage", "track_training_step"]
+__all__ = [
+    "log_online_analysis",
+    "log_skill_stage",
+    "numeric_leaves",
+    "track_gate",
+    "track_judge",
+    "track_stage",
+    "track_training_step",
+]
 
 Table = tuple[str, Sequence[str], Sequence[Sequence[Any]]]
 
@@ -148,4 +156,111 @@ def track_training_step(
         step=step,
         tables=[("groups", _GROUP_COLUMNS, groups)],
         files={"step.json": out} if out.is_file() else None,
+    )
+
+
+_FIREWALL_COLUMNS = ("rule", "findings")
+
+
+def log_skill_stage(
+    settings: TrackingSection,
+    *,
+    name: str,
+    analysis: Mapping[str, Any] | None = None,
+    consolidation: Mapping[str, Any] | None = None,
+    manifest: Mapping[str, Any] | None = None,
+    output_dir: Path | None = None,
+    step: int | None = None,
+    stage: str = "cold_start",
+) -> list[TrackerOutcome]:
+    """The skill builder's figures (``skills build``, or an online analysis round with its round
+    as ``step``): trajectories and cards (total, eligible, placeholders), clusters and
+    evidence-only cards, chunks, the firewall's findings per rule (also as a table), and the
+    stage's summaries and manifest from ``output_dir`` as files. Never raises for a tracker."""
+    analysis, consolidation, manifest = analysis or {}, consolidation or {}, manifest or {}
+    findings = {str(rule): count for rule, count in (analysis.get("firewall_findings") or {}).items()}
+    scalars: dict[str, Any] = {
+        **numeric_leaves(analysis.get("episodes") or {}, "skills/trajectories"),
+        **numeric_leaves(analysis.get("cards") or {}, "skills/cards"),
+        **numeric_leaves(findings, "skills/firewall_findings"),
+        "skills/firewall_findings/total": sum(v for v in findings.values() if isinstance(v, int)),
+    }
+    for key in ("cards", "clusters", "evidence_only_cards"):
+        if key in consolidation:
+            scalars[f"skills/consolidation/{key}"] = consolidation[key]
+    if isinstance(manifest.get("chunks"), int):
+        scalars["skills/chunks"] = manifest["chunks"]
+    scalars["skills/complete"] = float(analysis.get("status") == "complete" and manifest.get("status") == "complete")
+    files: dict[str, bytes | Path] = {}
+    if output_dir is not None:
+        for file_name in ("analysis_summary.json", "consolidation_summary.json", "trace2skill_manifest.json"):
+            if (output_dir / file_name).is_file():
+                files[file_name] = output_dir / file_name
+    identity = {
+        "stage": stage,
+        "output_dir": None if output_dir is None else str(output_dir),
+        "analyst": analysis.get("analyst"),
+        "compiler": manifest.get("compiler"),
+        "compilation_input_sha256": manifest.get("compilation_input_sha256"),
+    }
+    return track_stage(
+        settings,
+        kind="skills",
+        name=name,
+        identity=identity,
+        scalars=scalars,
+        step=step,
+        tables=[("firewall_findings", _FIREWALL_COLUMNS, sorted(findings.items()))],
+        files=files,
+        tags={"shopsimrl.skills": stage},
+    )
+
+
+_ONLINE_FILES = ("analysis_summary.json", "candidate_pool.json", "proposal_ledger.jsonl", "failure_cards.jsonl")
+
+
+def log_online_analysis(
+    settings: TrackingSection, *, name: str, summary: Mapping[str, Any], output_dir: Path | None = None
+) -> list[TrackerOutcome]:
+    """An online analysis round (``skills analyze``): a tracker run ``{name}-analysis`` with the
+    earlier ``analysis/*`` scalars (triage groups, analysed and eligible cards, candidates,
+    evidence-only cards) plus the NO_PROPOSAL and ANALYST_ERROR cards, the forced NO_PROPOSAL
+    reasons (``firewall_finding`` among them) and ``analysis/complete``; the round's summary,
+    pool, ledger and cards as files. A failed round is logged too (its empty pool). Never raises
+    for a tracker."""
+    cards = summary.get("cards") or {}
+    triage = summary.get("triage") or {}
+    by_classification = triage.get("by_classification") or {}
+    scalars: dict[str, Any] = {
+        "analysis/triage_groups": sum(v for v in by_classification.values() if isinstance(v, int)),
+        "analysis/pending_retries": triage.get("pending"),
+        "analysis/analyzed_cards": cards.get("total"),
+        "analysis/eligible_cards": cards.get("eligible"),
+        "analysis/no_proposal_cards": cards.get("no_proposal"),
+        "analysis/analyst_errors": cards.get("analyst_errors"),
+        "analysis/candidates": summary.get("candidates"),
+        "analysis/evidence_only_cards": len(summary.get("evidence_only_card_ids") or ()),
+        **numeric_leaves(dict(summary.get("forced_no_proposal") or {}), "analysis/forced_no_proposal"),
+        "analysis/complete": float(summary.get("status") == "complete"),
+    }
+    files: dict[str, bytes | Path] = {}
+    if output_dir is not None:
+        files = {file_name: output_dir / file_name for file_name in _ONLINE_FILES if (output_dir / file_name).is_file()}
+    identity = {
+        "stage": "online",
+        "round_id": summary.get("round_id"),
+        "output_dir": None if output_dir is None else str(output_dir),
+        "compiler": summary.get("compiler"),
+        "proposal_checkpoint": summary.get("proposal_checkpoint"),
+        "compilation_input_sha256": summary.get("compilation_input_sha256"),
+        "pool_sha256": summary.get("pool_sha256"),
+    }
+    return track_stage(
+        settings,
+        kind="skills",
+        name=f"{name}-analysis",
+        identity=identity,
+        scalars={key: value for key, value in scalars.items() if value is not None},
+        files=files,
+        tags={"shopsimrl.skills": "online"},
     )
