@@ -160,6 +160,9 @@ def test_the_fingerprint_covers_the_environment_and_limits_but_not_the_urls() ->
     assert failure_fingerprint(trace, replace(base, max_failure_steps=6)) != fp
     assert failure_fingerprint(trace, replace(base, max_trials=1)) != fp
     assert failure_fingerprint(trace, base, stage="online", active_skill_ids=["a"]) != fp
+    assert failure_fingerprint(trace, replace(base, live_tool_choice="auto")) != fp
+    with pytest.raises(ValueError, match="live_tool_choice must be 'required' or 'auto'"):
+        replace(base, live_tool_choice="none")
     with pytest.raises(ValueError, match="max_failure_steps must be an integer >= 1"):
         replace(base, max_failure_steps=0)
 
@@ -213,6 +216,17 @@ def test_repairs_then_the_last_call_offers_only_the_card(shop: LocalTestbed, stu
     assert live["valid_live_actions"] == 1 and live["successful_trials"] == 0
     assert [a["action"] for a in live["trials"][0]["actions"]] == ["search[台灯]"]
     assert [a["error"] is None for a in record["attempts"]] == [False, True, False, False, True]
+    assert all_free(shop)
+
+
+@pytest.mark.slow
+def test_live_calls_send_auto_when_the_server_refuses_required(shop: LocalTestbed, stub: tuple[OpenAIStub, str]) -> None:
+    server, url = stub
+    server.responder = lambda r: call("search", {"query": "台灯"}) if len(server.completions) == 1 else call(FAILURE_TOOL, card())
+    ok, record = run(analyse_failure(failed_trace(), config(url, shop.shop_url, max_failure_steps=2, live_tool_choice="auto")))
+    assert ok, record
+    assert [r.json["tool_choice"] for r in server.completions] == ["auto", FORCED]  # the card stays forced
+    assert [offered(r) for r in server.completions] == [["search", FAILURE_TOOL], [FAILURE_TOOL]]
     assert all_free(shop)
 
 
@@ -501,3 +515,90 @@ def test_the_testbed_analyst_verifies_its_repairs_in_live_sessions(
     assert record["cards"][0]["forced_no_proposal_reasons"] == ["proposal_without_successful_counterfactual"]
     assert record["live_session"]["trials"][0]["actions"][0]["action"].startswith("search[")
     assert all_free(bed)
+
+
+# --------------------------------------------------------------------------- kill -9 mid-run, then resume
+
+STAGE_CHILD = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[4])
+from shopsimrl.environment import ShopSimulatorSettings
+from shopsimrl.research.skills.analyst import AnalystConfig, latest_traces, run_success_analysis
+from shopsimrl.research.skills.cards import SUCCESS_TOOL
+from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
+from tests.research.test_failure_analyst import settings
+failure = FailureConfig(model=settings(sys.argv[1]), environment=ShopSimulatorSettings(base_url=sys.argv[2], persona=True))
+success = AnalystConfig(model=settings(sys.argv[1], tool=SUCCESS_TOOL), concurrency=1)
+run_success_analysis(latest_traces(Path(sys.argv[3])), Path(sys.argv[5]), success, FailureAnalysis(failure))
+"""
+
+
+def failure_episode(request: Received) -> int:
+    """The task id of the failed trace a failure analyst's request carries (``numbered``)."""
+    user = orjson.loads(request.json["messages"][1]["content"])
+    return int(user["failed_trace_and_privileged_gold"]["instruction"].split("#")[-1])
+
+
+def search_then_no_proposal(request: Received) -> Reply:
+    """One live action (the session's reset already holds its lease), then the card."""
+    if offered(request) != [FAILURE_TOOL] and request.json["messages"][-1]["role"] == "user":
+        return call("search", {"query": "台灯"})
+    return call(FAILURE_TOOL, card("NO_PROPOSAL"))
+
+
+@pytest.mark.slow
+def test_kill_9_mid_failure_analysis_then_resume_releases_the_dead_lease(
+    tmp_path: Path, shop: LocalTestbed, stub: tuple[OpenAIStub, str]
+) -> None:
+    server, url = stub
+    tasks = [1, 2, 3, 4, 5]
+    path = write_traces(tmp_path / "traces.jsonl", [numbered(n, success=False) for n in tasks])
+    out = tmp_path / "out"
+    held, killed = threading.Event(), threading.Event()
+    kill_at = (3, 2)  # the third failed episode's second call: its live session holds a lease
+
+    async def hold(request: Received) -> Reply:
+        episode = failure_episode(request)
+        if (episode, sum(failure_episode(r) == episode for r in server.completions)) == kill_at:
+            held.set()
+            await asyncio.to_thread(killed.wait, 120)  # the child dies waiting for this answer
+        return search_then_no_proposal(request)
+
+    server.responder = hold
+    args = [url, shop.shop_url, str(path), str(REPO), str(out)]
+    child = subprocess.Popen([sys.executable, "-c", STAGE_CHILD, *args], cwd=REPO, stderr=subprocess.PIPE)
+    try:
+        assert held.wait(120), child.stderr.read().decode() if child.poll() is not None and child.stderr else "not held"
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+    finally:
+        killed.set()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    asked_before = [failure_episode(r) for r in server.completions]
+    assert asked_before == [1, 1, 2, 2, 3, 3]
+    before = [orjson.loads(line) for line in (out / ANALYSES_NAME).read_bytes().splitlines()]
+    assert [r["episode_id"] for r in before] == ["task-000001__sample-000", "task-000002__sample-000"]
+    # The dead process still holds its session's lease: ShopSimulator leases never expire.
+    health = shop.healthz()
+    assert health["free_slots"] == health["environment_slots"] - 1
+    (journal,) = (out / "leases").iterdir()  # what the restart releases it from
+    assert journal.suffix == ".jsonl"
+    # A torn write on top (the kill landing mid-line): cut off before the next append.
+    with (out / ANALYSES_NAME).open("ab") as handle:
+        handle.write(b'{"analysis_version": "shopsimrl-traj')
+
+    server.reset()
+    server.responder = search_then_no_proposal
+    success = AnalystConfig(model=settings(url, tool=SUCCESS_TOOL), concurrency=1)
+    summary = run_success_analysis(latest_traces(path), out, success, FailureAnalysis(config(url, shop.shop_url)))
+    # Redone: only what had not finished, each from its first call (2 calls per episode).
+    assert [failure_episode(r) for r in server.completions] == [3, 3, 4, 4, 5, 5]
+    after = [orjson.loads(line) for line in (out / ANALYSES_NAME).read_bytes().splitlines()]
+    assert after[:2] == before  # nothing lost
+    assert [r["episode_id"] for r in after] == [f"task-{n:06d}__sample-000" for n in tasks]
+    assert summary["status"] == "complete" and summary["failure_cards"]["status"] == {"NO_PROPOSAL": 5}
+    assert all_free(shop)  # the dead process's lease too, released from its journal
+    assert not (out / "leases").exists() or list((out / "leases").iterdir()) == []  # nothing held: no journal

@@ -112,7 +112,7 @@ class FailureChannel(Protocol):
 
     def identity(self) -> dict[str, Any]: ...
 
-    async def open(self) -> None: ...
+    async def open(self, output_dir: Path | None = None, *, concurrency: int = 1) -> None: ...
 
     async def analyse(self, trace: EpisodeTrace, input_fp: str) -> tuple[bool, dict[str, Any]]: ...
 
@@ -325,6 +325,7 @@ async def _analyse_all(
     analyses: int,
     errors: int,
     failure: FailureChannel | None,
+    output_dir: Path | None = None,
 ) -> tuple[int, int]:
     model = OpenAICompatibleChatModel(config.model)
     model.check_api_key()
@@ -348,7 +349,7 @@ async def _analyse_all(
 
     try:
         if failure is not None and any(r_success(trace) == 0 for trace, _ in todo):
-            await failure.open()
+            await failure.open(output_dir, concurrency=config.concurrency)
         await asyncio.gather(*(one(trace, input_fp) for trace, input_fp in todo))
     finally:
         try:
@@ -386,7 +387,7 @@ def run_success_analysis(
     analyses = os.open(analyses_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     errors = os.open(errors_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
-        analysed_now, failed_now = asyncio.run(_analyse_all(config, todo, analyses, errors, failure))
+        analysed_now, failed_now = asyncio.run(_analyse_all(config, todo, analyses, errors, failure, output_dir))
     finally:
         os.close(analyses)
         os.close(errors)

@@ -158,6 +158,9 @@ class AnalysisSection(_Strict):
     max_failure_steps: int = Field(12, ge=2)
     """Model calls of a failure analysis (live actions: one less); 2 leaves room for one action."""
     max_cards_per_trajectory: int = Field(2, ge=1, le=8)
+    live_tool_choice: Literal["required", "auto"] = "required"
+    """The failure analyst's calls that offer the page's tools too, when the analyst's
+    ``tool_choice`` is ``forced``: ``auto`` for servers that refuse ``required`` (llama.cpp)."""
 
 
 class CompilationSection(_Strict):
@@ -255,6 +258,7 @@ def failure_config(config: SkillsConfig) -> FailureConfig:
         environment=config.environment.settings(),
         seed=config.experiment.seed,
         max_failure_steps=config.analysis.max_failure_steps,
+        live_tool_choice=config.analysis.live_tool_choice,
     )
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -63,9 +64,11 @@ from shopsimrl.research.skills.firewall import (
 )
 from shopsimrl.research.skills.prompts import FAILURE_ANALYST_PROMPT, prompt_sha256
 from shopsimrl.research.skills.structured import ATTEMPTS, repair_message
+from shopsimrl.runner.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
 from shopsimrl.schemas import ModelOutput, fingerprint, json_bytes
 
 __all__ = [
+    "LEASES_DIR",
     "MAX_FAILURE_STEPS",
     "MAX_TRIALS",
     "AnalystModels",
@@ -80,6 +83,9 @@ __all__ = [
 
 MAX_FAILURE_STEPS = 12
 MAX_TRIALS = 3
+LEASES_DIR = "leases"
+"""Under the stage's output directory: the lease journals of the processes that ran its live
+sessions (:mod:`shopsimrl.runner.lease_journal`)."""
 FAILURE_TOOL_DESCRIPTION = (
     "Submit the failure card of this trajectory: the privileged audit and, when a live trial "
     "verified the repair, the deployable abstraction."
@@ -98,12 +104,17 @@ class FailureConfig:
     max_trials: int = MAX_TRIALS
     attempts: int = ATTEMPTS
     """Tries at the last call (only ``submit_failure_card`` offered)."""
+    live_tool_choice: str = "required"
+    """What the calls that also offer the page's tools send when ``model.tool_choice`` names a
+    function: ``required``, or ``auto`` for a server that refuses ``required`` (llama.cpp)."""
 
     def __post_init__(self) -> None:
         for name in ("max_failure_steps", "max_trials", "attempts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.live_tool_choice not in ("required", "auto"):
+            raise ValueError(f"live_tool_choice must be 'required' or 'auto', got {self.live_tool_choice!r}")
 
 
 def failure_tool() -> dict[str, Any]:
@@ -148,16 +159,23 @@ def failure_fingerprint(
             "prompt_sha256": prompt_sha256(FAILURE_ANALYST_PROMPT),
             "tool_sha256": fingerprint(failure_tool()),
             "environment": environment_identity(config.environment),
-            "limits": {
-                "max_failure_steps": config.max_failure_steps,
-                "max_trials": config.max_trials,
-                "attempts": config.attempts,
-            },
+            "limits": _limits(config),
             "stage": stage,
             "current_skill": current_skill,
             "active_skill_ids": sorted(active_skill_ids),
         }
     )
+
+
+def _limits(config: FailureConfig) -> dict[str, Any]:
+    limits: dict[str, Any] = {
+        "max_failure_steps": config.max_failure_steps,
+        "max_trials": config.max_trials,
+        "attempts": config.attempts,
+    }
+    if config.live_tool_choice != "required":  # absent at the default: earlier fingerprints stay valid
+        limits["live_tool_choice"] = config.live_tool_choice
+    return limits
 
 
 @dataclass
@@ -169,9 +187,9 @@ class AnalystModels:
     final: OpenAICompatibleChatModel
 
     @classmethod
-    def open(cls, settings: OpenAICompatibleSettings) -> AnalystModels:
+    def open(cls, settings: OpenAICompatibleSettings, live_tool_choice: str = "required") -> AnalystModels:
         forced = not isinstance(settings.tool_choice, str)
-        live = replace(settings, tool_choice="required") if forced else settings
+        live = replace(settings, tool_choice=live_tool_choice) if forced else settings
         final = replace(settings, tool_choice={"type": "function", "function": {"name": FAILURE_TOOL}}) if forced else settings
         models = cls(OpenAICompatibleChatModel(live), OpenAICompatibleChatModel(final))
         models.live.check_api_key()
@@ -358,7 +376,7 @@ async def analyse_failure(
     if input_fp is None:
         input_fp = failure_fingerprint(trace, config, stage=stage, current_skill=current_skill, active_skill_ids=active)
     own_models, own_environment = models is None, environment is None
-    models = models or AnalystModels.open(config.model)
+    models = models or AnalystModels.open(config.model, config.live_tool_choice)
     environment = environment or ShopSimulatorEnvironment(config.environment)
     session = _LiveSession(environment, trace.job.task_id, config.max_trials)
     try:
@@ -561,6 +579,7 @@ class FailureAnalysis:
         self.active_skill_ids = sorted(active_skill_ids)
         self._models: AnalystModels | None = None
         self._environment: ShopSimulatorEnvironment | None = None
+        self._journal: LeaseJournal | None = None
 
     def input_fingerprint(self, trace: EpisodeTrace) -> str:
         return failure_fingerprint(
@@ -575,12 +594,27 @@ class FailureAnalysis:
             "tool_sha256": fingerprint(failure_tool()),
             "environment": environment_identity(c.environment),
             "stage": self.stage,
-            "limits": {"max_failure_steps": c.max_failure_steps, "max_trials": c.max_trials, "attempts": c.attempts},
+            "limits": _limits(c),
         }
 
-    async def open(self) -> None:
-        self._models = AnalystModels.open(self.config.model)
+    async def open(self, output_dir: Path | None = None, *, concurrency: int = 1) -> None:
+        """Open the clients and the environment adapter. With ``output_dir``, the live sessions'
+        leases are journaled in ``output_dir/leases/`` (as a run journals its episodes'): a
+        ShopSimulator lease never expires, so a process killed outright would keep its session's
+        slot; the next process on the same directory releases what dead predecessors left there
+        before its first reset."""
+        self._models = AnalystModels.open(self.config.model, self.config.live_tool_choice)
         self._environment = ShopSimulatorEnvironment(self.config.environment)
+        if output_dir is None:
+            return
+        journal = LeaseJournal(DirectoryJournalStorage(output_dir / LEASES_DIR), environment_url=self.config.environment.base_url)
+        try:
+            await start_lease_tracking(self._environment, journal, concurrency=concurrency, processes=1, configured=None)
+        except BaseException:
+            await self.aclose()
+            await journal.aclose()
+            raise
+        self._journal = journal
 
     async def analyse(self, trace: EpisodeTrace, input_fp: str) -> tuple[bool, dict[str, Any]]:
         if self._models is None or self._environment is None:
@@ -597,11 +631,16 @@ class FailureAnalysis:
         )
 
     async def aclose(self) -> None:
-        models, environment = self._models, self._environment
+        models, environment, journal = self._models, self._environment, self._journal
         self._models = self._environment = None
+        self._journal = None
         try:
             if environment is not None:
                 await environment.aclose()
         finally:
-            if models is not None:
-                await models.aclose()
+            try:
+                if journal is not None:  # after the adapter: its releases are journaled first
+                    await journal.aclose()
+            finally:
+                if models is not None:
+                    await models.aclose()
