@@ -592,6 +592,60 @@ def test_sigterm_mid_live_session_gives_the_lease_back_and_the_retry_commits(
     assert reduced.returncode == 0 and "2 of 2 trajectories analysed (1 successful, 1 failed)" in reduced.stdout
 
 
+@pytest.mark.slow
+def test_a_worker_killed_mid_live_session_leaves_the_slot_to_its_retry(
+    tmp_path: Path, served: tuple[OpenAIStub, str], testbed: LocalTestbed
+) -> None:
+    """kill -9 while the live session holds its lease: the slot stays taken (a lease never
+    expires), the shard's journal names it, and the index's next run releases it before it
+    analyses anything; afterwards every slot is free."""
+    server, url = _served(served)
+    testbed.release_all()
+    write_traces(tmp_path / "traces.jsonl", [numbered(1), numbered(4, success=False)])
+    config = _config(tmp_path, url, expected=2, shop=testbed.shop_url)
+    run = str(tmp_path / "analysis")
+    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+    in_session, stopped = threading.Event(), threading.Event()
+
+    async def hold_the_live_session(request: Received) -> Reply:
+        if "submit_failure_card" not in [t["function"]["name"] for t in request.json["tools"]]:
+            return answer(request)
+        if request.json["messages"][-1]["role"] != "tool":
+            return Reply(json=completion(tool_calls=[tool_call("search", orjson.dumps({"query": "台灯"}).decode())]))
+        in_session.set()
+        await asyncio.to_thread(stopped.wait, 120)
+        return answer(request)
+
+    server.responder = hold_the_live_session
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run, "--index", "0"],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert in_session.wait(120), "the live session never started"
+        worker.kill()
+        assert worker.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        stopped.set()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert not _all_free(testbed)  # nobody released the killed session's lease
+    assert list((tmp_path / "analysis" / "leases" / "00000").glob("*.jsonl"))
+
+    server.reset()
+    server.responder = answer
+    again = cli("skills", "worker", str(config), "--run", run, "--index", "0", env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "released the leases of stopped processes" in again.stderr
+    assert _all_free(testbed)
+    reduced = cli("skills", "reduce", run, env=_env())
+    assert reduced.returncode == 0 and "2 of 2 trajectories analysed (1 successful, 1 failed)" in reduced.stdout
+
+
 @pytest.fixture(scope="module")
 def options_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalTestbed, Path]]:
     """A train run of 12 persona tasks on a testbed whose policy takes each axis's first value

@@ -64,7 +64,7 @@ from shopsimrl.research.skills.firewall import (
 )
 from shopsimrl.research.skills.prompts import FAILURE_ANALYST_PROMPT, prompt_sha256
 from shopsimrl.research.skills.structured import ATTEMPTS, repair_message
-from shopsimrl.runner.lease_journal import DirectoryJournalStorage, LeaseJournal, start_lease_tracking
+from shopsimrl.runner.lease_journal import DirectoryJournalStorage, JournalStorage, LeaseJournal, start_lease_tracking
 from shopsimrl.schemas import ModelOutput, fingerprint, json_bytes
 
 __all__ = [
@@ -597,17 +597,21 @@ class FailureAnalysis:
             "limits": _limits(c),
         }
 
-    async def open(self, output_dir: Path | None = None, *, concurrency: int = 1) -> None:
+    async def open(
+        self, output_dir: Path | None = None, *, concurrency: int = 1, journal_storage: JournalStorage | None = None
+    ) -> None:
         """Open the clients and the environment adapter. With ``output_dir``, the live sessions'
-        leases are journaled in ``output_dir/leases/`` (as a run journals its episodes'): a
-        ShopSimulator lease never expires, so a process killed outright would keep its session's
-        slot; the next process on the same directory releases what dead predecessors left there
-        before its first reset."""
+        leases are journaled in ``output_dir/leases/`` (as a run journals its episodes'), or in
+        ``journal_storage`` (a skills worker's shard): a ShopSimulator lease never expires, so a
+        process killed outright would keep its session's slot; the next process on the same
+        journal releases what dead predecessors left there before its first reset."""
         self._models = AnalystModels.open(self.config.model, self.config.live_tool_choice)
         self._environment = ShopSimulatorEnvironment(self.config.environment)
-        if output_dir is None:
+        if journal_storage is None and output_dir is not None:
+            journal_storage = DirectoryJournalStorage(output_dir / LEASES_DIR)
+        if journal_storage is None:
             return
-        journal = LeaseJournal(DirectoryJournalStorage(output_dir / LEASES_DIR), environment_url=self.config.environment.base_url)
+        journal = LeaseJournal(journal_storage, environment_url=self.config.environment.base_url)
         try:
             await start_lease_tracking(self._environment, journal, concurrency=concurrency, processes=1, configured=None)
         except BaseException:

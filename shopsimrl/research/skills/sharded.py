@@ -36,6 +36,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -77,6 +78,7 @@ from shopsimrl.research.skills.analyst import (
 from shopsimrl.research.skills.build import SkillsConfig, analyst_config, failure_config
 from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
 from shopsimrl.research.skills.inputs import read_train_traces
+from shopsimrl.runner.lease_journal import JournalStorage, shard_journal_storage
 from shopsimrl.schemas import fingerprint, json_bytes, sha256_hex
 from shopsimrl.storage.sharded import ShardedRunStore, ShardMapError, marker_document, part_entry
 
@@ -176,15 +178,19 @@ def success_analyst(config: AnalystConfig) -> TrajectoryAnalyst:
     )
 
 
-def failure_analyst(config: FailureConfig, concurrency: int) -> TrajectoryAnalyst:
+def failure_analyst(
+    config: FailureConfig, concurrency: int, journal: Callable[[], JournalStorage] | None = None
+) -> TrajectoryAnalyst:
     """The gold-aware failure analyst: each failed trajectory in a live ShopSimulator session
-    that holds its own lease (:mod:`shopsimrl.research.skills.failure`)."""
+    that holds its own lease (:mod:`shopsimrl.research.skills.failure`); ``journal``: where a
+    worker journals those leases (its shard's), so that a worker killed outright leaves no slot
+    taken once its index runs again."""
     channel = FailureAnalysis(config)
 
     async def open_session() -> AnalystSession:
         session = FailureAnalysis(config)
         try:
-            await session.open()
+            await session.open(concurrency=concurrency, journal_storage=None if journal is None else journal())
         except BaseException:
             await session.aclose()
             raise
@@ -200,11 +206,12 @@ def failure_analyst(config: FailureConfig, concurrency: int) -> TrajectoryAnalys
     )
 
 
-def analysts_for(config: SkillsConfig) -> list[TrajectoryAnalyst]:
-    """The per-trajectory analysts of SKILLS.yaml, one per channel."""
+def analysts_for(config: SkillsConfig, journal: Callable[[], JournalStorage] | None = None) -> list[TrajectoryAnalyst]:
+    """The per-trajectory analysts of SKILLS.yaml, one per channel (``journal``: where the failure
+    analyst journals its leases)."""
     return [
         success_analyst(analyst_config(config)),
-        failure_analyst(failure_config(config), config.experiment.concurrency),
+        failure_analyst(failure_config(config), config.experiment.concurrency, journal),
     ]
 
 
@@ -346,7 +353,8 @@ def run_skills_worker(config: SkillsConfig, uri: str, index: int) -> ExitCode:
     plan = read_plan(store)
     if not 0 <= index < plan.shards:
         raise ShardMapError(f"shard index {index} is outside the plan's {plan.shards} shards")
-    analysts = {analyst.channel: analyst for analyst in analysts_for(config)}
+    journal = partial(shard_journal_storage, store, index)  # a restarted index frees what a killed one held
+    analysts = {analyst.channel: analyst for analyst in analysts_for(config, journal)}
     ours = _analyst_identities(analysts.values())
     frozen = {channel: block["identity"] for channel, block in plan.document["analysts"].items()}
     if ours != frozen:
