@@ -35,8 +35,9 @@ REPO = Path(__file__).resolve().parents[2]
 def selected_bank(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The gate demo's selected bank (made once, in a scratch tree): the curriculum train-demo uses."""
     root = tmp_path_factory.mktemp("gate-demo")
-    (root / "scripts").mkdir()
-    shutil.copy(REPO / "scripts" / "gate-demo.sh", root / "scripts" / "gate-demo.sh")
+    (root / "scripts" / "lib").mkdir(parents=True)
+    for name in ("gate-demo.sh", "lib/testbed.sh"):
+        shutil.copy(REPO / "scripts" / name, root / "scripts" / name)
     for name in ("gate_demo", "splits"):
         shutil.copytree(REPO / "configs" / name, root / "configs" / name)
     env = {**os.environ, "BIN": str(Path(sys.executable).parent), "SHOPSIMRL_LOG_LEVEL": "warning"}
