@@ -16,8 +16,10 @@ only the ids after the longest cached prefix. Printed per episode:
   the cache could save if the top of the prompt did not follow the page.
 
 Ratios are against the ideal. Forks are the trajectory's (each breaks the token contiguity).
+``--calls-out FILE`` writes every call's prompt length and reusable prefix under each rendering,
+the input of bench/prefill_gpu.py (what those prefills cost on a GPU).
 
-    .venv/bin/python bench/training_prefix.py [--episodes 400] [--concurrency 16]
+    .venv/bin/python bench/training_prefix.py [--episodes 400] [--concurrency 16] [--calls-out FILE]
 """
 
 from __future__ import annotations
@@ -112,6 +114,28 @@ def _counts(prompts: Sequence[Sequence[int]], replies: Sequence[Sequence[int]]) 
     return sent, cached, ideal
 
 
+def _call_lengths(turns: Sequence[Any], stable: Sequence[Sequence[int]]) -> list[dict[str, int]]:
+    """Per call: prompt length and the prefix a cache could reuse (``cached``: common with the
+    previous call's prompt and reply; ``ideal``: the whole previous call), and the same for the
+    enum-free rendering."""
+    rows: list[dict[str, int]] = []
+    previous: list[int] | None = None
+    previous_stable: list[int] | None = None
+    for turn, stable_prompt in zip(turns, stable, strict=True):
+        rows.append(
+            {
+                "prompt": len(turn.prompt_ids),
+                "cached": _common(turn.prompt_ids, previous) if previous is not None else 0,
+                "ideal": len(previous) if previous is not None else 0,
+                "stable_prompt": len(stable_prompt),
+                "stable_cached": _common(stable_prompt, previous_stable) if previous_stable is not None else 0,
+            }
+        )
+        previous = [*turn.prompt_ids, *turn.output_ids]
+        previous_stable = [*stable_prompt, *turn.output_ids]
+    return rows
+
+
 async def _play(
     config_path: Path, base_url: str, task_ids: list[int], concurrency: int
 ) -> tuple[list[Any], CounterfactualTokenizer]:
@@ -136,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--calls-out", type=Path, help="write each call's prompt and prefix lengths (JSON)")
     args = parser.parse_args(argv)
     splits = json.loads((REPO / "configs/splits/persona_splits.v1.json").read_text(encoding="utf-8"))
     train: list[int] = splits["splits"]["train"]["task_ids"]
@@ -171,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             log.close()
     totals: dict[str, int] = defaultdict(int)
     shares: list[float] = []
+    calls: list[list[dict[str, int]]] = []
     for index, rollout in played:
         turns = rollout.turns
         if not turns:
             continue
+        calls.append(_call_lengths(turns, tokenizer.stable[f"{index}"][: len(turns)]))
         replies = [turn.output_ids for turn in turns]
         sent, cached, ideal = _counts([turn.prompt_ids for turn in turns], replies)
         _, stable_cached, _ = _counts(tokenizer.stable[f"{index}"][: len(turns)], replies)
@@ -196,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                 totals["later_prompt"] += len(turn.prompt_ids)
                 totals["later_reused"] += reused
             previous = [*turn.prompt_ids, *turn.output_ids]
+    if args.calls_out is not None:
+        args.calls_out.write_text(json.dumps({"tokenizer": "testbed byte tokenizer", "episodes": calls}), encoding="utf-8")
     n = totals["episodes"]
     if not n:
         raise SystemExit("no episode made a model call")
