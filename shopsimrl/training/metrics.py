@@ -158,7 +158,13 @@ def summarize_groups(samples: Iterable[Any], reward_key: str | None = None) -> d
 
 
 def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+    if not values:
+        return None
+    # One curriculum state gives every group the same q and rho: report that value, not a sum's
+    # rounding of it (a dashboard compares it with the state's).
+    if all(value == values[0] for value in values):
+        return float(values[0])
+    return math.fsum(values) / len(values)
 
 
 def _put(out: dict[str, float], name: str, value: float | None) -> None:
@@ -180,10 +186,10 @@ def _curriculum(out: dict[str, float], groups: Iterable[GroupSummary]) -> None:
         for chunk, rho in (c.get("rho") or {}).items():
             if (value := _number(rho)) is not None:
                 targets.setdefault(str(chunk), []).append(value)
-    rho = {chunk: sum(values) / len(values) for chunk, values in targets.items()}
+    rho = {chunk: mean for chunk, values in targets.items() if (mean := _mean(values)) is not None}
     if rho:
         _put(out, "rho_min", min(rho.values()))
-        _put(out, "rho_mean", sum(rho.values()) / len(rho))
+        _put(out, "rho_mean", _mean(list(rho.values())))
         _put(out, "rho_max", max(rho.values()))
     modes = [c.get("mode") for c in drawn]
     _put(out, "skill_free_group_rate", modes.count("skill_free") / len(drawn))

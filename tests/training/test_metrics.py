@@ -16,7 +16,13 @@ from shopsimrl.skills import JsonSkillBank, SkillProvider
 from shopsimrl.storage.local import atomic_write_json
 from shopsimrl.training import slime_adapter
 from shopsimrl.training.grpo import fully_scored_group_filter
-from shopsimrl.training.metrics import PREFIX, enrich_rollout_metrics, record_generated_rollout_groups
+from shopsimrl.training.metrics import (
+    PREFIX,
+    enrich_rollout_metrics,
+    record_generated_rollout_groups,
+    rollout_metrics,
+    summarize_groups,
+)
 from shopsimrl.training.samples import (
     CURRICULUM,
 )
@@ -309,3 +315,23 @@ async def test_metrics_and_triage_end_to_end_through_slimes_entry_point(tmp_path
         rel=1e-9,
     )
     assert gathered == {"rollout/dynamic_filter/drop_shopsim_zero_std_group": 2}, "slime's own count agrees"
+
+
+def test_the_curriculum_figures_are_the_states_own_values() -> None:
+    # The gate demo's one-chunk state (§1.6 of the reference): a plain sum of equal values drifted
+    # in the last bits, so the step reported a q and a rho the state does not hold.
+    rho = 0.2 + 0.7
+    draw = {
+        CURRICULUM: {"state_id": "s", "group_key": "0", "mode": "assisted", "skill_ids": ["c1"], "q": 0.2, "rho": {"c1": rho}}
+    }
+    for groups in (16, 10, 7):
+        generated = summarize_groups([_episode(g, g, 1.0, 1.0, draw) for g in range(groups)], "reward")
+        got = rollout_metrics(generated=generated, trained={}, triage={}, decisions={})
+        assert got[PREFIX + "q"] == 0.2, groups
+        for name in ("rho_min", "rho_mean", "rho_max", "chunk/c1/target_rho"):
+            assert got[PREFIX + name] == rho == 0.8999999999999999, (groups, name)
+    # Unequal values are still averaged.
+    other = {CURRICULUM: {**draw[CURRICULUM], "q": 0.4, "rho": {"c1": 0.5}}}
+    generated = summarize_groups([_episode(0, 0, 1.0, 1.0, draw), _episode(1, 1, 1.0, 1.0, other)], "reward")
+    got = rollout_metrics(generated=generated, trained={}, triage={}, decisions={})
+    assert got[PREFIX + "q"] == pytest.approx(0.3) and got[PREFIX + "chunk/c1/target_rho"] == pytest.approx(0.7)

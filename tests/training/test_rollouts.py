@@ -48,14 +48,18 @@ def _services(slots: int, **policy: Any) -> Iterator[tuple[str, str]]:
         yield shop, model
 
 
-async def _roll(shop: str, model_url: str, jobs: list[EpisodeJob], **settings: Any) -> tuple[list[EpisodeRollout], int | None]:
+async def _roll(
+    shop: str, model_url: str, jobs: list[EpisodeJob], *, max_steps: int = 30, **settings: Any
+) -> tuple[list[EpisodeRollout], int | None]:
     model = TokenModel(
         TokenModelSettings(base_url=model_url, max_new_tokens=512, temperature=0.6, **settings),
         TestbedChatTokenizer(),
         sleep=_no_wait,
     )
     environment = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=shop, persona=True))
-    rollouts = TrainingRollouts(model=model, environment=environment, prompts=PromptBuilder(), skills=NoSkills())
+    rollouts = TrainingRollouts(
+        model=model, environment=environment, prompts=PromptBuilder(), skills=NoSkills(), max_steps=max_steps
+    )
     gate = asyncio.Semaphore(5)
 
     async def one(position: int, job: EpisodeJob) -> EpisodeRollout:
@@ -145,3 +149,21 @@ async def test_repair_turns_cut_replies_and_thinking_keep_every_sample_exact() -
             assert rollout.turns[-1].finish_type == "length"
             assert rollout.trace.steps[-1].policy_failure is not None
     assert repaired > 0 and truncated > 0, "the seeded faults produced repair turns and cut replies"
+
+
+async def test_the_action_limit_ends_a_scored_episode_never_an_abort() -> None:
+    # Running out of actions is the policy's failure: a zero reward the trainer learns from, with
+    # every sampled call kept, and never the abort placeholder a technical failure gets.
+    jobs = _jobs(4)
+    with _services(slots=4) as (shop, model_url):
+        done, free = await _roll(shop, model_url, jobs, max_steps=2)
+    assert free == 4, "every lease was released"
+    for rollout in done:
+        trace = rollout.trace
+        assert trace.status == "completed" and len(trace.steps) == 2 and rollout.scored
+        assert trace.final is not None and trace.final.termination_reason == "action_limit"
+        assert_episode_samples(rollout.samples, rollout.turns)
+        for sample in rollout.samples:
+            assert sample.status is SampleStatus.COMPLETED and not sample.remove_sample
+            assert sample.reward["reward"] == sample.reward["r_success"] == 0.0
+            assert sample.metadata["scored"] is True

@@ -110,6 +110,18 @@ def _names(fs: Any, location: str, prefix: str) -> list[str]:
     return sorted(name for name in names if name)  # SeaweedFS's folder marker ends with '/': no name
 
 
+def _assert_no_secret(fs: Any, location: str, *outputs: str) -> None:
+    """The store's secret key is in no object under ``location`` and in none of ``outputs``."""
+    secret = S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"]
+    # SeaweedFS may list a folder marker (a name ending in '/'): not an object to read.
+    names = [name for name in fs.find(location.removeprefix("s3://")) if not name.endswith("/")]
+    assert names, f"no object under {location}"
+    for name in names:
+        assert secret.encode() not in fs.cat_file(name), name
+    for position, output in enumerate(outputs):
+        assert secret not in output, f"output {position}"
+
+
 async def _free_slots(shop: str) -> int | None:
     environment = ShopSimulatorEnvironment(ShopSimulatorSettings(base_url=shop, persona=True))
     try:
@@ -206,6 +218,11 @@ async def test_rollouts_on_s3_are_read_back_by_open_run_and_the_commands(s3_serv
         assert page.status_code == 200 and "12 of 12 episodes" in page.text and "training run" in page.text
         episode = viewer.get(f"/episodes/{some}")
         assert episode.status_code == 200 and some in episode.text
+
+    # Secrets never land in the run: no object of it, no command's output, no file it wrote.
+    written = [(tmp_path / name).read_text() for name in ("table.csv", "labels.jsonl", "compare.json")]
+    commands = [f"{r.stdout}{r.stderr}" for r in (shown, table, labelled, missing, compared)]
+    _assert_no_secret(fs, run_location, *commands, *written, page.text, episode.text)
 
 
 async def test_failed_and_cancelled_rollouts_release_their_leases_on_s3(s3_server: S3Server, tmp_path: Path) -> None:
@@ -457,3 +474,4 @@ async def test_a_triaged_group_on_s3_leaves_its_record_and_a_diagnostics_run_the
     assert read_training_samples(f"{run_location}/{DIAGNOSTICS_DIR.as_posix()}").missing == []
     shown = cli("show", f"{run_location}/{DIAGNOSTICS_DIR.as_posix()}", trace.episode_id, env={**os.environ, "COLUMNS": "2000"})
     assert shown.returncode == 0 and "choose-options" in shown.stdout, shown.stderr
+    _assert_no_secret(_fs(s3_server.endpoint), run_location, shown.stdout + shown.stderr)
