@@ -19,16 +19,24 @@ Ratios are against the ideal. Forks are the trajectory's (each breaks the token 
 ``--calls-out FILE`` writes every call's prompt length and reusable prefix under each rendering,
 the input of bench/prefill_gpu.py (what those prefills cost on a GPU).
 
-    .venv/bin/python bench/training_prefix.py [--episodes 400] [--concurrency 16] [--calls-out FILE]
+The testbed counts a Chinese character as three ids. ``--bpe RANKS`` counts the same prompts and
+replies in a real vocabulary instead: a rank file in tiktoken's format (one base64 token and its
+rank a line), with Qwen's pre-tokenizer and ChatML special tokens. Qwen's (the regular vocabulary
+Qwen2 and Qwen3 keep) is ``qwen_agent/utils/qwen.tiktoken`` in the ``qwen-agent`` wheel on PyPI.
+
+    .venv/bin/python bench/training_prefix.py [--episodes 400] [--concurrency 16] [--calls-out FILE] [--bpe RANKS]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextvars
+import functools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -43,7 +51,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shopsimrl.testbed.chat_tokens import TestbedChatTokenizer  # noqa: E402
+import regex  # noqa: E402
+
+from shopsimrl.testbed.chat_tokens import ByteTokenizer, TestbedChatTokenizer  # noqa: E402
 from shopsimrl.training.config import load_training_config  # noqa: E402
 from shopsimrl.training.worker import Sampling, TrainingWorker  # noqa: E402
 
@@ -71,6 +81,61 @@ class CounterfactualTokenizer(TestbedChatTokenizer):
         ids = super().render(messages, tools, add_generation_prompt=add_generation_prompt)
         stable_tools = _without_enum(list(tools)) if tools else tools
         self.stable[_episode.get()].append(super().render(messages, stable_tools, add_generation_prompt=add_generation_prompt))
+        return ids
+
+
+# Qwen's pre-tokenizer and its first special tokens (the ids follow the 151,643 regular ones).
+QWEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+class RankBPE:
+    """Byte-level BPE from a tiktoken rank file: pieces split by the pre-tokenizer, each merged
+    pairwise lowest rank first; the special tokens' spellings are one id each."""
+
+    def __init__(self, ranks: dict[bytes, int], pattern: str = QWEN_PATTERN, special: Sequence[str] = QWEN_SPECIAL) -> None:
+        self.ranks = ranks
+        self.pattern = regex.compile(pattern)
+        self.special = {name: len(ranks) + i for i, name in enumerate(special)}
+        self.splitter = re.compile("(" + "|".join(re.escape(name) for name in special) + ")")
+        self._piece = functools.lru_cache(maxsize=1 << 18)(self._merge)
+
+    @classmethod
+    def load(cls, path: Path) -> RankBPE:
+        ranks: dict[bytes, int] = {}
+        for number, line in enumerate(path.read_text(encoding="ascii").splitlines(), start=1):
+            if not line:
+                continue
+            token, _, rank = line.partition(" ")
+            try:
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError as exc:
+                raise SystemExit(f"{path}:{number}: not a tiktoken rank line ({exc})") from None
+        return cls(ranks)
+
+    def _merge(self, piece: bytes) -> tuple[int, ...]:
+        parts = [piece[i : i + 1] for i in range(len(piece))]
+        while len(parts) > 1:
+            best, at = None, -1
+            for i in range(len(parts) - 1):
+                rank = self.ranks.get(parts[i] + parts[i + 1])
+                if rank is not None and (best is None or rank < best):
+                    best, at = rank, i
+            if best is None:
+                break
+            parts[at : at + 2] = [parts[at] + parts[at + 1]]
+        return tuple(self.ranks[part] for part in parts)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for part in self.splitter.split(text):
+            if part in self.special:
+                ids.append(self.special[part])
+                continue
+            for piece in self.pattern.findall(part):
+                ids.extend(self._piece(piece.encode("utf-8")))
         return ids
 
 
@@ -114,25 +179,27 @@ def _counts(prompts: Sequence[Sequence[int]], replies: Sequence[Sequence[int]]) 
     return sent, cached, ideal
 
 
-def _call_lengths(turns: Sequence[Any], stable: Sequence[Sequence[int]]) -> list[dict[str, int]]:
+def _call_lengths(
+    prompts: Sequence[Sequence[int]], replies: Sequence[Sequence[int]], stable: Sequence[Sequence[int]]
+) -> list[dict[str, int]]:
     """Per call: prompt length and the prefix a cache could reuse (``cached``: common with the
     previous call's prompt and reply; ``ideal``: the whole previous call), and the same for the
     enum-free rendering."""
     rows: list[dict[str, int]] = []
     previous: list[int] | None = None
     previous_stable: list[int] | None = None
-    for turn, stable_prompt in zip(turns, stable, strict=True):
+    for prompt, reply, stable_prompt in zip(prompts, replies, stable, strict=True):
         rows.append(
             {
-                "prompt": len(turn.prompt_ids),
-                "cached": _common(turn.prompt_ids, previous) if previous is not None else 0,
+                "prompt": len(prompt),
+                "cached": _common(prompt, previous) if previous is not None else 0,
                 "ideal": len(previous) if previous is not None else 0,
                 "stable_prompt": len(stable_prompt),
                 "stable_cached": _common(stable_prompt, previous_stable) if previous_stable is not None else 0,
             }
         )
-        previous = [*turn.prompt_ids, *turn.output_ids]
-        previous_stable = [*stable_prompt, *turn.output_ids]
+        previous = [*prompt, *reply]
+        previous_stable = [*stable_prompt, *reply]
     return rows
 
 
@@ -161,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--calls-out", type=Path, help="write each call's prompt and prefix lengths (JSON)")
+    parser.add_argument("--bpe", type=Path, help="count in this tiktoken rank file's vocabulary (Qwen's)")
     args = parser.parse_args(argv)
     splits = json.loads((REPO / "configs/splits/persona_splits.v1.json").read_text(encoding="utf-8"))
     train: list[int] = splits["splits"]["train"]["task_ids"]
@@ -194,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
             testbed.terminate()
             testbed.wait(timeout=30)
             log.close()
+    bpe = RankBPE.load(args.bpe) if args.bpe is not None else None
+    unit = "Qwen BPE ids" if bpe is not None else "testbed byte ids"
+    byte_tokenizer = ByteTokenizer()
+
+    def ids(sequence: Sequence[int]) -> list[int]:
+        return bpe.encode(byte_tokenizer.decode(sequence)) if bpe is not None else list(sequence)
+
     totals: dict[str, int] = defaultdict(int)
     shares: list[float] = []
     calls: list[list[dict[str, int]]] = []
@@ -201,36 +276,33 @@ def main(argv: list[str] | None = None) -> int:
         turns = rollout.turns
         if not turns:
             continue
-        calls.append(_call_lengths(turns, tokenizer.stable[f"{index}"][: len(turns)]))
-        replies = [turn.output_ids for turn in turns]
-        sent, cached, ideal = _counts([turn.prompt_ids for turn in turns], replies)
-        _, stable_cached, _ = _counts(tokenizer.stable[f"{index}"][: len(turns)], replies)
-        stable_sent = sum(len(p) for p in tokenizer.stable[f"{index}"][: len(turns)])
+        prompts = [ids(turn.prompt_ids) for turn in turns]
+        replies = [ids(turn.output_ids) for turn in turns]
+        stable = [ids(prompt) for prompt in tokenizer.stable[f"{index}"][: len(turns)]]
+        calls.append(_call_lengths(prompts, replies, stable))
+        sent, cached, ideal = _counts(prompts, replies)
+        _, stable_cached, _ = _counts(stable, replies)
         totals["episodes"] += 1
         totals["calls"] += len(turns)
         totals["forks"] += rollout.trajectory.forks if rollout.trajectory is not None else 0
         totals["sent"] += sent
         totals["cached"] += cached
         totals["ideal"] += ideal
-        totals["stable_sent"] += stable_sent
+        totals["stable_sent"] += sum(len(prompt) for prompt in stable)
         totals["stable_cached"] += stable_cached
         totals["scored"] += int(rollout.scored)
-        previous: list[int] | None = None
-        for turn in turns:
-            if previous is not None:
-                reused = _common(turn.prompt_ids, previous)
-                shares.append(reused / len(turn.prompt_ids))
-                totals["later_prompt"] += len(turn.prompt_ids)
-                totals["later_reused"] += reused
-            previous = [*turn.prompt_ids, *turn.output_ids]
+        for call in calls[-1][1:]:
+            shares.append(call["cached"] / call["prompt"])
+            totals["later_prompt"] += call["prompt"]
+            totals["later_reused"] += call["cached"]
     if args.calls_out is not None:
-        args.calls_out.write_text(json.dumps({"tokenizer": "testbed byte tokenizer", "episodes": calls}), encoding="utf-8")
+        args.calls_out.write_text(json.dumps({"tokenizer": unit, "episodes": calls}), encoding="utf-8")
     n = totals["episodes"]
     if not n:
         raise SystemExit("no episode made a model call")
     print(f"episodes {n} ({totals['scored']} scored) in {elapsed:.1f} s; {totals['calls'] / n:.2f} calls, "
-          f"{totals['forks'] / n:.2f} forks an episode (testbed byte tokenizer, Qwen-style template)")  # fmt: skip
-    print("prompt ids to prefill per episode       ids   ratio to ideal")
+          f"{totals['forks'] / n:.2f} forks an episode (Qwen-style template; counted in {unit})")  # fmt: skip
+    print(f"prompt ids to prefill per episode ({unit})   ids   ratio to ideal")
     for label, key in (
         ("sent, no prefix cache", "sent"),
         ("prefix cache (today's prompts)", "cached"),
