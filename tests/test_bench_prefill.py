@@ -5,18 +5,11 @@ The GPU part is never run here (it needs CUDA and measures; tests never time any
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "prefill_gpu.py"
-_spec = importlib.util.spec_from_file_location("bench_prefill_gpu", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-prefill_gpu = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = prefill_gpu  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(prefill_gpu)
+from tests.bench_scripts import load_bench
+
+prefill_gpu = load_bench("prefill_gpu")
 
 CALLS = [
     {"prompt": 100, "cached": 0, "ideal": 0, "stable_prompt": 98, "stable_cached": 0},

@@ -5,7 +5,6 @@ The benchmark itself is never run here (it measures; tests never time anything).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,12 +13,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "throughput.py"
-_spec = importlib.util.spec_from_file_location("bench_throughput", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-throughput = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = throughput  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(throughput)
+from tests.bench_scripts import load_bench
+
+throughput = load_bench("throughput")
 
 
 def test_cpu_over_the_window_is_interpolated_between_samples() -> None:
@@ -73,7 +69,7 @@ def test_cpu_seconds_reads_this_process_and_nothing_for_a_reaped_one() -> None:
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(flags: list[str], message: str) -> None:
-    done = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, throughput.__file__, *flags], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == f"throughput.py: error: {message}"
     assert "Traceback" not in done.stderr and done.stdout == ""

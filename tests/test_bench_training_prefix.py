@@ -6,18 +6,13 @@ The benchmark itself is never run here (it measures; tests never time anything).
 from __future__ import annotations
 
 import base64
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "training_prefix.py"
-_spec = importlib.util.spec_from_file_location("bench_training_prefix", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-training_prefix = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = training_prefix
-_spec.loader.exec_module(training_prefix)
+from tests.bench_scripts import load_bench
+
+training_prefix = load_bench("training_prefix")
 
 
 def _rank_file(path: Path, tokens: list[bytes]) -> Path:
