@@ -122,7 +122,7 @@ demo-s3: $(STAMP)  ## the demo sharded 4 ways into s3://shopsimrl/demo on a loca
 gate-demo: $(STAMP)  ## a skill gate end to end on the testbed: bare val run, Gate A over 3 chunks, the fit (runs/gate-demo/)
 	BIN=$(BIN) scripts/gate-demo.sh
 
-skills-demo: $(STAMP)  ## skills from traces on the testbed: train run, skills build (testbed analyst), Gate A (runs/skills-demo/)
+skills-demo: $(STAMP)  ## skills from traces on the testbed: train run, skills build (testbed analyst), Gate A, review, snapshot (runs/skills-demo/)
 	BIN=$(BIN) scripts/skills-demo.sh
 
 train-demo: $(STAMP)  ## one GRPO-shaped rollout step through the slime adapter on the testbed, curriculum from the gate demo (runs/train-demo/)

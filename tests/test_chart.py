@@ -617,6 +617,7 @@ def test_readiness_init_container_gets_no_object_storage_settings(matrix: dict[s
             "SHOPSIMRL_CONFIG",
             "SHOPSIMRL_MODEL_BASE_URL",
             "SHOPSIMRL_JUDGE_BASE_URL",
+            "SHOPSIMRL_ANALYST_BASE_URL",
             "SHOPSIMRL_ENV_BASE_URL",
             "SHOPSIMRL_API_KEY",
         }
@@ -637,7 +638,7 @@ def test_fail_index_covers_every_container_that_reads_the_config(helm: Helm, mat
         containers = {c["name"] for c in [*pod.get("initContainers", []), *pod["containers"]]}
         named = {r["onExitCodes"]["containerName"] for r in spec["podFailurePolicy"]["rules"] if r["action"] == "FailIndex"}
         assert named == containers, name
-        assert ("wait-ready" in named) is (name not in ("readiness off", "skills-values.yaml")), name  # skills: no wait
+        assert ("wait-ready" in named) is (name != "readiness off"), name
 
 
 def test_reducer_ends_with_a_partial_summary_and_is_not_retried_once_it_wrote_one(matrix: dict[str, list[Doc]]) -> None:
@@ -2042,9 +2043,6 @@ def test_skills_mode_runs_the_per_trajectory_analysts_in_the_same_jobs(matrix: d
     job = only(docs, "Job", "job-worker.yaml")
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 4
     pod = job["spec"]["template"]["spec"]
-    assert "initContainers" not in pod  # no readiness wait: an analyst that does not answer is retried by index
-    rules = job["spec"]["podFailurePolicy"]["rules"]
-    assert [r["onExitCodes"]["containerName"] for r in rules if "onExitCodes" in r] == ["worker"]
     worker = container(pod, "worker")
     assert worker["args"] == ["skills", "worker", "$(SHOPSIMRL_CONFIG)", "--run", "$(SHOPSIMRL_RUN)"]
     env = env_of(worker)
@@ -2060,6 +2058,69 @@ def test_skills_mode_runs_the_per_trajectory_analysts_in_the_same_jobs(matrix: d
     assert reducer["args"][:5] == ["skills", "reduce", "$(SHOPSIMRL_RUN)", "--wait", "--timeout"]
     config = yaml.safe_load(only(docs, "ConfigMap")["data"]["qwen35-4b-initial-skills.yaml"])
     assert config["analyst_model"]["name"] == "Qwen/Qwen3.5-27B" and config["experiment"]["expected_trajectories"] == 400
+
+
+def test_skills_pods_wait_for_the_analyst_and_the_shop_unless_readiness_is_off(helm: Helm, matrix: dict[str, list[Doc]]) -> None:
+    """readiness.enabled: `skills wait-ready` as the init container, reading what the worker
+    reads, with its own FailIndex rule (it exits 2 on the same bad config); off: none. Both
+    renders are valid Kubernetes objects."""
+    values = CHART / "ci" / "skills-values.yaml"
+    renders = {"on": matrix["skills-values.yaml"], "off": helm.render(values, sets={"readiness.enabled": "false"})}
+    for name, docs in renders.items():
+        assert validate_all((d.body for d in docs), f"skills, readiness {name}") == len(docs)
+    on = only(renders["on"], "Job", "job-worker.yaml")["spec"]
+    (init,) = on["template"]["spec"]["initContainers"]
+    assert init["name"] == "wait-ready"
+    assert init["args"] == ["skills", "wait-ready", "$(SHOPSIMRL_CONFIG)", "--timeout", "600"]
+    worker = env_of(container(on["template"]["spec"], "worker"))
+    readiness = env_of(init)
+    for key in ("SHOPSIMRL_CONFIG", "SHOPSIMRL_ANALYST_BASE_URL", "SHOPSIMRL_ENV_BASE_URL", "ANALYST_API_KEY"):
+        assert readiness[key] == worker[key], key
+    fail_index = [r["onExitCodes"] for r in on["podFailurePolicy"]["rules"] if r["action"] == "FailIndex"]
+    assert [r["containerName"] for r in fail_index] == ["wait-ready", "worker"]
+    assert all(r["values"] == [ExitCode.BAD_INPUT, ExitCode.FINGERPRINT_MISMATCH] for r in fail_index)
+    off = only(renders["off"], "Job", "job-worker.yaml")["spec"]
+    assert "initContainers" not in off["template"]["spec"]
+    assert [r["onExitCodes"]["containerName"] for r in off["podFailurePolicy"]["rules"] if "onExitCodes" in r] == ["worker"]
+
+
+def test_the_rendered_skills_wait_ready_runs_against_real_servers(helm: Helm, tmp_path: Path) -> None:
+    """The skills release's init container as the pod runs it, against the analyst stub and the
+    testbed shop over real HTTP: ready, then exit 3 naming the reason while the analyst model is
+    not listed or the shop is not ready."""
+    from shopsimrl.testbed.serving import running_server
+    from shopsimrl.testbed.shop import create_app as create_shop_app
+    from tests.openai_stub import OpenAIStub
+
+    docs = helm.render(CHART / "ci" / "skills-values.yaml", sets={"readiness.timeoutSeconds": "1"})
+    pod = only(docs, "Job", "job-worker.yaml")["spec"]["template"]["spec"]
+    config_path = tmp_path / "skills.yaml"
+    config_path.write_text(only(docs, "ConfigMap")["data"]["qwen35-4b-initial-skills.yaml"], encoding="utf-8")
+    analyst, shop_app = OpenAIStub(), create_shop_app()
+    analyst.served_models = ["Qwen/Qwen3.5-27B"]
+    with running_server(analyst) as analyst_url, running_server(shop_app) as shop_url:
+
+        def wait_ready() -> subprocess.CompletedProcess[str]:
+            overrides = {
+                "SHOPSIMRL_CONFIG": str(config_path),
+                "SHOPSIMRL_ANALYST_BASE_URL": f"{analyst_url}/v1",
+                "SHOPSIMRL_ENV_BASE_URL": shop_url,
+                "SHOPSIMRL_LOG_FORMAT": "console",
+            }
+            argv, env = _pod_command(container(pod, "wait-ready"), overrides)
+            return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+        ready = wait_ready()
+        assert ready.returncode == ExitCode.OK, ready.stderr
+        assert ready.stdout.startswith("ready: 'Qwen/Qwen3.5-27B' is served; ShopSimulator environment is ready")
+        shop_app.state.shop.ready = False
+        not_ready = wait_ready()
+        assert not_ready.returncode == ExitCode.RETRYABLE and "environment_not_ready after 1 s" in not_ready.stderr
+        shop_app.state.shop.ready = True
+        analyst.served_models = ["Qwen/Qwen3.5-9B"]
+        unlisted = wait_ready()
+        assert unlisted.returncode == ExitCode.RETRYABLE
+        assert "model_not_listed after 1 s: 'Qwen/Qwen3.5-27B' is not among the served models" in unlisted.stderr
 
 
 def test_skills_mode_workers_reach_the_release_shop_like_rollout_workers(helm: Helm) -> None:

@@ -18,7 +18,17 @@ from typing import Any, NoReturn
 import typer
 from typer.core import TyperGroup
 
-from shopsimrl.cli.common import HELP_STYLE, QUIET, TRACK, VERBOSE, setup_logging, track_with, tracking_settings, worker_settings
+from shopsimrl.cli.common import (
+    HELP_STYLE,
+    QUIET,
+    TRACK,
+    VERBOSE,
+    setup_logging,
+    track_with,
+    tracking_settings,
+    warn,
+    worker_settings,
+)
 from shopsimrl.cli.errors import READ_FAILED, BadInputError, TryAgainError, context, import_part
 from shopsimrl.cli.shards import reduce_and_report
 from shopsimrl.exitcodes import ExitCode
@@ -760,6 +770,31 @@ def skills_worker(
             raise BadInputError("no shard index: pass --index, or set JOB_COMPLETION_INDEX (an Indexed Job sets it)")
         index = int(raw)
     raise typer.Exit(int(sharded.run_skills_worker(build.load_skills_config(skills_config), run, index)))
+
+
+@skills_app.command("wait-ready")
+def skills_wait_ready(
+    skills_config: Path = SKILLS_CONFIG,
+    timeout: float = typer.Option(600.0, min=0, help="Give up after this many seconds."),
+    interval: float = typer.Option(5.0, min=0.1, help="Seconds between probes."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Wait until the analyst server lists the analyst model and, when a shop is configured,
+    ShopSimulator says ready (exit 3 on timeout; a worker pod's init container)."""
+    setup_logging(quiet, verbose)
+    sharded = _skills_sharded()
+    build = import_part("shopsimrl.research.skills.build", "research")
+    settings = worker_settings()
+    processes = min(settings.parallelism or settings.shards or 1, settings.shards or settings.parallelism or 1)
+    result = sharded.skills_wait_ready(
+        build.load_skills_config(skills_config), timeout=timeout, interval=interval, processes=processes
+    )
+    for warning in result.warnings:
+        warn(warning)
+    if not result.ready:
+        raise TryAgainError(f"{result.reason} after {timeout:g} s: {result.detail}")
+    typer.echo(f"ready: {result.detail}")
 
 
 @skills_app.command("status")

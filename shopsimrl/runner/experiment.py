@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,15 @@ from shopsimrl.schemas import FINGERPRINT_VERSION, PIPELINE_VERSION, EpisodeJob,
 from shopsimrl.skills import NoSkills, SkillProvider, open_skill_provider
 from shopsimrl.tasks import TaskSplit, load_task_split
 
-__all__ = ["PreparedExperiment", "ServiceCheck", "check_services", "prepare"]
+__all__ = [
+    "PreparedExperiment",
+    "ServiceCheck",
+    "check_services",
+    "poll_until_ready",
+    "prepare",
+    "probe_environment",
+    "probe_model",
+]
 
 
 def _model_settings(config: ExperimentConfig) -> OpenAICompatibleSettings:
@@ -216,51 +225,84 @@ class ServiceCheck:
     warnings: list[str] = field(default_factory=list)
 
 
+async def probe_model(model: OpenAICompatibleChatModel, settings: OpenAICompatibleSettings) -> ServiceCheck | None:
+    """One probe of the model server's ``/models``: ``None`` when it lists ``settings.model``."""
+    try:
+        ids = await model.list_models()
+    except Exception as exc:
+        return ServiceCheck(False, "model_unreachable", f"{redact_uri(settings.base_url)}/models: {exc}")
+    if settings.model not in ids:
+        return ServiceCheck(False, "model_not_listed", f"{settings.model!r} is not among the served models {ids}")
+    return None
+
+
+async def probe_environment(
+    environment: ShopSimulatorEnvironment,
+    *,
+    concurrency: int,
+    processes: int,
+    configured_leases: int | None,
+    require_free_slot: bool,
+) -> ServiceCheck:
+    """One probe of ShopSimulator's ``/healthz``: ready, version, slots (``concurrency``: the
+    sessions one process holds at once; ``configured_leases``: ``environment.max_leases``)."""
+    base_url = environment.settings.base_url
+    try:
+        health = await environment.healthz()
+    except EnvironmentVersionError as exc:
+        return ServiceCheck(False, "environment_version_mismatch", str(exc))
+    except Exception as exc:
+        return ServiceCheck(False, "environment_unreachable", f"{redact_uri(base_url)}/healthz: {exc}")
+    if health.get("ready") is not True:
+        return ServiceCheck(False, "environment_not_ready", f"/healthz says {health}")
+    usage = SlotUsage.from_healthz(health)
+    limit = lease_budget(
+        concurrency=concurrency, processes=processes, environment_slots=usage.environment_slots, configured=configured_leases
+    )
+    sizing = usage.sizing_warning(concurrency=concurrency, processes=processes, lease_limit=limit)
+    warnings = [sizing] if sizing else []
+    if require_free_slot and usage.free_slots == 0:
+        return ServiceCheck(
+            False,
+            "environment_no_free_slot",
+            f"ShopSimulator has 0/{usage.environment_slots} slots free: another run holds them, or leaked them "
+            f"(`shopsimrl env slots --url {redact_uri(base_url)}`)",
+            usage,
+            warnings,
+        )
+    return ServiceCheck(True, None, f"environment is ready ({usage.describe()})", usage, warnings)
+
+
 async def _check_once(prepared: PreparedExperiment, *, processes: int, require_free_slot: bool) -> ServiceCheck:
     model = prepared.model()
     environment = prepared.environment()
     try:
-        try:
-            ids = await model.list_models()
-        except Exception as exc:
-            return ServiceCheck(False, "model_unreachable", f"{redact_uri(prepared.model_settings.base_url)}/models: {exc}")
-        if prepared.model_settings.model not in ids:
-            return ServiceCheck(
-                False, "model_not_listed", f"{prepared.model_settings.model!r} is not among the served models {ids}"
-            )
-        try:
-            health = await environment.healthz()
-        except EnvironmentVersionError as exc:
-            return ServiceCheck(False, "environment_version_mismatch", str(exc))
-        except Exception as exc:
-            return ServiceCheck(
-                False, "environment_unreachable", f"{redact_uri(prepared.environment_settings.base_url)}/healthz: {exc}"
-            )
-        if health.get("ready") is not True:
-            return ServiceCheck(False, "environment_not_ready", f"/healthz says {health}")
-        usage = SlotUsage.from_healthz(health)
-        concurrency = prepared.config.experiment.concurrency
-        limit = lease_budget(
-            concurrency=concurrency,
+        not_ready = await probe_model(model, prepared.model_settings)
+        if not_ready is not None:
+            return not_ready
+        check = await probe_environment(
+            environment,
+            concurrency=prepared.config.experiment.concurrency,
             processes=processes,
-            environment_slots=usage.environment_slots,
-            configured=prepared.config.environment.max_leases,
+            configured_leases=prepared.config.environment.max_leases,
+            require_free_slot=require_free_slot,
         )
-        sizing = usage.sizing_warning(concurrency=concurrency, processes=processes, lease_limit=limit)
-        warnings = [sizing] if sizing else []
-        if require_free_slot and usage.free_slots == 0:
-            return ServiceCheck(
-                False,
-                "environment_no_free_slot",
-                f"ShopSimulator has 0/{usage.environment_slots} slots free: another run holds them, or leaked them "
-                f"(`shopsimrl env slots --url {redact_uri(prepared.environment_settings.base_url)}`)",
-                usage,
-                warnings,
-            )
-        return ServiceCheck(True, None, f"model and environment are ready ({usage.describe()})", usage, warnings)
+        if check.ready:
+            check.detail = f"model and environment are ready ({check.slots.describe() if check.slots else ''})"
+        return check
     finally:
         await model.aclose()
         await environment.aclose()
+
+
+async def poll_until_ready(probe: Callable[[], Awaitable[ServiceCheck]], *, timeout: float, interval: float) -> ServiceCheck:
+    """Run ``probe`` until it says ready or ``timeout`` seconds have passed: the last check."""
+    deadline = time.monotonic() + timeout
+    while True:
+        check = await probe()
+        if check.ready or time.monotonic() + interval > deadline:
+            return check
+        await asyncio.sleep(interval)
 
 
 async def check_services(
@@ -275,9 +317,8 @@ async def check_services(
 
     ``processes``: shard workers that will run at once (for the slot sizing warning);
     ``require_free_slot``: a shop with no free slot is not ready."""
-    deadline = time.monotonic() + timeout
-    while True:
-        check = await _check_once(prepared, processes=processes, require_free_slot=require_free_slot)
-        if check.ready or time.monotonic() + interval > deadline:
-            return check
-        await asyncio.sleep(interval)
+    return await poll_until_ready(
+        lambda: _check_once(prepared, processes=processes, require_free_slot=require_free_slot),
+        timeout=timeout,
+        interval=interval,
+    )

@@ -265,6 +265,33 @@ def test_nothing_accepted_or_a_leaking_chunk_is_not_frozen(draft: Path) -> None:
     assert not (draft / SNAPSHOT_NAME).exists()
 
 
+def test_a_placeholder_card_without_evidence_refs_is_frozen_with_none(draft: Path) -> None:
+    """An empty answer's placeholder card has no evidence_refs key (as the analysis writes it);
+    the snapshot reads it as citing nothing. A real card without the key is still refused."""
+    cards = draft / "evidence_cards.jsonl"
+    lines = cards.read_text(encoding="utf-8").splitlines()
+    placeholder = {
+        "card_id": "success-task-000009__sample-000-00",
+        "channel": "success",
+        "episode_id": "task-000009__sample-000",
+        "placeholder": True,
+        "eligible": False,
+        "ineligible_reasons": ["empty_answer"],
+        "card": None,
+        "firewall_findings": [],
+    }
+    cards.write_text("\n".join([*lines, json.dumps(placeholder)]) + "\n", encoding="utf-8")
+    assert cli("skills", "review", str(draft), "--accept", "search-with-attributes", "--reviewer", "lin").exit_code == 0
+    frozen = cli("skills", "snapshot", str(draft))
+    assert frozen.exit_code == 0, frozen.output
+    assert "enabled   search-with-attributes" in frozen.output
+    (draft / SNAPSHOT_NAME).unlink()
+    real = {**placeholder, "card_id": "success-task-000009__sample-000-01", "placeholder": False}
+    cards.write_text("\n".join([*lines, json.dumps(real)]) + "\n", encoding="utf-8")
+    refused = cli("skills", "snapshot", str(draft))
+    assert refused.exit_code == 2 and f"{cards}:{len(lines) + 1}: not an evidence card" in refused.output
+
+
 def _selected_bank(draft: Path, effects: dict[str, float]) -> Path:
     """A gate-selected bank in Gate A's layout (records of the draft's chunks with estimated effects)."""
     bank = json.loads((draft / "initial_skillbank.json").read_text(encoding="utf-8"))

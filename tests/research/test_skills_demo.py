@@ -2,7 +2,9 @@
 configs): a train run on the testbed, `skills build` with the testbed analyst (failed trajectories
 replayed in live sessions on the testbed shop), a bare val run and
 Gate A over the built draft; the chunk that carries the choose-options marker comes out positive,
-the buy-first one negative. About 15 s on two cores (60 train and 2 × 200 val episodes)."""
+the buy-first one negative. Then the review (Gate A's selection accepted, the rest rejected) and
+the snapshot, which verifies and enables exactly the selected chunks. About 15 s on two cores
+(60 train and 2 × 200 val episodes)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from shopsimrl.skills import JsonSkillBank, snapshot_id_of
 from shopsimrl.testbed.heuristics_skills import BUY_FIRST, CHOOSE_OPTIONS
 
 pytestmark = pytest.mark.slow
@@ -28,7 +31,12 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def test_skills_demo_builds_a_draft_whose_chunks_gate_a_signs_as_known(tmp_path: Path) -> None:
-    for part in ("scripts/skills-demo.sh", "scripts/skills-demo-figures.py", "scripts/lib/testbed.sh"):
+    for part in (
+        "scripts/skills-demo.sh",
+        "scripts/skills-demo-figures.py",
+        "scripts/skills-demo-review.py",
+        "scripts/lib/testbed.sh",
+    ):
         (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / part, tmp_path / part)
     shutil.copytree(REPO / "configs" / "skills_demo", tmp_path / "configs" / "skills_demo")
@@ -73,6 +81,32 @@ def test_skills_demo_builds_a_draft_whose_chunks_gate_a_signs_as_known(tmp_path:
     assert fit["selected_chunk_ids"] == ["choose-requested-options"]
     assert "choose-requested-options" in result.stdout and "clusters" in result.stdout
 
+    # The review: Gate A's selection accepted, the rest rejected, by the demo's reviewer.
+    log = root / "draft" / "skill_review.jsonl"
+    rows = _lines(log)
+    assert sorted((r["chunk_id"], r["decision"], r["reviewer"]) for r in rows) == [
+        ("buy-first-result", "rejected", "skills-demo"),
+        ("choose-requested-options", "accepted", "skills-demo"),
+    ]
+    # The snapshot: its content address verifies, it enables exactly the selected chunks, and the
+    # skill bank reader (which recomputes the address) reads it as that bank.
+    path = root / "draft" / "skillbank.snapshot.json"
+    snapshot = json.loads(path.read_text(encoding="utf-8"))
+    assert snapshot["stage"] == "selected" and snapshot_id_of(snapshot) == snapshot["snapshot_id"]
+    assert [s["skill_id"] for s in snapshot["skills"] if s["enabled"]] == fit["selected_chunk_ids"]
+    assert [s["skill_id"] for s in snapshot["bank"]["skills"]] == fit["selected_chunk_ids"]
+    assert {s["skill_id"]: s["review"]["status"] for s in snapshot["skills"]} == {
+        "choose-requested-options": "accepted",
+        "buy-first-result": "rejected",
+    }
+    reader = JsonSkillBank(path)
+    assert reader.snapshot_id == snapshot["snapshot_id"]
+    assert [skill.skill_id for skill, _ in reader.entries] == fit["selected_chunk_ids"]
+    # Its address is in the demo's last lines.
+    last = result.stdout.strip().splitlines()[-2:]
+    assert last[0] == f"snapshot {snapshot['snapshot_id']} (selected) written: runs/skills-demo/draft/skillbank.snapshot.json"
+    assert last[1].split() == ["enabled", *fit["selected_chunk_ids"]]
+
     # Run again (the testbed on new ports): every step resumes (the analyst's URL is no part of
     # a fingerprint, so nothing is asked again), the same draft, the same fit.
     again = subprocess.run(
@@ -84,3 +118,7 @@ def test_skills_demo_builds_a_draft_whose_chunks_gate_a_signs_as_known(tmp_path:
     assert json.loads((root / "draft" / "initial_skill_draft.json").read_text(encoding="utf-8")) == draft
     refit = json.loads((root / "gate" / "contributions.json").read_text(encoding="utf-8"))
     assert [r["coefficient"] for r in refit["contributions"]] == [r["coefficient"] for r in fit["contributions"]]
+    # The review is already recorded (nothing appended) and the same snapshot is a no-op.
+    assert _lines(log) == rows
+    assert f"snapshot {snapshot['snapshot_id']} (selected) already there (identical; nothing written)" in again.stdout
+    assert json.loads(path.read_text(encoding="utf-8")) == snapshot

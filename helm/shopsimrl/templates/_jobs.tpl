@@ -32,7 +32,7 @@ podFailurePolicy:
     # Retrying these can never succeed (2: bad input, 42: run exists with another fingerprint).
     # A rule names one container, and wait-ready reads the same config: it exits 2 on the same
     # bad input before the worker ever starts, so it gets the same rule.
-    {{- range $name := ternary (list "wait-ready" "worker") (list "worker") (and $.Values.readiness.enabled (ne $.Values.mode "skills")) }}
+    {{- range $name := ternary (list "wait-ready" "worker") (list "worker") $.Values.readiness.enabled }}
     - action: FailIndex
       onExitCodes:
         containerName: {{ $name }}
@@ -92,18 +92,25 @@ template:
     affinity:
       {{- toYaml . | nindent 6 }}
     {{- end }}
-    {{- /* skills mode: no readiness wait; an analyst that does not answer ends in error records and the index's retry. */}}
-    {{- if and .Values.readiness.enabled (ne .Values.mode "skills") }}
+    {{- if .Values.readiness.enabled }}
     initContainers:
       # Bounded wait for the model to list the served model and ShopSimulator to be ready
-      # (judge mode: the judge model only); exits 3 with a named reason on timeout instead of
-      # letting episodes fail one by one.
+      # (judge mode: the judge model only; skills mode: the analyst model, and the shop when
+      # one is configured); exits 3 with a named reason on timeout instead of letting episodes
+      # fail one by one.
       - name: wait-ready
         image: {{ include "shopsimrl.image" (dict "image" .Values.worker.image "defaultTag" .Chart.AppVersion) }}
         imagePullPolicy: {{ .Values.worker.image.pullPolicy }}
         args:
           {{- if eq .Values.mode "judge" }}
           - judge
+          - wait-ready
+          - $(SHOPSIMRL_CONFIG)
+          - --timeout
+          - {{ .Values.readiness.timeoutSeconds | quote }}
+          {{- else if eq .Values.mode "skills" }}
+          # A busy shop counts as ready here: other shards hold slots legitimately.
+          - skills
           - wait-ready
           - $(SHOPSIMRL_CONFIG)
           - --timeout

@@ -44,6 +44,7 @@ import orjson
 import structlog
 
 from shopsimrl import eventloop
+from shopsimrl.environment import ShopSimulatorEnvironment
 from shopsimrl.exitcodes import ExitCode
 from shopsimrl.manifest import FingerprintMismatchError
 from shopsimrl.model import OpenAICompatibleChatModel
@@ -78,6 +79,7 @@ from shopsimrl.research.skills.analyst import (
 from shopsimrl.research.skills.build import SkillsConfig, analyst_config, failure_config
 from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
 from shopsimrl.research.skills.inputs import read_train_traces
+from shopsimrl.runner.experiment import ServiceCheck, poll_until_ready, probe_environment, probe_model
 from shopsimrl.runner.lease_journal import JournalStorage, shard_journal_storage
 from shopsimrl.schemas import fingerprint, json_bytes, sha256_hex
 from shopsimrl.storage.sharded import ShardedRunStore, ShardMapError, marker_document, part_entry
@@ -99,6 +101,7 @@ __all__ = [
     "reduce_skills",
     "run_skills_worker",
     "skills_status",
+    "skills_wait_ready",
     "success_analyst",
 ]
 
@@ -597,3 +600,49 @@ def format_reduce(result: SkillsReduceResult) -> str:
         f"files     {result.location}" + (f" and {result.output_dir}" if result.output_dir is not None else ""),
     ]
     return "\n".join(lines)
+
+
+def shop_configured(config: SkillsConfig) -> bool:
+    """Whether SKILLS.yaml (or ``SHOPSIMRL_ENV_BASE_URL``, which sets it) names the failure
+    analyst's ShopSimulator; the section's default address is not a shop anyone set up."""
+    return "base_url" in config.environment.model_fields_set
+
+
+def skills_wait_ready(config: SkillsConfig, *, timeout: float, interval: float, processes: int = 1) -> ServiceCheck:
+    """Probe until the analyst server lists ``analyst_model.name`` and, when a shop is
+    configured (:func:`shop_configured`), ShopSimulator says ready, at most ``timeout`` seconds:
+    the last check. A worker pod's init container, so that an analyst still loading does not turn
+    a shard's trajectories into error records. A shop without a free slot counts as ready: other
+    shards hold slots legitimately. ``processes``: worker pods at once (the slot sizing warning)."""
+    settings = analyst_config(config).model
+    model = OpenAICompatibleChatModel(settings)
+    model.check_api_key()
+    environment = ShopSimulatorEnvironment(config.environment.settings()) if shop_configured(config) else None
+
+    async def once() -> ServiceCheck:
+        not_ready = await probe_model(model, settings)
+        if not_ready is not None:
+            return not_ready
+        served = f"{settings.model!r} is served"
+        if environment is None:
+            return ServiceCheck(True, None, f"{served}; no ShopSimulator configured (environment.base_url): not probed")
+        check = await probe_environment(
+            environment,
+            concurrency=config.experiment.concurrency,
+            processes=processes,
+            configured_leases=None,
+            require_free_slot=False,
+        )
+        if check.ready:
+            check.detail = f"{served}; ShopSimulator {check.detail}"
+        return check
+
+    async def wait() -> ServiceCheck:
+        try:
+            return await poll_until_ready(once, timeout=timeout, interval=interval)
+        finally:
+            await model.aclose()
+            if environment is not None:
+                await environment.aclose()
+
+    return eventloop.run(wait())

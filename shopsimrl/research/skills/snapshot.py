@@ -248,7 +248,9 @@ def _evidence_refs(directory: Path) -> dict[str, list[dict[str, Any]]]:
             continue
         try:
             card = json.loads(line)
-            refs[card["card_id"]] = [{"episode_id": r["episode_id"], "step": r["step"]} for r in card["evidence_refs"]]
+            # A placeholder (an empty answer) cites no steps and has no evidence_refs key.
+            cited = [] if card.get("placeholder") is True and "evidence_refs" not in card else card["evidence_refs"]
+            refs[card["card_id"]] = [{"episode_id": r["episode_id"], "step": r["step"]} for r in cited]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise SkillInputError(f"{path}:{number}: not an evidence card with card_id and evidence_refs") from None
     return refs
