@@ -201,17 +201,24 @@ def _marker_of(item: dict[str, Any]) -> str | None:
     return next((marker for marker in _ORDER if marker in text), None)
 
 
+def _group_by_marker(items: list[Any], id_key: str) -> tuple[dict[str, list[str]], list[str]]:
+    """``(marker → ids of the items carrying it, ids of the items carrying none)``, in input order:
+    an item without a marker is evidence-only."""
+    groups: dict[str, list[str]] = {}
+    evidence_only: list[str] = []
+    for item in items:
+        marker = _marker_of(_map(item))
+        item_id = str(_map(item).get(id_key))
+        if marker is None:
+            evidence_only.append(item_id)
+        else:
+            groups.setdefault(marker, []).append(item_id)
+    return groups, evidence_only
+
+
 def clusters_of(data: dict[str, Any]) -> dict[str, Any]:
     """The arguments of ``submit_clusters``: one cluster per marker, every card once."""
-    groups: dict[str, list[str]] = {}
-    evidence_only = []
-    for card in _list(data.get("cards")):
-        marker = _marker_of(_map(card))
-        card_id = str(_map(card).get("card_id"))
-        if marker is None:
-            evidence_only.append(card_id)
-        else:
-            groups.setdefault(marker, []).append(card_id)
+    groups, evidence_only = _group_by_marker(_list(data.get("cards")), "card_id")
     clusters = []
     for marker in _ORDER:
         if marker in groups:
@@ -223,15 +230,7 @@ def clusters_of(data: dict[str, Any]) -> dict[str, Any]:
 
 def initial_skill_of(data: dict[str, Any]) -> dict[str, Any]:
     """The arguments of ``submit_initial_skill``: one chunk per marker, every cluster once."""
-    groups: dict[str, list[str]] = {}
-    evidence_only = []
-    for cluster in _list(data.get("clusters")):
-        marker = _marker_of(_map(cluster))
-        cluster_id = str(_map(cluster).get("cluster_id"))
-        if marker is None:
-            evidence_only.append(cluster_id)
-        else:
-            groups.setdefault(marker, []).append(cluster_id)
+    groups, evidence_only = _group_by_marker(_list(data.get("clusters")), "cluster_id")
     chunks = []
     for marker in _ORDER:
         if marker in groups:
@@ -243,15 +242,7 @@ def initial_skill_of(data: dict[str, Any]) -> dict[str, Any]:
 
 def online_candidates_of(data: dict[str, Any]) -> dict[str, Any]:
     """The arguments of ``submit_online_candidates``: one candidate per marker, every card once."""
-    groups: dict[str, list[str]] = {}
-    evidence_only = []
-    for card in _list(data.get("cards")):
-        marker = _marker_of(_map(card))
-        card_id = str(_map(card).get("card_id"))
-        if marker is None:
-            evidence_only.append(card_id)
-        else:
-            groups.setdefault(marker, []).append(card_id)
+    groups, evidence_only = _group_by_marker(_list(data.get("cards")), "card_id")
     current = [_map(skill) for skill in _list(data.get("current_skills"))]
     history = [_map(item) for item in _list(data.get("historical_candidates"))]
     limit = data.get("max_candidates")

@@ -249,3 +249,33 @@ def stub(served: tuple[OpenAIStub, str]) -> tuple[OpenAIStub, str]:
     """``served``, its queue, responder and recorded requests cleared."""
     served[0].reset()
     return served
+
+
+PERSONA_SPLITS = Path(__file__).resolve().parents[2] / "configs" / "splits" / "persona_splits.v1.json"
+
+
+def all_free(bed: LocalTestbed) -> bool:
+    """Whether every environment slot of ``bed`` is free (no session left leased)."""
+    health = bed.healthz()
+    return bool(health["free_slots"] == health["environment_slots"])
+
+
+def heuristic_train_run(
+    base: Path, bed: LocalTestbed, tasks: str, *, concurrency: int, max_steps: int = 30, environment: str = ""
+) -> Path:
+    """``shopsimrl run`` of the testbed's heuristic policy on ``bed`` into ``base`` (a subprocess,
+    no AWS_/SHOPSIMRL_ settings): ``tasks`` and ``environment`` are the bodies of those YAML flow
+    mappings (``environment`` after its base_url). Returns the run's traces.jsonl."""
+    path = base / "train.yaml"
+    path.write_text(
+        f"experiment: {{name: train, output_dir: {base}, seed: 20260830, concurrency: {concurrency}}}\n"
+        f"tasks: {{{tasks}}}\n"
+        f"environment: {{base_url: '{bed.shop_url}'{environment}}}\n"
+        f"runtime: {{max_steps: {max_steps}}}\nskills: {{path: null}}\n"
+        f"model: {{id: shopsim-heuristic, name: shopsim-heuristic, base_url: '{bed.model_url}', api_key_env: null}}\n",
+        encoding="utf-8",
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "SHOPSIMRL_"))}
+    done = cli("run", str(path), "--no-progress", "-q", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return base / "train" / "traces.jsonl"

@@ -43,8 +43,9 @@ from shopsimrl.research.skills.failure import (
 from shopsimrl.testbed.heuristics_skills import CHOOSE_OPTIONS
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 from tests.research.test_skill_builder import numbered, write_traces
-from tests.sharded.conftest import cli
 from tests.testbed_process import LocalTestbed, start_testbed
+
+from .conftest import PERSONA_SPLITS, all_free, heuristic_train_run
 
 REPO = Path(__file__).resolve().parents[2]
 FORCED = {"type": "function", "function": {"name": FAILURE_TOOL}}
@@ -130,11 +131,6 @@ def first_result_buyer(state: dict[str, Any]) -> tuple[str, dict[str, str]]:
 
 def run(coroutine: Any) -> Any:
     return asyncio.run(coroutine)
-
-
-def all_free(bed: LocalTestbed) -> bool:
-    health = bed.healthz()
-    return bool(health["free_slots"] == health["environment_slots"])
 
 
 @pytest.fixture
@@ -463,19 +459,7 @@ def options_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Loca
     (SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1): failures that bought without the wanted options."""
     base = tmp_path_factory.mktemp("failure-train")
     with start_testbed(SHOPSIM_POLICY_OPTIONS_NEED_SKILL="1") as bed:
-        path = base / "train.yaml"
-        path.write_text(
-            f"experiment: {{name: train, output_dir: {base}, seed: 20260830, concurrency: 8}}\n"
-            f"tasks: {{split_file: {REPO / 'configs' / 'splits' / 'persona_splits.v1.json'}, split: train, sample_size: 24}}\n"
-            f"environment: {{base_url: '{bed.shop_url}'}}\n"
-            "runtime: {max_steps: 30}\nskills: {path: null}\n"
-            f"model: {{id: shopsim-heuristic, name: shopsim-heuristic, base_url: '{bed.model_url}', api_key_env: null}}\n",
-            encoding="utf-8",
-        )
-        env = {key: value for key, value in os.environ.items() if not key.startswith("SHOPSIMRL_")}
-        done = cli("run", str(path), "--no-progress", "-q", env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        yield bed, base / "train" / "traces.jsonl"
+        yield bed, heuristic_train_run(base, bed, f"split_file: {PERSONA_SPLITS}, split: train, sample_size: 24", concurrency=8)
 
 
 @pytest.mark.slow

@@ -415,3 +415,28 @@ def test_a_writer_that_loses_the_race_never_replaces_the_snapshot(draft: Path, m
     monkeypatch.setattr(os, "link", link_after_the_same_writer)
     result = freeze_snapshot(draft)
     assert result.written is False and result.snapshot["snapshot_id"] == mine["snapshot_id"] and path.read_bytes() == same
+
+
+def test_a_draft_or_selection_holding_nan_is_refused_naming_the_file(draft: Path, tmp_path: Path) -> None:
+    """Files read back are strict JSON: NaN or Infinity in one is exit 2 naming the file, and a
+    missing draft keeps its hint on how to make one."""
+    assert cli("skills", "review", str(draft), "--accept", "check-options", "--reviewer", "lin").exit_code == 0
+    selected = _selected_bank(draft, {"check-options": 0.15})
+    selected.write_text(selected.read_text(encoding="utf-8").replace("0.15", "Infinity"), encoding="utf-8")
+    refused = cli("skills", "snapshot", str(draft), "--selected", str(selected), "--out", str(tmp_path / "s.json"))
+    assert refused.exit_code == 2, refused.output
+    assert f"skill bank {selected} is not valid JSON: Infinity is not JSON" in refused.output
+    assert not (tmp_path / "s.json").exists()
+
+    path = draft / "initial_skill_draft.json"
+    text = path.read_text(encoding="utf-8")
+    path.write_text('{"probe": NaN, ' + text.lstrip()[1:], encoding="utf-8")
+    for args in (("review", str(draft), "--accept", "check-options", "--reviewer", "lin"), ("snapshot", str(draft))):
+        refused = cli("skills", *args)
+        assert refused.exit_code == 2, refused.output
+        assert f"skill draft {path} is not valid JSON: NaN is not JSON" in refused.output
+    assert not (draft / SNAPSHOT_NAME).exists()
+
+    path.unlink()
+    refused = cli("skills", "snapshot", str(draft))
+    assert refused.exit_code == 2 and f"{path}: no such skill draft (run `shopsimrl skills build` first)" in refused.output

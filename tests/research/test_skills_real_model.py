@@ -44,8 +44,9 @@ from shopsimrl.research.skills.cards import FAILURE_TOOL, SUCCESS_TOOL, FailureC
 from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
 from shopsimrl.research.skills.firewall import FORCED_NO_PROPOSAL_RULES
 from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, default_cache_dir, installed_server
-from tests.sharded.conftest import cli
 from tests.testbed_process import LocalTestbed, start_testbed
+
+from .conftest import all_free, heuristic_train_run
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_CATALOG = REPO / "tests" / "testbed" / "fixtures" / "catalog_small.json"
@@ -81,19 +82,8 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalT
     split = {"version": "skills-real-model", "splits": {"train": {"task_ids": TASK_IDS, "persona": False, "role": "train"}}}
     (base / "split.json").write_text(json.dumps(split), encoding="utf-8")
     with start_testbed(SHOPSIM_CATALOG=str(SMALL_CATALOG), SHOPSIM_POLICY_STRATEGY="naive") as bed:
-        path = base / "train.yaml"
-        path.write_text(
-            f"experiment: {{name: train, output_dir: {base}, seed: 20260830, concurrency: 4}}\n"
-            f"tasks: {{split_file: {base / 'split.json'}, split: train}}\n"
-            f"environment: {{base_url: '{bed.shop_url}', persona: false}}\n"
-            "runtime: {max_steps: 2}\nskills: {path: null}\n"
-            f"model: {{id: shopsim-heuristic, name: shopsim-heuristic, base_url: '{bed.model_url}', api_key_env: null}}\n",
-            encoding="utf-8",
-        )
-        env = {key: value for key, value in os.environ.items() if not key.startswith("SHOPSIMRL_")}
-        done = cli("run", str(path), "--no-progress", "-q", env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        yield bed, base / "train" / "traces.jsonl"
+        tasks = f"split_file: {base / 'split.json'}, split: train"
+        yield bed, heuristic_train_run(base, bed, tasks, concurrency=4, max_steps=2, environment=", persona: false")
 
 
 def smollm2(url: str, tool: str) -> OpenAICompatibleSettings:
@@ -107,11 +97,6 @@ def smollm2(url: str, tool: str) -> OpenAICompatibleSettings:
 
 def lines(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()] if path.exists() else []
-
-
-def all_free(bed: LocalTestbed) -> bool:
-    health = bed.healthz()
-    return bool(health["free_slots"] == health["environment_slots"])
 
 
 def check_attempts(record: dict[str, Any]) -> None:

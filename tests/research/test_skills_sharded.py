@@ -36,6 +36,8 @@ from tests.research.test_skills_build import answer
 from tests.sharded.conftest import S3_TEST_ENV, _make_bucket, cli, seaweedfs_endpoint
 from tests.testbed_process import LocalTestbed, start_testbed
 
+from .conftest import PERSONA_SPLITS, all_free, heuristic_train_run
+
 __all__ = ["seaweedfs_endpoint"]  # the session fixture, used by name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -150,11 +152,6 @@ def _asked(request: Received) -> int:
     return request_episode(request)
 
 
-def _all_free(bed: LocalTestbed) -> bool:
-    health = bed.healthz()
-    return bool(health["free_slots"] == health["environment_slots"])
-
-
 @pytest.mark.slow
 def test_local_sharded_equals_unsharded_and_skills_build_continues(
     tmp_path: Path, served: tuple[OpenAIStub, str], testbed: LocalTestbed
@@ -201,7 +198,7 @@ def test_local_sharded_equals_unsharded_and_skills_build_continues(
 
     _workers(config, run, 3, _env())
     assert sorted(_asked(r) for r in server.completions) == [1, 2, 3, 4, 5, 6, 7]
-    assert _all_free(testbed)  # each live session gave its lease back
+    assert all_free(testbed)  # each live session gave its lease back
     server.reset()
     server.responder = answer
     again = cli("skills", "worker", str(config), "--run", run, "--index", "1", env=_env())  # a retried index
@@ -251,7 +248,7 @@ def test_sharded_on_s3_equals_local(
     server.responder = answer
     _workers(config, run, 2, env)
     assert sorted(_asked(r) for r in server.completions) == [1, 2, 3, 4, 5, 6, 7]
-    assert _all_free(testbed)
+    assert all_free(testbed)
     out = tmp_path / "out"
     reduced = cli("skills", "reduce", run, "--output", str(out), env=env)
     assert reduced.returncode == 0, reduced.stderr[-3000:]
@@ -570,7 +567,7 @@ def test_sigterm_mid_live_session_gives_the_lease_back_and_the_retry_commits(
     )
     try:
         assert in_session.wait(120), worker.stderr.read().decode() if worker.poll() is not None and worker.stderr else ""
-        assert not _all_free(testbed)
+        assert not all_free(testbed)
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=60)
     finally:
@@ -579,7 +576,7 @@ def test_sigterm_mid_live_session_gives_the_lease_back_and_the_retry_commits(
             worker.kill()
             worker.wait()
     assert worker.returncode == 3, err.decode()[-3000:]
-    assert _all_free(testbed)  # the cut session released its lease before the exit
+    assert all_free(testbed)  # the cut session released its lease before the exit
     assert not list(shard.glob("_SUCCESS*"))
     assert [(r["channel"], r["status"]) for r in _part_records(shard)] in ([], [("success", "ok")])
 
@@ -587,7 +584,7 @@ def test_sigterm_mid_live_session_gives_the_lease_back_and_the_retry_commits(
     server.responder = answer
     again = cli("skills", "worker", str(config), "--run", run, "--index", "0", env=_env())
     assert again.returncode == 0, again.stderr[-3000:]
-    assert _asked(server.completions[-1]) == 4 and _all_free(testbed)
+    assert _asked(server.completions[-1]) == 4 and all_free(testbed)
     reduced = cli("skills", "reduce", run, env=_env())
     assert reduced.returncode == 0 and "2 of 2 trajectories analysed (1 successful, 1 failed)" in reduced.stdout
 
@@ -633,7 +630,7 @@ def test_a_worker_killed_mid_live_session_leaves_the_slot_to_its_retry(
         if worker.poll() is None:
             worker.kill()
             worker.wait()
-    assert not _all_free(testbed)  # nobody released the killed session's lease
+    assert not all_free(testbed)  # nobody released the killed session's lease
     assert list((tmp_path / "analysis" / "leases" / "00000").glob("*.jsonl"))
 
     server.reset()
@@ -641,7 +638,7 @@ def test_a_worker_killed_mid_live_session_leaves_the_slot_to_its_retry(
     again = cli("skills", "worker", str(config), "--run", run, "--index", "0", env=_env({"SHOPSIMRL_LOG_FORMAT": "json"}))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "released the leases of stopped processes" in again.stderr
-    assert _all_free(testbed)
+    assert all_free(testbed)
     reduced = cli("skills", "reduce", run, env=_env())
     assert reduced.returncode == 0 and "2 of 2 trajectories analysed (1 successful, 1 failed)" in reduced.stdout
 
@@ -652,18 +649,7 @@ def options_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Loca
     (SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1): failures that bought without the wanted options."""
     base = tmp_path_factory.mktemp("skills-train")
     with start_testbed(SHOPSIM_POLICY_OPTIONS_NEED_SKILL="1") as bed:
-        path = base / "train.yaml"
-        path.write_text(
-            f"experiment: {{name: train, output_dir: {base}, seed: 20260830, concurrency: 4}}\n"
-            f"tasks: {{split_file: {REPO / 'configs' / 'splits' / 'persona_splits.v1.json'}, split: train, sample_size: 12}}\n"
-            f"environment: {{base_url: '{bed.shop_url}'}}\n"
-            "runtime: {max_steps: 30}\nskills: {path: null}\n"
-            f"model: {{id: shopsim-heuristic, name: shopsim-heuristic, base_url: '{bed.model_url}', api_key_env: null}}\n",
-            encoding="utf-8",
-        )
-        done = cli("run", str(path), "--no-progress", "-q", env=_env())
-        assert done.returncode == 0, done.stderr[-3000:]
-        yield bed, base / "train" / "traces.jsonl"
+        yield bed, heuristic_train_run(base, bed, f"split_file: {PERSONA_SPLITS}, split: train, sample_size: 12", concurrency=4)
 
 
 @pytest.mark.slow
@@ -677,14 +663,14 @@ def test_the_testbed_analysts_sharded_equal_the_unsharded_stage(tmp_path: Path, 
     assert local[SUMMARY_NAME]["status"] == "complete" and episodes["failure"] >= 2 and episodes["success"] >= 1
     failures = [r for r in local[ANALYSES_NAME] if r["channel"] == "failure"]
     assert all(r["live_session"]["trials"] for r in failures)  # each one acted in a live session
-    assert _all_free(bed)
+    assert all_free(bed)
 
     run = str(tmp_path / "analysis")
     assert cli("skills", "plan", str(config), "--run", run, "--shards", "3", env=_env()).returncode == 0
     source = orjson.loads((tmp_path / "analysis" / "skills_plan.json").read_bytes())["source"]
     assert source["input"] == "traces" and source["traces"] == str(traces.parent)
     _workers(config, run, 3, _env())
-    assert _all_free(bed)
+    assert all_free(bed)
     reduced = cli("skills", "reduce", run, "--output", str(tmp_path / "out"), env=_env())
     assert reduced.returncode == 0, reduced.stderr[-3000:]
     assert _read(_dir_files(tmp_path / "out")) == local

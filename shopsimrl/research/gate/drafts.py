@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Final, TypeGuard
 
 from shopsimrl.research.gate.masks import Slot
-from shopsimrl.schemas import fingerprint
+from shopsimrl.schemas import fingerprint, read_json_file
 from shopsimrl.skills import SNAPSHOT_SCHEMA_VERSION, JsonSkillBank, SkillBankError, unwrap_snapshot
 
 __all__ = [
@@ -102,14 +102,9 @@ class OnlinePool:
 
 
 def _read(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise DraftError(f"{what} {path} does not exist") from None
-    except OSError as exc:
-        raise DraftError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DraftError(f"{what} {path} is not valid UTF-8 JSON: {exc}") from None
+    if not path.exists():
+        raise DraftError(f"{what} {path} does not exist")
+    return read_json_file(path, what, DraftError)
 
 
 def load_gate_a_draft(draft_path: Path, bank_path: Path, budget: int | None) -> GateADraft:

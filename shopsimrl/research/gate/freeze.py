@@ -42,7 +42,7 @@ from shopsimrl.research.gate.fit import check_design
 from shopsimrl.research.gate.masks import MASK_PROBABILITY, Assignment, gate_a_assignments, online_assignments
 from shopsimrl.research.gate.spec import GateSpec
 from shopsimrl.runner.experiment import PreparedExperiment, prepare
-from shopsimrl.schemas import fingerprint, redact_uri
+from shopsimrl.schemas import fingerprint, read_json_file, redact_uri
 from shopsimrl.skills import ASSIGNMENTS_SCHEMA_VERSION, AssignedSkills
 from shopsimrl.storage.local import atomic_write_json
 from shopsimrl.storage.reading import open_run
@@ -288,10 +288,7 @@ def read_gate_plan(gate_dir: Path) -> dict[str, Any] | None:
     path = gate_dir / GATE_PLAN_FILE
     if not path.is_file():
         return None
-    try:
-        plan = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise GatePlanError(f"{path} is not valid JSON: {exc}") from None
+    plan = read_json_file(path, "the gate plan", GatePlanError)
     if not isinstance(plan, dict) or plan.get("schema_version") != GATE_PLAN_SCHEMA_VERSION:
         raise GatePlanError(f"{path}: not a {GATE_PLAN_SCHEMA_VERSION} document")
     return plan

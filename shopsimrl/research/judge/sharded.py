@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import orjson
 import structlog
@@ -67,6 +67,7 @@ __all__ = [
     "judge_status",
     "part_records",
     "plan_judge",
+    "read_plan_document",
     "reduce_judge",
     "run_judge_worker",
     "scan_parts",
@@ -78,6 +79,8 @@ log = structlog.get_logger("shopsimrl.research.judge.sharded")
 
 JUDGE_PLAN_VERSION = "shopsimrl-judge-plan-v1"
 PLAN_NAME = "judge_plan.json"
+
+_Plan = TypeVar("_Plan")
 
 
 class JudgePlanError(ValueError):
@@ -118,17 +121,35 @@ class JudgePlan:
         return rubric_from_bytes(self.document["rubric_text"].encode("utf-8"), f"{uri}/{PLAN_NAME}#rubric_text")
 
 
-def read_plan(store: ShardedRunStore) -> JudgePlan:
-    data = store.read_bytes(PLAN_NAME)
+def read_plan_document(
+    store: ShardedRunStore,
+    name: str,
+    make: Callable[[dict[str, Any]], _Plan],
+    error: Callable[[str], Exception],
+    *,
+    stage: str,
+    version_key: str,
+    version: str,
+) -> _Plan:
+    """``make(document)`` of the plan ``name`` at ``store`` (the judge's and the skills stage's
+    plans share this shape); ``error(message)`` raised when it is missing (naming ``shopsimrl
+    STAGE plan``), not JSON, or not of ``version`` under ``version_key``."""
+    data = store.read_bytes(name)
     if data is None:
-        raise JudgePlanError(f"{store.display_uri} has no {PLAN_NAME}; run `shopsimrl judge plan` first")
+        raise error(f"{store.display_uri} has no {name}; run `shopsimrl {stage} plan` first")
     try:
         document = orjson.loads(data)
     except orjson.JSONDecodeError:
-        raise JudgePlanError(f"{store.display_uri}/{PLAN_NAME} is not JSON") from None
-    if not isinstance(document, dict) or document.get("judge_plan_version") != JUDGE_PLAN_VERSION:
-        raise JudgePlanError(f"{store.display_uri}/{PLAN_NAME}: unknown judge_plan_version")
-    return JudgePlan(document)
+        raise error(f"{store.display_uri}/{name} is not JSON") from None
+    if not isinstance(document, dict) or document.get(version_key) != version:
+        raise error(f"{store.display_uri}/{name}: unknown {version_key}")
+    return make(document)
+
+
+def read_plan(store: ShardedRunStore) -> JudgePlan:
+    return read_plan_document(
+        store, PLAN_NAME, JudgePlan, JudgePlanError, stage="judge", version_key="judge_plan_version", version=JUDGE_PLAN_VERSION
+    )
 
 
 def _encoded_shard(spool: IO[bytes], spans: list[tuple[int, int]]) -> bytes:

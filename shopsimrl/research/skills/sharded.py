@@ -54,6 +54,7 @@ from shopsimrl.research.judge.sharded import (
     committed_parts,
     freeze_shard_inputs,
     part_records,
+    read_plan_document,
     scan_parts,
     shard_rows,
     stream_inputs,
@@ -236,16 +237,15 @@ class SkillsPlan:
 
 
 def read_plan(store: ShardedRunStore) -> SkillsPlan:
-    data = store.read_bytes(PLAN_NAME)
-    if data is None:
-        raise SkillsPlanError(f"{store.display_uri} has no {PLAN_NAME}; run `shopsimrl skills plan` first")
-    try:
-        document = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        raise SkillsPlanError(f"{store.display_uri}/{PLAN_NAME} is not JSON") from None
-    if not isinstance(document, dict) or document.get("skills_plan_version") != SKILLS_PLAN_VERSION:
-        raise SkillsPlanError(f"{store.display_uri}/{PLAN_NAME}: unknown skills_plan_version")
-    return SkillsPlan(document)
+    return read_plan_document(
+        store,
+        PLAN_NAME,
+        SkillsPlan,
+        SkillsPlanError,
+        stage="skills",
+        version_key="skills_plan_version",
+        version=SKILLS_PLAN_VERSION,
+    )
 
 
 def _analyst_identities(analysts: Iterable[TrajectoryAnalyst]) -> dict[str, str]:

@@ -32,7 +32,7 @@ from shopsimrl.research.skills.analyst import CARDS_NAME, SUMMARY_NAME, SkillInp
 from shopsimrl.research.skills.compile import BANK_NAME, DRAFT_NAME, MANIFEST_NAME
 from shopsimrl.research.skills.consolidate import CONSOLIDATION_SUMMARY_NAME
 from shopsimrl.research.skills.firewall import firewall_findings
-from shopsimrl.schemas import fingerprint, sha256_hex
+from shopsimrl.schemas import fingerprint, read_json_file, sha256_hex
 from shopsimrl.skills import SKILLBANK_SCHEMA_VERSION, SNAPSHOT_SCHEMA_VERSION, JsonSkillBank, SkillBankError, snapshot_id_of
 
 __all__ = [
@@ -62,12 +62,10 @@ def _now() -> str:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise SkillInputError(f"{path}: no such {what} (run `shopsimrl skills build` first)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SkillInputError(f"{path}: the {what} is not valid UTF-8 JSON: {exc}") from None
+    # Checked first so a missing file keeps its hint on how to make it.
+    if not path.exists():
+        raise SkillInputError(f"{path}: no such {what} (run `shopsimrl skills build` first)")
+    return read_json_file(path, what, SkillInputError)
 
 
 @dataclass(frozen=True)
