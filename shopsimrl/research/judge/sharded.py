@@ -62,6 +62,7 @@ __all__ = [
     "JUDGE_PLAN_VERSION",
     "JudgePlan",
     "JudgePlanError",
+    "ShardOutput",
     "committed_parts",
     "freeze_shard_inputs",
     "judge_status",
@@ -71,6 +72,7 @@ __all__ = [
     "reduce_judge",
     "run_judge_worker",
     "scan_parts",
+    "shard_input",
     "shard_rows",
     "stream_inputs",
 ]
@@ -260,6 +262,61 @@ def scan_parts(
     return done, entries, next_seq
 
 
+class ShardOutput:
+    """What a shard worker writes: records buffered into immutable parts (every ``flush_every``
+    records, and at every ``flush()``), then the shard's marker naming them. Resumes from
+    :func:`scan_parts`: what a predecessor left counts as done, new parts continue its sequence."""
+
+    def __init__(
+        self, store: ShardedRunStore, index: int, *, flush_every: int, is_done: Callable[[dict[str, Any]], bool] = judged
+    ) -> None:
+        self.store, self.index, self.flush_every = store, index, flush_every
+        self.done, self.entries, self._seq = scan_parts(store, index, is_done)
+        self.writer = secrets.token_hex(4)
+        self.errors = 0
+        self._buffer: list[bytes] = []
+
+    def add(self, record: dict[str, Any], *, ok: bool) -> None:
+        """Buffer ``record``; ``ok``: it is done, else an error that leaves the shard unfinished."""
+        self._buffer.append(json_bytes(record) + b"\n")
+        if ok:
+            self.done[str(record["episode_id"])] = record
+        else:
+            self.errors += 1
+        if len(self._buffer) >= self.flush_every:
+            self.flush()  # from the event loop's thread: a part is small and the store call is short
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        name, stored = self.store.write_part(self.index, self._seq, self.writer, b"".join(self._buffer))
+        self.entries.append(part_entry(name, stored, len(self._buffer)))
+        log.info("part_written", shard=self.index, part=name, records=len(self._buffer))
+        self._seq += 1
+        self._buffer.clear()
+
+    def commit(self, *, plan_fingerprint: str, ids_sha256: str) -> str:
+        """Create the shard's marker over every whole part; its name."""
+        marker = marker_document(
+            shard=self.index,
+            plan_fingerprint=plan_fingerprint,
+            completed=len(self.done),
+            failed=self.errors,
+            episode_ids_sha256=ids_sha256,
+            parts=self.entries,
+            writer=self.writer,
+        )
+        return self.store.create_marker(self.index, marker)
+
+
+def shard_input(store: ShardedRunStore, spec: dict[str, Any], error: Callable[[str], Exception]) -> bytes:
+    """The frozen inputs of one shard, checked against the plan's sha256."""
+    data = store.read_bytes(spec["name"])
+    if data is None or sha256_hex(data) != spec["sha256"]:
+        raise error(f"{store.display_uri}/{spec['name']} is missing or differs from the plan")
+    return data
+
+
 async def _judge_until_stopped(
     config: JudgeConfig, rubric: Rubric, todo: Iterable[dict[str, Any]], sink: Callable[[dict[str, Any]], None]
 ) -> bool:
@@ -283,56 +340,20 @@ def run_judge_worker(config: JudgeConfig, uri: str, index: int) -> ExitCode:
     if ours != plan.fingerprint:
         raise FingerprintMismatchError(store.display_uri, plan.fingerprint, ours, [])
     spec = plan.document["inputs"][index]
-    data = store.read_bytes(spec["name"])
-    if data is None or sha256_hex(data) != spec["sha256"]:
-        raise JudgePlanError(f"{store.display_uri}/{spec['name']} is missing or differs from the plan")
-    writer = secrets.token_hex(4)
-    done, entries, seq = scan_parts(store, index)
-    todo = (item for item in stream_inputs(data) if str(item["episode_id"]) not in done)
-    log.info("judge_shard_started", shard=index, episodes=spec["records"], already_judged=len(done), writer=writer)
-    buffer: list[bytes] = []
-    errors = 0
-
-    def flush() -> None:
-        nonlocal seq
-        if not buffer:
-            return
-        lines = b"".join(buffer)
-        name, stored = store.write_part(index, seq, writer, lines)
-        entries.append(part_entry(name, stored, len(buffer)))
-        log.info("part_written", shard=index, part=name, records=len(buffer))
-        seq += 1
-        buffer.clear()
-
-    def sink(record: dict[str, Any]) -> None:
-        nonlocal errors
-        buffer.append(json_bytes(record) + b"\n")
-        if judged(record):
-            done[str(record["episode_id"])] = record
-        else:
-            errors += 1
-        if len(buffer) >= int(plan.document.get("flush_every") or config.flush_every):
-            flush()  # from the event loop's thread: a part is small and the store call is short
-
+    data = shard_input(store, spec, JudgePlanError)
+    output = ShardOutput(store, index, flush_every=int(plan.document.get("flush_every") or config.flush_every))
+    todo = (item for item in stream_inputs(data) if str(item["episode_id"]) not in output.done)
+    log.info("judge_shard_started", shard=index, episodes=spec["records"], already_judged=len(output.done), writer=output.writer)
     try:
-        stopped = eventloop.run(_judge_until_stopped(config, rubric, todo, sink))
+        stopped = eventloop.run(_judge_until_stopped(config, rubric, todo, lambda record: output.add(record, ok=judged(record))))
     finally:
-        flush()  # on every path, a signal's too: what was judged is saved before the exit
+        output.flush()  # on every path, a signal's too: what was judged is saved before the exit
     if stopped:
-        log.warning("judge_shard_interrupted", shard=index, judged=len(done), parts=len(entries))
+        log.warning("judge_shard_interrupted", shard=index, judged=len(output.done), parts=len(output.entries))
         return ExitCode.RETRYABLE  # no marker: the index's next pod resumes from the parts
-    marker = marker_document(
-        shard=index,
-        plan_fingerprint=plan.fingerprint,
-        completed=len(done),
-        failed=errors,
-        episode_ids_sha256=spec["ids_sha256"],
-        parts=entries,
-        writer=writer,
-    )
-    name = store.create_marker(index, marker)
-    log.info("judge_shard_committed", shard=index, marker=name, judged=len(done), errors=errors)
-    return ExitCode.EPISODES_FAILED if errors or len(done) < spec["records"] else ExitCode.OK
+    name = output.commit(plan_fingerprint=plan.fingerprint, ids_sha256=spec["ids_sha256"])
+    log.info("judge_shard_committed", shard=index, marker=name, judged=len(output.done), errors=output.errors)
+    return ExitCode.EPISODES_FAILED if output.errors or len(output.done) < spec["records"] else ExitCode.OK
 
 
 @dataclass

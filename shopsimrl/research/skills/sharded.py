@@ -31,7 +31,6 @@ them again); at SIGTERM/SIGINT it writes what it holds and exits 3 without a mar
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -51,11 +50,12 @@ from shopsimrl.model import OpenAICompatibleChatModel
 from shopsimrl.records import EpisodeTrace
 from shopsimrl.records.io import dump_line, read_trace
 from shopsimrl.research.judge.sharded import (
+    ShardOutput,
     committed_parts,
     freeze_shard_inputs,
     part_records,
     read_plan_document,
-    scan_parts,
+    shard_input,
     shard_rows,
     stream_inputs,
 )
@@ -82,8 +82,8 @@ from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
 from shopsimrl.research.skills.inputs import read_train_traces
 from shopsimrl.runner.experiment import ServiceCheck, poll_until_ready, probe_environment, probe_model
 from shopsimrl.runner.lease_journal import JournalStorage, shard_journal_storage
-from shopsimrl.schemas import fingerprint, json_bytes, sha256_hex
-from shopsimrl.storage.sharded import ShardedRunStore, ShardMapError, marker_document, part_entry
+from shopsimrl.schemas import fingerprint, json_bytes
+from shopsimrl.storage.sharded import ShardedRunStore, ShardMapError
 
 __all__ = [
     "FLUSH_EVERY",
@@ -369,11 +369,11 @@ def run_skills_worker(config: SkillsConfig, uri: str, index: int) -> ExitCode:
             [f"analysts.{channel}: the analyst's model, prompt, tool or limits differ from the plan" for channel in differing],
         )
     spec = plan.document["inputs"][index]
-    data = store.read_bytes(spec["name"])
-    if data is None or sha256_hex(data) != spec["sha256"]:
-        raise SkillsPlanError(f"{store.display_uri}/{spec['name']} is missing or differs from the plan")
+    data = shard_input(store, spec, SkillsPlanError)
     planned = _planned(plan)
-    done, entries, seq = scan_parts(store, index, _is_current(planned))
+    output = ShardOutput(
+        store, index, flush_every=int(plan.document.get("flush_every") or FLUSH_EVERY), is_done=_is_current(planned)
+    )
     todo: list[tuple[TrajectoryAnalyst, EpisodeTrace, str]] = []
     applicable = 0
     for item in stream_inputs(data):
@@ -385,54 +385,27 @@ def run_skills_worker(config: SkillsConfig, uri: str, index: int) -> ExitCode:
         applicable += 1
         if analyst.fingerprint(trace) != episode["input_fingerprint"]:
             raise SkillsPlanError(f"{store.display_uri}/{spec['name']}: episode {trace.episode_id} differs from the plan")
-        if trace.episode_id not in done:
+        if trace.episode_id not in output.done:
             todo.append((analyst, trace, episode["input_fingerprint"]))
-    writer = secrets.token_hex(4)
-    log.info("skills_shard_started", shard=index, episodes=spec["records"], already_analysed=len(done), writer=writer)
-    flush_every = int(plan.document.get("flush_every") or FLUSH_EVERY)
-    buffer: list[bytes] = []
-    errors = 0
-
-    def flush() -> None:
-        nonlocal seq
-        if not buffer:
-            return
-        name, stored = store.write_part(index, seq, writer, b"".join(buffer))
-        entries.append(part_entry(name, stored, len(buffer)))
-        log.info("part_written", shard=index, part=name, records=len(buffer))
-        seq += 1
-        buffer.clear()
+    log.info(
+        "skills_shard_started", shard=index, episodes=spec["records"], already_analysed=len(output.done), writer=output.writer
+    )
 
     def sink(ok: bool, record: dict[str, Any]) -> None:
-        nonlocal errors
-        buffer.append(json_bytes(record) + b"\n")
-        if ok:
-            done[str(record["episode_id"])] = record
-        else:
-            errors += 1
+        if not ok:
             log.warning("trajectory_analysis_failed", episode_id=record.get("episode_id"), error=record.get("error"))
-        if len(buffer) >= flush_every:
-            flush()  # from the event loop's thread: a part is small and the store call is short
+        output.add(record, ok=ok)
 
     try:
         stopped = eventloop.run(_analyse_until_stopped(analysts, todo, sink))
     finally:
-        flush()  # on every path, a signal's too: what was analysed is saved before the exit
+        output.flush()  # on every path, a signal's too: what was analysed is saved before the exit
     if stopped:
-        log.warning("skills_shard_interrupted", shard=index, analysed=len(done), parts=len(entries))
+        log.warning("skills_shard_interrupted", shard=index, analysed=len(output.done), parts=len(output.entries))
         return ExitCode.RETRYABLE
-    marker = marker_document(
-        shard=index,
-        plan_fingerprint=plan.fingerprint,
-        completed=len(done),
-        failed=errors,
-        episode_ids_sha256=spec["ids_sha256"],
-        parts=entries,
-        writer=writer,
-    )
-    name = store.create_marker(index, marker)
-    log.info("skills_shard_committed", shard=index, marker=name, analysed=len(done), errors=errors)
-    return ExitCode.EPISODES_FAILED if errors or len(done) < applicable else ExitCode.OK
+    name = output.commit(plan_fingerprint=plan.fingerprint, ids_sha256=spec["ids_sha256"])
+    log.info("skills_shard_committed", shard=index, marker=name, analysed=len(output.done), errors=output.errors)
+    return ExitCode.EPISODES_FAILED if output.errors or len(output.done) < applicable else ExitCode.OK
 
 
 @dataclass
