@@ -1,14 +1,18 @@
 """User-given JSON files the gate reads are strict JSON: NaN or Infinity in one, or text that is
-not JSON, is refused with an error naming the file (and the line and column of bad JSON)."""
+not JSON, is refused with an error naming the file (and the line and column of bad JSON). The
+skills stages' own JSONL files keep each id's latest record, ignore a torn last line and name the
+line of anything else."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from shopsimrl.research.gate.drafts import DraftError, load_gate_a_draft
 from shopsimrl.research.gate.freeze import GATE_PLAN_FILE, GatePlanError, read_gate_plan
+from shopsimrl.research.skills.analyst import SkillInputError, read_latest_records
 
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
@@ -40,3 +44,30 @@ def test_a_gate_plan_holding_nan_or_bad_json_is_refused_naming_the_file(tmp_path
     path.write_bytes(b'{"schema_version": "\xff"}')
     with pytest.raises(GatePlanError, match=rf"^the gate plan {path} is not valid UTF-8 \(byte offset 20\)$"):
         read_gate_plan(tmp_path)
+
+
+def test_the_stages_jsonl_files_keep_the_latest_record_and_ignore_a_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "cards.jsonl"
+    first = {"card_version": "v1", "episode_id": "a", "n": 1}
+    later = {"card_version": "v1", "episode_id": "a", "n": 2}
+    other = {"card_version": "v1", "episode_id": "b", "n": 3}
+    torn = b'{"card_version": "v1", "episode_id": "c"'
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in (first, other, later)) + torn)
+    found = read_latest_records(path, key="episode_id", version_key="card_version", version="v1", what="failure card")
+    assert found == {"a": later, "b": other}
+    assert read_latest_records(tmp_path / "absent.jsonl", key="episode_id", version_key="v", version="v1", what="x") == {}
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (b"not json", r"cards\.jsonl:2: not a failure card record \(v1\)"),
+        (b'{"card_version": "v0", "episode_id": "b"}', r"cards\.jsonl:2: not a failure card record \(v1\)"),
+        (b'{"card_version": "v1", "episode_id": 7}', r"cards\.jsonl:2: episode_id must be a string"),
+    ],
+)
+def test_a_line_of_another_kind_is_refused_naming_file_and_line(tmp_path: Path, line: bytes, message: str) -> None:
+    path = tmp_path / "cards.jsonl"
+    path.write_bytes(b'{"card_version": "v1", "episode_id": "a"}\n' + line + b"\n")
+    with pytest.raises(SkillInputError, match=message):
+        read_latest_records(path, key="episode_id", version_key="card_version", version="v1", what="failure card")

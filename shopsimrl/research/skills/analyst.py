@@ -72,6 +72,7 @@ __all__ = [
     "plain_settings",
     "r_success",
     "read_analyses",
+    "read_latest_records",
     "run_success_analysis",
     "settings_identity",
     "success_tool",
@@ -216,25 +217,34 @@ def cut_torn_tail(path: Path) -> bool:
     return True
 
 
-def read_analyses(path: Path) -> dict[str, dict[str, Any]]:
-    """episode id → its latest analysis record (a torn last line is ignored)."""
+def read_latest_records(path: Path, *, key: str, version_key: str, version: str, what: str) -> dict[str, dict[str, Any]]:
+    """``record[key]`` → its latest record in a JSONL file this stage appends to (a later line
+    supersedes an earlier one; a torn last line is ignored). A line that is not a ``version``
+    record, or whose ``key`` is not a string, is refused naming the file and line."""
     found: dict[str, dict[str, Any]] = {}
     if not path.exists():
         return found
     lines = path.read_bytes().split(b"\n")
     for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
+        if not raw.strip() or number == len(lines):  # no newline after the last: a torn write
             continue
         try:
             record = parse_json_exact(raw)
         except ValueError:
             record = None
-        if number == len(lines):  # no newline after it: a torn write
-            continue
-        if not isinstance(record, dict) or record.get("analysis_version") != ANALYSIS_VERSION:
-            raise SkillInputError(f"{path}:{number}: not a trajectory analysis record ({ANALYSIS_VERSION})")
-        found[str(record.get("episode_id"))] = record
+        if not isinstance(record, dict) or record.get(version_key) != version:
+            raise SkillInputError(f"{path}:{number}: not a {what} record ({version})")
+        if not isinstance(record.get(key), str):
+            raise SkillInputError(f"{path}:{number}: {key} must be a string")
+        found[record[key]] = record
     return found
+
+
+def read_analyses(path: Path) -> dict[str, dict[str, Any]]:
+    """episode id → its latest analysis record (a torn last line is ignored)."""
+    return read_latest_records(
+        path, key="episode_id", version_key="analysis_version", version=ANALYSIS_VERSION, what="trajectory analysis"
+    )
 
 
 def _now() -> str:

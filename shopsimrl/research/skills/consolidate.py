@@ -35,6 +35,7 @@ from shopsimrl.research.skills.analyst import (
     SkillInputError,
     append_record,
     cut_torn_tail,
+    read_latest_records,
     settings_identity,
 )
 from shopsimrl.research.skills.cards import CLUSTERS_TOOL, Clusters, accounted_once, tool, validate_arguments
@@ -170,21 +171,7 @@ def _validator(cards: list[dict[str, Any]], limit: int, traces: Mapping[str, Epi
 
 def read_batches(path: Path) -> dict[str, dict[str, Any]]:
     """batch id → its latest record (a torn last line is ignored)."""
-    found: dict[str, dict[str, Any]] = {}
-    if not path.exists():
-        return found
-    lines = path.read_bytes().split(b"\n")
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip() or number == len(lines):
-            continue
-        try:
-            record = parse_json_exact(raw)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict) or record.get("batch_version") != BATCH_VERSION:
-            raise SkillInputError(f"{path}:{number}: not a cluster batch record ({BATCH_VERSION})")
-        found[str(record.get("batch_id"))] = record
-    return found
+    return read_latest_records(path, key="batch_id", version_key="batch_version", version=BATCH_VERSION, what="cluster batch")
 
 
 def _now() -> str:

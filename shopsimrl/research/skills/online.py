@@ -53,6 +53,7 @@ from shopsimrl.research.skills.analyst import (
     SkillInputError,
     append_record,
     cut_torn_tail,
+    read_latest_records,
     settings_identity,
     trace_sha256,
 )
@@ -535,25 +536,7 @@ def failure_input_fingerprint(trace: EpisodeTrace, config: OnlineConfig, bank: B
 
 def read_failure_cards(path: Path) -> dict[str, dict[str, Any]]:
     """episode id → its latest card record (a torn last line is ignored)."""
-    found: dict[str, dict[str, Any]] = {}
-    if not path.exists():
-        return found
-    lines = path.read_bytes().split(b"\n")
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        if number == len(lines):  # no newline after it: a torn write
-            continue
-        try:
-            record = parse_json_exact(raw)
-        except ValueError:
-            raise SkillInputError(f"{path}:{number}: not JSON") from None
-        if not isinstance(record, dict) or record.get("card_version") != CARD_VERSION:
-            raise SkillInputError(f"{path}:{number}: not a failure card record ({CARD_VERSION})")
-        if not isinstance(record.get("episode_id"), str):
-            raise SkillInputError(f"{path}:{number}: episode_id must be a string")
-        found[record["episode_id"]] = record
-    return found
+    return read_latest_records(path, key="episode_id", version_key="card_version", version=CARD_VERSION, what="failure card")
 
 
 def _now() -> str:
