@@ -22,9 +22,10 @@ import yaml
 
 from shopsimrl.records import read_trace
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION, EpisodeJob
-from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, default_cache_dir, installed_server, tool_results_handler
+from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, tool_results_handler
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
+from tests.testbed_process import llm_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 # The small fixture catalog keeps every page short: a search page of the full synthetic catalog
@@ -41,13 +42,7 @@ STEP_KEYS = {"step_index", "observation", "tools", "model", "action", "environme
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    found = installed_server()
-    if found is None:
-        message = f"no llama.cpp server environment in {default_cache_dir()}: run `make llm-server` first"
-        if os.environ.get("SHOPSIMRL_LLM_REQUIRED"):
-            pytest.fail(message)
-        pytest.skip(message)
-    python, model = found
+    python, model = llm_environment()
     log = tmp_path_factory.mktemp("llama") / "server.log"
     with LlamaServer(model, python=python, n_ctx=8192, n_threads=2, log_path=log) as server:
         yield server

@@ -1,4 +1,5 @@
-"""Start the testbed services (`shopsimrl testbed up`) as a real subprocess for end-to-end tests."""
+"""Start the testbed services (`shopsimrl testbed up`) as a real subprocess for end-to-end tests,
+and find the testbed's llama.cpp server environment for the tests of a real model."""
 
 from __future__ import annotations
 
@@ -13,9 +14,24 @@ from pathlib import Path
 
 import httpx
 
+from shopsimrl.testbed.llm import default_cache_dir, installed_server
 from shopsimrl.testbed.serving import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def llm_environment() -> tuple[Path, Path]:
+    """The installed llama.cpp server environment (its python, the model file); without one the
+    calling test is skipped, or fails where SHOPSIMRL_LLM_REQUIRED is set."""
+    import pytest  # here, not above: bench/viewer_scale.py imports this module outside pytest
+
+    found = installed_server()
+    if found is None:
+        message = f"no llama.cpp server environment in {default_cache_dir()}: run `make llm-server` first"
+        if os.environ.get("SHOPSIMRL_LLM_REQUIRED"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
 
 
 @dataclass

@@ -4,9 +4,13 @@ traces as a run directory."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
-from collections.abc import Iterator
+import subprocess
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +18,7 @@ from typing import Any
 import pytest
 
 from shopsimrl.testbed.serving import running_server
-from tests.openai_stub import OpenAIStub
+from tests.openai_stub import OpenAIStub, Received, Reply
 from tests.sharded.conftest import (
     S3_TEST_ENV,
     Backend,
@@ -254,10 +258,65 @@ def stub(served: tuple[OpenAIStub, str]) -> tuple[OpenAIStub, str]:
 PERSONA_SPLITS = Path(__file__).resolve().parents[2] / "configs" / "splits" / "persona_splits.v1.json"
 
 
+def hold_at(
+    server: OpenAIStub, n: int, asked: threading.Event, release: threading.Event, reply: Callable[[], Reply]
+) -> Callable[[Received], Awaitable[Reply]]:
+    """A responder that answers each request with ``reply()`` but holds the ``n``-th one until
+    ``release`` (sets ``asked`` when it arrives): a process can then be stopped at a known point,
+    its earlier answers made and none held."""
+
+    async def held(request: Received) -> Reply:
+        if len(server.completions) == n:
+            asked.set()
+            await asyncio.to_thread(release.wait, 120)
+        return reply()
+
+    return held
+
+
+@contextmanager
+def stopped_while_held(
+    process: subprocess.Popen[bytes], asked: threading.Event, release: threading.Event, waiting_for: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Waits until ``process`` has made the held request (``asked``), then hands it to the body
+    to stop; afterwards, whatever happened, the held answer is released and the process never
+    outlives the test. The failed wait names ``waiting_for``, or the process's stderr if it died."""
+    with reaped(process):
+        try:
+            assert asked.wait(120), (
+                process.stderr.read().decode() if process.poll() is not None and process.stderr else waiting_for
+            )
+            yield process
+        finally:
+            release.set()
+
+
+@contextmanager
+def reaped(process: subprocess.Popen[Any]) -> Iterator[subprocess.Popen[Any]]:
+    """``process`` for the body; afterwards, whatever happened, killed if it still runs, so that
+    it never outlives the test."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def all_free(bed: LocalTestbed) -> bool:
     """Whether every environment slot of ``bed`` is free (no session left leased)."""
     health = bed.healthz()
     return bool(health["free_slots"] == health["environment_slots"])
+
+
+@contextmanager
+def options_train_run(base: Path, sample_size: int, concurrency: int) -> Iterator[tuple[LocalTestbed, Path]]:
+    """A testbed whose policy takes each axis's first value (SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1)
+    and its train run of ``sample_size`` persona tasks into ``base``: failures that bought
+    without the wanted options. Yields (the testbed, the run's traces.jsonl)."""
+    with start_testbed(SHOPSIM_POLICY_OPTIONS_NEED_SKILL="1") as bed:
+        tasks = f"split_file: {PERSONA_SPLITS}, split: train, sample_size: {sample_size}"
+        yield bed, heuristic_train_run(base, bed, tasks, concurrency=concurrency)
 
 
 def heuristic_train_run(

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,9 +43,9 @@ from shopsimrl.research.skills.failure import (
 from shopsimrl.testbed.heuristics_skills import CHOOSE_OPTIONS
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 from tests.research.test_skill_builder import numbered, write_traces
-from tests.testbed_process import LocalTestbed, start_testbed
+from tests.testbed_process import LocalTestbed
 
-from .conftest import PERSONA_SPLITS, all_free, heuristic_train_run
+from .conftest import all_free, options_train_run, stopped_while_held
 
 REPO = Path(__file__).resolve().parents[2]
 FORCED = {"type": "function", "function": {"name": FAILURE_TOOL}}
@@ -325,19 +325,27 @@ def test_the_lease_comes_back_after_model_failures(shop: LocalTestbed, stub: tup
         assert all_free(shop), status
 
 
+def _held_after_a_search(
+    server: OpenAIStub, asked: threading.Event, release: threading.Event
+) -> Callable[[Received], Awaitable[Reply]]:
+    """A responder whose first answer searches in the live session (which then holds its lease)
+    and whose next one waits for ``release`` (setting ``asked``) before it submits the card."""
+
+    async def held(request: Received) -> Reply:
+        if len(server.completions) == 1:
+            return call("search", {"query": "台灯"})
+        asked.set()
+        await asyncio.to_thread(release.wait, 60)
+        return call(FAILURE_TOOL, card())
+
+    return held
+
+
 @pytest.mark.slow
 def test_the_lease_comes_back_when_the_analysis_is_cancelled(shop: LocalTestbed, stub: tuple[OpenAIStub, str]) -> None:
     server, url = stub
     second_asked, release = threading.Event(), threading.Event()
-
-    async def hold_the_second(request: Received) -> Reply:
-        if len(server.completions) == 1:
-            return call("search", {"query": "台灯"})
-        second_asked.set()
-        await asyncio.to_thread(release.wait, 60)
-        return call(FAILURE_TOOL, card())
-
-    server.responder = hold_the_second
+    server.responder = _held_after_a_search(server, second_asked, release)
 
     async def cancel_mid_session() -> None:
         task = asyncio.ensure_future(analyse_failure(failed_trace(), config(url, shop.shop_url)))
@@ -369,28 +377,12 @@ asyncio.run(analyse_failure(failed_trace(), config))
 def test_ctrl_c_mid_session_gives_the_lease_back(shop: LocalTestbed, stub: tuple[OpenAIStub, str]) -> None:
     server, url = stub
     second_asked, release = threading.Event(), threading.Event()
-
-    async def hold_the_second(request: Received) -> Reply:
-        if len(server.completions) == 1:
-            return call("search", {"query": "台灯"})
-        second_asked.set()
-        await asyncio.to_thread(release.wait, 60)
-        return call(FAILURE_TOOL, card())
-
-    server.responder = hold_the_second
+    server.responder = _held_after_a_search(server, second_asked, release)
     child = subprocess.Popen([sys.executable, "-c", CHILD, url, shop.shop_url, str(REPO)], cwd=REPO, stderr=subprocess.PIPE)
-    try:
-        assert second_asked.wait(120), (
-            child.stderr.read().decode() if child.poll() is not None and child.stderr else "no 2nd call"
-        )
+    with stopped_while_held(child, second_asked, release, "no 2nd call"):
         assert not all_free(shop)
         os.kill(child.pid, signal.SIGINT)
         assert child.wait(60) != 0
-    finally:
-        release.set()
-        if child.poll() is None:
-            child.kill()
-            child.wait()
     assert all_free(shop)
 
 
@@ -455,11 +447,9 @@ def test_the_stage_records_failures_and_resumes_by_fingerprint(
 
 @pytest.fixture(scope="module")
 def options_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalTestbed, Path]]:
-    """A train run of 24 persona tasks on a testbed whose policy takes each axis's first value
-    (SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1): failures that bought without the wanted options."""
-    base = tmp_path_factory.mktemp("failure-train")
-    with start_testbed(SHOPSIM_POLICY_OPTIONS_NEED_SKILL="1") as bed:
-        yield bed, heuristic_train_run(base, bed, f"split_file: {PERSONA_SPLITS}, split: train, sample_size: 24", concurrency=8)
+    """A train run of 24 persona tasks that bought without the wanted options (``options_train_run``)."""
+    with options_train_run(tmp_path_factory.mktemp("failure-train"), sample_size=24, concurrency=8) as run:
+        yield run
 
 
 @pytest.mark.slow
@@ -552,15 +542,9 @@ def test_kill_9_mid_failure_analysis_then_resume_releases_the_dead_lease(
     server.responder = hold
     args = [url, shop.shop_url, str(path), str(REPO), str(out)]
     child = subprocess.Popen([sys.executable, "-c", STAGE_CHILD, *args], cwd=REPO, stderr=subprocess.PIPE)
-    try:
-        assert held.wait(120), child.stderr.read().decode() if child.poll() is not None and child.stderr else "not held"
+    with stopped_while_held(child, held, killed, "not held"):
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait(30) == -signal.SIGKILL
-    finally:
-        killed.set()
-        if child.poll() is None:
-            child.kill()
-            child.wait()
     asked_before = [failure_episode(r) for r in server.completions]
     assert asked_before == [1, 1, 2, 2, 3, 3]
     before = [orjson.loads(line) for line in (out / ANALYSES_NAME).read_bytes().splitlines()]

@@ -38,6 +38,8 @@ from tests.research.test_skill_builder import failure_card, train_trace
 from tests.sharded.conftest import cli
 from tests.testbed_process import start_testbed
 
+from .conftest import reaped
+
 REPO = Path(__file__).resolve().parents[2]
 SKILLS = [
     {"skill_id": "check-options", "version": "3", "content": f"### 选规格\n- 步骤：先逐项选规格再购买。{CHOOSE_OPTIONS}"},
@@ -528,7 +530,7 @@ def test_watch_analyses_new_triage_files_and_stops_cleanly(tmp_path: Path, stop:
     bed.triage.rename(tmp_path / "not-yet")  # training has triaged nothing when the watch starts
     stop_file = tmp_path / "stop-watch"
     process = _watch(bed, "--stop-file", str(stop_file))
-    try:
+    with reaped(process):
         time.sleep(0.5)
         assert process.poll() is None
         (tmp_path / "not-yet").rename(bed.triage)
@@ -548,10 +550,6 @@ def test_watch_analyses_new_triage_files_and_stops_cleanly(tmp_path: Path, stop:
         else:
             process.send_signal(getattr(signal, stop))
         out, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     assert process.returncode == 0, err[-3000:]
     assert f"watch stopped ({stop})" in out and "analysed group-000000002.json" in out
     assert "analysed group-000000001.json" not in out

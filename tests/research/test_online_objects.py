@@ -24,6 +24,8 @@ from shopsimrl.training.triage import DIAGNOSTICS_DIR, PENDING_ANALYSIS, TRIAGE_
 from tests.sharded.conftest import S3Server, cli, moto_endpoint, s3_server, seaweedfs_endpoint
 from tests.testbed_process import start_testbed
 
+from .conftest import reaped
+
 __all__ = ["moto_endpoint", "s3_server", "seaweedfs_endpoint"]  # the S3 servers' fixtures
 
 pytestmark = pytest.mark.slow
@@ -92,7 +94,7 @@ def _watch_until_carded(config: Path, out: Path, expected: int, env: dict[str, s
         stderr=subprocess.STDOUT,
         text=True,
     )
-    try:
+    with reaped(watch):
         deadline = time.monotonic() + 240
         cards = out / "failure_cards.jsonl"
         while not (cards.exists() and len(cards.read_text(encoding="utf-8").splitlines()) >= expected):
@@ -101,10 +103,6 @@ def _watch_until_carded(config: Path, out: Path, expected: int, env: dict[str, s
             time.sleep(0.2)
         stop.touch()
         output, _ = watch.communicate(timeout=60)
-    finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.wait()
     assert watch.returncode == 0, output[-3000:]
     assert output.count("analysed group-") == expected, output[-3000:]
 

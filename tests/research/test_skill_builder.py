@@ -50,6 +50,8 @@ from shopsimrl.research.skills.firewall import (
 from shopsimrl.research.skills.structured import structured_call
 from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 
+from .conftest import hold_at, stopped_while_held
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "legacy_v4_traces.jsonl"
 
@@ -436,27 +438,12 @@ def test_kill_9_mid_run_then_resume_loses_nothing_and_redoes_nothing(tmp_path: P
     path = write_traces(tmp_path / "traces.jsonl", [numbered(n) for n in range(1, 6)])
     out = tmp_path / "out"
     third_asked, killed = threading.Event(), threading.Event()
-
-    async def hold_the_third(request: Received) -> Reply:
-        if len(server.completions) == 3:
-            third_asked.set()
-            # The child is killed while it waits for this answer.
-            await asyncio.to_thread(killed.wait, 120)
-        return cards_reply(good_card())
-
-    server.responder = hold_the_third
+    # The child is killed while it waits for the third answer.
+    server.responder = hold_at(server, 3, third_asked, killed, lambda: cards_reply(good_card()))
     child = subprocess.Popen([sys.executable, "-c", CHILD, url, str(path), str(out)], cwd=REPO, stderr=subprocess.PIPE)
-    try:
-        assert third_asked.wait(120), (
-            child.stderr.read().decode() if child.poll() is not None and child.stderr else "no 3rd request"
-        )
+    with stopped_while_held(child, third_asked, killed, "no 3rd request"):
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)
-    finally:
-        killed.set()
-        if child.poll() is None:
-            child.kill()
-            child.wait()
     before = _lines(out / ANALYSES_NAME)
     assert [r["episode_id"] for r in before] == ["task-000001__sample-000", "task-000002__sample-000"]
     # A torn write on top (the kill landing mid-line): cut off before the next append.

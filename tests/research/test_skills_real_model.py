@@ -20,7 +20,6 @@ answer, and the run takes minutes on a shared 2-core CPU rather than an hour.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -43,8 +42,8 @@ from shopsimrl.research.skills.analyst import (
 from shopsimrl.research.skills.cards import FAILURE_TOOL, SUCCESS_TOOL, FailureCard, validate_arguments
 from shopsimrl.research.skills.failure import FailureAnalysis, FailureConfig
 from shopsimrl.research.skills.firewall import FORCED_NO_PROPOSAL_RULES
-from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer, default_cache_dir, installed_server
-from tests.testbed_process import LocalTestbed, start_testbed
+from shopsimrl.testbed.llm import MODEL_ALIAS, LlamaServer
+from tests.testbed_process import LocalTestbed, llm_environment, start_testbed
 
 from .conftest import all_free, heuristic_train_run
 
@@ -63,13 +62,7 @@ client's code for a reply it could not parse or one cut off at ``max_tokens``.""
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    found = installed_server()
-    if found is None:
-        message = f"no llama.cpp server environment in {default_cache_dir()}: run `make llm-server` first"
-        if os.environ.get("SHOPSIMRL_LLM_REQUIRED"):
-            pytest.fail(message)
-        pytest.skip(message)
-    python, model = found
+    python, model = llm_environment()
     log = tmp_path_factory.mktemp("llama") / "server.log"
     with LlamaServer(model, python=python, n_ctx=N_CTX, n_threads=2, log_path=log) as server:
         yield server

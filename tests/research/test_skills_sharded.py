@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,9 @@ from tests.openai_stub import OpenAIStub, Received, Reply, completion, tool_call
 from tests.research.test_skill_builder import cards_reply, good_card, numbered, request_episode, write_traces
 from tests.research.test_skills_build import answer
 from tests.sharded.conftest import S3_TEST_ENV, _make_bucket, cli, seaweedfs_endpoint
-from tests.testbed_process import LocalTestbed, start_testbed
+from tests.testbed_process import LocalTestbed
 
-from .conftest import PERSONA_SPLITS, all_free, heuristic_train_run
+from .conftest import all_free, hold_at, options_train_run, stopped_while_held
 
 __all__ = ["seaweedfs_endpoint"]  # the session fixture, used by name
 
@@ -131,6 +132,58 @@ def _workers(config: Path, run: str, shards: int, env: dict[str, str]) -> None:
     for process in processes:
         _, err = process.communicate(timeout=180)
         assert process.returncode == 0, err.decode()[-3000:]
+
+
+def _worker(config: Path, run: str, stderr: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    """Index 0's worker as a process of its own, to be stopped at a forced point."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run, "--index", "0"],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+    )
+
+
+def _worker_held_at(
+    server: OpenAIStub, config: Path, run: str, n: int, waiting_for: str
+) -> AbstractContextManager[subprocess.Popen[bytes]]:
+    """Index 0's worker with the stub holding its ``n``-th request (good cards otherwise): the
+    body stops the worker while it waits (``stopped_while_held``)."""
+    asked, release = threading.Event(), threading.Event()
+    server.reset()
+    server.responder = hold_at(server, n, asked, release, lambda: cards_reply(good_card()))
+    return stopped_while_held(_worker(config, run), asked, release, waiting_for)
+
+
+def _plan(tmp_path: Path, config: Path, shards: int) -> str:
+    """Plans the run ``analysis`` under ``tmp_path`` in ``shards`` shards; returns its location."""
+    run = str(tmp_path / "analysis")
+    assert cli("skills", "plan", str(config), "--run", run, "--shards", str(shards), env=_env()).returncode == 0
+    return run
+
+
+def _successes_planned(tmp_path: Path, url: str, successes: int, shards: int) -> tuple[Path, str]:
+    """Traces of ``successes`` successful episodes, their config and their run planned in ``shards``."""
+    _traces(tmp_path, successes=successes, failures=0)
+    config = _config(tmp_path, url, expected=successes)
+    return config, _plan(tmp_path, config, shards)
+
+
+def _holding_the_live_session(in_session: threading.Event, stopped: threading.Event) -> Callable[[Received], Awaitable[Reply]]:
+    """A responder that answers as ``answer`` does but holds the failure analyst's live session:
+    its first call searches, the answer to that search waits for ``stopped``."""
+
+    async def held(request: Received) -> Reply:
+        if "submit_failure_card" not in [t["function"]["name"] for t in request.json["tools"]]:
+            return answer(request)
+        if request.json["messages"][-1]["role"] != "tool":
+            return Reply(json=completion(tool_calls=[tool_call("search", orjson.dumps({"query": "台灯"}).decode())]))
+        in_session.set()  # the search ran in the live session, which holds its lease now
+        await asyncio.to_thread(stopped.wait, 120)
+        return answer(request)
+
+    return held
 
 
 def _served(served: tuple[OpenAIStub, str]) -> tuple[OpenAIStub, str]:
@@ -281,40 +334,12 @@ def _part_records(shard: Path) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_worker_killed_mid_shard_resumes_losing_and_redoing_nothing(tmp_path: Path, served: tuple[OpenAIStub, str]) -> None:
     server, url = _served(served)
-    _traces(tmp_path, successes=5, failures=0)
-    config = _config(tmp_path, url, expected=5)
-    run = str(tmp_path / "analysis")
-    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+    config, run = _successes_planned(tmp_path, url, successes=5, shards=1)
     shard = tmp_path / "analysis" / "shards" / "00000"
-    third_asked, killed = threading.Event(), threading.Event()
-
-    async def hold_the_third(request: Received) -> Reply:
-        if len(server.completions) == 3:
-            third_asked.set()
-            # The worker is killed while it waits for this answer: two analyses are saved, none held.
-            await asyncio.to_thread(killed.wait, 120)
-        return cards_reply(good_card())
-
-    server.reset()
-    server.responder = hold_the_third
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run, "--index", "0"],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert third_asked.wait(120), (
-            worker.stderr.read().decode() if worker.poll() is not None and worker.stderr else "no 3rd request"
-        )
+    # The worker is killed while it waits for the third answer: two analyses are saved, none held.
+    with _worker_held_at(server, config, run, 3, "no 3rd request") as worker:
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait(30)
-    finally:
-        killed.set()
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
     assert not list(shard.glob("_SUCCESS*"))
     (killed,) = orjson.loads(cli("skills", "status", run, "--json", env=_env()).stdout)["shards"]
     assert killed["state"] == "started" and killed["parts"] == 2
@@ -344,10 +369,7 @@ def test_worker_killed_mid_shard_resumes_losing_and_redoing_nothing(tmp_path: Pa
 @pytest.mark.slow
 def test_a_torn_part_and_a_bad_checksum_marker_are_not_trusted(tmp_path: Path, served: tuple[OpenAIStub, str]) -> None:
     server, url = _served(served)
-    _traces(tmp_path, successes=4, failures=0)
-    config = _config(tmp_path, url, expected=4)
-    run = str(tmp_path / "analysis")
-    assert cli("skills", "plan", str(config), "--run", run, "--shards", "2", env=_env()).returncode == 0
+    config, run = _successes_planned(tmp_path, url, successes=4, shards=2)
     _workers(config, run, 2, _env())
     shard0, shard1 = (tmp_path / "analysis" / "shards" / f"{n:05d}" for n in range(2))
 
@@ -406,10 +428,7 @@ def test_failed_analyses_exit_1_reach_the_errors_file_and_only_they_are_asked_ag
     tmp_path: Path, served: tuple[OpenAIStub, str]
 ) -> None:
     server, url = _served(served)
-    _traces(tmp_path, successes=3, failures=0)
-    config = _config(tmp_path, url, expected=3)
-    run = str(tmp_path / "analysis")
-    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+    config, run = _successes_planned(tmp_path, url, successes=3, shards=1)
 
     def invalid_for_the_second(request: Received) -> Reply:
         return cards_reply(raw="not json") if request_episode(request) == 2 else cards_reply(good_card())
@@ -439,37 +458,11 @@ def test_failed_analyses_exit_1_reach_the_errors_file_and_only_they_are_asked_ag
 @pytest.mark.slow
 def test_sigterm_saves_what_was_analysed_and_exits_3_without_a_marker(tmp_path: Path, served: tuple[OpenAIStub, str]) -> None:
     server, url = _served(served)
-    _traces(tmp_path, successes=4, failures=0)
-    config = _config(tmp_path, url, expected=4)
-    run = str(tmp_path / "analysis")
-    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+    config, run = _successes_planned(tmp_path, url, successes=4, shards=1)
     shard = tmp_path / "analysis" / "shards" / "00000"
-    second_asked, stopped = threading.Event(), threading.Event()
-
-    async def hold_the_second(request: Received) -> Reply:
-        if len(server.completions) == 2:
-            second_asked.set()
-            await asyncio.to_thread(stopped.wait, 120)
-        return cards_reply(good_card())
-
-    server.reset()
-    server.responder = hold_the_second
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run, "--index", "0"],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert second_asked.wait(120), "no 2nd request"
+    with _worker_held_at(server, config, run, 2, "no 2nd request") as worker:
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=60)
-    finally:
-        stopped.set()
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
     assert worker.returncode == 3, err.decode()[-3000:]
     assert not list(shard.glob("_SUCCESS*"))
     assert [r["episode_id"] for r in _part_records(shard)] == ["task-000001__sample-000"]
@@ -543,38 +536,14 @@ def test_sigterm_mid_live_session_gives_the_lease_back_and_the_retry_commits(
     testbed.release_all()
     write_traces(tmp_path / "traces.jsonl", [numbered(1), numbered(4, success=False)])
     config = _config(tmp_path, url, expected=2, shop=testbed.shop_url)
-    run = str(tmp_path / "analysis")
-    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+    run = _plan(tmp_path, config, 1)
     shard = tmp_path / "analysis" / "shards" / "00000"
     in_session, stopped = threading.Event(), threading.Event()
-
-    async def hold_the_live_session(request: Received) -> Reply:
-        if "submit_failure_card" not in [t["function"]["name"] for t in request.json["tools"]]:
-            return answer(request)
-        if request.json["messages"][-1]["role"] != "tool":
-            return Reply(json=completion(tool_calls=[tool_call("search", orjson.dumps({"query": "台灯"}).decode())]))
-        in_session.set()  # the search ran in the live session, which holds its lease now
-        await asyncio.to_thread(stopped.wait, 120)
-        return answer(request)
-
-    server.responder = hold_the_live_session
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run, "--index", "0"],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert in_session.wait(120), worker.stderr.read().decode() if worker.poll() is not None and worker.stderr else ""
+    server.responder = _holding_the_live_session(in_session, stopped)
+    with stopped_while_held(_worker(config, run), in_session, stopped, "") as worker:
         assert not all_free(testbed)
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=60)
-    finally:
-        stopped.set()
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
     assert worker.returncode == 3, err.decode()[-3000:]
     assert all_free(testbed)  # the cut session released its lease before the exit
     assert not list(shard.glob("_SUCCESS*"))
@@ -600,36 +569,13 @@ def test_a_worker_killed_mid_live_session_leaves_the_slot_to_its_retry(
     testbed.release_all()
     write_traces(tmp_path / "traces.jsonl", [numbered(1), numbered(4, success=False)])
     config = _config(tmp_path, url, expected=2, shop=testbed.shop_url)
-    run = str(tmp_path / "analysis")
-    assert cli("skills", "plan", str(config), "--run", run, "--shards", "1", env=_env()).returncode == 0
+    run = _plan(tmp_path, config, 1)
     in_session, stopped = threading.Event(), threading.Event()
-
-    async def hold_the_live_session(request: Received) -> Reply:
-        if "submit_failure_card" not in [t["function"]["name"] for t in request.json["tools"]]:
-            return answer(request)
-        if request.json["messages"][-1]["role"] != "tool":
-            return Reply(json=completion(tool_calls=[tool_call("search", orjson.dumps({"query": "台灯"}).decode())]))
-        in_session.set()
-        await asyncio.to_thread(stopped.wait, 120)
-        return answer(request)
-
-    server.responder = hold_the_live_session
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "shopsimrl", "skills", "worker", str(config), "--run", run, "--index", "0"],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        assert in_session.wait(120), "the live session never started"
+    server.responder = _holding_the_live_session(in_session, stopped)
+    worker = _worker(config, run, stderr=subprocess.DEVNULL)
+    with stopped_while_held(worker, in_session, stopped, "the live session never started"):
         worker.kill()
         assert worker.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        stopped.set()
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
     assert not all_free(testbed)  # nobody released the killed session's lease
     assert list((tmp_path / "analysis" / "leases" / "00000").glob("*.jsonl"))
 
@@ -645,11 +591,9 @@ def test_a_worker_killed_mid_live_session_leaves_the_slot_to_its_retry(
 
 @pytest.fixture(scope="module")
 def options_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalTestbed, Path]]:
-    """A train run of 12 persona tasks on a testbed whose policy takes each axis's first value
-    (SHOPSIM_POLICY_OPTIONS_NEED_SKILL=1): failures that bought without the wanted options."""
-    base = tmp_path_factory.mktemp("skills-train")
-    with start_testbed(SHOPSIM_POLICY_OPTIONS_NEED_SKILL="1") as bed:
-        yield bed, heuristic_train_run(base, bed, f"split_file: {PERSONA_SPLITS}, split: train, sample_size: 12", concurrency=4)
+    """A train run of 12 persona tasks that bought without the wanted options (``options_train_run``)."""
+    with options_train_run(tmp_path_factory.mktemp("skills-train"), sample_size=12, concurrency=4) as run:
+        yield run
 
 
 @pytest.mark.slow
@@ -665,8 +609,7 @@ def test_the_testbed_analysts_sharded_equal_the_unsharded_stage(tmp_path: Path, 
     assert all(r["live_session"]["trials"] for r in failures)  # each one acted in a live session
     assert all_free(bed)
 
-    run = str(tmp_path / "analysis")
-    assert cli("skills", "plan", str(config), "--run", run, "--shards", "3", env=_env()).returncode == 0
+    run = _plan(tmp_path, config, 3)
     source = orjson.loads((tmp_path / "analysis" / "skills_plan.json").read_bytes())["source"]
     assert source["input"] == "traces" and source["traces"] == str(traces.parent)
     _workers(config, run, 3, _env())

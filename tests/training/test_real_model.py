@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,7 +43,7 @@ from starlette.routing import Route
 from shopsimrl.records import read_trace
 from shopsimrl.schemas import TRACE_SCHEMA_VERSION
 from shopsimrl.storage.reading import open_run
-from shopsimrl.testbed.llm import TokenServer, default_cache_dir, installed_server
+from shopsimrl.testbed.llm import TokenServer
 from shopsimrl.testbed.serving import running_server
 from shopsimrl.testbed.shop import ShopSettings, create_app
 from shopsimrl.training import slime_adapter
@@ -53,6 +52,7 @@ from shopsimrl.training.hf_tokenizer import HfChatTokenizer
 from shopsimrl.training.samples import Sample
 from shopsimrl.training.store import read_training_samples
 from shopsimrl.training.token_model import TurnRecord
+from tests.testbed_process import llm_environment
 from tests.training.invariants import assert_episode_samples
 from tests.training.slime_contract import ContractSample, installed
 
@@ -81,13 +81,7 @@ PARAMS: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def llama_files() -> tuple[Path, Path]:
-    found = installed_server()
-    if found is None:
-        message = f"no llama.cpp server environment in {default_cache_dir()}: run `make llm-server` first"
-        if os.environ.get("SHOPSIMRL_LLM_REQUIRED"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
+    return llm_environment()
 
 
 @pytest.fixture(scope="module")
